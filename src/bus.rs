@@ -1,0 +1,366 @@
+//! Bus provisioning: the streams, KV buckets and durable consumers wakebus
+//! uses, created or updated idempotently and never deleted.
+
+use std::time::Duration;
+
+use async_nats::Client;
+use async_nats::jetstream::{self, consumer, kv, stream};
+use backon::{ExponentialBuilder, Retryable};
+use tracing::{info, warn};
+
+use crate::protocol::Subjects;
+
+/// Settings for the streams and buckets, shared by every service.
+#[derive(Debug, Clone)]
+pub struct BusSettings {
+    /// How long events (the replayable history) are kept.
+    pub history_max_age: Duration,
+    /// How long dead letters are kept.
+    pub dead_letter_max_age: Duration,
+    /// JetStream dedupe window for `Nats-Msg-Id`.
+    pub duplicate_window: Duration,
+    /// Stream and bucket replicas (1 for a single server, 3 for a 3-node cluster).
+    pub replicas: usize,
+    /// Time-to-live of a session lock that its holder stops refreshing.
+    pub session_lock_ttl: Duration,
+}
+
+impl Default for BusSettings {
+    fn default() -> Self {
+        Self {
+            history_max_age: default_history_max_age(),
+            dead_letter_max_age: Duration::from_secs(30 * 24 * 3600),
+            duplicate_window: Duration::from_secs(120),
+            replicas: 1,
+            session_lock_ttl: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Events are kept for 7 days by default.
+pub fn default_history_max_age() -> Duration {
+    Duration::from_secs(7 * 24 * 3600)
+}
+
+/// Why provisioning failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProvisionError {
+    /// A stream could not be created or updated.
+    #[error("cannot create or update stream {name}: {source}")]
+    Stream {
+        /// The stream.
+        name: String,
+        /// The JetStream error.
+        source: jetstream::context::CreateStreamError,
+    },
+    /// A KV bucket could not be created or updated.
+    #[error("cannot create or update KV bucket {name}: {source}")]
+    Bucket {
+        /// The bucket.
+        name: String,
+        /// The JetStream error.
+        source: jetstream::context::KeyValueError,
+    },
+    /// A consumer could not be created or updated.
+    #[error("cannot create or update consumer {name} on {stream}: {source}")]
+    Consumer {
+        /// The consumer.
+        name: String,
+        /// Its stream.
+        stream: String,
+        /// The JetStream error.
+        source: jetstream::stream::ConsumerError,
+    },
+    /// A stream that should exist could not be read.
+    #[error("cannot read stream {name}: {source}")]
+    GetStream {
+        /// The stream.
+        name: String,
+        /// The JetStream error.
+        source: jetstream::context::GetStreamError,
+    },
+}
+
+/// A connection to one wakebus deployment: the client, JetStream and names.
+#[derive(Debug, Clone)]
+pub struct Bus {
+    /// The NATS client (cheap to clone).
+    pub client: Client,
+    /// JetStream on that client.
+    pub js: jetstream::Context,
+    /// Every name of the deployment.
+    pub subjects: Subjects,
+}
+
+/// The handles a service needs after provisioning.
+#[derive(Debug, Clone)]
+pub struct Provisioned {
+    /// The events stream (history).
+    pub events: stream::Stream,
+    /// Which completions have been woken.
+    pub wake_ledger: kv::Store,
+    /// Per-session wake locks.
+    pub session_locks: kv::Store,
+}
+
+impl Bus {
+    /// Wraps a connected client.
+    pub fn new(client: Client, subjects: Subjects) -> Self {
+        let js = jetstream::new(client.clone());
+        Self {
+            client,
+            js,
+            subjects,
+        }
+    }
+
+    /// Creates or updates every stream and bucket, retrying while NATS is
+    /// unreachable (services may start before the server).
+    pub async fn provision(&self, settings: &BusSettings) -> Result<Provisioned, ProvisionError> {
+        let attempt = || self.provision_once(settings);
+        attempt
+            .retry(
+                ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(200))
+                    .with_max_delay(Duration::from_secs(5))
+                    .with_max_times(usize::MAX),
+            )
+            .when(is_transient)
+            .notify(|err, delay| {
+                warn!(error = %err, retry_in = ?delay, "Provisioning failed, NATS may not be up yet; will retry.");
+            })
+            .await
+    }
+
+    async fn provision_once(&self, settings: &BusSettings) -> Result<Provisioned, ProvisionError> {
+        let s = &self.subjects;
+        self.ensure_stream(stream::Config {
+            name: s.tasks_stream(),
+            subjects: vec![s.tasks_all()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: stream::StorageType::File,
+            duplicate_window: settings.duplicate_window,
+            num_replicas: settings.replicas,
+            ..Default::default()
+        })
+        .await?;
+        let events = self
+            .ensure_stream(stream::Config {
+                name: s.events_stream(),
+                subjects: vec![s.events_all()],
+                retention: stream::RetentionPolicy::Limits,
+                storage: stream::StorageType::File,
+                max_age: settings.history_max_age,
+                duplicate_window: settings.duplicate_window.min(settings.history_max_age),
+                num_replicas: settings.replicas,
+                ..Default::default()
+            })
+            .await?;
+        self.ensure_stream(stream::Config {
+            name: s.dead_letter_stream(),
+            subjects: vec![s.dead_letters_all()],
+            retention: stream::RetentionPolicy::Limits,
+            storage: stream::StorageType::File,
+            max_age: settings.dead_letter_max_age,
+            duplicate_window: settings.duplicate_window,
+            num_replicas: settings.replicas,
+            ..Default::default()
+        })
+        .await?;
+        let wake_ledger = self
+            .ensure_bucket(kv::Config {
+                bucket: s.wake_ledger_bucket(),
+                description: "Completions already woken (the wake service's idempotency record)"
+                    .to_owned(),
+                history: 1,
+                max_age: settings.history_max_age,
+                storage: stream::StorageType::File,
+                num_replicas: settings.replicas,
+                ..Default::default()
+            })
+            .await?;
+        let session_locks = self
+            .ensure_bucket(kv::Config {
+                bucket: s.session_lock_bucket(),
+                description: "Per-session wake locks: one wake post in flight per session"
+                    .to_owned(),
+                history: 1,
+                max_age: settings.session_lock_ttl,
+                storage: stream::StorageType::File,
+                num_replicas: settings.replicas,
+                ..Default::default()
+            })
+            .await?;
+        Ok(Provisioned {
+            events,
+            wake_ledger,
+            session_locks,
+        })
+    }
+
+    async fn ensure_stream(
+        &self,
+        config: stream::Config,
+    ) -> Result<stream::Stream, ProvisionError> {
+        let name = config.name.clone();
+        self.js
+            .create_or_update_stream(config)
+            .await
+            .map_err(|source| ProvisionError::Stream {
+                name: name.clone(),
+                source,
+            })?;
+        self.js
+            .get_stream(&name)
+            .await
+            .map_err(|source| ProvisionError::GetStream { name, source })
+    }
+
+    /// Creates or updates a KV bucket through its backing stream.
+    ///
+    /// async-nats's own `create_or_update_key_value` first reads the account
+    /// info, which it cannot parse from nats-server 2.9; the stream settings
+    /// below are the standard KV layout, so any KV client can use the bucket.
+    async fn ensure_bucket(&self, config: kv::Config) -> Result<kv::Store, ProvisionError> {
+        let name = config.bucket.clone();
+        self.ensure_stream(stream::Config {
+            name: format!("KV_{name}"),
+            description: Some(config.description),
+            subjects: vec![format!("$KV.{name}.>")],
+            max_messages_per_subject: config.history.max(1),
+            max_age: config.max_age,
+            storage: config.storage,
+            allow_rollup: true,
+            deny_delete: true,
+            deny_purge: false,
+            allow_direct: true,
+            num_replicas: config.num_replicas.max(1),
+            discard: stream::DiscardPolicy::New,
+            ..Default::default()
+        })
+        .await?;
+        self.js
+            .get_key_value(&name)
+            .await
+            .map_err(|source| ProvisionError::Bucket { name, source })
+    }
+
+    /// Creates or updates the durable pull consumer shared by all workers of `pool`.
+    pub async fn worker_consumer(
+        &self,
+        pool: &str,
+        ack_wait: Duration,
+    ) -> Result<consumer::PullConsumer, ProvisionError> {
+        let stream = self.subjects.tasks_stream();
+        let name = self.subjects.worker_consumer(pool);
+        self.ensure_consumer(
+            &stream,
+            consumer::pull::Config {
+                durable_name: Some(name.clone()),
+                description: Some(format!("wakebus workers of pool {pool}")),
+                filter_subject: self.subjects.task(pool),
+                ack_policy: consumer::AckPolicy::Explicit,
+                ack_wait,
+                // Unlimited: the worker itself ends a task after its maximum
+                // number of attempts, with a `failed` completion. A server-side
+                // limit would strand a request silently instead.
+                max_deliver: -1,
+                max_ack_pending: 100_000,
+                ..Default::default()
+            },
+        )
+        .await
+    }
+
+    /// Creates or updates the durable pull consumer shared by all wake instances.
+    pub async fn wake_consumer(
+        &self,
+        ack_wait: Duration,
+        max_ack_pending: i64,
+    ) -> Result<consumer::PullConsumer, ProvisionError> {
+        let stream = self.subjects.events_stream();
+        self.ensure_consumer(
+            &stream,
+            consumer::pull::Config {
+                durable_name: Some(self.subjects.wake_consumer().to_owned()),
+                description: Some("wakebus wake service".to_owned()),
+                filter_subject: self.subjects.done_events(),
+                ack_policy: consumer::AckPolicy::Explicit,
+                ack_wait,
+                max_deliver: -1,
+                max_ack_pending,
+                ..Default::default()
+            },
+        )
+        .await
+    }
+
+    async fn ensure_consumer(
+        &self,
+        stream: &str,
+        config: consumer::pull::Config,
+    ) -> Result<consumer::PullConsumer, ProvisionError> {
+        let name = config.durable_name.clone().unwrap_or_default();
+        let attempt =
+            || async {
+                let handle = self.js.get_stream(stream).await.map_err(|source| {
+                    ProvisionError::GetStream {
+                        name: stream.to_owned(),
+                        source,
+                    }
+                })?;
+                let consumer = handle
+                    .create_consumer(config.clone())
+                    .await
+                    .map_err(|source| ProvisionError::Consumer {
+                        name: name.clone(),
+                        stream: stream.to_owned(),
+                        source,
+                    })?;
+                info!(consumer = %name, stream, "Consumer ready.");
+                Ok(consumer)
+            };
+        attempt
+            .retry(
+                ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(200))
+                    .with_max_delay(Duration::from_secs(5))
+                    .with_max_times(usize::MAX),
+            )
+            .when(is_transient)
+            .notify(|err, delay| {
+                warn!(error = %err, retry_in = ?delay, "Consumer setup failed; will retry.");
+            })
+            .await
+    }
+}
+
+/// Whether an error may go away by itself (server not up, leader election,
+/// timeouts) as opposed to a configuration conflict an operator must fix.
+fn is_transient(err: &ProvisionError) -> bool {
+    let text = err.to_string();
+    let lower = text.to_ascii_lowercase();
+    [
+        "timed out",
+        "timeout",
+        "no responders",
+        "not connected",
+        "connection",
+        "leader",
+        "unavailable",
+        "temporarily",
+    ]
+    .iter()
+    .any(|needle| lower.contains(needle))
+}
+
+/// Why a publish to JetStream did not get a stored acknowledgement.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// The body could not be encoded.
+    #[error("cannot encode the message body: {0}")]
+    Encode(#[from] serde_json::Error),
+    /// The publish was not acknowledged (server down, timeout, no stream...).
+    #[error("publish was not acknowledged by JetStream: {0}")]
+    Publish(#[from] jetstream::context::PublishError),
+}

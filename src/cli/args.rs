@@ -1,0 +1,214 @@
+//! Argument definitions (clap derive).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// Durable background delegation for AI-agent gateways, on NATS JetStream.
+#[derive(Debug, Parser)]
+#[command(name = "wakebus", version, about)]
+pub(crate) struct Cli {
+    /// Options every command takes.
+    #[command(flatten)]
+    pub(crate) global: Global,
+    /// What to do.
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+/// Options every command takes.
+#[derive(Debug, Args)]
+pub(crate) struct Global {
+    /// NATS server URL(s), comma-separated.
+    #[arg(
+        long,
+        env = "NATS_URL",
+        default_value = "nats://127.0.0.1:4222",
+        global = true
+    )]
+    pub(crate) nats_url: String,
+    /// Subject prefix of the deployment.
+    #[arg(long, env = "WAKEBUS_PREFIX", default_value = "wakebus", global = true)]
+    pub(crate) prefix: String,
+    /// NATS credentials file (JWT).
+    #[arg(long, env = "NATS_CREDS", global = true)]
+    pub(crate) creds: Option<PathBuf>,
+    /// File holding an NKey seed.
+    #[arg(long, env = "NATS_NKEY_FILE", global = true)]
+    pub(crate) nkey_file: Option<PathBuf>,
+    /// File holding a NATS token.
+    #[arg(long, env = "NATS_TOKEN_FILE", global = true)]
+    pub(crate) token_file: Option<PathBuf>,
+    /// NATS user (with --password-file).
+    #[arg(long, env = "NATS_USER", global = true)]
+    pub(crate) user: Option<String>,
+    /// File holding the NATS password.
+    #[arg(long, env = "NATS_PASSWORD_FILE", global = true)]
+    pub(crate) password_file: Option<PathBuf>,
+    /// CA certificate for TLS to NATS.
+    #[arg(long, env = "NATS_CA", global = true)]
+    pub(crate) tls_ca: Option<PathBuf>,
+    /// Client certificate for mutual TLS.
+    #[arg(long, env = "NATS_CERT", global = true)]
+    pub(crate) tls_cert: Option<PathBuf>,
+    /// Client key for mutual TLS.
+    #[arg(long, env = "NATS_KEY", global = true)]
+    pub(crate) tls_key: Option<PathBuf>,
+    /// Log format.
+    #[arg(long, env = "WAKEBUS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub(crate) log_format: LogFormat,
+    /// How long events are kept (e.g. 7d, 12h).
+    #[arg(long, env = "WAKEBUS_HISTORY", value_parser = humantime::parse_duration, default_value = "7d", global = true)]
+    pub(crate) history: Duration,
+    /// Stream and bucket replicas (3 on a 3-node cluster).
+    #[arg(long, env = "WAKEBUS_REPLICAS", default_value_t = 1, global = true)]
+    pub(crate) replicas: usize,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, for collectors.
+    Json,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Create or update the streams, buckets and consumers (idempotent; never deletes).
+    Init(InitArgs),
+    /// Delegate a task. With --session it returns at once and the session is
+    /// woken later; without, it runs synchronously and prints the result.
+    Delegate(DelegateArgs),
+    /// Run a worker for one pool.
+    Worker(WorkerArgs),
+    /// Run the wake service.
+    Wake(WakeArgs),
+    /// Run the whole loop on this machine (starts nats-server if none answers).
+    Dev(DevArgs),
+}
+
+/// `wakebus init`.
+#[derive(Debug, Args)]
+pub(crate) struct InitArgs {
+    /// Pools whose worker consumers to create as well.
+    #[arg(long = "pool", default_value = "default")]
+    pub(crate) pools: Vec<String>,
+}
+
+/// `wakebus delegate`.
+#[derive(Debug, Args)]
+pub(crate) struct DelegateArgs {
+    /// What the subagent should achieve.
+    #[arg(long)]
+    pub(crate) goal: String,
+    /// Background for the subagent.
+    #[arg(long, default_value = "")]
+    pub(crate) context: String,
+    /// The session to wake with the result (omit to run synchronously).
+    #[arg(long, env = "WAKEBUS_ORIGIN_SESSION")]
+    pub(crate) session: Option<String>,
+    /// The pool to run on.
+    #[arg(long, default_value = "default")]
+    pub(crate) pool: String,
+    /// Model preference for the subagent.
+    #[arg(long)]
+    pub(crate) model: Option<String>,
+    /// Per-task time limit, in seconds.
+    #[arg(long)]
+    pub(crate) timeout_seconds: Option<u64>,
+    /// Also wait for the completion in background mode and print it.
+    #[arg(long)]
+    pub(crate) wait: bool,
+    /// Give up waiting (sync mode or --wait) after this long, e.g. 10m.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub(crate) wait_timeout: Option<Duration>,
+}
+
+/// `wakebus worker`.
+#[derive(Debug, Args)]
+pub(crate) struct WorkerArgs {
+    /// The pool to serve.
+    #[arg(long, env = "WAKEBUS_POOL", default_value = "default")]
+    pub(crate) pool: String,
+    /// Tasks run at once.
+    #[arg(long, env = "WAKEBUS_CONCURRENCY", default_value_t = 16)]
+    pub(crate) concurrency: usize,
+    /// What runs the tasks.
+    #[arg(long, value_enum, default_value_t = ExecutorKind::Echo)]
+    pub(crate) executor: ExecutorKind,
+    /// AckWait: how soon a dead worker's task goes to another worker.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    pub(crate) ack_wait: Duration,
+    /// Deliveries before a task ends as failed and is dead-lettered.
+    #[arg(long, default_value_t = 5)]
+    pub(crate) max_deliver: u64,
+    /// Time limit for tasks whose request sets none (default: none).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub(crate) task_timeout: Option<Duration>,
+    /// How long running tasks may finish after SIGTERM.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    pub(crate) shutdown_grace: Duration,
+    /// Working directory of the command executor.
+    #[arg(long)]
+    pub(crate) workdir: Option<PathBuf>,
+    /// The program and arguments of the command executor (after `--`).
+    #[arg(last = true)]
+    pub(crate) command: Vec<String>,
+}
+
+/// Executors.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum ExecutorKind {
+    /// Complete at once with the goal echoed.
+    Echo,
+    /// Run a program per task, request JSON on stdin.
+    Command,
+}
+
+/// `wakebus wake`.
+#[derive(Debug, Args)]
+pub(crate) struct WakeArgs {
+    /// Base URL of the session API (Hermes: http://127.0.0.1:8642).
+    #[arg(long, env = "WAKEBUS_API_URL")]
+    pub(crate) api_url: String,
+    /// File holding the API key (sent as a bearer token).
+    #[arg(long, env = "WAKEBUS_API_KEY_FILE")]
+    pub(crate) api_key_file: Option<PathBuf>,
+    /// The `model` field of posted turns.
+    #[arg(long, env = "WAKEBUS_MODEL", default_value = "hermes-agent")]
+    pub(crate) model: String,
+    /// Timeout of one post.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    pub(crate) request_timeout: Duration,
+    /// Completions for one session within this window become one turn.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "100ms")]
+    pub(crate) coalesce_window: Duration,
+    /// AckWait of the wake consumer.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    pub(crate) ack_wait: Duration,
+}
+
+/// `wakebus dev`.
+#[derive(Debug, Args)]
+pub(crate) struct DevArgs {
+    /// Submit a few delegations, show them woken, then exit.
+    #[arg(long)]
+    pub(crate) demo: bool,
+    /// The nats-server binary to start if none answers.
+    #[arg(long, env = "WAKEBUS_NATS_SERVER", default_value = "nats-server")]
+    pub(crate) nats_server: PathBuf,
+    /// Config for a started nats-server.
+    #[arg(long, default_value = "nats.conf")]
+    pub(crate) nats_conf: PathBuf,
+    /// Store directory for a started nats-server.
+    #[arg(long, default_value = ".wakebus/data")]
+    pub(crate) data_dir: PathBuf,
+    /// Where the built-in session endpoint listens.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub(crate) session_addr: SocketAddr,
+}

@@ -1,0 +1,141 @@
+//! Connecting to NATS: URL, every client authentication NATS offers, and
+//! patience when the server is not up yet.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use async_nats::{Client, ConnectOptions, Event};
+use tracing::{info, warn};
+
+/// How to reach and authenticate to NATS. Secrets are read from files so that
+/// they never appear in process listings or logs.
+#[derive(Debug, Clone, Default)]
+pub struct NatsConfig {
+    /// Server URL(s), comma-separated, e.g. `nats://127.0.0.1:4222`.
+    pub url: String,
+    /// Client name shown in the server's connection list.
+    pub name: Option<String>,
+    /// JWT credentials file (`.creds`).
+    pub creds_file: Option<PathBuf>,
+    /// File holding an NKey seed.
+    pub nkey_file: Option<PathBuf>,
+    /// File holding a token.
+    pub token_file: Option<PathBuf>,
+    /// User name for user/password auth.
+    pub user: Option<String>,
+    /// File holding the password for `user`.
+    pub password_file: Option<PathBuf>,
+    /// CA certificate to trust for TLS.
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate for mutual TLS.
+    pub tls_cert: Option<PathBuf>,
+    /// Client key for mutual TLS.
+    pub tls_key: Option<PathBuf>,
+}
+
+/// Why a connection could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// A secret file could not be read.
+    #[error("cannot read {what} from {path}: {source}")]
+    SecretFile {
+        /// Which secret.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// `user` was given without a password file, or the other way round.
+    #[error("user/password authentication needs both a user and a password file")]
+    IncompleteUserPassword,
+    /// The NATS client refused the options or could not connect.
+    #[error("cannot connect to NATS at {url}: {source}")]
+    Connect {
+        /// The URL.
+        url: String,
+        /// The client error.
+        source: async_nats::ConnectError,
+    },
+}
+
+fn read_secret(what: &'static str, path: &PathBuf) -> Result<String, ConnectError> {
+    std::fs::read_to_string(path)
+        .map(|s| s.trim().to_owned())
+        .map_err(|source| ConnectError::SecretFile {
+            what,
+            path: path.clone(),
+            source,
+        })
+}
+
+impl NatsConfig {
+    /// A config for `url` with no authentication.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            ..Self::default()
+        }
+    }
+
+    async fn options(&self) -> Result<ConnectOptions, ConnectError> {
+        let mut options = if let Some(path) = &self.creds_file {
+            ConnectOptions::with_credentials_file(path)
+                .await
+                .map_err(|source| ConnectError::SecretFile {
+                    what: "credentials",
+                    path: path.clone(),
+                    source,
+                })?
+        } else if let Some(path) = &self.nkey_file {
+            ConnectOptions::with_nkey(read_secret("nkey seed", path)?)
+        } else if let Some(path) = &self.token_file {
+            ConnectOptions::with_token(read_secret("token", path)?)
+        } else {
+            match (&self.user, &self.password_file) {
+                (Some(user), Some(path)) => ConnectOptions::with_user_and_password(
+                    user.clone(),
+                    read_secret("password", path)?,
+                ),
+                (None, None) => ConnectOptions::new(),
+                _ => return Err(ConnectError::IncompleteUserPassword),
+            }
+        };
+        if let Some(ca) = &self.tls_ca {
+            options = options.add_root_certificates(ca.clone()).require_tls(true);
+        }
+        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            options = options.add_client_certificate(cert.clone(), key.clone());
+        }
+        if let Some(name) = &self.name {
+            options = options.name(name);
+        }
+        Ok(options
+            .retry_on_initial_connect()
+            .max_reconnects(None)
+            .connection_timeout(Duration::from_secs(5))
+            .event_callback(|event| async move {
+                match event {
+                    Event::Connected => info!("Connected to NATS."),
+                    Event::Disconnected => warn!("Disconnected from NATS, reconnecting."),
+                    other => info!(event = %other, "NATS client event."),
+                }
+            }))
+    }
+
+    /// Connects, waiting for the server if it is not up yet.
+    ///
+    /// The client reconnects by itself forever after a disconnect; requests
+    /// made while it is disconnected fail with timeouts and are retried by
+    /// their callers.
+    pub async fn connect(&self) -> Result<Client, ConnectError> {
+        let options = self.options().await?;
+        options
+            .connect(self.url.as_str())
+            .await
+            .map_err(|source| ConnectError::Connect {
+                url: self.url.clone(),
+                source,
+            })
+    }
+}

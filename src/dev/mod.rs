@@ -1,0 +1,259 @@
+//! `wakebus dev`: the whole loop on one machine, for a first look.
+//!
+//! Uses the NATS server at the given URL if one answers, otherwise starts a
+//! local `nats-server` with the repository's `nats.conf`; then runs a worker
+//! (echo executor), the wake service and a small built-in session endpoint
+//! that prints every continuation turn it receives.
+
+mod session_sink;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+pub use session_sink::{ReceivedTurn, SessionSink};
+
+use crate::bus::{Bus, BusSettings};
+use crate::connect::{ConnectError, NatsConfig};
+use crate::delegate::{DelegateError, Delegation, Delegator};
+use crate::protocol::{PrefixError, Subjects};
+use crate::wake::session_api::SessionApiConfig;
+use crate::wake::{self, WakeConfig};
+use crate::worker::executor::{EchoExecutor, Executor, TaskEnv};
+use crate::worker::{self, WorkerConfig};
+
+/// Settings of `wakebus dev`.
+#[derive(Debug, Clone)]
+pub struct DevConfig {
+    /// NATS to use if it answers.
+    pub nats_url: String,
+    /// Subject prefix.
+    pub prefix: String,
+    /// The `nats-server` binary to start when none answers.
+    pub nats_server: PathBuf,
+    /// Config file for a started server.
+    pub nats_conf: PathBuf,
+    /// Store directory for a started server.
+    pub data_dir: PathBuf,
+    /// Where the built-in session endpoint listens.
+    pub session_addr: SocketAddr,
+    /// Submit a few delegations, wait for their wakes, then exit.
+    pub demo: bool,
+}
+
+/// Why dev mode failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DevError {
+    /// The prefix is invalid.
+    #[error(transparent)]
+    Prefix(#[from] PrefixError),
+    /// NATS could not be reached or started.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// `nats-server` could not be started.
+    #[error("no NATS server answers at {url} and `{bin}` could not be started: {source}")]
+    StartServer {
+        /// The URL tried.
+        url: String,
+        /// The binary.
+        bin: String,
+        /// The spawn error.
+        source: std::io::Error,
+    },
+    /// The session endpoint could not listen.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A demo delegation failed.
+    #[error("demo delegation failed: {0}")]
+    Delegate(#[from] DelegateError),
+    /// A service failed.
+    #[error("a service failed: {0}")]
+    Service(String),
+    /// The demo's wakes did not all arrive in time.
+    #[error("only {received} of {expected} demo wakes arrived within {timeout:?}")]
+    DemoIncomplete {
+        /// Wakes received.
+        received: usize,
+        /// Wakes expected.
+        expected: usize,
+        /// How long we waited.
+        timeout: Duration,
+    },
+}
+
+/// Runs dev mode until `shutdown` (or, with `demo`, until the demo is done).
+pub async fn run(
+    config: DevConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), DevError> {
+    let subjects = Subjects::new(&config.prefix)?;
+    let (client, mut server) = connect_or_start(&config).await?;
+    let bus = Bus::new(client, subjects);
+
+    let sink = SessionSink::bind(config.session_addr, true)
+        .await
+        .map_err(|source| DevError::Listen {
+            addr: config.session_addr,
+            source,
+        })?;
+    let api_url = format!("http://{}", sink.local_addr());
+    info!(url = %api_url, "Built-in session endpoint listening; continuation turns are printed below.");
+
+    let stop = CancellationToken::new();
+    let settings = BusSettings::default();
+    let worker = tokio::spawn(worker::run(
+        bus.clone(),
+        settings.clone(),
+        Executor::Echo(EchoExecutor),
+        TaskEnv {
+            nats_url: config.nats_url.clone(),
+            prefix: config.prefix.clone(),
+            pool: "default".to_owned(),
+        },
+        WorkerConfig::new("default"),
+        stop.clone().cancelled_owned(),
+    ));
+    let wake = tokio::spawn(wake::run(
+        bus.clone(),
+        settings,
+        WakeConfig::new(SessionApiConfig {
+            base_url: api_url,
+            api_key: None,
+            model: "hermes-agent".to_owned(),
+            request_timeout: Duration::from_secs(10),
+        }),
+        stop.clone().cancelled_owned(),
+    ));
+
+    let outcome = if config.demo {
+        demo(&bus, &sink).await
+    } else {
+        shutdown.await;
+        Ok(())
+    };
+    stop.cancel();
+    let worker_result = worker.await.map_err(|e| DevError::Service(e.to_string()))?;
+    let wake_result = wake.await.map_err(|e| DevError::Service(e.to_string()))?;
+    let _ = bus.client.drain().await;
+    if let Some(child) = server.as_mut() {
+        let _ = child.kill().await;
+    }
+    worker_result.map_err(|e| DevError::Service(e.to_string()))?;
+    wake_result.map_err(|e| DevError::Service(e.to_string()))?;
+    outcome
+}
+
+async fn connect_or_start(
+    config: &DevConfig,
+) -> Result<(async_nats::Client, Option<Child>), DevError> {
+    let probe = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(1))
+        .connect(config.nats_url.as_str())
+        .await;
+    if let Ok(client) = probe {
+        info!(url = %config.nats_url, "Using the NATS server that answers.");
+        return Ok((client, None));
+    }
+    let port = config
+        .nats_url
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse::<u16>().ok())
+        .unwrap_or(4222);
+    info!(bin = %config.nats_server.display(), port, data_dir = %config.data_dir.display(), "No NATS server answers; starting one.");
+    let _ = std::fs::create_dir_all(&config.data_dir);
+    let mut command = Command::new(&config.nats_server);
+    if config.nats_conf.exists() {
+        command.arg("-c").arg(&config.nats_conf);
+    } else {
+        warn!(conf = %config.nats_conf.display(), "nats.conf not found; starting with defaults.");
+    }
+    let mut child = command
+        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+        .arg(&config.data_dir)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|source| DevError::StartServer {
+            url: config.nats_url.clone(),
+            bin: config.nats_server.display().to_string(),
+            source,
+        })?;
+    let url = format!("nats://127.0.0.1:{port}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(DevError::StartServer {
+                url,
+                bin: config.nats_server.display().to_string(),
+                source: std::io::Error::other(format!(
+                    "nats-server exited at start ({status}); see its output above"
+                )),
+            });
+        }
+        let attempt = async_nats::ConnectOptions::new()
+            .connection_timeout(Duration::from_millis(500))
+            .connect(url.as_str())
+            .await;
+        if attempt.is_ok() {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(DevError::StartServer {
+                url,
+                bin: config.nats_server.display().to_string(),
+                source: std::io::Error::other("nats-server did not accept connections within 15s"),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let client = NatsConfig::new(url).connect().await?;
+    Ok((client, Some(child)))
+}
+
+async fn demo(bus: &Bus, sink: &SessionSink) -> Result<(), DevError> {
+    let delegator = Delegator::new(bus.clone()).with_wait_timeout(Some(Duration::from_secs(30)));
+    let background = [
+        ("demo-session-alice", "Summarise the design doc"),
+        ("demo-session-alice", "List open questions"),
+        ("demo-session.bob *>", "Check the release notes"),
+    ];
+    for (session, goal) in background {
+        let result = delegator
+            .delegate(Delegation::new(goal).session(session).context("demo"))
+            .await?;
+        println!(
+            "delegate (session {session:?}): {}",
+            serde_json::to_string(&result).unwrap_or_default()
+        );
+    }
+    let result = delegator.delegate(Delegation::new("Add 2 and 2")).await?;
+    println!(
+        "delegate (no session): {}",
+        serde_json::to_string(&result).unwrap_or_default()
+    );
+
+    let timeout = Duration::from_secs(30);
+    let expected = background.len();
+    // Bursts for one session may be combined into one turn; count completions.
+    let received = sink.wait_for_completions(expected, timeout).await;
+    if received < expected {
+        return Err(DevError::DemoIncomplete {
+            received,
+            expected,
+            timeout,
+        });
+    }
+    println!(
+        "demo: all {expected} background delegations were woken; the sync one returned inline."
+    );
+    Ok(())
+}

@@ -1,0 +1,40 @@
+//! # wakebus
+//!
+//! Durable, horizontally scaled background delegation for AI-agent gateways,
+//! on NATS JetStream.
+//!
+//! An agent session delegates a task; the request is published to
+//! `<prefix>.task.<pool>`; any number of workers share the pool's durable
+//! consumer, run the subagent and publish a completion event carrying the
+//! origin session; the wake service consumes completions and posts a
+//! continuation turn to the originating session. Everything is recorded in
+//! JetStream.
+//!
+//! ```text
+//! delegate ──► <prefix>.task.<pool> ──► workers ──► <prefix>.evt.<session>.<delegation>.<task>.done ──► wake ──► POST /v1/chat/completions
+//!             (TASKS, work queue)                   (EVENTS, history)                                   (ledger + session locks in KV)
+//! ```
+//!
+//! ## Layout
+//!
+//! - [`protocol`]: the wire contract: subjects, headers, request and event bodies.
+//! - [`connect`]: connecting and authenticating to NATS.
+//! - [`bus`]: provisioning streams, KV buckets and consumers.
+//! - [`delegate`]: submitting delegations ([`delegate::Delegator`]).
+//! - [`worker`]: the worker loop, one-task handler and [`worker::executor`]s.
+//! - [`wake`]: the wake service: session API client, ledger, locks, turn text.
+//! - [`dev`]: `wakebus dev`, the whole loop on one machine.
+//! - [`outcome`]: a message's disposition (ack, nak, term) as a value.
+//!
+//! The `wakebus` binary (`src/main.rs`, `src/cli/`) only parses arguments and
+//! calls `run(config, shutdown)` functions from here.
+
+pub mod bus;
+pub mod connect;
+pub mod delegate;
+pub mod dev;
+pub mod outcome;
+pub mod protocol;
+mod tls;
+pub mod wake;
+pub mod worker;

@@ -1,0 +1,36 @@
+//! What to tell JetStream about one message, as a value.
+//!
+//! Handlers return an [`Outcome`]; the loops around them apply it. That keeps
+//! every decision testable without a consumer loop.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use tracing::warn;
+
+/// The disposition of one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Done with it: never deliver it again.
+    Ack,
+    /// Not done: deliver it again after the delay (at once if `None`).
+    Nak(Option<Duration>),
+    /// Poison: never deliver it again. The reason has been recorded (a dead
+    /// letter and, where possible, an `error` completion) before this is returned.
+    Term(String),
+}
+
+impl Outcome {
+    /// Sends the disposition to the server. A lost ack only means a
+    /// redelivery, which every handler tolerates, so failures are logged.
+    pub async fn apply(&self, message: &jetstream::Message) {
+        let kind = match self {
+            Self::Ack => AckKind::Ack,
+            Self::Nak(delay) => AckKind::Nak(*delay),
+            Self::Term(_) => AckKind::Term,
+        };
+        if let Err(error) = message.ack_with(kind).await {
+            warn!(%error, subject = %message.subject, "Could not send ack; the message will be redelivered.");
+        }
+    }
+}

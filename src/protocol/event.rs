@@ -1,0 +1,256 @@
+//! Lifecycle event bodies, published on `<prefix>.evt.…`.
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+
+use super::{PROTOCOL_VERSION, Role, TaskRequest};
+
+/// The last token of an event subject.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    /// A worker took the task and started running it.
+    Started,
+    /// The task ended (in any status); the wake service acts on these.
+    Done,
+}
+
+impl EventKind {
+    /// The subject token.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Started => "started",
+            Self::Done => "done",
+        }
+    }
+
+    /// The CloudEvents type.
+    pub fn ce_type(self) -> &'static str {
+        match self {
+            Self::Started => "io.wakebus.task.started",
+            Self::Done => "io.wakebus.task.done",
+        }
+    }
+}
+
+/// How a task ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// The subagent finished its work.
+    Completed,
+    /// The subagent ran and failed, or every attempt failed.
+    Failed,
+    /// The task was cancelled while it ran.
+    Interrupted,
+    /// The task ran out of time.
+    Timeout,
+    /// The request itself was unusable (invalid JSON, missing goal, ...).
+    Error,
+}
+
+impl Status {
+    /// The lowercase wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+            Self::Interrupted => "interrupted",
+            Self::Timeout => "timeout",
+            Self::Error => "error",
+        }
+    }
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The `started` event body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StartedEvent {
+    /// Always `delegation_started`.
+    #[serde(rename = "type")]
+    pub event_type: String,
+    /// Body version.
+    pub version: u32,
+    /// The delegation id.
+    pub delegation_id: String,
+    /// The task index.
+    pub task_index: u32,
+    /// The origin session, if any.
+    #[serde(default)]
+    pub origin_session_id: Option<String>,
+    /// The worker instance that runs the task.
+    pub worker: String,
+    /// Which delivery of the request this is (1 for the first).
+    pub attempt: u64,
+    /// When the run started.
+    #[serde(with = "super::rfc3339")]
+    pub started_at: OffsetDateTime,
+}
+
+impl StartedEvent {
+    /// The event a worker publishes when it starts running `request`.
+    pub fn for_request(request: &TaskRequest, worker: &str, attempt: u64) -> Self {
+        Self {
+            event_type: "delegation_started".to_owned(),
+            version: PROTOCOL_VERSION,
+            delegation_id: request.delegation_id.clone(),
+            task_index: request.task_index,
+            origin_session_id: request.origin_session_id.clone(),
+            worker: worker.to_owned(),
+            attempt,
+            started_at: OffsetDateTime::now_utc(),
+        }
+    }
+}
+
+/// The `done` event body: the field names of Hermes's `async_delegation`
+/// completion event, plus `version` and `event_id`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompletionEvent {
+    /// Always `async_delegation`.
+    #[serde(rename = "type")]
+    pub event_type: String,
+    /// Body version.
+    #[serde(default = "default_version")]
+    pub version: u32,
+    /// Same as the `ce-id` header: `<delegation_id>.<task_index>.done`.
+    #[serde(default)]
+    pub event_id: String,
+    /// The delegation id.
+    pub delegation_id: String,
+    /// The task index.
+    #[serde(default)]
+    pub task_index: u32,
+    /// The session to wake; `None` in sync mode.
+    #[serde(default)]
+    pub origin_session_id: Option<String>,
+    /// The delegating agent's session, if it differs from the origin.
+    #[serde(default)]
+    pub parent_session_id: Option<String>,
+    /// The task's goal.
+    #[serde(default)]
+    pub goal: String,
+    /// The task's context.
+    #[serde(default)]
+    pub context: String,
+    /// The subagent's role.
+    #[serde(default)]
+    pub role: Role,
+    /// The model used, if known.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// How the task ended.
+    pub status: Status,
+    /// The result (possibly partial).
+    #[serde(default)]
+    pub summary: Option<String>,
+    /// What went wrong, when the status is not `completed`.
+    #[serde(default)]
+    pub error: Option<String>,
+    /// How many model calls the subagent made.
+    #[serde(default)]
+    pub api_calls: u64,
+    /// Wall time of the run.
+    #[serde(default)]
+    pub duration_seconds: f64,
+    /// When the delegation was created (the request's `created_at`).
+    #[serde(default, with = "super::rfc3339::option")]
+    pub dispatched_at: Option<OffsetDateTime>,
+    /// When the task ended.
+    #[serde(with = "super::rfc3339")]
+    pub completed_at: OffsetDateTime,
+    /// Machine-readable reason the run ended (`completed`, `nonzero_exit`,
+    /// `timeout`, `invalid_request`, `max_deliveries_exceeded`, ...).
+    pub exit_reason: String,
+}
+
+fn default_version() -> u32 {
+    PROTOCOL_VERSION
+}
+
+impl CompletionEvent {
+    /// The deterministic event id of a task's completion.
+    ///
+    /// Deterministic on purpose: a re-run of the same task after a crash
+    /// publishes the same `Nats-Msg-Id` (deduped by JetStream) and the wake
+    /// service sends the same `Idempotency-Key`.
+    pub fn id_for(delegation_id: &str, task_index: u32) -> String {
+        format!("{delegation_id}.{task_index}.done")
+    }
+
+    /// A completion for `request`, with everything but the outcome filled in.
+    pub fn for_request(request: &TaskRequest, status: Status, exit_reason: &str) -> Self {
+        Self {
+            event_type: "async_delegation".to_owned(),
+            version: PROTOCOL_VERSION,
+            event_id: Self::id_for(&request.delegation_id, request.task_index),
+            delegation_id: request.delegation_id.clone(),
+            task_index: request.task_index,
+            origin_session_id: request.origin_session_id.clone(),
+            parent_session_id: request.parent_session_id.clone(),
+            goal: request.goal.clone(),
+            context: request.context.clone(),
+            role: request.role,
+            model: request.model.clone(),
+            status,
+            summary: None,
+            error: None,
+            api_calls: 0,
+            duration_seconds: 0.0,
+            dispatched_at: request.created_at,
+            completed_at: OffsetDateTime::now_utc(),
+            exit_reason: exit_reason.to_owned(),
+        }
+    }
+
+    /// Decodes a completion body.
+    pub fn decode(body: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(body)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_keeps_hermes_field_names() {
+        let req = TaskRequest::decode(
+            br#"{"version":1,"delegation_id":"d1","goal":"g","origin_session_id":"s"}"#,
+        )
+        .unwrap();
+        let event = CompletionEvent::for_request(&req, Status::Completed, "completed");
+        let json = serde_json::to_value(&event).unwrap();
+        for field in [
+            "type",
+            "delegation_id",
+            "task_index",
+            "origin_session_id",
+            "parent_session_id",
+            "goal",
+            "context",
+            "role",
+            "model",
+            "status",
+            "summary",
+            "error",
+            "api_calls",
+            "duration_seconds",
+            "dispatched_at",
+            "completed_at",
+            "exit_reason",
+        ] {
+            assert!(json.get(field).is_some(), "missing {field}");
+        }
+        assert_eq!(json["type"], "async_delegation");
+        assert_eq!(json["status"], "completed");
+        assert_eq!(
+            CompletionEvent::decode(&serde_json::to_vec(&event).unwrap()).unwrap(),
+            event
+        );
+    }
+}

@@ -1,0 +1,31 @@
+//! The wire contract: subjects, headers and message bodies.
+//!
+//! Everything another language needs to talk to wakebus is defined here and
+//! written down in `docs/PROTOCOL.md` and `schema/*.json`. Change the three
+//! together.
+
+mod event;
+mod headers;
+mod ids;
+mod request;
+mod subjects;
+
+pub use event::{CompletionEvent, EventKind, StartedEvent, Status};
+pub use headers::{
+    CE_SPECVERSION, EventHeaders, HEADER_CE_ID, HEADER_CE_SOURCE, HEADER_CE_SPECVERSION,
+    HEADER_CE_TIME, HEADER_CE_TYPE, HEADER_CONTENT_TYPE, HEADER_DEAD_LETTER_REASON,
+    HEADER_DELEGATION_ID, HEADER_MSG_ID, HEADER_ORIGIN_SESSION, HEADER_TASK_INDEX,
+    HEADER_TRACEPARENT, TraceParent, header,
+};
+pub use ids::{
+    IdError, MAX_SESSION_ID_BYTES, SYNC_SESSION_TOKEN, new_delegation_id, session_token,
+    validate_delegation_id, validate_pool, validate_session_id,
+};
+pub use request::{DecodeError, PROTOCOL_VERSION, Role, TaskRequest};
+pub use subjects::{PrefixError, Subjects};
+
+/// Formats a timestamp the way every wakebus body does (RFC 3339, UTC).
+pub(crate) mod rfc3339 {
+    pub(crate) use time::serde::rfc3339::option;
+    pub(crate) use time::serde::rfc3339::{deserialize, serialize};
+}

@@ -1,0 +1,173 @@
+//! The task request body, published on `<prefix>.task.<pool>`.
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+
+use super::ids::{IdError, validate_delegation_id, validate_session_id};
+
+/// The request body version this build writes and the highest it reads.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// What kind of subagent runs the task.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Does the task itself and may not delegate further.
+    #[default]
+    Leaf,
+    /// May delegate parts of the task (subject to the depth limit).
+    Orchestrator,
+}
+
+/// One task of a delegation, as workers receive it.
+///
+/// Unknown fields are ignored so that newer publishers can add fields
+/// without breaking older workers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskRequest {
+    /// Body version; readers refuse versions above [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// Identifies the delegation (shared by all its tasks).
+    pub delegation_id: String,
+    /// Position of this task within the delegation, from 0.
+    #[serde(default)]
+    pub task_index: u32,
+    /// The session to wake with the result; `None` means the caller waits (sync mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin_session_id: Option<String>,
+    /// What the subagent should achieve.
+    pub goal: String,
+    /// Background the subagent needs.
+    #[serde(default)]
+    pub context: String,
+    /// Leaf or orchestrator.
+    #[serde(default)]
+    pub role: Role,
+    /// Model the subagent should use, if the caller cares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Tool sets the subagent may use.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub toolsets: Vec<String>,
+    /// Per-task time limit; the pool default applies when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<u64>,
+    /// How many delegations deep this request is (0 for a top-level session).
+    #[serde(default)]
+    pub depth: u32,
+    /// The session of the agent that delegated, when it differs from the origin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_session_id: Option<String>,
+    /// When the delegation was created.
+    #[serde(
+        default,
+        with = "super::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub created_at: Option<OffsetDateTime>,
+}
+
+/// Why a request body could not be used. Each kind ends the task with an
+/// `error` completion rather than a retry: sending it again cannot help.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// The body is not JSON of the request shape (including a missing goal).
+    #[error("request body is not a valid task request: {0}")]
+    Json(#[from] serde_json::Error),
+    /// The body declares a version this build does not understand.
+    #[error(
+        "request version {found} is not supported (this worker reads up to {PROTOCOL_VERSION})"
+    )]
+    UnsupportedVersion {
+        /// The declared version.
+        found: u32,
+    },
+    /// The goal is empty or only whitespace.
+    #[error("request goal is empty")]
+    EmptyGoal,
+    /// An id in the body is malformed.
+    #[error("request has an invalid id: {0}")]
+    InvalidId(#[from] IdError),
+    /// The origin session header disagrees with the body.
+    #[error("the Wakebus-Origin-Session header does not match origin_session_id in the body")]
+    OriginMismatch,
+}
+
+impl TaskRequest {
+    /// Decodes and validates a request body.
+    pub fn decode(body: &[u8]) -> Result<Self, DecodeError> {
+        let request: Self = serde_json::from_slice(body)?;
+        request.validate()?;
+        Ok(request)
+    }
+
+    /// Checks the fields serde cannot: version, ids and a non-empty goal.
+    pub fn validate(&self) -> Result<(), DecodeError> {
+        if self.version == 0 || self.version > PROTOCOL_VERSION {
+            return Err(DecodeError::UnsupportedVersion {
+                found: self.version,
+            });
+        }
+        validate_delegation_id(&self.delegation_id)?;
+        if let Some(session) = &self.origin_session_id {
+            validate_session_id(session)?;
+        }
+        if self.goal.trim().is_empty() {
+            return Err(DecodeError::EmptyGoal);
+        }
+        Ok(())
+    }
+
+    /// Checks that the origin session header, if any, agrees with the body.
+    pub fn check_origin_header(&self, header: Option<&str>) -> Result<(), DecodeError> {
+        match (header, self.origin_session_id.as_deref()) {
+            (None, _) => Ok(()),
+            (Some(h), Some(b)) if h == b => Ok(()),
+            _ => Err(DecodeError::OriginMismatch),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_request_from_another_language_decodes() {
+        let req =
+            TaskRequest::decode(br#"{"version":1,"delegation_id":"d1","goal":"g","extra":1}"#)
+                .unwrap();
+        assert_eq!(req.goal, "g");
+        assert_eq!(req.role, Role::Leaf);
+        assert_eq!(req.origin_session_id, None);
+    }
+
+    #[test]
+    fn missing_goal_wrong_types_and_future_versions_are_clear_errors() {
+        let err = TaskRequest::decode(br#"{"version":1,"delegation_id":"d1"}"#).unwrap_err();
+        assert!(err.to_string().contains("missing field `goal`"), "{err}");
+        let err =
+            TaskRequest::decode(br#"{"version":1,"delegation_id":"d1","goal":7}"#).unwrap_err();
+        assert!(err.to_string().contains("invalid type"), "{err}");
+        let err =
+            TaskRequest::decode(br#"{"version":9,"delegation_id":"d1","goal":"g"}"#).unwrap_err();
+        assert!(matches!(err, DecodeError::UnsupportedVersion { found: 9 }));
+        let err =
+            TaskRequest::decode(br#"{"version":1,"delegation_id":"d1","goal":"  "}"#).unwrap_err();
+        assert!(matches!(err, DecodeError::EmptyGoal));
+    }
+
+    #[test]
+    fn a_forged_origin_header_is_detected() {
+        let req = TaskRequest::decode(
+            br#"{"version":1,"delegation_id":"d1","goal":"g","origin_session_id":"s1"}"#,
+        )
+        .unwrap();
+        assert!(req.check_origin_header(Some("s1")).is_ok());
+        assert!(req.check_origin_header(None).is_ok());
+        assert!(matches!(
+            req.check_origin_header(Some("s2")),
+            Err(DecodeError::OriginMismatch)
+        ));
+    }
+}

@@ -1,0 +1,163 @@
+//! Subject and stream names under a deployment prefix.
+
+use super::EventKind;
+
+/// Why a subject prefix was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid prefix {prefix:?}: use dot-separated tokens of ASCII letters, digits, '-' and '_'"
+)]
+pub struct PrefixError {
+    /// The refused prefix.
+    pub prefix: String,
+}
+
+/// Every subject, stream, consumer and bucket name of one deployment.
+///
+/// Several deployments (or test runs) can share one NATS server by using
+/// different prefixes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subjects {
+    /// The subject prefix, for example `wakebus`.
+    prefix: String,
+    /// The prefix as used in stream and bucket names: uppercase, `.` as `_`.
+    name_prefix: String,
+}
+
+impl Subjects {
+    /// Builds the names for `prefix`, refusing prefixes that would break subjects.
+    pub fn new(prefix: &str) -> Result<Self, PrefixError> {
+        let valid = !prefix.is_empty()
+            && prefix.split('.').all(|token| {
+                !token.is_empty()
+                    && token
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            });
+        if !valid {
+            return Err(PrefixError {
+                prefix: prefix.to_owned(),
+            });
+        }
+        Ok(Self {
+            prefix: prefix.to_owned(),
+            name_prefix: prefix.replace('.', "_").to_ascii_uppercase(),
+        })
+    }
+
+    /// The subject prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Where requests for `pool` are published: `<prefix>.task.<pool>`.
+    pub fn task(&self, pool: &str) -> String {
+        format!("{}.task.{pool}", self.prefix)
+    }
+
+    /// All request subjects: `<prefix>.task.>`.
+    pub fn tasks_all(&self) -> String {
+        format!("{}.task.>", self.prefix)
+    }
+
+    /// A lifecycle event: `<prefix>.evt.<session-token>.<delegation-id>.<task-index>.<kind>`.
+    pub fn event(
+        &self,
+        session_token: &str,
+        delegation_id: &str,
+        task_index: u32,
+        kind: EventKind,
+    ) -> String {
+        format!(
+            "{}.evt.{session_token}.{delegation_id}.{task_index}.{}",
+            self.prefix,
+            kind.as_str()
+        )
+    }
+
+    /// All event subjects: `<prefix>.evt.>`.
+    pub fn events_all(&self) -> String {
+        format!("{}.evt.>", self.prefix)
+    }
+
+    /// Every completion event: `<prefix>.evt.*.*.*.done`.
+    pub fn done_events(&self) -> String {
+        format!("{}.evt.*.*.*.{}", self.prefix, EventKind::Done.as_str())
+    }
+
+    /// Where requests that could not be run are dead-lettered: `<prefix>.dlq.task.<pool>`.
+    pub fn dead_letter_task(&self, pool: &str) -> String {
+        format!("{}.dlq.task.{pool}", self.prefix)
+    }
+
+    /// Where completions that could not be woken are dead-lettered:
+    /// `<prefix>.dlq.wake.<session-token>`.
+    pub fn dead_letter_wake(&self, session_token: &str) -> String {
+        format!("{}.dlq.wake.{session_token}", self.prefix)
+    }
+
+    /// All dead-letter subjects: `<prefix>.dlq.>`.
+    pub fn dead_letters_all(&self) -> String {
+        format!("{}.dlq.>", self.prefix)
+    }
+
+    /// The stream of requests (work-queue retention).
+    pub fn tasks_stream(&self) -> String {
+        format!("{}_TASKS", self.name_prefix)
+    }
+
+    /// The stream of lifecycle events (the history replay tools read).
+    pub fn events_stream(&self) -> String {
+        format!("{}_EVENTS", self.name_prefix)
+    }
+
+    /// The stream of dead letters.
+    pub fn dead_letter_stream(&self) -> String {
+        format!("{}_DLQ", self.name_prefix)
+    }
+
+    /// The durable consumer shared by all workers of `pool`.
+    pub fn worker_consumer(&self, pool: &str) -> String {
+        format!("worker-{pool}")
+    }
+
+    /// The durable consumer shared by all wake service instances.
+    pub fn wake_consumer(&self) -> &'static str {
+        "wake"
+    }
+
+    /// The KV bucket recording which completions have been woken.
+    pub fn wake_ledger_bucket(&self) -> String {
+        format!("{}_WAKES", self.name_prefix)
+    }
+
+    /// The KV bucket holding per-session wake locks.
+    pub fn session_lock_bucket(&self) -> String {
+        format!("{}_SESSION_LOCKS", self.name_prefix)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subjects_follow_the_documented_layout() {
+        let s = Subjects::new("acme.prod").unwrap();
+        assert_eq!(s.task("gpu"), "acme.prod.task.gpu");
+        assert_eq!(
+            s.event("ab12", "01H", 3, EventKind::Done),
+            "acme.prod.evt.ab12.01H.3.done"
+        );
+        assert_eq!(s.done_events(), "acme.prod.evt.*.*.*.done");
+        assert_eq!(s.tasks_stream(), "ACME_PROD_TASKS");
+        assert_eq!(s.wake_ledger_bucket(), "ACME_PROD_WAKES");
+    }
+
+    #[test]
+    fn prefixes_with_wildcards_or_empty_tokens_are_refused() {
+        for bad in ["", "a..b", "a.*", "a>", "a b", ".a", "a."] {
+            assert!(Subjects::new(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+}

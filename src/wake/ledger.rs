@@ -1,0 +1,104 @@
+//! The wake ledger: a durable record, per task, of wakes being posted and
+//! delivered. This is the wake service's idempotency mechanism.
+//!
+//! Written around every post: `posting` (with the `Idempotency-Key`) before a
+//! combined post, `delivered` after a 2xx. A completion whose entry says
+//! `delivered` is never posted again; one that says `posting` is re-posted
+//! with the same key, so a session API that honours `Idempotency-Key` sees a
+//! repeat, not a new turn.
+
+use async_nats::jetstream::kv;
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+
+/// Where a task's wake stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "state")]
+pub enum LedgerState {
+    /// A post carrying this key was (maybe) sent; its outcome is unknown.
+    Posting {
+        /// The `Idempotency-Key` of that post.
+        idempotency_key: String,
+    },
+    /// A session API accepted the wake.
+    Delivered {
+        /// The `Idempotency-Key` of the accepted post.
+        idempotency_key: String,
+        /// When it was accepted.
+        #[serde(with = "time::serde::rfc3339")]
+        at: OffsetDateTime,
+    },
+}
+
+/// Why the ledger could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    /// Reading failed.
+    #[error("cannot read the wake ledger: {0}")]
+    Read(#[from] kv::EntryError),
+    /// Writing failed.
+    #[error("cannot write the wake ledger: {0}")]
+    Write(#[from] kv::PutError),
+    /// An entry is not ledger JSON.
+    #[error("wake ledger entry is corrupt: {0}")]
+    Corrupt(#[from] serde_json::Error),
+}
+
+/// The ledger bucket.
+#[derive(Debug, Clone)]
+pub struct WakeLedger {
+    /// The KV bucket.
+    kv: kv::Store,
+}
+
+impl WakeLedger {
+    /// Wraps the provisioned bucket.
+    pub fn new(kv: kv::Store) -> Self {
+        Self { kv }
+    }
+
+    /// The ledger key of a task.
+    pub fn key(delegation_id: &str, task_index: u32) -> String {
+        format!("{delegation_id}.{task_index}")
+    }
+
+    /// The state of a task's wake, if any was recorded.
+    pub async fn get(&self, key: &str) -> Result<Option<LedgerState>, LedgerError> {
+        match self.kv.get(key).await? {
+            Some(bytes) => Ok(Some(serde_json::from_slice(&bytes)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Records that a post with `idempotency_key` is about to be sent.
+    pub async fn mark_posting(&self, key: &str, idempotency_key: &str) -> Result<(), LedgerError> {
+        self.put(
+            key,
+            &LedgerState::Posting {
+                idempotency_key: idempotency_key.to_owned(),
+            },
+        )
+        .await
+    }
+
+    /// Records that the wake was accepted.
+    pub async fn mark_delivered(
+        &self,
+        key: &str,
+        idempotency_key: &str,
+    ) -> Result<(), LedgerError> {
+        self.put(
+            key,
+            &LedgerState::Delivered {
+                idempotency_key: idempotency_key.to_owned(),
+                at: OffsetDateTime::now_utc(),
+            },
+        )
+        .await
+    }
+
+    async fn put(&self, key: &str, state: &LedgerState) -> Result<(), LedgerError> {
+        self.kv.put(key, serde_json::to_vec(state)?.into()).await?;
+        Ok(())
+    }
+}

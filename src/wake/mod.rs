@@ -1,0 +1,259 @@
+//! The wake service: consumes completion events and posts one continuation
+//! turn per completion (or per burst of them) to the originating session.
+//!
+//! Pieces: [`session_api`] posts, [`turn`] renders the text, [`ledger`] is the
+//! idempotency record, [`lock`] the per-session exclusion, and `session` the
+//! per-session actor that ties them together.
+
+pub mod ledger;
+pub mod lock;
+mod session;
+pub mod session_api;
+pub mod turn;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::bus::{Bus, BusSettings, ProvisionError};
+use crate::outcome::Outcome;
+use crate::protocol::{
+    CompletionEvent, HEADER_DEAD_LETTER_REASON, HEADER_ORIGIN_SESSION, HEADER_TRACEPARENT,
+    TraceParent, validate_session_id,
+};
+use ledger::WakeLedger;
+use lock::SessionLocks;
+use session::{Pending, Router};
+use session_api::{SessionApi, SessionApiConfig, SessionApiError};
+
+/// How the wake service behaves.
+#[derive(Debug, Clone)]
+pub struct WakeConfig {
+    /// Where turns are posted.
+    pub api: SessionApiConfig,
+    /// Completions for one session arriving within this window are combined.
+    pub coalesce_window: Duration,
+    /// The consumer's AckWait.
+    pub ack_wait: Duration,
+    /// Most completions held unacknowledged at once (across all instances).
+    pub max_in_flight: i64,
+    /// First retry delay after a failed post.
+    pub retry_min: Duration,
+    /// Longest retry delay (a `Retry-After` may ask for longer).
+    pub retry_max: Duration,
+    /// This instance's name, in lock values and logs.
+    pub instance: String,
+}
+
+impl WakeConfig {
+    /// Defaults for posting to `api`.
+    pub fn new(api: SessionApiConfig) -> Self {
+        Self {
+            api,
+            coalesce_window: Duration::from_millis(100),
+            ack_wait: Duration::from_secs(30),
+            max_in_flight: 10_000,
+            retry_min: Duration::from_millis(500),
+            retry_max: Duration::from_secs(30),
+            instance: crate::worker::default_instance_name("wake"),
+        }
+    }
+
+    pub(crate) fn progress_interval(&self) -> Duration {
+        (self.ack_wait / 3).max(Duration::from_millis(100))
+    }
+}
+
+/// Why the wake service stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum WakeError {
+    /// Streams, buckets or the consumer could not be set up.
+    #[error(transparent)]
+    Provision(#[from] ProvisionError),
+    /// The session API client could not be built.
+    #[error(transparent)]
+    SessionApi(#[from] SessionApiError),
+}
+
+/// What every session actor shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    /// Posts turns.
+    pub(crate) api: SessionApi,
+    /// The idempotency record.
+    pub(crate) ledger: WakeLedger,
+    /// Per-session locks.
+    pub(crate) locks: SessionLocks,
+    /// For dead letters.
+    pub(crate) bus: Bus,
+    /// Timings.
+    pub(crate) config: WakeConfig,
+}
+
+/// Runs the wake service until `shutdown` completes; held completions are
+/// then handed back for another instance.
+pub async fn run(
+    bus: Bus,
+    settings: BusSettings,
+    config: WakeConfig,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), WakeError> {
+    let api = SessionApi::new(&config.api)?;
+    let provisioned = bus.provision(&settings).await?;
+    let consumer = bus
+        .wake_consumer(config.ack_wait, config.max_in_flight)
+        .await?;
+    info!(api = %config.api.base_url, instance = %config.instance, "Wake service started.");
+    let shared = Arc::new(Shared {
+        api,
+        ledger: WakeLedger::new(provisioned.wake_ledger),
+        locks: SessionLocks::new(
+            provisioned.session_locks,
+            &config.instance,
+            settings.session_lock_ttl,
+        ),
+        bus: bus.clone(),
+        config,
+    });
+    let tracker = TaskTracker::new();
+    let stopping = CancellationToken::new();
+    let router = Router::new(shared.clone(), tracker.clone(), stopping.clone());
+    tokio::pin!(shutdown);
+
+    'consume: loop {
+        let mut messages = match consumer
+            .stream()
+            .max_messages_per_batch(256)
+            .heartbeat(Duration::from_secs(5))
+            .expires(Duration::from_secs(30))
+            .messages()
+            .await
+        {
+            Ok(messages) => messages,
+            Err(error) => {
+                warn!(%error, "Could not start consuming completions; retrying.");
+                tokio::select! {
+                    () = &mut shutdown => break 'consume,
+                    () = tokio::time::sleep(Duration::from_secs(1)) => continue 'consume,
+                }
+            }
+        };
+        loop {
+            let next = tokio::select! {
+                () = &mut shutdown => break 'consume,
+                next = messages.next() => next,
+            };
+            match next {
+                Some(Ok(message)) => {
+                    if let Err(outcome) = admit(message.clone()).map(|p| router.route(p)) {
+                        outcome_for(&shared, &message, outcome).await;
+                    }
+                }
+                Some(Err(error)) => {
+                    warn!(%error, "Completion consumer error; continuing.");
+                }
+                None => continue 'consume,
+            }
+        }
+    }
+
+    info!("Wake service stopping; handing held completions back.");
+    stopping.cancel();
+    tracker.close();
+    tracker.wait().await;
+    if let Err(error) = bus.client.flush().await {
+        warn!(%error, "Could not flush the NATS connection.");
+    }
+    info!("Wake service stopped.");
+    Ok(())
+}
+
+/// Why a completion message is not routed to a session.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// No origin session (sync mode): nothing to wake; ack it.
+    NoSession,
+    /// Unusable: dead-letter with this reason and terminate.
+    Poison(String),
+}
+
+/// Decides what to do with one completion message.
+fn admit(message: jetstream::Message) -> Result<Pending, Admission> {
+    let event = CompletionEvent::decode(&message.payload)
+        .map_err(|err| Admission::Poison(format!("completion is not valid: {err}")))?;
+    let header = message
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(HEADER_ORIGIN_SESSION))
+        .map(|v| v.as_str().to_owned());
+    let session = match (event.origin_session_id.clone(), header) {
+        (None, None) => return Err(Admission::NoSession),
+        (Some(body), Some(header)) if body == header => body,
+        (Some(_), None) => {
+            return Err(Admission::Poison(
+                "completion has an origin session but no Wakebus-Origin-Session header".to_owned(),
+            ));
+        }
+        _ => {
+            return Err(Admission::Poison(
+                "Wakebus-Origin-Session header does not match the completion's origin_session_id"
+                    .to_owned(),
+            ));
+        }
+    };
+    validate_session_id(&session).map_err(|err| Admission::Poison(err.to_string()))?;
+    let traceparent = message
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(HEADER_TRACEPARENT))
+        .and_then(|v| TraceParent::parse(v.as_str()))
+        .map(|tp| tp.child().to_string());
+    Ok(Pending {
+        message,
+        event,
+        session,
+        traceparent,
+    })
+}
+
+async fn outcome_for(shared: &Shared, message: &jetstream::Message, admission: Admission) {
+    match admission {
+        Admission::NoSession => Outcome::Ack.apply(message).await,
+        Admission::Poison(reason) => {
+            warn!(subject = %message.subject, %reason, "Dead-lettering an unusable completion.");
+            let bus = &shared.bus;
+            let mut headers = message.headers.clone().unwrap_or_default();
+            headers.insert(HEADER_DEAD_LETTER_REASON, reason.as_str());
+            let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
+            headers.insert(
+                crate::protocol::HEADER_MSG_ID,
+                format!("dlq.wake.poison.{seq}").as_str(),
+            );
+            let published = match bus
+                .js
+                .publish_with_headers(
+                    bus.subjects.dead_letter_wake("poison"),
+                    headers,
+                    message.payload.clone(),
+                )
+                .await
+            {
+                Ok(ack) => ack.await.is_ok(),
+                Err(_) => false,
+            };
+            if published {
+                Outcome::Term(reason).apply(message).await;
+            } else {
+                Outcome::Nak(Some(Duration::from_secs(1)))
+                    .apply(message)
+                    .await;
+            }
+        }
+    }
+}

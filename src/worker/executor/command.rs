@@ -1,0 +1,237 @@
+//! The `command` executor: one process per task, request JSON on stdin.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use serde::Deserialize;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::process::Command;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::{ExecError, ExecOutput, TaskEnv};
+use crate::protocol::{Status, TaskRequest};
+
+/// How to run the program.
+#[derive(Debug, Clone)]
+pub struct CommandConfig {
+    /// The program.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Working directory (the worker's when `None`).
+    pub working_dir: Option<PathBuf>,
+    /// How much stdout to keep; the rest is dropped and the result marked truncated.
+    pub max_output_bytes: usize,
+    /// How long a stopped process gets between SIGTERM and SIGKILL.
+    pub kill_grace: Duration,
+}
+
+impl CommandConfig {
+    /// Defaults for `program args...`.
+    pub fn new(program: impl Into<PathBuf>, args: Vec<String>) -> Self {
+        Self {
+            program: program.into(),
+            args,
+            working_dir: None,
+            max_output_bytes: 1024 * 1024,
+            kill_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Runs a program for each task.
+#[derive(Debug, Clone)]
+pub struct CommandExecutor {
+    /// What to run.
+    config: CommandConfig,
+}
+
+/// How much of stderr ends up in `error`.
+const STDERR_TAIL_BYTES: usize = 4096;
+
+/// What a program may print on stdout instead of plain text.
+#[derive(Debug, Deserialize)]
+struct StructuredOutput {
+    /// The result.
+    summary: Option<String>,
+    /// `completed` or `failed`, overriding the exit code's verdict.
+    status: Option<Status>,
+    /// Error text.
+    error: Option<String>,
+    /// Model calls made.
+    api_calls: Option<u64>,
+}
+
+impl CommandExecutor {
+    /// An executor running `config.program`.
+    pub fn new(config: CommandConfig) -> Self {
+        Self { config }
+    }
+
+    /// Runs one task until the process exits or `stop` is cancelled.
+    pub async fn run(
+        &self,
+        request: &TaskRequest,
+        env: &TaskEnv,
+        stop: &CancellationToken,
+    ) -> Result<ExecOutput, ExecError> {
+        let cfg = &self.config;
+        let mut command = Command::new(&cfg.program);
+        command
+            .args(&cfg.args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true)
+            .env("WAKEBUS_DELEGATION_ID", &request.delegation_id)
+            .env("WAKEBUS_TASK_INDEX", request.task_index.to_string())
+            .env("WAKEBUS_DEPTH", request.depth.to_string())
+            .env("WAKEBUS_POOL", &env.pool)
+            .env("NATS_URL", &env.nats_url)
+            .env("WAKEBUS_PREFIX", &env.prefix);
+        match &request.origin_session_id {
+            Some(session) => command.env("WAKEBUS_ORIGIN_SESSION", session),
+            None => command.env_remove("WAKEBUS_ORIGIN_SESSION"),
+        };
+        if let Some(dir) = &cfg.working_dir {
+            command.current_dir(dir);
+        }
+        let mut child = command.spawn().map_err(|err| {
+            ExecError::Transient(format!("could not start {}: {err}", cfg.program.display()))
+        })?;
+        let pid = child.id();
+
+        let input = serde_json::to_vec(request).unwrap_or_default();
+        let mut stdin = child.stdin.take();
+        let feed = async move {
+            if let Some(stdin) = stdin.as_mut() {
+                // A program that does not read its input is fine.
+                let _ = stdin.write_all(&input).await;
+                let _ = stdin.shutdown().await;
+            }
+        };
+        let stdout = read_capped(child.stdout.take(), cfg.max_output_bytes, false);
+        let stderr = read_capped(child.stderr.take(), STDERR_TAIL_BYTES, true);
+        let io = async { tokio::join!(feed, stdout, stderr) };
+        tokio::pin!(io);
+
+        let ((), (out, truncated), (err, _)) = tokio::select! {
+            results = &mut io => results,
+            () = stop.cancelled() => {
+                terminate(pid, cfg.kill_grace, &mut child).await;
+                let ((), (out, _), _) = io.await;
+                let partial = String::from_utf8_lossy(&out).trim().to_owned();
+                return Err(ExecError::Stopped { partial: (!partial.is_empty()).then_some(partial) });
+            }
+        };
+        let exit = tokio::select! {
+            exit = child.wait() => exit,
+            () = stop.cancelled() => {
+                terminate(pid, cfg.kill_grace, &mut child).await;
+                let partial = String::from_utf8_lossy(&out).trim().to_owned();
+                return Err(ExecError::Stopped { partial: (!partial.is_empty()).then_some(partial) });
+            }
+        }
+        .map_err(|err| ExecError::Transient(format!("could not wait for the process: {err}")))?;
+
+        let stdout_text = String::from_utf8_lossy(&out).trim().to_owned();
+        let stderr_text = String::from_utf8_lossy(&err).trim().to_owned();
+        let structured = serde_json::from_str::<StructuredOutput>(&stdout_text).ok();
+        let (mut summary, status_override, error_override, api_calls) = match structured {
+            Some(s) => (s.summary, s.status, s.error, s.api_calls.unwrap_or(0)),
+            None => (
+                (!stdout_text.is_empty()).then_some(stdout_text),
+                None,
+                None,
+                0,
+            ),
+        };
+        if truncated {
+            if let Some(text) = summary.as_mut() {
+                text.push_str("\n[output truncated]");
+            }
+        }
+        let (status, exit_reason, error) = if exit.success() {
+            (Status::Completed, "completed".to_owned(), error_override)
+        } else {
+            let reason = match exit.code() {
+                Some(code) => format!("exit code {code}"),
+                None => "killed by a signal".to_owned(),
+            };
+            let detail = if stderr_text.is_empty() {
+                reason.clone()
+            } else {
+                format!("{reason}: {stderr_text}")
+            };
+            (
+                Status::Failed,
+                "nonzero_exit".to_owned(),
+                Some(error_override.unwrap_or(detail)),
+            )
+        };
+        Ok(ExecOutput {
+            status: status_override.unwrap_or(status),
+            summary,
+            error,
+            api_calls,
+            exit_reason: if truncated {
+                format!("{exit_reason}_truncated")
+            } else {
+                exit_reason
+            },
+        })
+    }
+}
+
+/// Reads a pipe to its end, keeping the first `cap` bytes (or the last ones
+/// when `keep_tail`). Returns the kept bytes and whether anything was dropped.
+async fn read_capped(
+    pipe: Option<impl AsyncRead + Unpin>,
+    cap: usize,
+    keep_tail: bool,
+) -> (Vec<u8>, bool) {
+    let Some(mut pipe) = pipe else {
+        return (Vec::new(), false);
+    };
+    let mut kept = Vec::new();
+    let mut dropped = false;
+    let mut chunk = [0u8; 8192];
+    loop {
+        match pipe.read(&mut chunk).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                kept.extend_from_slice(&chunk[..n]);
+                if kept.len() > cap {
+                    dropped = true;
+                    if keep_tail {
+                        kept.drain(..kept.len() - cap);
+                    } else {
+                        kept.truncate(cap);
+                    }
+                }
+            }
+        }
+    }
+    (kept, dropped)
+}
+
+/// SIGTERM to the process group, SIGKILL after `grace`.
+async fn terminate(pid: Option<u32>, grace: Duration, child: &mut tokio::process::Child) {
+    let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) else {
+        return;
+    };
+    let group = Pid::from_raw(pid);
+    if let Err(err) = killpg(group, Signal::SIGTERM) {
+        debug!(pid, %err, "SIGTERM to the process group failed (already gone?).");
+    }
+    if tokio::time::timeout(grace, child.wait()).await.is_err() {
+        warn!(pid, "Process group ignored SIGTERM; sending SIGKILL.");
+        let _ = killpg(group, Signal::SIGKILL);
+        let _ = child.wait().await;
+    }
+}

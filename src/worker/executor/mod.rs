@@ -1,0 +1,87 @@
+//! Executors run one task and say how it ended.
+//!
+//! A closed enum rather than a trait object: dispatch is a `match`, with no
+//! boxing on the hot path.
+
+mod command;
+mod echo;
+
+pub use command::{CommandConfig, CommandExecutor};
+pub use echo::EchoExecutor;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::protocol::{Status, TaskRequest};
+
+/// How a run ended, as far as the executor can tell.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExecOutput {
+    /// `completed` or `failed` (timeouts and interruptions are decided by the caller).
+    pub status: Status,
+    /// The result text.
+    pub summary: Option<String>,
+    /// What went wrong, if anything.
+    pub error: Option<String>,
+    /// Model calls made.
+    pub api_calls: u64,
+    /// Machine-readable end reason.
+    pub exit_reason: String,
+}
+
+/// Why a run produced no usable outcome.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ExecError {
+    /// Worth retrying later: the executor could not start, an endpoint was down...
+    #[error("transient executor failure: {0}")]
+    Transient(String),
+    /// The run was stopped through its cancellation token; whatever it had
+    /// produced so far is kept.
+    #[error("run stopped")]
+    Stopped {
+        /// Partial output.
+        partial: Option<String>,
+    },
+}
+
+/// Facts about the worker a run may pass on (to a child process, say).
+#[derive(Debug, Clone, Default)]
+pub struct TaskEnv {
+    /// The NATS URL the worker uses, so a subagent can delegate in turn.
+    pub nats_url: String,
+    /// The deployment's subject prefix.
+    pub prefix: String,
+    /// The worker's pool.
+    pub pool: String,
+}
+
+/// The executors a worker can run.
+#[derive(Debug, Clone)]
+pub enum Executor {
+    /// Completes at once with the goal echoed (demos, benchmarks).
+    Echo(EchoExecutor),
+    /// Runs a program per task.
+    Command(CommandExecutor),
+}
+
+impl Executor {
+    /// Runs `request` until it ends or `stop` is cancelled.
+    pub async fn run(
+        &self,
+        request: &TaskRequest,
+        env: &TaskEnv,
+        stop: &CancellationToken,
+    ) -> Result<ExecOutput, ExecError> {
+        match self {
+            Self::Echo(echo) => Ok(echo.run(request)),
+            Self::Command(command) => command.run(request, env, stop).await,
+        }
+    }
+
+    /// A short name for logs and metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Echo(_) => "echo",
+            Self::Command(_) => "command",
+        }
+    }
+}

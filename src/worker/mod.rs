@@ -1,0 +1,204 @@
+//! Workers: take requests of one pool, run them, publish completions.
+//!
+//! All workers of a pool share one durable pull consumer, so adding workers
+//! (on any machine) adds capacity. Each worker pulls only as many requests as
+//! it has free slots, so nothing waits in a local buffer while its AckWait
+//! runs out.
+
+pub mod executor;
+mod handler;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+pub use handler::TaskHandler;
+pub(crate) use handler::token_for;
+
+use crate::bus::{Bus, BusSettings, ProvisionError};
+use crate::outcome::Outcome;
+use executor::{Executor, TaskEnv};
+
+/// How a worker behaves.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// The pool whose requests this worker takes.
+    pub pool: String,
+    /// How many tasks run at once.
+    pub concurrency: usize,
+    /// The consumer's AckWait: how soon a dead worker's task goes to another.
+    pub ack_wait: Duration,
+    /// Deliveries after which a task ends as `failed` and is dead-lettered.
+    pub max_deliver: u64,
+    /// Time limit for tasks whose request sets none (`None`: unlimited).
+    pub default_timeout: Option<Duration>,
+    /// First retry delay after a transient failure; doubles each attempt.
+    pub retry_base: Duration,
+    /// Longest retry delay.
+    pub retry_max: Duration,
+    /// How long running tasks may finish after a shutdown signal.
+    pub shutdown_grace: Duration,
+    /// This worker's name in events and logs.
+    pub instance: String,
+}
+
+impl WorkerConfig {
+    /// Defaults for `pool`.
+    pub fn new(pool: impl Into<String>) -> Self {
+        Self {
+            pool: pool.into(),
+            concurrency: 16,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: 5,
+            default_timeout: None,
+            retry_base: Duration::from_secs(1),
+            retry_max: Duration::from_secs(60),
+            shutdown_grace: Duration::from_secs(30),
+            instance: default_instance_name("worker"),
+        }
+    }
+
+    /// How often a running task sends an in-progress ack.
+    pub(crate) fn progress_interval(&self) -> Duration {
+        (self.ack_wait / 3).max(Duration::from_millis(100))
+    }
+
+    /// The NAK delay after the `attempt`-th transient failure.
+    pub(crate) fn retry_delay(&self, attempt: u64) -> Duration {
+        let exp = u32::try_from(attempt.saturating_sub(1))
+            .unwrap_or(u32::MAX)
+            .min(20);
+        self.retry_base.saturating_mul(1 << exp).min(self.retry_max)
+    }
+}
+
+/// A name for a service instance: `<kind>-<host>-<pid>`.
+pub fn default_instance_name(kind: &str) -> String {
+    let host = nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "host".to_owned());
+    format!("{kind}-{host}-{}", std::process::id())
+}
+
+/// Why a worker stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// Streams or the consumer could not be set up.
+    #[error(transparent)]
+    Provision(#[from] ProvisionError),
+}
+
+/// Runs a worker until `shutdown` completes, then stops taking work, lets
+/// running tasks finish within the grace period and hands the rest back.
+pub async fn run(
+    bus: Bus,
+    settings: BusSettings,
+    executor: Executor,
+    env: TaskEnv,
+    config: WorkerConfig,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), WorkerError> {
+    let provisioned = bus.provision(&settings).await?;
+    let consumer = bus.worker_consumer(&config.pool, config.ack_wait).await?;
+    info!(pool = %config.pool, concurrency = config.concurrency, executor = executor.name(), instance = %config.instance, "Worker started.");
+
+    let concurrency = config.concurrency.max(1);
+    let grace = config.shutdown_grace;
+    let handler = Arc::new(TaskHandler::new(
+        bus.clone(),
+        provisioned.events,
+        executor,
+        config,
+        env,
+    ));
+    let slots = Arc::new(Semaphore::new(concurrency));
+    let tracker = TaskTracker::new();
+    let stop_runs = CancellationToken::new();
+    let stopping = CancellationToken::new();
+    tokio::pin!(shutdown);
+
+    'pull: loop {
+        let first = tokio::select! {
+            () = &mut shutdown => break 'pull,
+            permit = slots.clone().acquire_owned() => permit.expect("semaphore is never closed"),
+        };
+        // Take every free slot, so one pull request fills them all.
+        let mut permits = first;
+        while let Ok(more) = slots.clone().try_acquire_owned() {
+            permits.merge(more);
+        }
+        let wanted = permits.num_permits();
+        let mut batch = match consumer
+            .batch()
+            .max_messages(wanted)
+            .expires(Duration::from_secs(2))
+            .messages()
+            .await
+        {
+            Ok(batch) => batch,
+            Err(error) => {
+                warn!(%error, "Pull request failed; retrying shortly.");
+                tokio::select! {
+                    () = &mut shutdown => break 'pull,
+                    () = tokio::time::sleep(Duration::from_millis(500)) => continue 'pull,
+                }
+            }
+        };
+        loop {
+            let next = tokio::select! {
+                () = &mut shutdown, if !stopping.is_cancelled() => {
+                    stopping.cancel();
+                    continue;
+                }
+                next = batch.next() => next,
+            };
+            let Some(result) = next else { break };
+            let message = match result {
+                Ok(message) => message,
+                Err(error) => {
+                    warn!(%error, "Pull batch ended with an error.");
+                    break;
+                }
+            };
+            if stopping.is_cancelled() {
+                // Pulled after the shutdown signal: give it straight back.
+                Outcome::Nak(None).apply(&message).await;
+                continue;
+            }
+            let permit = permits.split(1).expect("one permit per message pulled");
+            let handler = handler.clone();
+            let stop = stop_runs.clone();
+            tracker.spawn(async move {
+                let outcome = handler.handle(&message, &stop).await;
+                outcome.apply(&message).await;
+                drop(permit);
+            });
+        }
+        if stopping.is_cancelled() {
+            break 'pull;
+        }
+    }
+
+    info!(running = tracker.len(), grace = ?grace, "Worker stopping: no new tasks; waiting for running ones.");
+    tracker.close();
+    if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
+        warn!(
+            running = tracker.len(),
+            "Grace period over; stopping running tasks and handing them back."
+        );
+        stop_runs.cancel();
+        tracker.wait().await;
+    }
+    if let Err(error) = bus.client.flush().await {
+        warn!(%error, "Could not flush the NATS connection.");
+    }
+    info!("Worker stopped.");
+    Ok(())
+}
