@@ -1,0 +1,181 @@
+//! Test harness: real nats-server processes, a real HTTP session API, and
+//! helpers to run the services in-process or as `wakebus` processes.
+#![allow(dead_code, unreachable_pub, missing_docs)]
+
+pub mod nats;
+pub mod session_api;
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use wakebus::bus::{Bus, BusSettings};
+use wakebus::connect::NatsConfig;
+use wakebus::protocol::Subjects;
+use wakebus::wake::session_api::SessionApiConfig;
+use wakebus::wake::{self, WakeConfig};
+use wakebus::worker::executor::{EchoExecutor, Executor, TaskEnv};
+use wakebus::worker::{self, WorkerConfig};
+
+pub use nats::NatsServer;
+pub use session_api::SessionApiServer;
+
+/// Installs a log subscriber once (RUST_LOG=wakebus=debug to see service logs).
+pub fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// Polls `condition` until it holds or `timeout` passes; panics with `what` then.
+pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if condition().await {
+            return;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {timeout:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A unique subject prefix, so a test never sees another test's data.
+pub fn unique_prefix() -> String {
+    format!("t{}", ulid::Ulid::new().to_string().to_ascii_lowercase())
+}
+
+/// Connects a `Bus` to `url` under `prefix` and provisions its streams (as
+/// `wakebus init` would), so tests can publish before services are up.
+pub async fn bus(url: &str, prefix: &str) -> Bus {
+    let client = NatsConfig::new(url).connect().await.expect("connect");
+    let bus = Bus::new(client, Subjects::new(prefix).expect("prefix"));
+    bus.provision(&BusSettings::default())
+        .await
+        .expect("provision");
+    bus
+}
+
+/// Services running in-process, stopped (gracefully) on drop or `stop`.
+pub struct Services {
+    pub stop: CancellationToken,
+    handles: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Services {
+    pub fn new() -> Self {
+        Self {
+            stop: CancellationToken::new(),
+            handles: Vec::new(),
+        }
+    }
+
+    /// Starts a worker with `executor`.
+    pub fn worker(&mut self, bus: &Bus, executor: Executor, config: WorkerConfig) {
+        let env = TaskEnv {
+            nats_url: String::new(),
+            prefix: bus.subjects.prefix().to_owned(),
+            pool: config.pool.clone(),
+        };
+        let run = worker::run(
+            bus.clone(),
+            BusSettings::default(),
+            executor,
+            env,
+            config,
+            self.stop.clone().cancelled_owned(),
+        );
+        self.handles.push(tokio::spawn(async move {
+            run.await.expect("worker failed");
+        }));
+    }
+
+    /// Starts an echo worker on the default pool.
+    pub fn echo_worker(&mut self, bus: &Bus) {
+        self.worker(
+            bus,
+            Executor::Echo(EchoExecutor),
+            test_worker_config("default"),
+        );
+    }
+
+    /// Starts the wake service posting to `api_url`.
+    pub fn wake(&mut self, bus: &Bus, config: WakeConfig) {
+        let run = wake::run(
+            bus.clone(),
+            BusSettings::default(),
+            config,
+            self.stop.clone().cancelled_owned(),
+        );
+        self.handles.push(tokio::spawn(async move {
+            run.await.expect("wake failed");
+        }));
+    }
+
+    /// Stops everything and waits for it.
+    pub async fn stop(mut self) {
+        self.stop.cancel();
+        for handle in self.handles.drain(..) {
+            handle.await.expect("service panicked");
+        }
+    }
+}
+
+impl Drop for Services {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Worker settings for tests: short waits, quick retries.
+pub fn test_worker_config(pool: &str) -> WorkerConfig {
+    let mut config = WorkerConfig::new(pool);
+    config.ack_wait = Duration::from_secs(5);
+    config.retry_base = Duration::from_millis(100);
+    config.retry_max = Duration::from_millis(500);
+    config.shutdown_grace = Duration::from_secs(5);
+    config
+}
+
+/// Wake settings for tests posting to `api_url`.
+pub fn test_wake_config(api_url: &str) -> WakeConfig {
+    let mut config = WakeConfig::new(SessionApiConfig {
+        base_url: api_url.to_owned(),
+        api_key: Some("test-key".to_owned()),
+        model: "hermes-agent".to_owned(),
+        request_timeout: Duration::from_secs(5),
+    });
+    config.coalesce_window = Duration::from_millis(20);
+    config.ack_wait = Duration::from_secs(5);
+    config.retry_min = Duration::from_millis(50);
+    config.retry_max = Duration::from_millis(300);
+    config
+}
+
+/// Every message of `stream` (for assertions on history).
+pub async fn all_messages(
+    bus: &Bus,
+    stream: &str,
+) -> Vec<async_nats::jetstream::message::StreamMessage> {
+    let mut handle = bus.js.get_stream(stream).await.expect("stream");
+    let info = handle.info().await.expect("info").clone();
+    let mut out = Vec::new();
+    for seq in info.state.first_sequence..=info.state.last_sequence {
+        if seq == 0 {
+            continue;
+        }
+        if let Ok(message) = handle.get_raw_message(seq).await {
+            out.push(message);
+        }
+    }
+    out
+}

@@ -1,0 +1,140 @@
+//! A real nats-server process per test: free port, temporary store,
+//! readiness by probing, restartable with the same settings, killed on drop.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+/// The nats-server binary: `WAKEBUS_NATS_SERVER`, else `nats-server` on PATH.
+pub fn server_binary() -> PathBuf {
+    std::env::var_os("WAKEBUS_NATS_SERVER")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("nats-server"))
+}
+
+/// Picks a free TCP port on 127.0.0.1.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+pub struct NatsServer {
+    /// Client port.
+    pub port: u16,
+    /// Extra arguments (cluster flags, config file), kept for restarts.
+    pub extra_args: Vec<String>,
+    /// The JetStream store; removed on drop.
+    pub store: TempDir,
+    child: Option<Child>,
+}
+
+impl NatsServer {
+    /// Starts a single server with JetStream.
+    pub async fn start() -> Self {
+        Self::start_with(Vec::new()).await
+    }
+
+    /// Starts a server with extra arguments.
+    pub async fn start_with(extra_args: Vec<String>) -> Self {
+        let mut server = Self {
+            port: free_port(),
+            extra_args,
+            store: tempfile::tempdir().expect("tempdir"),
+            child: None,
+        };
+        server.spawn();
+        server.wait_ready().await;
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new(server_binary())
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(self.store.path())
+            .args(&self.extra_args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", server_binary().display()));
+        self.child = Some(child);
+    }
+
+    /// Waits until the server answers a JetStream API request.
+    pub async fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!("nats-server exited during start: {status}");
+                }
+            }
+            if let Ok(client) = async_nats::ConnectOptions::new()
+                .connection_timeout(Duration::from_millis(500))
+                .connect(self.url())
+                .await
+            {
+                let ready = tokio::time::timeout(
+                    Duration::from_secs(1),
+                    client.request("$JS.API.INFO", "".into()),
+                )
+                .await;
+                if let Ok(Ok(reply)) = ready {
+                    if !String::from_utf8_lossy(&reply.payload).contains("\"error\"") {
+                        return;
+                    }
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nats-server not ready within 20s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGKILL (a crash).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, and wait for exit (a clean stop).
+    pub fn terminate(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts again with the same port, store and arguments.
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+        self.wait_ready().await;
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

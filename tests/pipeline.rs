@@ -1,0 +1,388 @@
+//! The pipeline end to end: delegate → JetStream → workers → completion → wake → session API.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use common::*;
+use wakebus::delegate::{DelegateResult, Delegation, Delegator, SYNC_NOTE};
+use wakebus::protocol::{CompletionEvent, Status, session_token};
+use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn delegation_id(result: &DelegateResult) -> String {
+    match result {
+        DelegateResult::Dispatched { delegation_id, .. }
+        | DelegateResult::Completed { delegation_id, .. } => delegation_id.clone(),
+    }
+}
+
+#[tokio::test]
+async fn background_delegation_wakes_the_right_session_with_the_exact_headers_and_body() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    let session = "sess.42 *> with spaces";
+    let result = Delegator::new(bus.clone())
+        .delegate(
+            Delegation::new("Summarise the logs")
+                .session(session)
+                .context("last 24h"),
+        )
+        .await
+        .expect("delegate");
+    let json = serde_json::to_value(&result).unwrap();
+    assert_eq!(json["status"], "dispatched");
+    assert_eq!(json["mode"], "background");
+    let id = delegation_id(&result);
+    assert_eq!(json["delegation_id"], id.as_str());
+
+    wait_until(WAIT, "one wake", || async { !api.accepted().is_empty() }).await;
+    let post = &api.accepted()[0];
+    assert_eq!(post.session(), session);
+    assert_eq!(
+        post.header("authorization").as_deref(),
+        Some("Bearer test-key")
+    );
+    assert_eq!(
+        post.header("content-type").as_deref(),
+        Some("application/json")
+    );
+    assert_eq!(post.header("idempotency-key"), Some(format!("{id}.0.done")));
+    assert!(
+        post.header("traceparent")
+            .is_some_and(|t| t.starts_with("00-"))
+    );
+    assert_eq!(post.body["model"], "hermes-agent");
+    assert_eq!(post.body["stream"], false);
+    assert_eq!(post.body["messages"][0]["role"], "user");
+    let text = post.text();
+    assert!(
+        text.starts_with(&format!("[ASYNC DELEGATION COMPLETE — {id}]")),
+        "{text}"
+    );
+    assert!(text.contains("Goal: Summarise the logs"), "{text}");
+    assert!(text.contains("Status: completed"), "{text}");
+    assert!(text.contains("echo: Summarise the logs"), "{text}");
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 1, "exactly one post");
+}
+
+#[tokio::test]
+async fn sync_delegation_returns_the_result_inline_and_posts_nothing() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    let result = Delegator::new(bus.clone())
+        .with_wait_timeout(Some(WAIT))
+        .delegate(Delegation::new("Add 2 and 2"))
+        .await
+        .expect("delegate");
+    let DelegateResult::Completed {
+        status,
+        mode,
+        note,
+        result,
+        ..
+    } = result
+    else {
+        panic!("expected an inline result, got {result:?}");
+    };
+    assert_eq!((status.as_str(), mode), ("completed", "sync"));
+    assert_eq!(note, SYNC_NOTE);
+    assert!(note.contains("SYNCHRONOUSLY"));
+    assert_eq!(result.summary.as_deref(), Some("echo: Add 2 and 2"));
+    assert_eq!(result.origin_session_id, None);
+
+    // The wake service has seen (and acked) the completion, and posted nothing.
+    let consumer_name = bus.subjects.wake_consumer();
+    let stream = bus.subjects.events_stream();
+    wait_until(
+        WAIT,
+        "the wake consumer acked the sync completion",
+        || async {
+            let mut consumer: async_nats::jetstream::consumer::PullConsumer = bus
+                .js
+                .get_consumer_from_stream(consumer_name, &stream)
+                .await
+                .expect("consumer");
+            let info = consumer.info().await.expect("info");
+            info.ack_floor.stream_sequence > 0 && info.num_ack_pending == 0 && info.num_pending == 0
+        },
+    )
+    .await;
+    services.stop().await;
+    assert!(
+        api.all_posts().is_empty(),
+        "a sync delegation must never wake anyone"
+    );
+}
+
+#[tokio::test]
+async fn two_hundred_delegations_from_twenty_sessions_each_wake_only_their_own_session() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    let delegator = Delegator::new(bus.clone());
+    let submissions = (0..200).map(|i| {
+        let delegator = delegator.clone();
+        async move {
+            let session = format!("session-{}.x", i % 20);
+            let result = delegator
+                .delegate(Delegation::new(format!("task {i}")).session(session.clone()))
+                .await
+                .expect("delegate");
+            (session, delegation_id(&result))
+        }
+    });
+    let submitted = futures::future::join_all(submissions).await;
+    let mut expected: HashMap<String, HashSet<String>> = HashMap::new();
+    for (session, id) in submitted {
+        expected.entry(session).or_default().insert(id);
+    }
+
+    let woken = || {
+        api.accepted()
+            .iter()
+            .map(|p| p.delegation_ids().len())
+            .sum::<usize>()
+    };
+    wait_until(WAIT, "200 completions woken", || async { woken() >= 200 }).await;
+    services.stop().await;
+
+    let mut seen: HashMap<String, Vec<String>> = HashMap::new();
+    for post in api.accepted() {
+        seen.entry(post.session())
+            .or_default()
+            .extend(post.delegation_ids());
+    }
+    assert_eq!(seen.len(), 20);
+    for (session, ids) in &seen {
+        let unique: HashSet<String> = ids.iter().cloned().collect();
+        assert_eq!(
+            unique.len(),
+            ids.len(),
+            "{session} was woken twice for one delegation"
+        );
+        assert_eq!(
+            &unique, &expected[session],
+            "{session} got someone else's completions"
+        );
+    }
+}
+
+#[tokio::test]
+async fn two_workers_on_one_pool_share_the_work_and_run_nothing_twice() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    for name in ["worker-a", "worker-b"] {
+        let mut config = test_worker_config("default");
+        config.instance = name.to_owned();
+        config.concurrency = 4;
+        let command = CommandConfig::new("sh", vec!["-c".into(), "sleep 0.1; echo done".into()]);
+        services.worker(
+            &bus,
+            Executor::Command(CommandExecutor::new(command)),
+            config,
+        );
+    }
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    let delegator = Delegator::new(bus.clone());
+    for i in 0..40 {
+        delegator
+            .delegate(Delegation::new(format!("task {i}")).session(format!("s{}", i % 4)))
+            .await
+            .expect("delegate");
+    }
+    let woken = || {
+        api.accepted()
+            .iter()
+            .map(|p| p.delegation_ids().len())
+            .sum::<usize>()
+    };
+    wait_until(WAIT, "40 completions woken", || async { woken() >= 40 }).await;
+    services.stop().await;
+
+    let events = all_messages(&bus, &bus.subjects.events_stream()).await;
+    let mut runs_by_worker: HashMap<String, usize> = HashMap::new();
+    let mut done_per_delegation: HashMap<String, usize> = HashMap::new();
+    for event in &events {
+        let subject = event.subject.as_str();
+        if subject.ends_with(".started") {
+            let body: serde_json::Value = serde_json::from_slice(&event.payload).unwrap();
+            *runs_by_worker
+                .entry(body["worker"].as_str().unwrap().to_owned())
+                .or_default() += 1;
+        } else if subject.ends_with(".done") {
+            let done = CompletionEvent::decode(&event.payload).unwrap();
+            assert_eq!(done.status, Status::Completed);
+            assert_eq!(done.summary.as_deref(), Some("done"));
+            *done_per_delegation.entry(done.delegation_id).or_default() += 1;
+        }
+    }
+    assert_eq!(
+        runs_by_worker.values().sum::<usize>(),
+        40,
+        "every task started exactly once"
+    );
+    assert!(
+        runs_by_worker["worker-a"] > 0 && runs_by_worker["worker-b"] > 0,
+        "{runs_by_worker:?}"
+    );
+    assert_eq!(done_per_delegation.len(), 40);
+    assert!(done_per_delegation.values().all(|&n| n == 1));
+}
+
+#[tokio::test]
+async fn invalid_requests_end_in_error_completions_and_the_worker_goes_on() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    let subject = bus.subjects.task("default");
+    // Not JSON at all, with the origin session only in the header.
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Wakebus-Origin-Session", "victim.session");
+    headers.insert("Wakebus-Delegation-Id", "broken-1");
+    bus.js
+        .publish_with_headers(subject.clone(), headers, "{not json".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // Valid JSON without a goal.
+    let no_goal = r#"{"version":1,"delegation_id":"nogoal-1","origin_session_id":"other.session"}"#;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Wakebus-Origin-Session", "other.session");
+    bus.js
+        .publish_with_headers(subject.clone(), headers, no_goal.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // And a good one after them.
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("still works").session("good.session"))
+        .await
+        .unwrap();
+
+    wait_until(WAIT, "three wakes", || async { api.accepted().len() >= 3 }).await;
+    services.stop().await;
+    let by_session: HashMap<String, String> = api
+        .accepted()
+        .iter()
+        .map(|p| (p.session(), p.text()))
+        .collect();
+    let broken = &by_session["victim.session"];
+    assert!(
+        broken.contains("[ASYNC DELEGATION COMPLETE — broken-1]"),
+        "{broken}"
+    );
+    assert!(broken.contains("Status: error"), "{broken}");
+    assert!(broken.contains("not a valid task request"), "{broken}");
+    let no_goal = &by_session["other.session"];
+    assert!(no_goal.contains("missing field `goal`"), "{no_goal}");
+    assert!(by_session["good.session"].contains("Status: completed"));
+
+    // Both bad requests are in the dead-letter stream with their reason.
+    let dead = all_messages(&bus, &bus.subjects.dead_letter_stream()).await;
+    assert_eq!(dead.len(), 2);
+    for message in dead {
+        let reason = message.headers.get("Wakebus-Dead-Letter-Reason").unwrap();
+        assert!(!reason.as_str().is_empty());
+    }
+}
+
+#[tokio::test]
+async fn wake_arrives_once_the_session_api_is_back() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    api.fail_always(503);
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    let result = Delegator::new(bus.clone())
+        .delegate(Delegation::new("patience").session("s.down"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "several refused attempts", || async {
+        api.all_posts().len() >= 3
+    })
+    .await;
+    assert!(api.accepted().is_empty());
+    api.recover();
+    wait_until(WAIT, "the wake after recovery", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    services.stop().await;
+    let accepted = api.accepted();
+    assert_eq!(accepted.len(), 1);
+    assert_eq!(accepted[0].delegation_ids(), vec![delegation_id(&result)]);
+    assert_eq!(accepted[0].session(), "s.down");
+}
+
+#[tokio::test]
+async fn a_session_api_that_refuses_with_4xx_gets_the_wake_dead_lettered_not_retried_forever() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    api.fail_always(404);
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("nobody home").session("gone.session"))
+        .await
+        .unwrap();
+    let dlq = bus.subjects.dead_letter_stream();
+    wait_until(WAIT, "a wake dead letter", || async {
+        !all_messages(&bus, &dlq).await.is_empty()
+    })
+    .await;
+    services.stop().await;
+    let dead = all_messages(&bus, &dlq).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].subject.as_str(),
+        bus.subjects
+            .dead_letter_wake(&session_token("gone.session"))
+    );
+    let reason = dead[0]
+        .headers
+        .get("Wakebus-Dead-Letter-Reason")
+        .unwrap()
+        .to_string();
+    assert!(reason.contains("404"), "{reason}");
+    assert_eq!(api.all_posts().len(), 1, "a 404 is not retried");
+}
