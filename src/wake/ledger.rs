@@ -30,6 +30,20 @@ pub enum LedgerState {
     },
 }
 
+/// What a combined post was about to send, recorded before it is sent.
+///
+/// If the wake service dies mid-post, whichever instance next sees one of
+/// the covered completions re-sends exactly this text with the same key, so
+/// the session API can tell it is a repeat, and every covered completion is
+/// then marked delivered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Intent {
+    /// The rendered turn.
+    pub text: String,
+    /// Ledger keys of the completions the turn reports.
+    pub covers: Vec<String>,
+}
+
 /// Why the ledger could not be read or written.
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
@@ -97,8 +111,35 @@ impl WakeLedger {
         .await
     }
 
+    /// Records the intent of a combined post under its idempotency key.
+    pub async fn put_intent(
+        &self,
+        idempotency_key: &str,
+        intent: &Intent,
+    ) -> Result<(), LedgerError> {
+        self.kv
+            .put(
+                intent_key(idempotency_key),
+                serde_json::to_vec(intent)?.into(),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// The intent recorded under `idempotency_key`, if any.
+    pub async fn intent(&self, idempotency_key: &str) -> Result<Option<Intent>, LedgerError> {
+        match self.kv.get(intent_key(idempotency_key)).await? {
+            Some(bytes) => Ok(Some(serde_json::from_slice(&bytes)?)),
+            None => Ok(None),
+        }
+    }
+
     async fn put(&self, key: &str, state: &LedgerState) -> Result<(), LedgerError> {
         self.kv.put(key, serde_json::to_vec(state)?.into()).await?;
         Ok(())
     }
+}
+
+fn intent_key(idempotency_key: &str) -> String {
+    format!("intent.{idempotency_key}")
 }

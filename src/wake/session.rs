@@ -19,7 +19,8 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument, error, info, info_span, warn};
 
 use super::Shared;
-use super::ledger::{LedgerState, WakeLedger};
+use super::ledger::{Intent, LedgerError, LedgerState, WakeLedger};
+use super::lock::LockGuard;
 use super::session_api::PostResult;
 use super::turn;
 use crate::outcome::Outcome;
@@ -42,6 +43,31 @@ impl Pending {
     fn ledger_key(&self) -> String {
         WakeLedger::key(&self.event.delegation_id, self.event.task_index)
     }
+}
+
+/// One continuation turn to post.
+#[derive(Debug)]
+struct Turn {
+    /// The `Idempotency-Key`.
+    key: String,
+    /// The rendered text.
+    text: String,
+    /// Ledger keys of the completions it reports.
+    covers: Vec<String>,
+    /// Messages to ack once it is delivered.
+    messages: Vec<Pending>,
+    /// Trace context for the post.
+    traceparent: Option<String>,
+}
+
+/// How posting one turn ended.
+enum Posted {
+    /// Delivered or dead-lettered; its messages are acked.
+    Done,
+    /// A NATS write failed; try the whole thing again shortly.
+    Retry,
+    /// Shutting down; hand its messages back.
+    Shutdown,
 }
 
 /// Routes completions to their session's actor, starting actors on demand.
@@ -164,7 +190,7 @@ impl Router {
         &self,
         held: &mut Vec<Pending>,
         rx: &mut UnboundedReceiver<Pending>,
-    ) -> Option<super::lock::LockGuard> {
+    ) -> Option<LockGuard> {
         let token = session_token(&held[0].session);
         let mut delay = Duration::from_millis(20);
         loop {
@@ -180,160 +206,225 @@ impl Router {
         }
     }
 
-    /// Delivers everything in `held` (plus arrivals while the lock is held).
-    /// Returns false if shutdown interrupted it; `held` then keeps what is left.
+    /// Delivers everything in `held`. Returns false if shutdown interrupted
+    /// it; `held` then keeps what is left to hand back.
     async fn deliver(
         &self,
         session: &str,
         held: &mut Vec<Pending>,
         rx: &mut UnboundedReceiver<Pending>,
-        guard: &mut super::lock::LockGuard,
+        guard: &mut LockGuard,
     ) -> bool {
-        let shared = &self.shared;
-        // Drop members already delivered; note those with an unfinished post.
-        let mut members: Vec<(Pending, Option<String>)> = Vec::new();
-        let mut unchecked = std::mem::take(held).into_iter();
-        while let Some(pending) = unchecked.next() {
-            match shared.ledger.get(&pending.ledger_key()).await {
-                Ok(Some(LedgerState::Delivered { .. })) => {
-                    info!(delegation_id = %pending.event.delegation_id, task_index = pending.event.task_index, "Wake already delivered; acking the duplicate.");
-                    Outcome::Ack.apply(&pending.message).await;
-                }
-                Ok(Some(LedgerState::Posting { idempotency_key })) => {
-                    members.push((pending, Some(idempotency_key)));
-                }
-                Ok(None) => members.push((pending, None)),
-                Err(error) => {
-                    warn!(%error, "Could not read the wake ledger; will retry.");
-                    members.push((pending, None));
-                    held.extend(members.into_iter().map(|(p, _)| p));
-                    held.extend(unchecked);
+        let mut turns = match self.plan(held).await {
+            Ok(turns) => turns,
+            Err(error) => {
+                warn!(%error, "Wake ledger unavailable; will retry.");
+                return self
+                    .wait(Instant::now() + Duration::from_secs(1), held, rx)
+                    .await;
+            }
+        };
+        let mut refresh_at = Instant::now() + self.shared.locks.refresh_interval();
+        while !turns.is_empty() {
+            let turn = turns.remove(0);
+            match self
+                .post_turn(session, &turn, guard, &mut refresh_at, held, rx)
+                .await
+            {
+                Posted::Done => {}
+                Posted::Retry => {
+                    held.extend(turn.messages);
+                    held.extend(turns.into_iter().flat_map(|t| t.messages));
                     return self
                         .wait(Instant::now() + Duration::from_secs(1), held, rx)
                         .await;
                 }
-            }
-        }
-        // The same task twice (a redelivery while we held it): one post, both acked.
-        members.sort_by_key(|(p, _)| p.ledger_key());
-        let mut groups: Vec<Vec<(Pending, Option<String>)>> = Vec::new();
-        let mut fresh: Vec<(Pending, Option<String>)> = Vec::new();
-        for member in members {
-            if member.1.is_some() {
-                // An earlier post of unknown outcome: repeat it alone, same key.
-                groups.push(vec![member]);
-            } else {
-                fresh.push(member);
-            }
-        }
-        if !fresh.is_empty() {
-            groups.push(fresh);
-        }
-        let mut refresh_at = Instant::now() + shared.locks.refresh_interval();
-        while let Some(group) = groups.pop() {
-            let mut unique: Vec<&CompletionEvent> = Vec::new();
-            for (p, _) in &group {
-                if unique.last().is_none_or(|last| {
-                    (&last.delegation_id, last.task_index)
-                        != (&p.event.delegation_id, p.event.task_index)
-                }) {
-                    unique.push(&p.event);
-                }
-            }
-            let key = match (&group[0].1, unique.as_slice()) {
-                (Some(previous), _) => previous.clone(),
-                (None, [only]) => only.event_id.clone(),
-                (None, _) => format!("wake.{}", ulid::Ulid::new()),
-            };
-            if unique.len() > 1 && group[0].1.is_none() {
-                for (p, _) in &group {
-                    if let Err(error) = shared.ledger.mark_posting(&p.ledger_key(), &key).await {
-                        warn!(%error, "Could not record the post in the wake ledger; will retry.");
-                        held.extend(group.into_iter().map(|(p, _)| p));
-                        held.extend(groups.into_iter().flatten().map(|(p, _)| p));
-                        return self
-                            .wait(Instant::now() + Duration::from_secs(1), held, rx)
-                            .await;
-                    }
-                }
-            }
-            let text = turn::render(&unique);
-            let traceparent = group[0].0.traceparent.as_deref();
-            let mut backoff = ExponentialBuilder::default()
-                .with_min_delay(shared.config.retry_min)
-                .with_max_delay(shared.config.retry_max)
-                .with_jitter()
-                .without_max_times()
-                .build();
-            let mut attempt = 0u32;
-            loop {
-                attempt += 1;
-                if Instant::now() >= refresh_at {
-                    if let Err(error) = shared.locks.refresh(guard).await {
-                        warn!(%error, "Session lock lost while posting; another instance may post too.");
-                    }
-                    refresh_at = Instant::now() + shared.locks.refresh_interval();
-                }
-                match shared.api.post(session, &text, &key, traceparent).await {
-                    PostResult::Delivered => {
-                        for (p, _) in &group {
-                            if let Err(error) =
-                                shared.ledger.mark_delivered(&p.ledger_key(), &key).await
-                            {
-                                warn!(%error, "Could not record the delivery; a redelivery may post again with the same Idempotency-Key.");
-                            }
-                        }
-                        for (p, _) in &group {
-                            Outcome::Ack.apply(&p.message).await;
-                        }
-                        info!(completions = unique.len(), attempt, idempotency_key = %key, "Wake delivered.");
-                        break;
-                    }
-                    PostResult::Rejected { status, body } => {
-                        error!(status, body = %body, completions = unique.len(), "Session API rejected the wake; dead-lettering it for replay.");
-                        for (p, _) in &group {
-                            let reason = format!("session API answered {status}: {body}");
-                            if let Err(error) = self.dead_letter(p, &reason).await {
-                                warn!(%error, "Could not dead-letter the completion; will retry.");
-                                held.extend(group.into_iter().map(|(p, _)| p));
-                                held.extend(groups.into_iter().flatten().map(|(p, _)| p));
-                                return self
-                                    .wait(Instant::now() + Duration::from_secs(1), held, rx)
-                                    .await;
-                            }
-                        }
-                        for (p, _) in &group {
-                            Outcome::Ack.apply(&p.message).await;
-                        }
-                        break;
-                    }
-                    PostResult::Retry { reason, after } => {
-                        let delay = after
-                            .unwrap_or_else(|| backoff.next().unwrap_or(shared.config.retry_max));
-                        warn!(%reason, attempt, retry_in = ?delay, "Wake post failed, will retry.");
-                        let mut waiting = Vec::new();
-                        // Keep the group and everything else alive while waiting.
-                        let alive = self
-                            .wait_holding(Instant::now() + delay, &group, &mut waiting, rx)
-                            .await;
-                        held.append(&mut waiting);
-                        if !alive {
-                            held.extend(group.into_iter().map(|(p, _)| p));
-                            held.extend(groups.into_iter().flatten().map(|(p, _)| p));
-                            return false;
-                        }
-                    }
+                Posted::Shutdown => {
+                    held.extend(turn.messages);
+                    held.extend(turns.into_iter().flat_map(|t| t.messages));
+                    return false;
                 }
             }
         }
         true
     }
 
+    /// Sorts held completions into turns: already delivered ones are acked,
+    /// ones whose earlier post ended in doubt are re-sent as recorded, the
+    /// rest become one new turn.
+    async fn plan(&self, held: &mut Vec<Pending>) -> Result<Vec<Turn>, LedgerError> {
+        let ledger = &self.shared.ledger;
+        let mut states = Vec::with_capacity(held.len());
+        for pending in held.iter() {
+            states.push(ledger.get(&pending.ledger_key()).await?);
+        }
+        let mut recovering: Vec<Turn> = Vec::new();
+        let mut fresh: Vec<Pending> = Vec::new();
+        for (pending, state) in std::mem::take(held).into_iter().zip(states) {
+            match state {
+                Some(LedgerState::Delivered { .. }) => {
+                    info!(delegation_id = %pending.event.delegation_id, task_index = pending.event.task_index, "Wake already delivered; acking the duplicate.");
+                    Outcome::Ack.apply(&pending.message).await;
+                }
+                Some(LedgerState::Posting { idempotency_key }) => {
+                    if let Some(turn) = recovering.iter_mut().find(|t| t.key == idempotency_key) {
+                        turn.messages.push(pending);
+                    } else if let Some(intent) = ledger.intent(&idempotency_key).await? {
+                        warn!(idempotency_key = %idempotency_key, "An earlier post ended in doubt; re-sending it with the same Idempotency-Key.");
+                        recovering.push(Turn {
+                            traceparent: pending.traceparent.clone(),
+                            key: idempotency_key,
+                            text: intent.text,
+                            covers: intent.covers,
+                            messages: vec![pending],
+                        });
+                    } else {
+                        fresh.push(pending);
+                    }
+                }
+                None => fresh.push(pending),
+            }
+        }
+        // A completion that a doubtful post already reported goes with it.
+        let mut remaining: Vec<Pending> = Vec::new();
+        for pending in fresh {
+            let key = pending.ledger_key();
+            match recovering.iter_mut().find(|t| t.covers.contains(&key)) {
+                Some(turn) => turn.messages.push(pending),
+                None => remaining.push(pending),
+            }
+        }
+        if let Some(turn) = self.new_turn(remaining).await? {
+            recovering.push(turn);
+        }
+        Ok(recovering)
+    }
+
+    /// One turn for completions never posted before. A combined turn's
+    /// intent is recorded first, so a post that ends in doubt can be repeated exactly.
+    async fn new_turn(&self, messages: Vec<Pending>) -> Result<Option<Turn>, LedgerError> {
+        if messages.is_empty() {
+            return Ok(None);
+        }
+        let mut covers: Vec<String> = Vec::new();
+        let mut events: Vec<&CompletionEvent> = Vec::new();
+        for pending in &messages {
+            // The same task twice (a redelivery while held): report it once.
+            let key = pending.ledger_key();
+            if !covers.contains(&key) {
+                covers.push(key);
+                events.push(&pending.event);
+            }
+        }
+        let text = turn::render(&events);
+        let key = match events.as_slice() {
+            [only] => only.event_id.clone(),
+            _ => {
+                let key = format!("wake.{}", ulid::Ulid::new());
+                let ledger = &self.shared.ledger;
+                ledger
+                    .put_intent(
+                        &key,
+                        &Intent {
+                            text: text.clone(),
+                            covers: covers.clone(),
+                        },
+                    )
+                    .await?;
+                for covered in &covers {
+                    ledger.mark_posting(covered, &key).await?;
+                }
+                key
+            }
+        };
+        Ok(Some(Turn {
+            traceparent: messages[0].traceparent.clone(),
+            key,
+            text,
+            covers,
+            messages,
+        }))
+    }
+
+    /// Posts one turn until it is delivered, refused for good, or shutdown.
+    async fn post_turn(
+        &self,
+        session: &str,
+        turn: &Turn,
+        guard: &mut LockGuard,
+        refresh_at: &mut Instant,
+        held: &mut Vec<Pending>,
+        rx: &mut UnboundedReceiver<Pending>,
+    ) -> Posted {
+        let shared = &self.shared;
+        let mut backoff = ExponentialBuilder::default()
+            .with_min_delay(shared.config.retry_min)
+            .with_max_delay(shared.config.retry_max)
+            .with_jitter()
+            .without_max_times()
+            .build();
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            if Instant::now() >= *refresh_at {
+                if let Err(error) = shared.locks.refresh(guard).await {
+                    warn!(%error, "Session lock lost while posting; another instance may post for this session meanwhile.");
+                }
+                *refresh_at = Instant::now() + shared.locks.refresh_interval();
+            }
+            match shared
+                .api
+                .post(session, &turn.text, &turn.key, turn.traceparent.as_deref())
+                .await
+            {
+                PostResult::Delivered => {
+                    for covered in &turn.covers {
+                        if let Err(error) = shared.ledger.mark_delivered(covered, &turn.key).await {
+                            warn!(%error, "Could not record the delivery; a redelivery will re-send with the same Idempotency-Key.");
+                        }
+                    }
+                    for pending in &turn.messages {
+                        Outcome::Ack.apply(&pending.message).await;
+                    }
+                    info!(completions = turn.covers.len(), attempt, idempotency_key = %turn.key, "Wake delivered.");
+                    return Posted::Done;
+                }
+                PostResult::Rejected { status, body } => {
+                    error!(status, body = %body, completions = turn.covers.len(), "Session API rejected the wake; dead-lettering it for replay.");
+                    let reason = format!("session API answered {status}: {body}");
+                    for pending in &turn.messages {
+                        if let Err(error) = self.dead_letter(pending, &reason).await {
+                            warn!(%error, "Could not dead-letter the completion; will retry.");
+                            return Posted::Retry;
+                        }
+                    }
+                    for pending in &turn.messages {
+                        Outcome::Ack.apply(&pending.message).await;
+                    }
+                    return Posted::Done;
+                }
+                PostResult::Retry { reason, after } => {
+                    let delay =
+                        after.unwrap_or_else(|| backoff.next().unwrap_or(shared.config.retry_max));
+                    warn!(%reason, attempt, retry_in = ?delay, "Wake post failed, will retry.");
+                    let mut arrivals = Vec::new();
+                    let alive = self
+                        .wait_holding(Instant::now() + delay, &turn.messages, &mut arrivals, rx)
+                        .await;
+                    held.append(&mut arrivals);
+                    if !alive {
+                        return Posted::Shutdown;
+                    }
+                }
+            }
+        }
+    }
+
     /// Like [`Self::wait`], also keeping `group` alive.
     async fn wait_holding(
         &self,
         until: Instant,
-        group: &[(Pending, Option<String>)],
+        group: &[Pending],
         arrivals: &mut Vec<Pending>,
         rx: &mut UnboundedReceiver<Pending>,
     ) -> bool {
@@ -344,9 +435,7 @@ impl Router {
                 () = tokio::time::sleep_until(until) => return true,
                 Some(p) = rx.recv() => arrivals.push(p),
                 _ = keepalive.tick() => {
-                    for (p, _) in group {
-                        let _ = p.message.ack_with(AckKind::Progress).await;
-                    }
+                    keep_alive(group).await;
                     keep_alive(arrivals).await;
                 }
                 () = self.shutdown.cancelled() => return false,
