@@ -41,8 +41,13 @@ impl NatsServer {
 
     /// Starts a server with extra arguments.
     pub async fn start_with(extra_args: Vec<String>) -> Self {
+        Self::start_on(free_port(), extra_args).await
+    }
+
+    /// Starts a server on `port` (for tests whose clients start first).
+    pub async fn start_on(port: u16, extra_args: Vec<String>) -> Self {
         let mut server = Self {
-            port: free_port(),
+            port,
             extra_args,
             store: tempfile::tempdir().expect("tempdir"),
             child: None,

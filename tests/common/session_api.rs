@@ -1,9 +1,11 @@
 //! A real HTTP session API on 127.0.0.1:0 that records every post, and can
 //! be told to fail for a while.
 
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -58,6 +60,13 @@ struct Inner {
     fail_remaining: AtomicUsize,
     /// Answer this status forever (0: off).
     always_status: AtomicU16,
+    /// Hold each post this many milliseconds before answering.
+    delay_ms: AtomicU64,
+    /// Posts in flight per session, and the most ever seen at once.
+    in_flight: Mutex<HashMap<String, usize>>,
+    max_in_flight_per_session: AtomicUsize,
+    /// `Retry-After` seconds sent with refusals (0: none).
+    retry_after: AtomicU64,
 }
 
 #[derive(Clone)]
@@ -102,6 +111,33 @@ impl SessionApiServer {
         self.inner.fail_remaining.store(0, Ordering::SeqCst);
     }
 
+    /// Hold every post for `delay` before answering.
+    pub fn set_delay(&self, delay: Duration) {
+        self.inner
+            .delay_ms
+            .store(delay.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// Send `Retry-After: seconds` with refusals.
+    pub fn set_retry_after(&self, seconds: u64) {
+        self.inner.retry_after.store(seconds, Ordering::SeqCst);
+    }
+
+    /// The most posts ever in flight at once for one session.
+    pub fn max_in_flight_per_session(&self) -> usize {
+        self.inner.max_in_flight_per_session.load(Ordering::SeqCst)
+    }
+
+    /// Accepted posts as a session API honouring `Idempotency-Key` sees
+    /// them: repeats of an accepted key are not new turns.
+    pub fn turns(&self) -> Vec<Recorded> {
+        let mut seen = HashSet::new();
+        self.accepted()
+            .into_iter()
+            .filter(|p| seen.insert(p.header("idempotency-key").unwrap_or_default()))
+            .collect()
+    }
+
     /// Posts answered with 2xx.
     pub fn accepted(&self) -> Vec<Recorded> {
         self.inner.accepted.lock().unwrap().clone()
@@ -119,7 +155,40 @@ async fn receive(
     Json(body): Json<Value>,
 ) -> Response {
     let recorded = Recorded { headers, body };
+    let session = recorded.session();
+    {
+        let mut in_flight = inner.in_flight.lock().unwrap();
+        let n = in_flight.entry(session.clone()).or_default();
+        *n += 1;
+        inner
+            .max_in_flight_per_session
+            .fetch_max(*n, Ordering::SeqCst);
+    }
+    let delay = inner.delay_ms.load(Ordering::SeqCst);
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
+    let response = answer(&inner, recorded);
+    *inner.in_flight.lock().unwrap().get_mut(&session).unwrap() -= 1;
+    response
+}
+
+fn answer(inner: &Inner, recorded: Recorded) -> Response {
     inner.all.lock().unwrap().push(recorded.clone());
+    let retry_after = inner.retry_after.load(Ordering::SeqCst);
+    let refuse = |status: u16| {
+        let mut response = (
+            StatusCode::from_u16(status).unwrap(),
+            "session API unavailable",
+        )
+            .into_response();
+        if retry_after > 0 {
+            response
+                .headers_mut()
+                .insert("retry-after", retry_after.to_string().parse().unwrap());
+        }
+        response
+    };
     let always = inner.always_status.load(Ordering::SeqCst);
     if always != 0 {
         return (
@@ -133,8 +202,7 @@ async fn receive(
         .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
         .is_ok()
     {
-        let status = inner.fail_status.load(Ordering::SeqCst);
-        return (StatusCode::from_u16(status).unwrap(), "refused").into_response();
+        return refuse(inner.fail_status.load(Ordering::SeqCst));
     }
     inner.accepted.lock().unwrap().push(recorded);
     Json(json!({

@@ -1,0 +1,511 @@
+//! Nothing lost, nothing doubled: timeouts, retries, dead letters, duplicate
+//! publishes, per-session exclusion and NATS restarts, with in-process services.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use common::*;
+use wakebus::bus::Bus;
+use wakebus::delegate::{DelegateResult, Delegation, Delegator};
+use wakebus::protocol::{
+    CompletionEvent, EventHeaders, PROTOCOL_VERSION, Status, TaskRequest, TraceParent,
+    new_delegation_id,
+};
+use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn id_of(result: &DelegateResult) -> String {
+    match result {
+        DelegateResult::Dispatched { delegation_id, .. }
+        | DelegateResult::Completed { delegation_id, .. } => delegation_id.clone(),
+    }
+}
+
+fn shell(script: &str) -> Executor {
+    Executor::Command(CommandExecutor::new(CommandConfig::new(
+        "sh",
+        vec!["-c".into(), script.into()],
+    )))
+}
+
+fn request(session: &str, goal: &str) -> TaskRequest {
+    TaskRequest {
+        version: PROTOCOL_VERSION,
+        delegation_id: new_delegation_id(),
+        task_index: 0,
+        origin_session_id: Some(session.to_owned()),
+        goal: goal.to_owned(),
+        context: String::new(),
+        role: Default::default(),
+        model: None,
+        toolsets: Vec::new(),
+        timeout_seconds: None,
+        depth: 0,
+        parent_session_id: None,
+        created_at: None,
+    }
+}
+
+/// Publishes `request` the way any client would, with the given dedupe id.
+async fn publish_request(bus: &Bus, request: &TaskRequest, msg_id: &str) {
+    let headers = EventHeaders {
+        id: msg_id,
+        ce_type: "io.wakebus.task.requested",
+        source: "test",
+        origin_session: request.origin_session_id.as_deref(),
+        delegation_id: &request.delegation_id,
+        task_index: request.task_index,
+        traceparent: TraceParent::new_root(),
+    }
+    .to_header_map();
+    bus.js
+        .publish_with_headers(
+            bus.subjects.task("default"),
+            headers,
+            serde_json::to_vec(request).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+/// Completions in the history, by delegation id.
+async fn completions(bus: &Bus) -> HashMap<String, Vec<CompletionEvent>> {
+    let mut out: HashMap<String, Vec<CompletionEvent>> = HashMap::new();
+    for message in all_messages(bus, &bus.subjects.events_stream()).await {
+        if message.subject.ends_with(".done") {
+            let done = CompletionEvent::decode(&message.payload).unwrap();
+            out.entry(done.delegation_id.clone())
+                .or_default()
+                .push(done);
+        }
+    }
+    out
+}
+
+async fn started_count(bus: &Bus, delegation_id: &str) -> usize {
+    all_messages(bus, &bus.subjects.events_stream())
+        .await
+        .iter()
+        .filter(|m| m.subject.contains(delegation_id) && m.subject.ends_with(".started"))
+        .count()
+}
+
+/// Waits until the wake consumer has nothing pending or unacked.
+async fn wake_consumer_drained(bus: &Bus) {
+    let stream = bus.subjects.events_stream();
+    wait_until(WAIT, "the wake consumer to ack everything", || async {
+        let Ok(mut consumer) = bus
+            .js
+            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                bus.subjects.wake_consumer(),
+                &stream,
+            )
+            .await
+        else {
+            return false;
+        };
+        consumer
+            .info()
+            .await
+            .map(|i| i.num_ack_pending == 0 && i.num_pending == 0)
+            .unwrap_or(false)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_task_longer_than_ack_wait_is_not_redelivered_while_its_worker_is_alive() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    for name in ["a", "b"] {
+        let mut config = test_worker_config("default");
+        config.ack_wait = Duration::from_secs(1);
+        config.instance = name.to_owned();
+        services.worker(&bus, shell("sleep 3; echo long"), config);
+    }
+    services.wake(&bus, test_wake_config(&api.url()));
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::new("long").session("s.long"))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    services.stop().await;
+    assert_eq!(
+        started_count(&bus, &id).await,
+        1,
+        "ran on a second worker while the first was alive"
+    );
+    let done = &completions(&bus).await[&id];
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].summary.as_deref(), Some("long"));
+    assert!(done[0].duration_seconds >= 3.0);
+}
+
+#[tokio::test]
+async fn a_task_that_outlives_its_timeout_is_stopped_and_ends_as_timeout() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.worker(
+        &bus,
+        shell("echo partial; sleep 60"),
+        test_worker_config("default"),
+    );
+    services.wake(&bus, test_wake_config(&api.url()));
+    let mut delegation = Delegation::new("too slow").session("s.slow");
+    delegation.timeout_seconds = Some(1);
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(delegation)
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    services.stop().await;
+    let done = &completions(&bus).await[&id][0];
+    assert_eq!(done.status, Status::Timeout);
+    assert_eq!(done.exit_reason, "timeout");
+    assert_eq!(done.summary.as_deref(), Some("partial"));
+    assert!(done.duration_seconds < 30.0, "the process was not stopped");
+    assert!(api.accepted()[0].text().contains("Status: timeout"));
+}
+
+#[tokio::test]
+async fn transient_failures_are_retried_then_end_failed_woken_and_dead_lettered() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    let mut config = test_worker_config("default");
+    config.max_deliver = 3;
+    let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
+    services.worker(
+        &bus,
+        Executor::Command(CommandExecutor::new(missing)),
+        config,
+    );
+    services.wake(&bus, test_wake_config(&api.url()));
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::new("cannot start").session("s.fail"))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    services.stop().await;
+
+    assert_eq!(started_count(&bus, &id).await, 3, "three attempts");
+    let done = &completions(&bus).await[&id];
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].status, Status::Failed);
+    assert_eq!(done[0].exit_reason, "max_attempts_exceeded");
+    assert!(
+        done[0]
+            .error
+            .as_deref()
+            .unwrap()
+            .contains("could not start"),
+        "{:?}",
+        done[0].error
+    );
+    let dead = all_messages(&bus, &bus.subjects.dead_letter_stream()).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].subject.as_str(),
+        bus.subjects.dead_letter_task("default")
+    );
+    let original: TaskRequest = serde_json::from_slice(&dead[0].payload).unwrap();
+    assert_eq!(original.delegation_id, id);
+    assert!(api.accepted()[0].text().contains("Status: failed"));
+}
+
+#[tokio::test]
+async fn a_request_published_twice_runs_once_and_wakes_once() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let req = request("s.twice", "only once");
+    let msg_id = format!("{}.0", req.delegation_id);
+    publish_request(&bus, &req, &msg_id).await;
+    publish_request(&bus, &req, &msg_id).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    // Published again after it ran: still inside the dedupe window.
+    publish_request(&bus, &req, &msg_id).await;
+    wake_consumer_drained(&bus).await;
+    services.stop().await;
+    assert_eq!(started_count(&bus, &req.delegation_id).await, 1);
+    assert_eq!(api.all_posts().len(), 1);
+}
+
+#[tokio::test]
+async fn a_completion_published_again_after_its_wake_does_not_wake_twice() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::new("once").session("s.dup"))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    // A worker that crashed after publishing `done` and ran the task again
+    // after the dedupe window publishes a second completion: re-publish the
+    // stored one under a new Nats-Msg-Id, as that would.
+    let stored = all_messages(&bus, &bus.subjects.events_stream())
+        .await
+        .into_iter()
+        .find(|m| m.subject.ends_with(".done"))
+        .unwrap();
+    let mut headers = stored.headers.clone();
+    headers.insert("Nats-Msg-Id", "a-later-rerun");
+    bus.js
+        .publish_with_headers(stored.subject.to_string(), headers, stored.payload.clone())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(completions(&bus).await[&id].len(), 2);
+    wake_consumer_drained(&bus).await;
+    services.stop().await;
+    assert_eq!(
+        api.all_posts().len(),
+        1,
+        "the ledger must stop the second wake"
+    );
+}
+
+#[tokio::test]
+async fn a_burst_for_one_session_is_combined_into_one_turn() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let delegator = Delegator::new(bus.clone());
+    let mut ids = HashSet::new();
+    for i in 0..5 {
+        ids.insert(id_of(
+            &delegator
+                .delegate(Delegation::new(format!("part {i}")).session("s.burst"))
+                .await
+                .unwrap(),
+        ));
+    }
+    // All five are done before the wake service starts, so they arrive together.
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    let bus_for_wait = bus.clone();
+    wait_until(WAIT, "five completions", || async {
+        completions(&bus_for_wait).await.len() == 5
+    })
+    .await;
+    let mut config = test_wake_config(&api.url());
+    config.coalesce_window = Duration::from_millis(500);
+    services.wake(&bus, config);
+    wait_until(WAIT, "five woken", || async {
+        api.accepted()
+            .iter()
+            .map(|p| p.delegation_ids().len())
+            .sum::<usize>()
+            == 5
+    })
+    .await;
+    services.stop().await;
+    let posts = api.accepted();
+    assert_eq!(posts.len(), 1, "expected one combined turn");
+    assert!(
+        posts[0]
+            .text()
+            .starts_with("[5 background delegations completed]"),
+        "{}",
+        posts[0].text()
+    );
+    assert_eq!(
+        posts[0]
+            .delegation_ids()
+            .into_iter()
+            .collect::<HashSet<_>>(),
+        ids
+    );
+}
+
+#[tokio::test]
+async fn two_wake_instances_never_post_to_one_session_at_the_same_time() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    api.set_delay(Duration::from_millis(100));
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    for name in ["wake-a", "wake-b"] {
+        let mut config = test_wake_config(&api.url());
+        config.coalesce_window = Duration::ZERO;
+        config.instance = name.to_owned();
+        services.wake(&bus, config);
+    }
+    let delegator = Delegator::new(bus.clone());
+    let mut expected = 0;
+    for i in 0..30 {
+        delegator
+            .delegate(Delegation::new(format!("t{i}")).session(format!("s{}", i % 2)))
+            .await
+            .unwrap();
+        expected += 1;
+    }
+    wait_until(WAIT, "all woken", || async {
+        api.accepted()
+            .iter()
+            .map(|p| p.delegation_ids().len())
+            .sum::<usize>()
+            == expected
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(api.max_in_flight_per_session(), 1);
+    let ids: Vec<String> = api
+        .accepted()
+        .iter()
+        .flat_map(|p| p.delegation_ids())
+        .collect();
+    assert_eq!(
+        ids.iter().collect::<HashSet<_>>().len(),
+        ids.len(),
+        "a completion was woken twice"
+    );
+}
+
+#[tokio::test]
+async fn retry_after_from_the_session_api_is_honoured() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    api.fail_next(1, 429);
+    api.set_retry_after(2);
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("throttled").session("s.429"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the refused post", || async {
+        api.all_posts().len() == 1
+    })
+    .await;
+    let refused_at = std::time::Instant::now();
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    services.stop().await;
+    // test_wake_config retries after at most 300 ms on its own; the server asked for 2 s.
+    assert!(
+        refused_at.elapsed() >= Duration::from_millis(1900),
+        "{:?}",
+        refused_at.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn services_started_before_the_server_wait_for_it() {
+    init_logs();
+    let port = nats::free_port();
+    let url = format!("nats://127.0.0.1:{port}");
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    // Connect and start services with no server listening yet.
+    let client = wakebus::connect::NatsConfig::new(&url)
+        .connect()
+        .await
+        .unwrap();
+    let early = Bus::new(client, wakebus::protocol::Subjects::new(&prefix).unwrap());
+    let mut services = Services::new();
+    services.echo_worker(&early);
+    services.wake(&early, test_wake_config(&api.url()));
+    // Not a wait for a condition: the services must spend a while retrying
+    // against nothing before the server appears.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let _nats = NatsServer::start_on(port, Vec::new()).await;
+    let bus = bus(&url, &prefix).await;
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("late server").session("s.late"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    services.stop().await;
+}
+
+#[tokio::test]
+async fn a_nats_server_crash_mid_run_loses_and_doubles_nothing() {
+    init_logs();
+    let mut nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.worker(
+        &bus,
+        shell("sleep 0.05; echo ok"),
+        test_worker_config("default"),
+    );
+    services.wake(&bus, test_wake_config(&api.url()));
+    let delegator = Delegator::new(bus.clone());
+    let mut accepted = HashSet::new();
+    for i in 0..60 {
+        if i == 30 {
+            nats.kill();
+            nats.restart().await;
+        }
+        if let Ok(result) = delegator
+            .delegate(Delegation::new(format!("t{i}")).session(format!("s{}", i % 3)))
+            .await
+        {
+            accepted.insert(id_of(&result));
+        }
+    }
+    assert!(
+        accepted.len() >= 55,
+        "most delegations should be accepted: {}",
+        accepted.len()
+    );
+    wait_until(
+        Duration::from_secs(60),
+        "every accepted delegation woken",
+        || async {
+            let woken: HashSet<String> = api
+                .turns()
+                .iter()
+                .flat_map(|p| p.delegation_ids())
+                .collect();
+            accepted.is_subset(&woken)
+        },
+    )
+    .await;
+    services.stop().await;
+    let ids: Vec<String> = api
+        .turns()
+        .iter()
+        .flat_map(|p| p.delegation_ids())
+        .collect();
+    let unique: HashSet<&String> = ids.iter().collect();
+    assert_eq!(unique.len(), ids.len(), "a delegation was woken twice");
+}
