@@ -92,11 +92,16 @@ pub struct Bus {
     pub subjects: Subjects,
 }
 
-/// The handles a service needs after provisioning.
+/// The streams, after provisioning.
 #[derive(Debug, Clone)]
-pub struct Provisioned {
+pub struct Streams {
     /// The events stream (history).
     pub events: stream::Stream,
+}
+
+/// The wake service's KV buckets, after provisioning.
+#[derive(Debug, Clone)]
+pub struct WakeState {
     /// Which completions have been woken.
     pub wake_ledger: kv::Store,
     /// Per-session wake locks.
@@ -114,10 +119,29 @@ impl Bus {
         }
     }
 
-    /// Creates or updates every stream and bucket, retrying while NATS is
+    /// Creates or updates the three streams, retrying while NATS is
     /// unreachable (services may start before the server).
-    pub async fn provision(&self, settings: &BusSettings) -> Result<Provisioned, ProvisionError> {
-        let attempt = || self.provision_once(settings);
+    pub async fn provision(&self, settings: &BusSettings) -> Result<Streams, ProvisionError> {
+        let attempt = || self.provision_streams(settings);
+        Self::patiently(attempt).await
+    }
+
+    /// Creates or updates the wake service's KV buckets (ledger and session
+    /// locks). Only the wake service and `init` do this, so that the lock
+    /// TTL comes from the wake's own settings.
+    pub async fn provision_wake_state(
+        &self,
+        settings: &BusSettings,
+    ) -> Result<WakeState, ProvisionError> {
+        let attempt = || self.provision_buckets(settings);
+        Self::patiently(attempt).await
+    }
+
+    async fn patiently<T, F, Fut>(attempt: F) -> Result<T, ProvisionError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, ProvisionError>>,
+    {
         attempt
             .retry(
                 ExponentialBuilder::default()
@@ -132,7 +156,7 @@ impl Bus {
             .await
     }
 
-    async fn provision_once(&self, settings: &BusSettings) -> Result<Provisioned, ProvisionError> {
+    async fn provision_streams(&self, settings: &BusSettings) -> Result<Streams, ProvisionError> {
         let s = &self.subjects;
         self.ensure_stream(stream::Config {
             name: s.tasks_stream(),
@@ -167,6 +191,11 @@ impl Bus {
             ..Default::default()
         })
         .await?;
+        Ok(Streams { events })
+    }
+
+    async fn provision_buckets(&self, settings: &BusSettings) -> Result<WakeState, ProvisionError> {
+        let s = &self.subjects;
         let wake_ledger = self
             .ensure_bucket(kv::Config {
                 bucket: s.wake_ledger_bucket(),
@@ -191,8 +220,7 @@ impl Bus {
                 ..Default::default()
             })
             .await?;
-        Ok(Provisioned {
-            events,
+        Ok(WakeState {
             wake_ledger,
             session_locks,
         })

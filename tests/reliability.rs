@@ -509,3 +509,54 @@ async fn a_nats_server_crash_mid_run_loses_and_doubles_nothing() {
     let unique: HashSet<&String> = ids.iter().collect();
     assert_eq!(unique.len(), ids.len(), "a delegation was woken twice");
 }
+
+#[tokio::test]
+async fn malformed_completions_are_dead_lettered_and_the_wake_service_goes_on() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    let token = wakebus::protocol::session_token("s.victim");
+    let poison = [
+        // A status with a line break: its error message must not break a header.
+        r#"{"type":"async_delegation","delegation_id":"d1","origin_session_id":"s.victim","status":"a\nb","completed_at":"2026-01-01T00:00:00Z","exit_reason":"x"}"#,
+        // A delegation id that is no valid KV key.
+        r#"{"type":"async_delegation","delegation_id":"a b","origin_session_id":"s.victim","status":"completed","completed_at":"2026-01-01T00:00:00Z","exit_reason":"x"}"#,
+        // Not JSON.
+        "\u{0}\u{1}garbage",
+    ];
+    for (i, body) in poison.iter().enumerate() {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Wakebus-Origin-Session", "s.victim");
+        bus.js
+            .publish_with_headers(
+                format!("{}.evt.{token}.bad{i}.0.done", bus.subjects.prefix()),
+                headers,
+                body.as_bytes().to_vec().into(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("after the poison").session("s.victim"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the good wake", || async { !api.accepted().is_empty() }).await;
+    let dlq = bus.subjects.dead_letter_stream();
+    wait_until(WAIT, "three poison dead letters", || async {
+        all_messages(&bus, &dlq).await.len() == 3
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 1, "only the good completion is woken");
+    for dead in all_messages(&bus, &dlq).await {
+        assert_eq!(dead.subject.as_str(), bus.subjects.dead_letter_wake("poison"));
+        let reason = dead.headers.get("Wakebus-Dead-Letter-Reason").unwrap().to_string();
+        assert!(!reason.contains('\n'), "{reason:?}");
+    }
+}

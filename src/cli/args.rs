@@ -62,6 +62,9 @@ pub(crate) struct Global {
     /// How long events are kept (e.g. 7d, 12h).
     #[arg(long, env = "WAKEBUS_HISTORY", value_parser = humantime::parse_duration, default_value = "7d", global = true)]
     pub(crate) history: Duration,
+    /// A wake lock whose holder died expires after this long.
+    #[arg(long, env = "WAKEBUS_SESSION_LOCK_TTL", value_parser = humantime::parse_duration, default_value = "30s", global = true)]
+    pub(crate) session_lock_ttl: Duration,
     /// Stream and bucket replicas (3 on a 3-node cluster).
     #[arg(long, env = "WAKEBUS_REPLICAS", default_value_t = 1, global = true)]
     pub(crate) replicas: usize,
@@ -191,6 +194,12 @@ pub(crate) struct WakeArgs {
     /// AckWait of the wake consumer.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub(crate) ack_wait: Duration,
+    /// First delay before re-posting a failed wake (exponential, with jitter).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "500ms")]
+    pub(crate) retry_min: Duration,
+    /// Longest delay between wake posts (a Retry-After may ask for longer).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    pub(crate) retry_max: Duration,
 }
 
 /// `wakebus dev`.

@@ -36,6 +36,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Init(args) => {
             let bus = connect(&global, "wakebus-init").await?;
             bus.provision(&settings(&global)).await?;
+            bus.provision_wake_state(&settings(&global)).await?;
             for pool in &args.pools {
                 wakebus::protocol::validate_pool(pool)?;
                 bus.worker_consumer(pool, std::time::Duration::from_secs(30))
@@ -123,6 +124,8 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             });
             config.coalesce_window = args.coalesce_window;
             config.ack_wait = args.ack_wait;
+            config.retry_min = args.retry_min;
+            config.retry_max = args.retry_max;
             let client = bus.client.clone();
             wake::run(bus, settings(&global), config, shutdown_signal()).await?;
             client
@@ -138,6 +141,7 @@ fn settings(global: &Global) -> BusSettings {
     BusSettings {
         history_max_age: global.history,
         replicas: global.replicas,
+        session_lock_ttl: global.session_lock_ttl,
         ..BusSettings::default()
     }
 }

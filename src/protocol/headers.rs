@@ -147,6 +147,16 @@ impl EventHeaders<'_> {
     }
 }
 
+/// Makes untrusted text safe for a header value: control characters (CR and
+/// LF above all) become spaces and the result is cut to 1024 characters.
+/// The NATS client refuses (panics on) header values with line breaks.
+pub fn header_safe(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(1024)
+        .collect()
+}
+
 /// Reads a header as text, if present.
 pub fn header<'h>(headers: Option<&'h HeaderMap>, name: &str) -> Option<&'h str> {
     headers?.get(name).map(|value| value.as_str())

@@ -25,7 +25,7 @@ use crate::bus::{Bus, BusSettings, ProvisionError};
 use crate::outcome::Outcome;
 use crate::protocol::{
     CompletionEvent, HEADER_DEAD_LETTER_REASON, HEADER_ORIGIN_SESSION, HEADER_TRACEPARENT,
-    TraceParent, validate_session_id,
+    TraceParent, header_safe, validate_delegation_id, validate_session_id,
 };
 use ledger::WakeLedger;
 use lock::SessionLocks;
@@ -105,7 +105,8 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), WakeError> {
     let api = SessionApi::new(&config.api)?;
-    let provisioned = bus.provision(&settings).await?;
+    bus.provision(&settings).await?;
+    let provisioned = bus.provision_wake_state(&settings).await?;
     let consumer = bus
         .wake_consumer(config.ack_wait, config.max_in_flight)
         .await?;
@@ -208,6 +209,9 @@ fn admit(message: jetstream::Message) -> Result<Pending, Admission> {
         }
     };
     validate_session_id(&session).map_err(|err| Admission::Poison(err.to_string()))?;
+    validate_delegation_id(&event.delegation_id).map_err(|err| {
+        Admission::Poison(format!("completion has an invalid delegation id: {err}"))
+    })?;
     let traceparent = message
         .headers
         .as_ref()
@@ -229,7 +233,7 @@ async fn outcome_for(shared: &Shared, message: &jetstream::Message, admission: A
             warn!(subject = %message.subject, %reason, "Dead-lettering an unusable completion.");
             let bus = &shared.bus;
             let mut headers = message.headers.clone().unwrap_or_default();
-            headers.insert(HEADER_DEAD_LETTER_REASON, reason.as_str());
+            headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(&reason).as_str());
             let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
             headers.insert(
                 crate::protocol::HEADER_MSG_ID,

@@ -302,10 +302,12 @@ impl Router {
 
     /// One turn for completions never posted before. A combined turn's
     /// intent is recorded first, so a post that ends in doubt can be repeated exactly.
-    async fn new_turn(&self, messages: Vec<Pending>) -> Result<Option<Turn>, LedgerError> {
+    async fn new_turn(&self, mut messages: Vec<Pending>) -> Result<Option<Turn>, LedgerError> {
         if messages.is_empty() {
             return Ok(None);
         }
+        // A stable order: by delegation id (ULIDs sort by creation), then task.
+        messages.sort_by_key(Pending::ledger_key);
         let mut covers: Vec<String> = Vec::new();
         let mut events: Vec<&CompletionEvent> = Vec::new();
         for pending in &messages {

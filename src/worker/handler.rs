@@ -15,8 +15,8 @@ use crate::outcome::Outcome;
 use crate::protocol::{
     CompletionEvent, EventHeaders, EventKind, HEADER_DEAD_LETTER_REASON, HEADER_DELEGATION_ID,
     HEADER_MSG_ID, HEADER_ORIGIN_SESSION, HEADER_TASK_INDEX, HEADER_TRACEPARENT,
-    SYNC_SESSION_TOKEN, StartedEvent, Status, TaskRequest, TraceParent, header, session_token,
-    validate_delegation_id, validate_session_id,
+    SYNC_SESSION_TOKEN, StartedEvent, Status, TaskRequest, TraceParent, header, header_safe,
+    session_token, validate_delegation_id, validate_session_id,
 };
 
 /// Everything needed to run one task; shared by all of a worker's tasks.
@@ -198,6 +198,7 @@ impl TaskHandler {
         done.error = output.error;
         done.api_calls = output.api_calls;
         done.duration_seconds = duration.as_secs_f64();
+        fit_to_payload(&mut done, self.bus.client.server_info().max_payload);
         match self.publish(&request, EventKind::Done, trace, &done).await {
             Ok(()) => {
                 info!(status = %done.status, duration_ms = duration.as_millis() as u64, "Task done.");
@@ -352,7 +353,7 @@ impl TaskHandler {
     ) -> Result<(), PublishError> {
         let mut headers = message.headers.clone().unwrap_or_default();
         let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
-        headers.insert(HEADER_DEAD_LETTER_REASON, sanitize_header(reason).as_str());
+        headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(reason).as_str());
         headers.insert(HEADER_MSG_ID, format!("dlq.task.{seq}").as_str());
         let subject = self.bus.subjects.dead_letter_task(&self.config.pool);
         self.bus
@@ -364,17 +365,66 @@ impl TaskHandler {
     }
 }
 
+/// Room left for headers and JSON overhead below the server's max payload.
+const PAYLOAD_MARGIN: usize = 16 * 1024;
+
+/// Cuts `summary` and `error` so the completion fits in one NATS message: a
+/// completion that cannot be published would make the task run again.
+fn fit_to_payload(done: &mut CompletionEvent, max_payload: usize) {
+    let budget = max_payload.saturating_sub(PAYLOAD_MARGIN).max(1024);
+    let size = |d: &CompletionEvent| serde_json::to_vec(d).map(|v| v.len()).unwrap_or(0);
+    let mut excess = size(done).saturating_sub(budget);
+    for field in [&mut done.summary, &mut done.error] {
+        if excess == 0 {
+            break;
+        }
+        if let Some(text) = field.as_mut() {
+            let keep = text.len().saturating_sub(excess + 64);
+            let mut cut = keep;
+            while !text.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            excess = excess.saturating_sub(text.len() - cut);
+            text.truncate(cut);
+            text.push_str("\n[truncated to fit the NATS max payload]");
+        }
+    }
+}
+
 /// The subject token for an optional origin session.
 pub(crate) fn token_for(session: Option<&str>) -> String {
     session.map_or_else(|| SYNC_SESSION_TOKEN.to_owned(), session_token)
 }
 
-/// Header values may not contain line breaks; keep them short too.
-fn sanitize_header(text: &str) -> String {
-    text.chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .take(1024)
-        .collect()
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_huge_summary_is_cut_to_fit_the_max_payload() {
+        let request =
+            TaskRequest::decode(br#"{"version":1,"delegation_id":"d","goal":"g"}"#).unwrap();
+        let mut done = CompletionEvent::for_request(&request, Status::Completed, "completed");
+        done.summary = Some("é".repeat(600_000));
+        fit_to_payload(&mut done, 1024 * 1024);
+        let size = serde_json::to_vec(&done).unwrap().len();
+        assert!(size <= 1024 * 1024 - PAYLOAD_MARGIN, "{size}");
+        assert!(
+            done.summary
+                .unwrap()
+                .ends_with("[truncated to fit the NATS max payload]")
+        );
+    }
+
+    #[test]
+    fn a_small_completion_is_left_alone() {
+        let request =
+            TaskRequest::decode(br#"{"version":1,"delegation_id":"d","goal":"g"}"#).unwrap();
+        let mut done = CompletionEvent::for_request(&request, Status::Completed, "completed");
+        done.summary = Some("short".into());
+        fit_to_payload(&mut done, 1024 * 1024);
+        assert_eq!(done.summary.as_deref(), Some("short"));
+    }
 }
 
 /// Decodes a request, salvaging its identity from body or headers when it is unusable.
