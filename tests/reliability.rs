@@ -546,17 +546,31 @@ async fn malformed_completions_are_dead_lettered_and_the_wake_service_goes_on() 
         .delegate(Delegation::new("after the poison").session("s.victim"))
         .await
         .unwrap();
-    wait_until(WAIT, "the good wake", || async { !api.accepted().is_empty() }).await;
+    wait_until(WAIT, "the good wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
     let dlq = bus.subjects.dead_letter_stream();
     wait_until(WAIT, "three poison dead letters", || async {
         all_messages(&bus, &dlq).await.len() == 3
     })
     .await;
     services.stop().await;
-    assert_eq!(api.all_posts().len(), 1, "only the good completion is woken");
+    assert_eq!(
+        api.all_posts().len(),
+        1,
+        "only the good completion is woken"
+    );
     for dead in all_messages(&bus, &dlq).await {
-        assert_eq!(dead.subject.as_str(), bus.subjects.dead_letter_wake("poison"));
-        let reason = dead.headers.get("Wakebus-Dead-Letter-Reason").unwrap().to_string();
+        assert_eq!(
+            dead.subject.as_str(),
+            bus.subjects.dead_letter_wake("poison")
+        );
+        let reason = dead
+            .headers
+            .get("Wakebus-Dead-Letter-Reason")
+            .unwrap()
+            .to_string();
         assert!(!reason.contains('\n'), "{reason:?}");
     }
 }

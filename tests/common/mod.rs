@@ -3,6 +3,7 @@
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
 pub mod nats;
+pub mod process;
 pub mod session_api;
 
 use std::future::Future;

@@ -130,9 +130,16 @@ impl NatsServer {
         }
     }
 
-    /// Starts again with the same port, store and arguments.
+    /// SIGKILL, then start again with the same port, store and arguments.
     pub async fn restart(&mut self) {
         self.kill();
+        self.spawn();
+        self.wait_ready().await;
+    }
+
+    /// SIGTERM (a clean stop), then start again with the same settings.
+    pub async fn restart_gracefully(&mut self) {
+        self.terminate();
         self.spawn();
         self.wait_ready().await;
     }

@@ -1,0 +1,136 @@
+//! `wakebus` services as real processes, so kills are real.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+/// A running `wakebus` subcommand; SIGKILLed on drop.
+pub struct Service {
+    /// The arguments, kept for restarts.
+    args: Vec<String>,
+    /// Where its log goes (appended across restarts).
+    pub log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Service {
+    /// Starts `wakebus <args>`, logging to `log`.
+    pub fn spawn(args: Vec<String>, log: PathBuf) -> Self {
+        let mut service = Self {
+            args,
+            log,
+            child: None,
+        };
+        service.start();
+        service
+    }
+
+    fn start(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+            .args(&self.args)
+            .env("RUST_LOG", "wakebus=info")
+            .env_remove("NATS_URL")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn wakebus");
+        self.child = Some(child);
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// SIGKILL: a crash.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again with the same arguments.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.start();
+    }
+
+    /// Sends `signal` and waits up to `timeout` for the exit status.
+    pub fn signal_and_wait(&mut self, signal: Signal, timeout: Duration) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
+        let _ = kill(Pid::from_raw(child.id() as i32), signal);
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("wakebus did not exit within {timeout:?} after {signal:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Arguments every service gets.
+pub fn base_args(nats_url: &str, prefix: &str) -> Vec<String> {
+    vec![
+        "--nats-url".into(),
+        nats_url.into(),
+        "--prefix".into(),
+        prefix.into(),
+    ]
+}
+
+/// `wakebus worker` running `script` with `sh -c`.
+pub fn worker_args(nats_url: &str, prefix: &str, script: &str, extra: &[&str]) -> Vec<String> {
+    let mut args = base_args(nats_url, prefix);
+    args.extend(["worker", "--executor", "command", "--concurrency", "8"].map(String::from));
+    if !extra.contains(&"--ack-wait") {
+        args.extend(["--ack-wait", "2s"].map(String::from));
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args.extend(["--", "sh", "-c", script].map(String::from));
+    args
+}
+
+/// `wakebus wake` posting to `api_url`.
+pub fn wake_args(nats_url: &str, prefix: &str, api_url: &str) -> Vec<String> {
+    let mut args = base_args(nats_url, prefix);
+    args.extend(
+        [
+            "--session-lock-ttl",
+            "3s",
+            "wake",
+            "--api-url",
+            api_url,
+            "--ack-wait",
+            "2s",
+            "--coalesce-window",
+            "20ms",
+            "--retry-min",
+            "50ms",
+            "--retry-max",
+            "500ms",
+            "--request-timeout",
+            "2s",
+        ]
+        .map(String::from),
+    );
+    args
+}

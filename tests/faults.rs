@@ -1,0 +1,314 @@
+//! Fault injection with real processes: SIGKILLed workers and wake services,
+//! SIGTERM shutdown, an outage of the session API, nats-server restarts and
+//! every request published twice, with a ledger proving that every accepted
+//! delegation woke its own session exactly once.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use common::process::{Service, wake_args, worker_args};
+use common::*;
+use nix::sys::signal::Signal;
+use wakebus::bus::Bus;
+use wakebus::protocol::{
+    CompletionEvent, EventHeaders, PROTOCOL_VERSION, StartedEvent, TaskRequest, TraceParent,
+    new_delegation_id,
+};
+
+fn request(session: &str, goal: &str) -> TaskRequest {
+    TaskRequest {
+        version: PROTOCOL_VERSION,
+        delegation_id: new_delegation_id(),
+        task_index: 0,
+        origin_session_id: Some(session.to_owned()),
+        goal: goal.to_owned(),
+        context: String::new(),
+        role: Default::default(),
+        model: None,
+        toolsets: Vec::new(),
+        timeout_seconds: None,
+        depth: 0,
+        parent_session_id: None,
+        created_at: None,
+    }
+}
+
+/// Publishes until JetStream acknowledges (the server may be restarting).
+async fn publish_until_stored(bus: &Bus, request: &TaskRequest) {
+    let msg_id = format!("{}.0", request.delegation_id);
+    let headers = EventHeaders {
+        id: &msg_id,
+        ce_type: "io.wakebus.task.requested",
+        source: "faults-test",
+        origin_session: request.origin_session_id.as_deref(),
+        delegation_id: &request.delegation_id,
+        task_index: 0,
+        traceparent: TraceParent::new_root(),
+    }
+    .to_header_map();
+    let payload: bytes::Bytes = serde_json::to_vec(request).unwrap().into();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let sent = bus
+            .js
+            .publish_with_headers(
+                bus.subjects.task("default"),
+                headers.clone(),
+                payload.clone(),
+            )
+            .await;
+        if let Ok(ack) = sent {
+            if ack.await.is_ok() {
+                return;
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "request never stored"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn events(bus: &Bus, suffix: &str) -> Vec<async_nats::jetstream::message::StreamMessage> {
+    all_messages(bus, &bus.subjects.events_stream())
+        .await
+        .into_iter()
+        .filter(|m| m.subject.ends_with(suffix))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_worker_killed_mid_task_is_rerun_by_another_and_wakes_once() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let logs = tempfile::tempdir().unwrap();
+    let script = "sleep 2; echo finished";
+    let mut workers: Vec<Service> = (0..2)
+        .map(|i| {
+            Service::spawn(
+                worker_args(&nats.url(), &prefix, script, &[]),
+                logs.path().join(format!("worker{i}.log")),
+            )
+        })
+        .collect();
+    let _wake = Service::spawn(
+        wake_args(&nats.url(), &prefix, &api.url()),
+        logs.path().join("wake.log"),
+    );
+
+    let req = request("s.crash", "survive a crash");
+    publish_until_stored(&bus, &req).await;
+    wait_until(Duration::from_secs(30), "the task to start", || async {
+        !events(&bus, ".started").await.is_empty()
+    })
+    .await;
+    let started: StartedEvent =
+        serde_json::from_slice(&events(&bus, ".started").await[0].payload).unwrap();
+    let victim = workers
+        .iter_mut()
+        .find(|w| started.worker.ends_with(&format!("-{}", w.pid())))
+        .expect("the worker that started the task");
+    victim.kill();
+
+    wait_until(Duration::from_secs(30), "the wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    assert_eq!(
+        events(&bus, ".started").await.len(),
+        2,
+        "rerun by the other worker"
+    );
+    let done = events(&bus, ".done").await;
+    assert_eq!(done.len(), 1);
+    let done = CompletionEvent::decode(&done[0].payload).unwrap();
+    assert_eq!(done.summary.as_deref(), Some("finished"));
+    assert_eq!(api.accepted().len(), 1);
+    assert_eq!(api.accepted()[0].delegation_ids(), vec![req.delegation_id]);
+}
+
+#[tokio::test]
+async fn sigterm_hands_running_work_back_at_once_and_exits_zero() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let logs = tempfile::tempdir().unwrap();
+    let mark = logs.path().join("first-run");
+    let script = format!(
+        "if [ -e {m} ]; then echo second run; else touch {m}; sleep 60; fi",
+        m = mark.display()
+    );
+    // AckWait is long: only a NAK on shutdown gets the task to B quickly.
+    let extra = ["--ack-wait", "60s", "--shutdown-grace", "1s"];
+    let mut first = Service::spawn(
+        worker_args(&nats.url(), &prefix, &script, &extra),
+        logs.path().join("first.log"),
+    );
+    let _wake = Service::spawn(
+        wake_args(&nats.url(), &prefix, &api.url()),
+        logs.path().join("wake.log"),
+    );
+    let req = request("s.term", "hand me back");
+    publish_until_stored(&bus, &req).await;
+    wait_until(Duration::from_secs(30), "the first run", || async {
+        mark.exists()
+    })
+    .await;
+
+    let _second = Service::spawn(
+        worker_args(&nats.url(), &prefix, &script, &extra),
+        logs.path().join("second.log"),
+    );
+    let status = first.signal_and_wait(Signal::SIGTERM, Duration::from_secs(20));
+    assert!(status.success(), "worker exited with {status}");
+    wait_until(
+        Duration::from_secs(20),
+        "the wake from the second worker",
+        || async { !api.accepted().is_empty() },
+    )
+    .await;
+    assert!(api.accepted()[0].text().contains("second run"));
+    assert_eq!(events(&bus, ".done").await.len(), 1);
+}
+
+#[tokio::test]
+async fn ledger_every_delegation_wakes_its_session_exactly_once_through_crashes_outages_and_restarts()
+ {
+    init_logs();
+    const N: usize = 300;
+    let mut nats = NatsServer::start().await;
+    let url = nats.url();
+    let api = SessionApiServer::start().await;
+    api.set_delay(Duration::from_millis(10));
+    let prefix = unique_prefix();
+    let bus = bus(&url, &prefix).await;
+    let logs = tempfile::tempdir().unwrap();
+    let mut workers: Vec<Service> = (0..2)
+        .map(|i| {
+            Service::spawn(
+                worker_args(&url, &prefix, "sleep 0.1; echo ok", &[]),
+                logs.path().join(format!("worker{i}.log")),
+            )
+        })
+        .collect();
+    let mut wakes: Vec<Service> = (0..2)
+        .map(|i| {
+            Service::spawn(
+                wake_args(&url, &prefix, &api.url()),
+                logs.path().join(format!("wake{i}.log")),
+            )
+        })
+        .collect();
+
+    // Every request is published twice, at about 100 per second.
+    let requests: Vec<TaskRequest> = (0..N)
+        .map(|i| request(&format!("session.{}", i % 10), &format!("task {i}")))
+        .collect();
+    let expected: HashMap<String, String> = requests
+        .iter()
+        .map(|r| {
+            (
+                r.delegation_id.clone(),
+                r.origin_session_id.clone().unwrap(),
+            )
+        })
+        .collect();
+    let publisher = {
+        let bus = bus.clone();
+        tokio::spawn(async move {
+            for request in &requests {
+                publish_until_stored(&bus, request).await;
+                publish_until_stored(&bus, request).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+    };
+
+    let woken = |api: &SessionApiServer| -> usize {
+        api.turns().iter().map(|t| t.delegation_ids().len()).sum()
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(240);
+    let mut phase = 0;
+    let mut refused_at_outage = 0;
+    loop {
+        let n = woken(&api);
+        match phase {
+            0 if n >= 30 => {
+                api.fail_always(500);
+                refused_at_outage = api.all_posts().len();
+                phase += 1;
+            }
+            1 if api.all_posts().len() >= refused_at_outage + 10 => {
+                api.recover();
+                phase += 1;
+            }
+            2 if n >= 80 => {
+                workers[0].kill();
+                workers[0].restart();
+                phase += 1;
+            }
+            3 if n >= 120 => {
+                wakes[0].kill();
+                wakes[0].restart();
+                phase += 1;
+            }
+            4 if n >= 160 => {
+                nats.restart_gracefully().await;
+                phase += 1;
+            }
+            5 if n >= 220 => {
+                nats.restart().await;
+                phase += 1;
+            }
+            6 if n >= N => break,
+            _ => {}
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "stuck in phase {phase} with {n} of {N} woken; logs in {}",
+            logs.keep().display()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    publisher.await.unwrap();
+
+    // The ledger: each delegation in exactly one turn, of its own session.
+    let mut turns_per_delegation: HashMap<String, usize> = HashMap::new();
+    for turn in api.turns() {
+        for id in turn.delegation_ids() {
+            assert_eq!(expected[&id], turn.session(), "{id} woke the wrong session");
+            *turns_per_delegation.entry(id).or_default() += 1;
+        }
+    }
+    assert_eq!(
+        turns_per_delegation.len(),
+        N,
+        "some delegation was never woken"
+    );
+    let doubled: Vec<_> = turns_per_delegation
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .collect();
+    assert!(doubled.is_empty(), "woken more than once: {doubled:?}");
+    // A repeated post only ever repeats an earlier key (a post in doubt),
+    // so a session API honouring Idempotency-Key never shows a second turn.
+    let mut keys_by_delegation: HashMap<String, HashSet<String>> = HashMap::new();
+    for post in api.accepted() {
+        for id in post.delegation_ids() {
+            keys_by_delegation
+                .entry(id)
+                .or_default()
+                .insert(post.header("idempotency-key").unwrap());
+        }
+    }
+    assert!(keys_by_delegation.values().all(|keys| keys.len() == 1));
+    assert_eq!(phase, 6, "every fault was injected");
+}
