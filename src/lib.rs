@@ -25,6 +25,10 @@
 //! - [`wake`]: the wake service: session API client, ledger, locks, turn text.
 //! - [`dev`]: `wakebus dev`, the whole loop on one machine.
 //! - [`outcome`]: a message's disposition (ack, nak, term) as a value.
+//! - [`history`]: filtered, ordered reads of the event and dead-letter history.
+//! - [`replay`]: re-driving wakes and dead-lettered tasks; copying history.
+//! - [`status`]: a one-screen snapshot of a deployment.
+//! - [`ops`]: metrics, health endpoints and micro-service registration.
 //!
 //! The `wakebus` binary (`src/main.rs`, `src/cli/`) only parses arguments and
 //! calls `run(config, shutdown)` functions from here.
@@ -33,8 +37,12 @@ pub mod bus;
 pub mod connect;
 pub mod delegate;
 pub mod dev;
+pub mod history;
+pub mod ops;
 pub mod outcome;
 pub mod protocol;
+pub mod replay;
+pub mod status;
 mod tls;
 pub mod wake;
 pub mod worker;

@@ -53,6 +53,9 @@ pub enum LedgerError {
     /// Writing failed.
     #[error("cannot write the wake ledger: {0}")]
     Write(#[from] kv::PutError),
+    /// Deleting failed.
+    #[error("cannot delete from the wake ledger: {0}")]
+    Delete(#[from] kv::DeleteError),
     /// An entry is not ledger JSON.
     #[error("wake ledger entry is corrupt: {0}")]
     Corrupt(#[from] serde_json::Error),
@@ -132,6 +135,13 @@ impl WakeLedger {
             Some(bytes) => Ok(Some(serde_json::from_slice(&bytes)?)),
             None => Ok(None),
         }
+    }
+
+    /// Forgets a task's wake, so that the next copy of its completion is
+    /// posted again (`wakebus replay --force`).
+    pub async fn forget(&self, key: &str) -> Result<(), LedgerError> {
+        self.kv.delete(key).await?;
+        Ok(())
     }
 
     async fn put(&self, key: &str, state: &LedgerState) -> Result<(), LedgerError> {

@@ -22,6 +22,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::bus::{Bus, BusSettings, ProvisionError};
+use crate::ops::service::{Registration, register};
 use crate::outcome::Outcome;
 use crate::protocol::{
     CompletionEvent, HEADER_DEAD_LETTER_REASON, HEADER_ORIGIN_SESSION, HEADER_TRACEPARENT,
@@ -94,6 +95,8 @@ pub(crate) struct Shared {
     pub(crate) bus: Bus,
     /// Timings.
     pub(crate) config: WakeConfig,
+    /// Posts awaiting the session API's answer, for status reports.
+    pub(crate) posting: std::sync::atomic::AtomicUsize,
 }
 
 /// Runs the wake service until `shutdown` completes; held completions are
@@ -121,7 +124,14 @@ pub async fn run(
         ),
         bus: bus.clone(),
         config,
+        posting: Default::default(),
     });
+    let registration = Registration::wake(bus.subjects.prefix(), &shared.config.instance);
+    let reporting = shared.clone();
+    let registered = register(&bus.client, registration, move || {
+        reporting.posting.load(std::sync::atomic::Ordering::Relaxed)
+    })
+    .await;
     let tracker = TaskTracker::new();
     let stopping = CancellationToken::new();
     let router = Router::new(shared.clone(), tracker.clone(), stopping.clone());
@@ -168,6 +178,9 @@ pub async fn run(
     stopping.cancel();
     tracker.close();
     tracker.wait().await;
+    if let Some(registered) = registered {
+        registered.stop().await;
+    }
     if let Err(error) = bus.client.flush().await {
         warn!(%error, "Could not flush the NATS connection.");
     }
@@ -252,6 +265,7 @@ async fn outcome_for(shared: &Shared, message: &jetstream::Message, admission: A
                 Err(_) => false,
             };
             if published {
+                crate::ops::metrics::dead_lettered("poison");
                 Outcome::Term(reason).apply(message).await;
             } else {
                 Outcome::Nak(Some(Duration::from_secs(1)))

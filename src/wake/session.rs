@@ -23,6 +23,7 @@ use super::ledger::{Intent, LedgerError, LedgerState, WakeLedger};
 use super::lock::LockGuard;
 use super::session_api::PostResult;
 use super::turn;
+use crate::ops::metrics as m;
 use crate::outcome::Outcome;
 use crate::protocol::{CompletionEvent, HEADER_DEAD_LETTER_REASON, session_token};
 
@@ -58,6 +59,25 @@ struct Turn {
     messages: Vec<Pending>,
     /// Trace context for the post.
     traceparent: Option<String>,
+}
+
+impl Turn {
+    /// The span of a turn's logs: the delegations it reports and its trace.
+    fn span(&self) -> tracing::Span {
+        let delegation_id = self
+            .covers
+            .iter()
+            .map(|key| key.rsplit_once('.').map_or(key.as_str(), |(id, _)| id))
+            .collect::<Vec<_>>()
+            .join(",");
+        let trace_id = self
+            .traceparent
+            .as_deref()
+            .and_then(crate::protocol::TraceParent::parse)
+            .map(|tp| tp.trace_id_hex())
+            .unwrap_or_default();
+        info_span!("turn", %delegation_id, %trace_id, idempotency_key = %self.key)
+    }
 }
 
 /// How posting one turn ended.
@@ -227,8 +247,10 @@ impl Router {
         let mut refresh_at = Instant::now() + self.shared.locks.refresh_interval();
         while !turns.is_empty() {
             let turn = turns.remove(0);
+            let span = turn.span();
             match self
                 .post_turn(session, &turn, guard, &mut refresh_at, held, rx)
+                .instrument(span)
                 .await
             {
                 Posted::Done => {}
@@ -374,12 +396,16 @@ impl Router {
                 }
                 *refresh_at = Instant::now() + shared.locks.refresh_interval();
             }
-            match shared
-                .api
-                .post(session, &turn.text, &turn.key, turn.traceparent.as_deref())
-                .await
-            {
+            let result = {
+                let _posting = m::InFlight::wake_post(&shared.posting);
+                shared
+                    .api
+                    .post(session, &turn.text, &turn.key, turn.traceparent.as_deref())
+                    .await
+            };
+            match result {
                 PostResult::Delivered => {
+                    m::wake_posted("delivered");
                     for covered in &turn.covers {
                         if let Err(error) = shared.ledger.mark_delivered(covered, &turn.key).await {
                             warn!(%error, "Could not record the delivery; a redelivery will re-send with the same Idempotency-Key.");
@@ -393,12 +419,14 @@ impl Router {
                 }
                 PostResult::Rejected { status, body } => {
                     error!(status, body = %body, completions = turn.covers.len(), "Session API rejected the wake; dead-lettering it for replay.");
+                    m::wake_posted("rejected");
                     let reason = format!("session API answered {status}: {body}");
                     for pending in &turn.messages {
                         if let Err(error) = self.dead_letter(pending, &reason).await {
                             warn!(%error, "Could not dead-letter the completion; will retry.");
                             return Posted::Retry;
                         }
+                        m::dead_lettered("wake");
                     }
                     for pending in &turn.messages {
                         Outcome::Ack.apply(&pending.message).await;
@@ -409,6 +437,7 @@ impl Router {
                     let delay =
                         after.unwrap_or_else(|| backoff.next().unwrap_or(shared.config.retry_max));
                     warn!(%reason, attempt, retry_in = ?delay, "Wake post failed, will retry.");
+                    m::wake_posted("retry");
                     let mut arrivals = Vec::new();
                     let alive = self
                         .wait_holding(Instant::now() + delay, &turn.messages, &mut arrivals, rx)

@@ -11,6 +11,7 @@ use tracing::{Instrument, debug, error, info, info_span, warn};
 use super::WorkerConfig;
 use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
 use crate::bus::{Bus, PublishError};
+use crate::ops::metrics as m;
 use crate::outcome::Outcome;
 use crate::protocol::{
     CompletionEvent, EventHeaders, EventKind, HEADER_DEAD_LETTER_REASON, HEADER_DELEGATION_ID,
@@ -77,6 +78,10 @@ impl TaskHandler {
             .map(|info| info.delivered)
             .unwrap_or(1)
             .max(1) as u64;
+        let _in_flight = m::InFlight::task(&self.config.pool);
+        if attempt > 1 {
+            m::task_redelivered(&self.config.pool);
+        }
         let headers = message.headers.as_ref();
         let request = match decode(&message.payload, headers) {
             Ok(request) => request,
@@ -127,6 +132,7 @@ impl TaskHandler {
             // Only history is missing; the run itself can go on.
             warn!(%error, "Could not publish the started event.");
         }
+        m::task_started(&self.config.pool);
 
         let begun = Instant::now();
         let timeout = request
@@ -183,6 +189,7 @@ impl TaskHandler {
             Err(ExecError::Transient(reason)) if attempt < self.config.max_deliver => {
                 let delay = self.config.retry_delay(attempt);
                 warn!(%reason, retry_in = ?delay, "Executor failed transiently; will retry.");
+                m::task_retried(&self.config.pool);
                 return Outcome::Nak(Some(delay));
             }
             Err(ExecError::Transient(reason)) => {
@@ -202,6 +209,7 @@ impl TaskHandler {
         match self.publish(&request, EventKind::Done, trace, &done).await {
             Ok(()) => {
                 info!(status = %done.status, duration_ms = duration.as_millis() as u64, "Task done.");
+                m::task_completed(&self.config.pool, done.status, duration);
                 Outcome::Ack
             }
             Err(error) => {
@@ -226,10 +234,14 @@ impl TaskHandler {
             warn!(%error, "Could not dead-letter the request; will retry.");
             return Outcome::Nak(Some(Duration::from_secs(1)));
         }
+        m::dead_lettered("task");
         let mut done = CompletionEvent::for_request(request, Status::Failed, exit_reason);
         done.error = Some(reason);
         match self.publish(request, EventKind::Done, trace, &done).await {
-            Ok(()) => Outcome::Ack,
+            Ok(()) => {
+                m::task_completed(&self.config.pool, Status::Failed, Duration::ZERO);
+                Outcome::Ack
+            }
             Err(error) => {
                 warn!(%error, "Could not publish the failed completion; will retry.");
                 Outcome::Nak(Some(Duration::from_secs(1)))
@@ -254,6 +266,7 @@ impl TaskHandler {
             warn!(%error, "Could not dead-letter the request; will retry.");
             return Outcome::Nak(Some(Duration::from_secs(1)));
         }
+        m::dead_lettered("task");
         let stand_in = TaskRequest {
             version: crate::protocol::PROTOCOL_VERSION,
             delegation_id,
@@ -279,6 +292,7 @@ impl TaskHandler {
             warn!(%error, "Could not publish the error completion; will retry.");
             return Outcome::Nak(Some(Duration::from_secs(1)));
         }
+        m::task_completed(&self.config.pool, Status::Error, Duration::ZERO);
         Outcome::Term(rejected.reason)
     }
 

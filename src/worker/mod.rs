@@ -22,6 +22,7 @@ pub use handler::TaskHandler;
 pub(crate) use handler::token_for;
 
 use crate::bus::{Bus, BusSettings, ProvisionError};
+use crate::ops::service::{Registration, register};
 use crate::outcome::Outcome;
 use executor::{Executor, TaskEnv};
 
@@ -111,6 +112,15 @@ pub async fn run(
 
     let concurrency = config.concurrency.max(1);
     let grace = config.shutdown_grace;
+    let tracker = TaskTracker::new();
+    let registration = Registration::worker(
+        bus.subjects.prefix(),
+        &config.instance,
+        &config.pool,
+        concurrency,
+    );
+    let running = tracker.clone();
+    let registered = register(&bus.client, registration, move || running.len()).await;
     let handler = Arc::new(TaskHandler::new(
         bus.clone(),
         provisioned.events,
@@ -119,7 +129,6 @@ pub async fn run(
         env,
     ));
     let slots = Arc::new(Semaphore::new(concurrency));
-    let tracker = TaskTracker::new();
     let stop_runs = CancellationToken::new();
     let stopping = CancellationToken::new();
     tokio::pin!(shutdown);
@@ -195,6 +204,9 @@ pub async fn run(
         );
         stop_runs.cancel();
         tracker.wait().await;
+    }
+    if let Some(registered) = registered {
+        registered.stop().await;
     }
     if let Err(error) = bus.client.flush().await {
         warn!(%error, "Could not flush the NATS connection.");

@@ -1,0 +1,773 @@
+//! Reading the recorded history: a filtered, ordered read of the events or
+//! dead-letter stream, shared by `wakebus events`, `wakebus replay` and
+//! `wakebus status`.
+//!
+//! Every read goes through an **ordered ephemeral consumer**: the server
+//! delivers matching messages in stream order, nothing is acknowledged, and
+//! the consumer disappears by itself shortly after the reader stops (it is
+//! also deleted explicitly when the read ends), so no durable state is left
+//! behind. Whatever a [`Selection`] can express as a subject (session,
+//! delegation, kind, pool) is filtered **by the server**; the rest (status,
+//! time and sequence bounds, the raw session id behind a token) is checked
+//! here, on each message.
+//!
+//! Nothing here reads `<PREFIX>_TASKS`: it is a work-queue stream on which a
+//! consumer would compete with the workers.
+
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::consumer::DeliverPolicy;
+use async_nats::jetstream::consumer::pull::{Ordered, OrderedConfig};
+use bytes::Bytes;
+use futures::StreamExt;
+use serde::Deserialize;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+use crate::bus::Bus;
+use crate::protocol::{
+    EventKind, HEADER_DEAD_LETTER_REASON, HEADER_DELEGATION_ID, HEADER_ORIGIN_SESSION,
+    HEADER_TASK_INDEX, IdError, Status, Subjects, session_token, validate_delegation_id,
+    validate_pool, validate_session_id,
+};
+
+/// Marks a message as a copy made by `wakebus replay`; its value names the
+/// original, `<stream>:<sequence>`.
+pub const HEADER_REPLAY: &str = "Wakebus-Replay";
+
+/// How long a bounded read waits for the next message it knows is pending
+/// before it reports the read as stalled.
+const STALL_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Which part of the history to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// `<PREFIX>_EVENTS`: started and done events.
+    Events,
+    /// `<PREFIX>_DLQ`, `<prefix>.dlq.task.<pool>`: requests workers gave up on.
+    TaskDeadLetters,
+    /// `<PREFIX>_DLQ`, `<prefix>.dlq.wake.<token>`: completions that could not be woken.
+    WakeDeadLetters,
+    /// All of `<PREFIX>_DLQ`.
+    DeadLetters,
+}
+
+impl Source {
+    /// The stream this source lives in.
+    pub fn stream(self, subjects: &Subjects) -> String {
+        match self {
+            Self::Events => subjects.events_stream(),
+            _ => subjects.dead_letter_stream(),
+        }
+    }
+}
+
+/// What to read. Every field narrows the selection; an empty selection
+/// reads the whole source.
+#[derive(Debug, Clone, Default)]
+pub struct Selection {
+    /// Only this origin session (the raw id; the subject token is derived).
+    pub session: Option<String>,
+    /// Only this delegation.
+    pub delegation: Option<String>,
+    /// Only started or only done events (events only).
+    pub kind: Option<EventKind>,
+    /// Only completions with this status (implies done events).
+    pub status: Option<Status>,
+    /// Only this pool (task dead letters only).
+    pub pool: Option<String>,
+    /// Only messages stored at or after this time.
+    pub since: Option<OffsetDateTime>,
+    /// Only messages stored at or before this time.
+    pub until: Option<OffsetDateTime>,
+    /// Only stream sequences from this one on.
+    pub from_seq: Option<u64>,
+    /// Only stream sequences up to this one.
+    pub to_seq: Option<u64>,
+}
+
+/// Why a history read failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HistoryError {
+    /// The selection contradicts itself or the source.
+    #[error("invalid selection: {0}")]
+    Selection(String),
+    /// An id in the selection is malformed.
+    #[error("invalid selection: {0}")]
+    InvalidId(#[from] IdError),
+    /// The stream does not exist or cannot be read.
+    #[error("cannot read stream {stream}: {source}")]
+    Stream {
+        /// The stream.
+        stream: String,
+        /// The JetStream error.
+        source: async_nats::jetstream::context::GetStreamError,
+    },
+    /// The ordered consumer could not be created.
+    #[error("cannot create a reader on {stream}: {source}")]
+    Consumer {
+        /// The stream.
+        stream: String,
+        /// The JetStream error.
+        source: async_nats::jetstream::stream::ConsumerError,
+    },
+    /// The consumer's message stream failed.
+    #[error("reading {stream} failed: {reason}")]
+    Read {
+        /// The stream.
+        stream: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// No message arrived although more were pending.
+    #[error(
+        "reading {stream} stalled: no message for {STALL_TIMEOUT:?} although more were pending"
+    )]
+    Stalled {
+        /// The stream.
+        stream: String,
+    },
+}
+
+impl Selection {
+    /// Checks the selection against itself and the source.
+    pub fn validate(&self, source: Source) -> Result<(), HistoryError> {
+        if let Some(session) = &self.session {
+            validate_session_id(session)?;
+        }
+        if let Some(delegation) = &self.delegation {
+            validate_delegation_id(delegation)?;
+        }
+        if let Some(pool) = &self.pool {
+            validate_pool(pool)?;
+            if source != Source::TaskDeadLetters && source != Source::DeadLetters {
+                return Err(HistoryError::Selection(
+                    "--pool applies to task dead letters only".to_owned(),
+                ));
+            }
+        }
+        if self.kind.is_some() && source != Source::Events {
+            return Err(HistoryError::Selection(
+                "--kind applies to events only, not to dead letters".to_owned(),
+            ));
+        }
+        if self.status.is_some() {
+            if self.kind == Some(EventKind::Started) {
+                return Err(HistoryError::Selection(
+                    "--status selects completions; started events have none".to_owned(),
+                ));
+            }
+            if source == Source::TaskDeadLetters {
+                return Err(HistoryError::Selection(
+                    "--status selects completions; task dead letters are requests".to_owned(),
+                ));
+            }
+        }
+        if let (Some(since), Some(until)) = (self.since, self.until)
+            && since > until
+        {
+            return Err(HistoryError::Selection(format!(
+                "--since ({}) is after --until ({})",
+                rfc3339(since),
+                rfc3339(until)
+            )));
+        }
+        if let (Some(from), Some(to)) = (self.from_seq, self.to_seq)
+            && from > to
+        {
+            return Err(HistoryError::Selection(format!(
+                "--from-seq ({from}) is after --to-seq ({to})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The subject filter the server applies: as narrow as the selection allows.
+    pub fn filter_subject(&self, subjects: &Subjects, source: Source) -> String {
+        let token = self.session.as_deref().map(session_token);
+        let any = |value: Option<&str>| value.unwrap_or("*").to_owned();
+        match source {
+            Source::Events => {
+                let kind = match (self.kind, self.status) {
+                    (_, Some(_)) => Some(EventKind::Done),
+                    (kind, None) => kind,
+                };
+                if token.is_none() && self.delegation.is_none() && kind.is_none() {
+                    return subjects.events_all();
+                }
+                format!(
+                    "{}.evt.{}.{}.*.{}",
+                    subjects.prefix(),
+                    any(token.as_deref()),
+                    any(self.delegation.as_deref()),
+                    any(kind.map(EventKind::as_str)),
+                )
+            }
+            Source::TaskDeadLetters => subjects.dead_letter_task(&any(self.pool.as_deref())),
+            Source::WakeDeadLetters => subjects.dead_letter_wake(&any(token.as_deref())),
+            Source::DeadLetters => subjects.dead_letters_all(),
+        }
+    }
+
+    /// The checks the subject filter cannot do. `record` already matched
+    /// the subject filter.
+    pub fn matches(&self, record: &Record) -> bool {
+        if self.from_seq.is_some_and(|from| record.sequence < from)
+            || self.to_seq.is_some_and(|to| record.sequence > to)
+            || self.since.is_some_and(|since| record.published < since)
+            || self.until.is_some_and(|until| record.published > until)
+        {
+            return false;
+        }
+        // The token is a hash: the header holds the raw id to compare.
+        if let Some(session) = &self.session
+            && record.origin_session() != Some(session.as_str())
+        {
+            return false;
+        }
+        if let Some(delegation) = &self.delegation
+            && record.delegation_id().as_deref() != Some(delegation.as_str())
+        {
+            return false;
+        }
+        if let Some(pool) = &self.pool
+            && record.pool() != Some(pool.as_str())
+        {
+            return false;
+        }
+        if let Some(kind) = self.kind
+            && record.kind() != RecordKind::from(kind)
+        {
+            return false;
+        }
+        if let Some(status) = self.status
+            && record.status() != Some(status)
+        {
+            return false;
+        }
+        true
+    }
+
+    fn deliver_policy(&self) -> DeliverPolicy {
+        match (self.from_seq, self.since) {
+            (Some(start_sequence), _) => DeliverPolicy::ByStartSequence { start_sequence },
+            (None, Some(start_time)) => DeliverPolicy::ByStartTime { start_time },
+            (None, None) => DeliverPolicy::All,
+        }
+    }
+}
+
+/// What a history message is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordKind {
+    /// A started event.
+    Started,
+    /// A completion event.
+    Done,
+    /// A dead-lettered task request.
+    TaskDeadLetter,
+    /// A dead-lettered completion.
+    WakeDeadLetter,
+    /// Anything else found in the streams.
+    Other,
+}
+
+impl From<EventKind> for RecordKind {
+    fn from(kind: EventKind) -> Self {
+        match kind {
+            EventKind::Started => Self::Started,
+            EventKind::Done => Self::Done,
+        }
+    }
+}
+
+impl RecordKind {
+    /// A short name for output.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Started => "started",
+            Self::Done => "done",
+            Self::TaskDeadLetter => "dlq-task",
+            Self::WakeDeadLetter => "dlq-wake",
+            Self::Other => "other",
+        }
+    }
+}
+
+/// One stored message, with its place in the stream.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// The stream it was read from.
+    pub stream: String,
+    /// Its stream sequence.
+    pub sequence: u64,
+    /// When the stream stored it.
+    pub published: OffsetDateTime,
+    /// Its subject.
+    pub subject: String,
+    /// The subject with the deployment prefix and its dot removed
+    /// (`evt.<token>.<delegation>.<task>.<kind>`, `dlq.task.<pool>`, …).
+    pub local_subject: String,
+    /// Its headers.
+    pub headers: HeaderMap,
+    /// Its body.
+    pub payload: Bytes,
+}
+
+/// The few body fields that selections and listings need.
+#[derive(Debug, Default, Deserialize)]
+struct BodyPeek {
+    /// The completion's status, if this is a completion.
+    #[serde(default)]
+    status: Option<Status>,
+    /// The delegation id in the body.
+    #[serde(default)]
+    delegation_id: Option<String>,
+    /// The task index in the body.
+    #[serde(default)]
+    task_index: Option<u32>,
+}
+
+impl Record {
+    /// Builds a record from a delivered message.
+    fn from_message(
+        message: &async_nats::jetstream::Message,
+        prefix: &str,
+    ) -> Result<Self, String> {
+        let info = message.info().map_err(|err| err.to_string())?;
+        let subject = message.subject.to_string();
+        let local_subject = subject
+            .strip_prefix(prefix)
+            .and_then(|rest| rest.strip_prefix('.'))
+            .unwrap_or(&subject)
+            .to_owned();
+        Ok(Self {
+            stream: info.stream.to_owned(),
+            sequence: info.stream_sequence,
+            published: info.published,
+            subject,
+            local_subject,
+            headers: message.headers.clone().unwrap_or_default(),
+            payload: message.payload.clone(),
+        })
+    }
+
+    /// A header's value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|value| value.as_str())
+    }
+
+    fn tokens(&self) -> Vec<&str> {
+        self.local_subject.split('.').collect()
+    }
+
+    fn peek(&self) -> BodyPeek {
+        serde_json::from_slice(&self.payload).unwrap_or_default()
+    }
+
+    /// What this message is, from its subject.
+    pub fn kind(&self) -> RecordKind {
+        match self.tokens().as_slice() {
+            ["evt", _, _, _, "started"] => RecordKind::Started,
+            ["evt", _, _, _, "done"] => RecordKind::Done,
+            ["dlq", "task", _] => RecordKind::TaskDeadLetter,
+            ["dlq", "wake", _] => RecordKind::WakeDeadLetter,
+            _ => RecordKind::Other,
+        }
+    }
+
+    /// The session token in the subject (events and wake dead letters).
+    pub fn session_token(&self) -> Option<&str> {
+        match self.tokens().as_slice() {
+            ["evt", token, _, _, _] | ["dlq", "wake", token] => Some(*token),
+            _ => None,
+        }
+    }
+
+    /// The pool (task dead letters).
+    pub fn pool(&self) -> Option<&str> {
+        match self.kind() {
+            RecordKind::TaskDeadLetter => self.local_subject.rsplit('.').next(),
+            _ => None,
+        }
+    }
+
+    /// The raw origin session id, from the header.
+    pub fn origin_session(&self) -> Option<&str> {
+        self.header(HEADER_ORIGIN_SESSION)
+    }
+
+    /// The delegation id: from the event subject, the header, or the body.
+    pub fn delegation_id(&self) -> Option<String> {
+        if let ["evt", _, delegation, _, _] = self.tokens().as_slice() {
+            return Some((*delegation).to_owned());
+        }
+        self.header(HEADER_DELEGATION_ID)
+            .map(str::to_owned)
+            .or_else(|| self.peek().delegation_id)
+    }
+
+    /// The task index: from the event subject, the header, or the body.
+    pub fn task_index(&self) -> Option<u32> {
+        if let ["evt", _, _, index, _] = self.tokens().as_slice() {
+            return index.parse().ok();
+        }
+        self.header(HEADER_TASK_INDEX)
+            .and_then(|v| v.parse().ok())
+            .or_else(|| self.peek().task_index)
+    }
+
+    /// The completion's status (done events and wake dead letters).
+    pub fn status(&self) -> Option<Status> {
+        match self.kind() {
+            RecordKind::Done | RecordKind::WakeDeadLetter => self.peek().status,
+            _ => None,
+        }
+    }
+
+    /// Why it was dead-lettered.
+    pub fn dead_letter_reason(&self) -> Option<&str> {
+        self.header(HEADER_DEAD_LETTER_REASON)
+    }
+
+    /// The original this is a replay copy of, if it is one.
+    pub fn replay_of(&self) -> Option<&str> {
+        self.header(HEADER_REPLAY)
+    }
+
+    /// Where a replay copy says it came from: `<stream>:<sequence>`.
+    pub fn origin_ref(&self) -> String {
+        format!("{}:{}", self.stream, self.sequence)
+    }
+
+    /// The record as one JSON object, for `--json` output and scripts.
+    pub fn to_json(&self) -> serde_json::Value {
+        let headers: serde_json::Map<String, serde_json::Value> = self
+            .headers
+            .iter()
+            .map(|(name, values)| {
+                let value = values.first().map(|v| v.as_str()).unwrap_or_default();
+                (name.to_string(), serde_json::Value::from(value))
+            })
+            .collect();
+        let body =
+            serde_json::from_slice::<serde_json::Value>(&self.payload).unwrap_or_else(|_| {
+                serde_json::Value::from(String::from_utf8_lossy(&self.payload).into_owned())
+            });
+        serde_json::json!({
+            "stream": self.stream,
+            "seq": self.sequence,
+            "time": rfc3339(self.published),
+            "subject": self.subject,
+            "kind": self.kind().as_str(),
+            "session_token": self.session_token(),
+            "origin_session": self.origin_session(),
+            "delegation_id": self.delegation_id(),
+            "task_index": self.task_index(),
+            "status": self.status(),
+            "pool": self.pool(),
+            "replay_of": self.replay_of(),
+            "dead_letter_reason": self.dead_letter_reason(),
+            "headers": headers,
+            "body": body,
+        })
+    }
+}
+
+/// A read of one source under a selection, in stream order.
+///
+/// Bounded by default: it ends with the last matching message stored when
+/// it was opened (messages published later, replay copies included, are not
+/// read). With `follow` it keeps waiting for new ones.
+pub struct HistoryReader {
+    /// The ordered consumer's messages.
+    messages: Ordered,
+    /// The client-side checks.
+    selection: Selection,
+    /// The stream read.
+    stream: String,
+    /// The deployment prefix, to split subjects.
+    prefix: String,
+    /// The last sequence to read (bounded reads); `None` when following.
+    end: Option<u64>,
+    /// Matching messages pending when the reader was opened.
+    total: u64,
+    /// Keep waiting for new messages instead of ending.
+    follow: bool,
+    /// Set once the read is over.
+    finished: bool,
+    /// To delete the ephemeral consumer at the end.
+    cleanup: Option<(async_nats::jetstream::stream::Stream, String)>,
+}
+
+impl std::fmt::Debug for HistoryReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HistoryReader")
+            .field("stream", &self.stream)
+            .field("selection", &self.selection)
+            .field("end", &self.end)
+            .field("total", &self.total)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HistoryReader {
+    /// Opens a read of `source` under `selection`.
+    pub async fn open(
+        bus: &Bus,
+        source: Source,
+        selection: Selection,
+        follow: bool,
+    ) -> Result<Self, HistoryError> {
+        selection.validate(source)?;
+        let stream_name = source.stream(&bus.subjects);
+        let mut stream =
+            bus.js
+                .get_stream(&stream_name)
+                .await
+                .map_err(|source| HistoryError::Stream {
+                    stream: stream_name.clone(),
+                    source,
+                })?;
+        let last_stored = stream
+            .info()
+            .await
+            .map(|info| info.state.last_sequence)
+            .unwrap_or(u64::MAX);
+        let consumer = stream
+            .create_consumer(OrderedConfig {
+                filter_subject: selection.filter_subject(&bus.subjects, source),
+                deliver_policy: selection.deliver_policy(),
+                description: Some("wakebus history reader".to_owned()),
+                ..Default::default()
+            })
+            .await
+            .map_err(|source| HistoryError::Consumer {
+                stream: stream_name.clone(),
+                source,
+            })?;
+        let total = consumer.cached_info().num_pending;
+        let consumer_name = consumer.cached_info().name.clone();
+        let messages = consumer
+            .messages()
+            .await
+            .map_err(|err| HistoryError::Read {
+                stream: stream_name.clone(),
+                reason: err.to_string(),
+            })?;
+        let end = if follow {
+            selection.to_seq
+        } else {
+            Some(selection.to_seq.unwrap_or(u64::MAX).min(last_stored))
+        };
+        Ok(Self {
+            messages,
+            finished: !follow && total == 0,
+            follow,
+            selection,
+            stream: stream_name,
+            prefix: bus.subjects.prefix().to_owned(),
+            end,
+            total,
+            cleanup: Some((stream, consumer_name)),
+        })
+    }
+
+    /// How many messages matched the subject filter when the reader was
+    /// opened (an upper bound of what a bounded read returns).
+    pub fn estimated_total(&self) -> u64 {
+        self.total
+    }
+
+    /// The next matching record, or `None` at the end of a bounded read.
+    pub async fn next(&mut self) -> Option<Result<Record, HistoryError>> {
+        loop {
+            if self.finished {
+                self.close().await;
+                return None;
+            }
+            let next = if self.follow {
+                self.messages.next().await
+            } else {
+                match tokio::time::timeout(STALL_TIMEOUT, self.messages.next()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        self.finished = true;
+                        return Some(Err(HistoryError::Stalled {
+                            stream: self.stream.clone(),
+                        }));
+                    }
+                }
+            };
+            let message = match next {
+                Some(Ok(message)) => message,
+                Some(Err(error)) => {
+                    self.finished = true;
+                    return Some(Err(HistoryError::Read {
+                        stream: self.stream.clone(),
+                        reason: error.to_string(),
+                    }));
+                }
+                None => {
+                    self.finished = true;
+                    continue;
+                }
+            };
+            let pending = message.info().map(|info| info.pending).unwrap_or(0);
+            let record = match Record::from_message(&message, &self.prefix) {
+                Ok(record) => record,
+                Err(reason) => {
+                    self.finished = true;
+                    return Some(Err(HistoryError::Read {
+                        stream: self.stream.clone(),
+                        reason,
+                    }));
+                }
+            };
+            if self.end.is_some_and(|end| record.sequence > end)
+                || self.selection.until.is_some_and(|u| record.published > u)
+            {
+                self.finished = true;
+                continue;
+            }
+            // A bounded read ends with the last message pending when it
+            // reaches it; a follow ends only at --to-seq or --until.
+            if self.end == Some(record.sequence) || (!self.follow && pending == 0) {
+                self.finished = true;
+            }
+            if self.selection.matches(&record) {
+                return Some(Ok(record));
+            }
+        }
+    }
+
+    /// Deletes the ephemeral consumer (it would otherwise expire by itself
+    /// after 30 seconds of inactivity).
+    async fn close(&mut self) {
+        if let Some((stream, name)) = self.cleanup.take() {
+            let _ = stream.delete_consumer(&name).await;
+        }
+    }
+}
+
+/// Formats a time as RFC 3339 (UTC).
+pub fn rfc3339(time: OffsetDateTime) -> String {
+    time.to_offset(time::UtcOffset::UTC)
+        .format(&Rfc3339)
+        .unwrap_or_default()
+}
+
+/// Why a time bound could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{input:?} is neither a duration (e.g. 90s, 2h, 3d) nor an RFC 3339 time (e.g. 2025-05-14T09:30:00Z)"
+)]
+pub struct TimeBoundError {
+    /// What was given.
+    pub input: String,
+}
+
+/// Reads `--since`/`--until`: a duration back from `now` (`2h`, `15m`) or an
+/// RFC 3339 time.
+pub fn parse_time_bound(
+    input: &str,
+    now: OffsetDateTime,
+) -> Result<OffsetDateTime, TimeBoundError> {
+    let error = || TimeBoundError {
+        input: input.to_owned(),
+    };
+    if let Ok(time) = OffsetDateTime::parse(input.trim(), &Rfc3339) {
+        return Ok(time);
+    }
+    let duration = humantime::parse_duration(input.trim()).map_err(|_| error())?;
+    let duration = time::Duration::try_from(duration).map_err(|_| error())?;
+    now.checked_sub(duration).ok_or_else(error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn subjects() -> Subjects {
+        Subjects::new("acme.prod").unwrap()
+    }
+
+    #[test]
+    fn filters_become_the_narrowest_subject() {
+        let s = subjects();
+        let all = Selection::default();
+        assert_eq!(all.filter_subject(&s, Source::Events), "acme.prod.evt.>");
+        let session = Selection {
+            session: Some("a.b *>".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            session.filter_subject(&s, Source::Events),
+            format!("acme.prod.evt.{}.*.*.*", session_token("a.b *>"))
+        );
+        let failed = Selection {
+            delegation: Some("01H".into()),
+            status: Some(Status::Failed),
+            ..Default::default()
+        };
+        assert_eq!(
+            failed.filter_subject(&s, Source::Events),
+            "acme.prod.evt.*.01H.*.done"
+        );
+        assert_eq!(
+            session.filter_subject(&s, Source::WakeDeadLetters),
+            format!("acme.prod.dlq.wake.{}", session_token("a.b *>"))
+        );
+        let pool = Selection {
+            pool: Some("gpu".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            pool.filter_subject(&s, Source::TaskDeadLetters),
+            "acme.prod.dlq.task.gpu"
+        );
+    }
+
+    #[test]
+    fn contradictory_selections_are_refused_with_a_reason() {
+        let started_status = Selection {
+            kind: Some(EventKind::Started),
+            status: Some(Status::Failed),
+            ..Default::default()
+        };
+        assert!(started_status.validate(Source::Events).is_err());
+        let bad_id = Selection {
+            delegation: Some("a.b".into()),
+            ..Default::default()
+        };
+        assert!(bad_id.validate(Source::Events).is_err());
+        let backwards = Selection {
+            from_seq: Some(9),
+            to_seq: Some(3),
+            ..Default::default()
+        };
+        let err = backwards.validate(Source::Events).unwrap_err().to_string();
+        assert!(err.contains("--from-seq"), "{err}");
+        let pool_on_events = Selection {
+            pool: Some("gpu".into()),
+            ..Default::default()
+        };
+        assert!(pool_on_events.validate(Source::Events).is_err());
+    }
+
+    #[test]
+    fn time_bounds_accept_durations_and_rfc3339() {
+        let now = OffsetDateTime::parse("2025-05-14T12:00:00Z", &Rfc3339).unwrap();
+        assert_eq!(
+            parse_time_bound("2h", now).unwrap(),
+            OffsetDateTime::parse("2025-05-14T10:00:00Z", &Rfc3339).unwrap()
+        );
+        assert_eq!(
+            parse_time_bound("2025-05-14T11:30:00+02:00", now).unwrap(),
+            OffsetDateTime::parse("2025-05-14T09:30:00Z", &Rfc3339).unwrap()
+        );
+        let err = parse_time_bound("yesterday", now).unwrap_err().to_string();
+        assert!(err.contains("RFC 3339"), "{err}");
+    }
+}

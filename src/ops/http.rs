@@ -1,0 +1,165 @@
+//! The operations HTTP server: `/metrics` (Prometheus text format),
+//! `/healthz` (the process is alive) and `/readyz` (connected to NATS and
+//! the deployment's streams exist).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::metrics::{CONSUMER_ACK_PENDING, CONSUMER_PENDING, CONSUMER_REDELIVERED};
+use crate::bus::Bus;
+
+/// How long a readiness or lag check may take before it counts as failed.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What the endpoints look at.
+#[derive(Debug, Clone)]
+pub struct Probe {
+    /// The service's connection.
+    pub bus: Bus,
+    /// Streams that must exist for the service to be ready.
+    pub streams: Vec<String>,
+    /// Consumers whose lag `/metrics` reports: `(stream, consumer)`.
+    pub consumers: Vec<(String, String)>,
+}
+
+impl Probe {
+    /// The probe of a worker of `pool`.
+    pub fn worker(bus: &Bus, pool: &str) -> Self {
+        let s = &bus.subjects;
+        Self {
+            bus: bus.clone(),
+            streams: vec![s.tasks_stream(), s.events_stream(), s.dead_letter_stream()],
+            consumers: vec![(s.tasks_stream(), s.worker_consumer(pool))],
+        }
+    }
+
+    /// The probe of a wake instance.
+    pub fn wake(bus: &Bus) -> Self {
+        let s = &bus.subjects;
+        Self {
+            bus: bus.clone(),
+            streams: vec![s.events_stream(), s.dead_letter_stream()],
+            consumers: vec![(s.events_stream(), s.wake_consumer().to_owned())],
+        }
+    }
+
+    /// `Ok` when connected and every stream exists, else why not.
+    pub async fn ready(&self) -> Result<(), String> {
+        let state = self.bus.client.connection_state();
+        if state != async_nats::connection::State::Connected {
+            return Err(format!("not connected to NATS ({state:?})"));
+        }
+        for stream in &self.streams {
+            match tokio::time::timeout(CHECK_TIMEOUT, self.bus.js.get_stream(stream)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => return Err(format!("stream {stream}: {error}")),
+                Err(_) => {
+                    return Err(format!(
+                        "stream {stream}: no answer within {CHECK_TIMEOUT:?}"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets the consumer lag gauges from the server's consumer info.
+    async fn refresh_lag(&self) {
+        for (stream, consumer) in &self.consumers {
+            let info = async {
+                let handle = self.bus.js.get_stream(stream).await.ok()?;
+                handle.consumer_info(consumer).await.ok()
+            };
+            let Ok(Some(info)) = tokio::time::timeout(CHECK_TIMEOUT, info).await else {
+                continue;
+            };
+            let labels = [("stream", stream.clone()), ("consumer", consumer.clone())];
+            metrics::gauge!(CONSUMER_PENDING, &labels).set(info.num_pending as f64);
+            metrics::gauge!(CONSUMER_ACK_PENDING, &labels).set(info.num_ack_pending as f64);
+            metrics::gauge!(CONSUMER_REDELIVERED, &labels).set(info.num_redelivered as f64);
+        }
+    }
+}
+
+/// Shared by the handlers.
+#[derive(Debug)]
+struct Ops {
+    /// Renders the metrics.
+    metrics: PrometheusHandle,
+    /// Readiness and lag.
+    probe: Probe,
+}
+
+/// Listens on `addr` and serves until `shutdown`; returns the bound address
+/// (useful with port 0).
+pub async fn serve(
+    addr: SocketAddr,
+    metrics: PrometheusHandle,
+    probe: Probe,
+    shutdown: CancellationToken,
+) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let state = Arc::new(Ops { metrics, probe });
+    // Histograms need periodic upkeep even when nobody scrapes.
+    let upkeep = state.metrics.clone();
+    let upkeep_stop = shutdown.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tokio::select! {
+                () = upkeep_stop.cancelled() => return,
+                _ = every.tick() => upkeep.run_upkeep(),
+            }
+        }
+    });
+    let app = Router::new()
+        .route("/metrics", get(metrics_text))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(state);
+    tokio::spawn(async move {
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await;
+        if let Err(error) = served {
+            warn!(%error, "Operations HTTP server stopped.");
+        }
+    });
+    info!(addr = %bound, "Serving /metrics, /healthz and /readyz.");
+    Ok(bound)
+}
+
+async fn metrics_text(State(ops): State<Arc<Ops>>) -> Response {
+    ops.probe.refresh_lag().await;
+    ops.metrics.run_upkeep();
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        ops.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn readyz(State(ops): State<Arc<Ops>>) -> Response {
+    match ops.probe.ready().await {
+        Ok(()) => (StatusCode::OK, "ready\n".to_owned()).into_response(),
+        Err(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {reason}\n"),
+        )
+            .into_response(),
+    }
+}

@@ -1,0 +1,174 @@
+//! Metric names and the Prometheus recorder.
+//!
+//! Services record through the `metrics` facade (`metrics::counter!` and
+//! friends, one line at each place something happens); without an
+//! installed recorder those calls do nothing. [`recorder`] installs the
+//! Prometheus recorder once per process, and [`http`](super::http) serves
+//! its rendering on `/metrics`.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::protocol::Status;
+
+/// Tasks a worker started running, by `pool` (every attempt counts).
+pub const TASKS_STARTED: &str = "wakebus_tasks_started_total";
+/// Tasks that ended with a completion, by `pool` and `status`.
+pub const TASKS_COMPLETED: &str = "wakebus_tasks_completed_total";
+/// Run time of tasks, by `pool` and `status`.
+pub const TASK_DURATION: &str = "wakebus_task_duration_seconds";
+/// Transient executor failures handed back for a retry, by `pool`.
+pub const TASK_RETRIES: &str = "wakebus_task_retries_total";
+/// Requests delivered again after an earlier delivery, by `pool`.
+pub const TASK_REDELIVERIES: &str = "wakebus_task_redeliveries_total";
+/// Tasks running now, by `pool`.
+pub const TASKS_IN_FLIGHT: &str = "wakebus_tasks_in_flight";
+/// Messages dead-lettered, by `kind` (`task`, `wake`, `poison`).
+pub const DEAD_LETTERS: &str = "wakebus_dead_letters_total";
+/// Wake posts to the session API, by `result` (`delivered`, `retry`, `rejected`).
+pub const WAKE_POSTS: &str = "wakebus_wake_posts_total";
+/// Wake posts waiting for the session API's answer now.
+pub const WAKE_POSTS_IN_FLIGHT: &str = "wakebus_wake_posts_in_flight";
+/// Messages the service's consumer has not yet delivered, by `stream` and `consumer`.
+pub const CONSUMER_PENDING: &str = "wakebus_consumer_pending";
+/// Messages delivered but not yet acknowledged, by `stream` and `consumer`.
+pub const CONSUMER_ACK_PENDING: &str = "wakebus_consumer_ack_pending";
+/// Messages delivered more than once and not yet acknowledged, by `stream` and `consumer`.
+pub const CONSUMER_REDELIVERED: &str = "wakebus_consumer_redelivered";
+
+/// Task duration buckets, in seconds: sub-second echoes to hour-long runs.
+const DURATION_BUCKETS: &[f64] = &[
+    0.005, 0.025, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the Prometheus recorder for this process (once; later calls
+/// return the same handle).
+pub fn recorder() -> Result<PrometheusHandle, BuildError> {
+    if let Some(handle) = HANDLE.get() {
+        return Ok(handle.clone());
+    }
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full(TASK_DURATION.to_owned()), DURATION_BUCKETS)?
+        .install_recorder()?;
+    describe();
+    Ok(HANDLE.get_or_init(|| handle).clone())
+}
+
+fn describe() {
+    describe_counter!(
+        TASKS_STARTED,
+        "Tasks a worker started running (every attempt counts)."
+    );
+    describe_counter!(TASKS_COMPLETED, "Tasks that ended with a completion event.");
+    describe_histogram!(TASK_DURATION, Unit::Seconds, "Run time of tasks.");
+    describe_counter!(
+        TASK_RETRIES,
+        "Transient executor failures handed back for a retry."
+    );
+    describe_counter!(
+        TASK_REDELIVERIES,
+        "Requests delivered again after an earlier delivery."
+    );
+    describe_gauge!(TASKS_IN_FLIGHT, "Tasks running now.");
+    describe_counter!(DEAD_LETTERS, "Messages dead-lettered.");
+    describe_counter!(WAKE_POSTS, "Wake posts to the session API, by result.");
+    describe_gauge!(
+        WAKE_POSTS_IN_FLIGHT,
+        "Wake posts waiting for the session API's answer."
+    );
+    describe_gauge!(
+        CONSUMER_PENDING,
+        "Messages the consumer has not yet delivered."
+    );
+    describe_gauge!(
+        CONSUMER_ACK_PENDING,
+        "Messages delivered but not yet acknowledged."
+    );
+    describe_gauge!(
+        CONSUMER_REDELIVERED,
+        "Messages redelivered and not yet acknowledged."
+    );
+}
+
+/// A task started running on a worker of `pool`.
+pub fn task_started(pool: &str) {
+    metrics::counter!(TASKS_STARTED, "pool" => pool.to_owned()).increment(1);
+}
+
+/// A request of `pool` was delivered again.
+pub fn task_redelivered(pool: &str) {
+    metrics::counter!(TASK_REDELIVERIES, "pool" => pool.to_owned()).increment(1);
+}
+
+/// A transient failure of a task of `pool` was handed back for a retry.
+pub fn task_retried(pool: &str) {
+    metrics::counter!(TASK_RETRIES, "pool" => pool.to_owned()).increment(1);
+}
+
+/// A task of `pool` ended with a completion of `status` after running `duration`.
+pub fn task_completed(pool: &str, status: Status, duration: Duration) {
+    let labels = [
+        ("pool", pool.to_owned()),
+        ("status", status.as_str().to_owned()),
+    ];
+    metrics::counter!(TASKS_COMPLETED, &labels).increment(1);
+    metrics::histogram!(TASK_DURATION, &labels).record(duration.as_secs_f64());
+}
+
+/// A message was dead-lettered: `task`, `wake` or `poison`.
+pub fn dead_lettered(kind: &'static str) {
+    metrics::counter!(DEAD_LETTERS, "kind" => kind).increment(1);
+}
+
+/// A wake post ended: `delivered`, `retry` or `rejected`.
+pub fn wake_posted(result: &'static str) {
+    metrics::counter!(WAKE_POSTS, "result" => result).increment(1);
+}
+
+/// Counts one unit of work in flight for as long as it lives: in a gauge
+/// and, when given, in a counter the instance reports in its status.
+#[derive(Debug)]
+pub struct InFlight<'a> {
+    /// The gauge.
+    gauge: metrics::Gauge,
+    /// The instance's own count.
+    count: Option<&'a AtomicUsize>,
+}
+
+impl<'a> InFlight<'a> {
+    /// A task of `pool` running.
+    pub fn task(pool: &str) -> Self {
+        Self::start(
+            metrics::gauge!(TASKS_IN_FLIGHT, "pool" => pool.to_owned()),
+            None,
+        )
+    }
+
+    /// A wake post awaiting the session API's answer.
+    pub fn wake_post(count: &'a AtomicUsize) -> Self {
+        Self::start(metrics::gauge!(WAKE_POSTS_IN_FLIGHT), Some(count))
+    }
+
+    fn start(gauge: metrics::Gauge, count: Option<&'a AtomicUsize>) -> Self {
+        gauge.increment(1.0);
+        if let Some(count) = count {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+        Self { gauge, count }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.gauge.decrement(1.0);
+        if let Some(count) = self.count {
+            count.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}

@@ -1,0 +1,458 @@
+//! `wakebus status`: one snapshot of a deployment — streams, consumers,
+//! dead letters, live instances, and the sessions whose wakes have waited
+//! longest.
+//!
+//! Everything is read, nothing is changed: stream and consumer info from
+//! the JetStream API, per-subject dead-letter counts from the stream's
+//! subject details, live instances by a scatter-gather `$SRV.STATS` request
+//! (see [`crate::ops::service`]), and undelivered wakes by reading the
+//! completions above the wake consumer's acknowledgement floor (through an
+//! ordered consumer) and looking each up in the wake ledger.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+
+use crate::bus::Bus;
+use crate::history::{HistoryReader, Selection, Source};
+use crate::ops::service::{ServiceSnapshot, WAKE_SERVICE, WORKER_SERVICE};
+use crate::protocol::{EventKind, SYNC_SESSION_TOKEN};
+use crate::wake::ledger::{LedgerState, WakeLedger};
+
+/// How the snapshot is taken.
+#[derive(Debug, Clone)]
+pub struct StatusOptions {
+    /// How long to collect `$SRV.STATS` answers at most.
+    pub discovery_timeout: Duration,
+    /// Most completions to examine for undelivered wakes.
+    pub scan_limit: u64,
+    /// How many sessions to list under "oldest undelivered".
+    pub top_sessions: usize,
+}
+
+impl Default for StatusOptions {
+    fn default() -> Self {
+        Self {
+            discovery_timeout: Duration::from_secs(1),
+            scan_limit: 5_000,
+            top_sessions: 10,
+        }
+    }
+}
+
+/// The whole snapshot (`wakebus status --json` prints it as is).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StatusReport {
+    /// The deployment prefix.
+    pub prefix: String,
+    /// When the snapshot was taken.
+    #[serde(with = "time::serde::rfc3339")]
+    pub taken_at: OffsetDateTime,
+    /// The three streams.
+    pub streams: Vec<StreamStatus>,
+    /// The durable consumers on the task and event streams.
+    pub consumers: Vec<ConsumerStatus>,
+    /// Dead letters by kind.
+    pub dead_letters: DeadLetterCounts,
+    /// Live workers and wake instances.
+    pub services: Vec<ServiceStatus>,
+    /// Sessions with undelivered wakes, oldest first.
+    pub oldest_undelivered: Vec<UndeliveredSession>,
+    /// How the undelivered wakes were counted.
+    pub undelivered_scan: ScanInfo,
+}
+
+/// One stream.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StreamStatus {
+    /// Its name.
+    pub name: String,
+    /// Whether it exists.
+    pub present: bool,
+    /// Messages stored.
+    pub messages: u64,
+    /// Bytes stored.
+    pub bytes: u64,
+    /// When the oldest stored message was stored.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub first_time: Option<OffsetDateTime>,
+    /// When the newest was stored.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub last_time: Option<OffsetDateTime>,
+    /// First sequence still stored.
+    pub first_seq: u64,
+    /// Last sequence assigned.
+    pub last_seq: u64,
+    /// Consumers on it (ephemeral readers included).
+    pub consumer_count: usize,
+}
+
+/// One durable consumer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConsumerStatus {
+    /// Its stream.
+    pub stream: String,
+    /// Its name (`worker-<pool>`, `wake`, or another program's durable).
+    pub name: String,
+    /// Messages not yet delivered.
+    pub pending: u64,
+    /// Delivered, not yet acknowledged.
+    pub ack_pending: usize,
+    /// Delivered more than once, not yet acknowledged.
+    pub redelivered: usize,
+    /// Pull requests waiting for messages (idle workers).
+    pub waiting_pulls: usize,
+    /// Highest stream sequence acknowledged with everything before it.
+    pub ack_floor: u64,
+}
+
+/// Dead letters, by kind.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct DeadLetterCounts {
+    /// All of them.
+    pub total: u64,
+    /// Task requests, by pool.
+    pub tasks: BTreeMap<String, u64>,
+    /// Completions the session API refused.
+    pub wakes: u64,
+    /// Completions that could not be used at all.
+    pub poison: u64,
+}
+
+/// One live instance.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ServiceStatus {
+    /// The micro service id.
+    pub id: String,
+    /// When it started.
+    pub started: Option<String>,
+    /// What it reports.
+    #[serde(flatten)]
+    pub snapshot: ServiceSnapshot,
+}
+
+/// A session with wakes not yet delivered.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct UndeliveredSession {
+    /// The raw session id.
+    pub session: String,
+    /// Its subject token.
+    pub session_token: String,
+    /// Completions waiting.
+    pub completions: u64,
+    /// When the oldest of them was stored.
+    #[serde(with = "time::serde::rfc3339")]
+    pub oldest: OffsetDateTime,
+    /// How long it has waited, in seconds.
+    pub age_seconds: f64,
+    /// The oldest one's delegation id.
+    pub oldest_delegation_id: String,
+}
+
+/// How the undelivered scan went.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ScanInfo {
+    /// The first sequence examined (the wake consumer's ack floor + 1).
+    pub from_seq: u64,
+    /// Completions examined.
+    pub scanned: u64,
+    /// Whether the scan reached the end (false: the limit cut it short).
+    pub complete: bool,
+}
+
+/// Why the snapshot could not be taken.
+#[derive(Debug, thiserror::Error)]
+pub enum StatusError {
+    /// A JetStream request failed.
+    #[error("cannot read {what}: {reason}")]
+    Read {
+        /// What was being read.
+        what: String,
+        /// The error.
+        reason: String,
+    },
+}
+
+fn read_error(what: impl Into<String>, error: impl std::fmt::Display) -> StatusError {
+    StatusError::Read {
+        what: what.into(),
+        reason: error.to_string(),
+    }
+}
+
+/// Takes the snapshot.
+pub async fn collect(bus: &Bus, options: &StatusOptions) -> Result<StatusReport, StatusError> {
+    let s = &bus.subjects;
+    let mut streams = Vec::new();
+    let mut consumers = Vec::new();
+    for name in [s.tasks_stream(), s.events_stream(), s.dead_letter_stream()] {
+        let (status, durables) = stream_status(bus, &name).await?;
+        streams.push(status);
+        consumers.extend(durables);
+    }
+    let dead_letters = dead_letter_counts(bus).await?;
+    let mut services = discover(bus, WORKER_SERVICE, options.discovery_timeout).await?;
+    services.extend(discover(bus, WAKE_SERVICE, options.discovery_timeout).await?);
+    services.sort_by(|a, b| {
+        (&a.snapshot.kind, &a.snapshot.pool, &a.snapshot.instance).cmp(&(
+            &b.snapshot.kind,
+            &b.snapshot.pool,
+            &b.snapshot.instance,
+        ))
+    });
+    let wake_floor = consumers
+        .iter()
+        .find(|c| c.stream == s.events_stream() && c.name == s.wake_consumer())
+        .map(|c| c.ack_floor);
+    let (oldest_undelivered, undelivered_scan) =
+        undelivered(bus, wake_floor.unwrap_or(0), options).await?;
+    Ok(StatusReport {
+        prefix: s.prefix().to_owned(),
+        taken_at: OffsetDateTime::now_utc(),
+        streams,
+        consumers,
+        dead_letters,
+        services,
+        oldest_undelivered,
+        undelivered_scan,
+    })
+}
+
+async fn stream_status(
+    bus: &Bus,
+    name: &str,
+) -> Result<(StreamStatus, Vec<ConsumerStatus>), StatusError> {
+    let Ok(mut stream) = bus.js.get_stream(name).await else {
+        return Ok((
+            StreamStatus {
+                name: name.to_owned(),
+                present: false,
+                messages: 0,
+                bytes: 0,
+                first_time: None,
+                last_time: None,
+                first_seq: 0,
+                last_seq: 0,
+                consumer_count: 0,
+            },
+            Vec::new(),
+        ));
+    };
+    let info = stream.info().await.map_err(|e| read_error(name, e))?;
+    let state = &info.state;
+    let stored = state.messages > 0;
+    let status = StreamStatus {
+        name: name.to_owned(),
+        present: true,
+        messages: state.messages,
+        bytes: state.bytes,
+        first_time: stored.then_some(state.first_timestamp),
+        last_time: stored.then_some(state.last_timestamp),
+        first_seq: state.first_sequence,
+        last_seq: state.last_sequence,
+        consumer_count: state.consumer_count,
+    };
+    let mut durables = Vec::new();
+    let mut listed = stream.consumers();
+    while let Some(info) = listed
+        .try_next()
+        .await
+        .map_err(|e| read_error(format!("consumers of {name}"), e))?
+    {
+        if info.config.durable_name.is_none() {
+            continue;
+        }
+        durables.push(ConsumerStatus {
+            stream: name.to_owned(),
+            name: info.name.clone(),
+            pending: info.num_pending,
+            ack_pending: info.num_ack_pending,
+            redelivered: info.num_redelivered,
+            waiting_pulls: info.num_waiting,
+            ack_floor: info.ack_floor.stream_sequence,
+        });
+    }
+    durables.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok((status, durables))
+}
+
+async fn dead_letter_counts(bus: &Bus) -> Result<DeadLetterCounts, StatusError> {
+    let s = &bus.subjects;
+    let name = s.dead_letter_stream();
+    let Ok(stream) = bus.js.get_stream(&name).await else {
+        return Ok(DeadLetterCounts::default());
+    };
+    let mut subjects = stream
+        .info_with_subjects(s.dead_letters_all())
+        .await
+        .map_err(|e| read_error(format!("subjects of {name}"), e))?;
+    let mut counts = DeadLetterCounts::default();
+    let task_prefix = format!("{}.", s.dead_letter_task(""));
+    let task_prefix = task_prefix.trim_end_matches('.');
+    let poison = s.dead_letter_wake("poison");
+    while let Some((subject, count)) = subjects
+        .try_next()
+        .await
+        .map_err(|e| read_error(format!("subjects of {name}"), e))?
+    {
+        let count = count as u64;
+        counts.total += count;
+        if subject == poison {
+            counts.poison += count;
+        } else if let Some(pool) = subject.strip_prefix(task_prefix) {
+            *counts.tasks.entry(pool.to_owned()).or_default() += count;
+        } else {
+            counts.wakes += count;
+        }
+    }
+    Ok(counts)
+}
+
+/// A `$SRV.STATS` reply, as far as status needs it.
+#[derive(Debug, Deserialize)]
+struct StatsReply {
+    /// The instance's service id.
+    id: String,
+    /// When it started.
+    #[serde(default)]
+    started: Option<String>,
+    /// Its endpoints; the status endpoint's `data` is the snapshot.
+    #[serde(default)]
+    endpoints: Vec<EndpointStats>,
+}
+
+/// One endpoint of a `$SRV.STATS` reply.
+#[derive(Debug, Deserialize)]
+struct EndpointStats {
+    /// The stats handler's output.
+    #[serde(default)]
+    data: Option<serde_json::Value>,
+}
+
+/// Asks every instance of `service` for its stats; keeps this deployment's.
+async fn discover(
+    bus: &Bus,
+    service: &str,
+    timeout: Duration,
+) -> Result<Vec<ServiceStatus>, StatusError> {
+    let client = &bus.client;
+    let inbox = client.new_inbox();
+    let mut replies = client
+        .subscribe(inbox.clone())
+        .await
+        .map_err(|e| read_error("service discovery", e))?;
+    client
+        .publish_with_reply(format!("$SRV.STATS.{service}"), inbox, "".into())
+        .await
+        .map_err(|e| read_error("service discovery", e))?;
+    client
+        .flush()
+        .await
+        .map_err(|e| read_error("service discovery", e))?;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut found: HashMap<String, ServiceStatus> = HashMap::new();
+    // Wait the whole window: there is no telling how many will answer.
+    while let Ok(Some(reply)) = tokio::time::timeout_at(deadline, replies.next()).await {
+        let Ok(stats) = serde_json::from_slice::<StatsReply>(&reply.payload) else {
+            continue;
+        };
+        let snapshot = stats
+            .endpoints
+            .iter()
+            .filter_map(|e| e.data.clone())
+            .find_map(|data| serde_json::from_value::<ServiceSnapshot>(data).ok());
+        if let Some(snapshot) = snapshot.filter(|s| s.prefix == bus.subjects.prefix()) {
+            found.insert(
+                stats.id.clone(),
+                ServiceStatus {
+                    id: stats.id,
+                    started: stats.started,
+                    snapshot,
+                },
+            );
+        }
+    }
+    Ok(found.into_values().collect())
+}
+
+/// Completions above the wake consumer's ack floor that the ledger does not
+/// record as delivered, grouped by session. Without a ledger (the wake
+/// service never ran) every background completion there counts.
+async fn undelivered(
+    bus: &Bus,
+    ack_floor: u64,
+    options: &StatusOptions,
+) -> Result<(Vec<UndeliveredSession>, ScanInfo), StatusError> {
+    let mut scan = ScanInfo {
+        from_seq: ack_floor + 1,
+        ..ScanInfo::default()
+    };
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .ok()
+        .map(WakeLedger::new);
+    let selection = Selection {
+        kind: Some(EventKind::Done),
+        from_seq: Some(scan.from_seq),
+        ..Selection::default()
+    };
+    let mut reader = match HistoryReader::open(bus, Source::Events, selection, false).await {
+        Ok(reader) => reader,
+        Err(crate::history::HistoryError::Stream { .. }) => {
+            scan.complete = true;
+            return Ok((Vec::new(), scan));
+        }
+        Err(error) => return Err(read_error("completions", error)),
+    };
+    let mut sessions: HashMap<String, UndeliveredSession> = HashMap::new();
+    let now = OffsetDateTime::now_utc();
+    scan.complete = true;
+    while let Some(record) = reader.next().await {
+        let record = record.map_err(|e| read_error("completions", e))?;
+        if scan.scanned >= options.scan_limit {
+            scan.complete = false;
+            break;
+        }
+        scan.scanned += 1;
+        let (Some(token), Some(session), Some(delegation), Some(task)) = (
+            record.session_token(),
+            record.origin_session(),
+            record.delegation_id(),
+            record.task_index(),
+        ) else {
+            continue;
+        };
+        if token == SYNC_SESSION_TOKEN {
+            continue;
+        }
+        if let Some(ledger) = &ledger {
+            let state = ledger
+                .get(&WakeLedger::key(&delegation, task))
+                .await
+                .map_err(|e| read_error("the wake ledger", e))?;
+            if matches!(state, Some(LedgerState::Delivered { .. })) {
+                continue;
+            }
+        }
+        let entry = sessions
+            .entry(session.to_owned())
+            .or_insert_with(|| UndeliveredSession {
+                session: session.to_owned(),
+                session_token: token.to_owned(),
+                completions: 0,
+                oldest: record.published,
+                age_seconds: (now - record.published).as_seconds_f64().max(0.0),
+                oldest_delegation_id: delegation.clone(),
+            });
+        entry.completions += 1;
+    }
+    let mut list: Vec<UndeliveredSession> = sessions.into_values().collect();
+    list.sort_by_key(|s| s.oldest);
+    list.truncate(options.top_sessions);
+    Ok((list, scan))
+}
