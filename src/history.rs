@@ -95,7 +95,7 @@ pub enum HistoryError {
     Selection(String),
     /// An id in the selection is malformed.
     #[error("invalid selection: {0}")]
-    InvalidId(#[from] IdError),
+    InvalidId(IdError),
     /// The stream does not exist or cannot be read.
     #[error("cannot read stream {stream}: {source}")]
     Stream {
@@ -128,6 +128,12 @@ pub enum HistoryError {
         /// The stream.
         stream: String,
     },
+}
+
+impl From<IdError> for HistoryError {
+    fn from(error: IdError) -> Self {
+        Self::InvalidId(error)
+    }
 }
 
 impl Selection {

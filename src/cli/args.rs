@@ -93,6 +93,13 @@ pub(crate) enum Command {
     Wake(WakeArgs),
     /// Run the whole loop on this machine (starts nats-server if none answers).
     Dev(DevArgs),
+    /// Read the event history (or dead letters), filtered; --follow to keep streaming.
+    Events(super::events::EventsArgs),
+    /// Re-drive wakes or dead-lettered tasks, or copy history elsewhere.
+    Replay(super::replay::ReplayArgs),
+    /// One screen about the deployment: streams, consumers, dead letters,
+    /// live instances, oldest undelivered wakes.
+    Status(super::status::StatusArgs),
 }
 
 /// `wakebus init`.
@@ -162,6 +169,9 @@ pub(crate) struct WorkerArgs {
     /// The program and arguments of the command executor (after `--`).
     #[arg(last = true)]
     pub(crate) command: Vec<String>,
+    /// Metrics and health endpoints.
+    #[command(flatten)]
+    pub(crate) ops: super::ops::OpsArgs,
 }
 
 /// Executors.
@@ -200,6 +210,9 @@ pub(crate) struct WakeArgs {
     /// Longest delay between wake posts (a Retry-After may ask for longer).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub(crate) retry_max: Duration,
+    /// Metrics and health endpoints.
+    #[command(flatten)]
+    pub(crate) ops: super::ops::OpsArgs,
 }
 
 /// `wakebus dev`.

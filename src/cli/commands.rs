@@ -6,6 +6,7 @@ use anyhow::{Context, bail};
 use wakebus::bus::{Bus, BusSettings};
 use wakebus::connect::NatsConfig;
 use wakebus::delegate::{Delegation, Delegator};
+use wakebus::ops::http::Probe;
 use wakebus::protocol::Subjects;
 use wakebus::wake::session_api::SessionApiConfig;
 use wakebus::wake::{self, WakeConfig};
@@ -18,6 +19,9 @@ use super::shutdown_signal;
 pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let global = cli.global;
     match cli.command {
+        Command::Events(args) => return super::events::run(&global, args).await,
+        Command::Replay(args) => return super::replay::run(&global, args).await,
+        Command::Status(args) => return super::status::run(&global, args).await,
         Command::Dev(args) => {
             wakebus::dev::run(
                 wakebus::dev::DevConfig {
@@ -79,6 +83,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             wakebus::protocol::validate_pool(&args.pool)?;
             let bus = connect(&global, "wakebus-worker").await?;
+            let _ops = super::ops::start(&args.ops, Probe::worker(&bus, &args.pool)).await?;
             let mut config = WorkerConfig::new(&args.pool);
             config.concurrency = args.concurrency;
             config.ack_wait = args.ack_wait;
@@ -116,6 +121,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 None => None,
             };
             let bus = connect(&global, "wakebus-wake").await?;
+            let _ops = super::ops::start(&args.ops, Probe::wake(&bus)).await?;
             let mut config = WakeConfig::new(SessionApiConfig {
                 base_url: args.api_url,
                 api_key,
@@ -146,7 +152,7 @@ fn settings(global: &Global) -> BusSettings {
     }
 }
 
-async fn connect(global: &Global, name: &str) -> anyhow::Result<Bus> {
+pub(crate) async fn connect(global: &Global, name: &str) -> anyhow::Result<Bus> {
     let subjects = Subjects::new(&global.prefix)?;
     let config = NatsConfig {
         url: global.nats_url.clone(),

@@ -2,6 +2,11 @@
 
 mod args;
 mod commands;
+mod events;
+mod filters;
+mod ops;
+mod replay;
+mod status;
 
 use std::process::ExitCode;
 
@@ -12,7 +17,12 @@ pub(crate) use args::Cli;
 /// Entry point: parse, set up logging, run the subcommand on a Tokio runtime.
 pub(crate) fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(&cli.global.log_format);
+    // Tools an operator runs by hand log only problems; services log progress.
+    let tool = matches!(
+        cli.command,
+        args::Command::Events(_) | args::Command::Replay(_) | args::Command::Status(_)
+    );
+    init_logging(&cli.global.log_format, if tool { "warn" } else { "info" });
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -29,9 +39,10 @@ pub(crate) fn main() -> ExitCode {
     }
 }
 
-fn init_logging(format: &args::LogFormat) {
+fn init_logging(format: &args::LogFormat, default_level: &str) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -2,6 +2,7 @@
 //! helpers to run the services in-process or as `wakebus` processes.
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod cli;
 pub mod nats;
 pub mod process;
 pub mod session_api;

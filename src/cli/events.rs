@@ -1,0 +1,157 @@
+//! `wakebus events`: the event history, filtered, as JSON lines for scripts
+//! or a table on a terminal; `--follow` keeps streaming.
+
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+
+use clap::Args;
+use time::macros::format_description;
+use wakebus::history::{HistoryReader, Record, RecordKind, Source};
+
+use super::args::Global;
+use super::filters::{DeadLetterArg, FilterArgs};
+
+/// `wakebus events`.
+#[derive(Debug, Args)]
+pub(crate) struct EventsArgs {
+    /// Which events.
+    #[command(flatten)]
+    pub(crate) filters: FilterArgs,
+    /// Read dead letters instead of events (all, or only task or wake ones).
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "all")]
+    pub(crate) dead_letters: Option<DeadLetterArg>,
+    /// Keep streaming new events after the stored ones (Ctrl-C to stop).
+    #[arg(long, short = 'f')]
+    pub(crate) follow: bool,
+    /// JSON lines even on a terminal.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+pub(crate) async fn run(global: &Global, args: EventsArgs) -> anyhow::Result<ExitCode> {
+    let bus = super::commands::connect(global, "wakebus-events").await?;
+    let source = args
+        .dead_letters
+        .map_or(Source::Events, DeadLetterArg::source);
+    let selection = args.filters.selection()?;
+    let mut reader = HistoryReader::open(&bus, source, selection, args.follow).await?;
+    let json = args.json || !std::io::stdout().is_terminal();
+    let shutdown = super::shutdown_signal();
+    tokio::pin!(shutdown);
+    if !json && write_line(&header()).is_err() {
+        return Ok(ExitCode::SUCCESS);
+    }
+    loop {
+        let next = tokio::select! {
+            () = &mut shutdown => break,
+            next = reader.next() => next,
+        };
+        let Some(record) = next else { break };
+        let record = record?;
+        let line = if json {
+            record.to_json().to_string()
+        } else {
+            row(&record)
+        };
+        if write_line(&line).is_err() {
+            // The reader went away (`| head`): not an error.
+            break;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn write_line(line: &str) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}")?;
+    out.flush()
+}
+
+const WIDTHS: [usize; 7] = [7, 23, 9, 30, 4, 22, 11];
+
+fn header() -> String {
+    columns(&[
+        "SEQ",
+        "TIME (UTC)",
+        "KIND",
+        "DELEGATION",
+        "TASK",
+        "SESSION",
+        "STATUS",
+        "DETAIL",
+    ])
+}
+
+fn columns(cells: &[&str]) -> String {
+    let mut line = String::new();
+    for (cell, width) in cells.iter().zip(WIDTHS) {
+        line.push_str(&format!("{:<width$} ", fit(cell, width)));
+    }
+    if let Some(last) = cells.get(WIDTHS.len()) {
+        line.push_str(&fit(last, 80));
+    }
+    line.trim_end().to_owned()
+}
+
+/// Cuts `text` to `width` characters (first line only), marking the cut.
+fn fit(text: &str, width: usize) -> String {
+    let line = text.lines().next().unwrap_or("");
+    if line.chars().count() <= width && !text.contains('\n') {
+        return line.to_owned();
+    }
+    let kept: String = line.chars().take(width.saturating_sub(1)).collect();
+    format!("{kept}…")
+}
+
+fn row(record: &Record) -> String {
+    let time = record
+        .published
+        .format(format_description!(
+            "[year]-[month]-[day] [hour]:[minute]:[second].[subsecond digits:3]"
+        ))
+        .unwrap_or_default();
+    let body: serde_json::Value = serde_json::from_slice(&record.payload).unwrap_or_default();
+    let text = |field: &str| body.get(field).and_then(|v| v.as_str()).unwrap_or("");
+    let (status, mut detail) = match record.kind() {
+        RecordKind::Started => (
+            format!("attempt {}", body["attempt"].as_u64().unwrap_or(0)),
+            text("worker").to_owned(),
+        ),
+        RecordKind::Done => (
+            text("status").to_owned(),
+            if text("error").is_empty() {
+                text("summary").to_owned()
+            } else {
+                text("error").to_owned()
+            },
+        ),
+        RecordKind::WakeDeadLetter => (
+            text("status").to_owned(),
+            record.dead_letter_reason().unwrap_or("").to_owned(),
+        ),
+        RecordKind::TaskDeadLetter => (
+            record.pool().unwrap_or("").to_owned(),
+            record.dead_letter_reason().unwrap_or("").to_owned(),
+        ),
+        RecordKind::Other => (String::new(), record.subject.clone()),
+    };
+    if let Some(original) = record.replay_of() {
+        detail = format!("[replay of {original}] {detail}");
+    }
+    let session = record
+        .origin_session()
+        .map_or_else(|| "(sync)".to_owned(), str::to_owned);
+    columns(&[
+        &record.sequence.to_string(),
+        &time,
+        record.kind().as_str(),
+        &record.delegation_id().unwrap_or_default(),
+        &record
+            .task_index()
+            .map(|i| i.to_string())
+            .unwrap_or_default(),
+        &session,
+        &status,
+        &detail,
+    ])
+}

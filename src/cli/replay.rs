@@ -1,0 +1,237 @@
+//! `wakebus replay`: re-drive wakes, re-queue dead-lettered tasks, or copy
+//! history elsewhere; with progress on a terminal and a clean stop on Ctrl-C.
+
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::bail;
+use clap::{Args, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use tokio_util::sync::CancellationToken;
+use wakebus::protocol::Subjects;
+use wakebus::replay::{
+    self, Action, CopyTarget, Progress, ReplayItem, ReplayKind, ReplayPlan, Replayer, Summary,
+};
+
+use super::args::Global;
+use super::filters::{DeadLetterArg, FilterArgs};
+
+/// `wakebus replay`.
+#[derive(Debug, Args)]
+pub(crate) struct ReplayArgs {
+    /// What to replay.
+    #[command(subcommand)]
+    pub(crate) what: ReplayCommand,
+}
+
+/// Replay subcommands.
+#[derive(Debug, Subcommand)]
+pub(crate) enum ReplayCommand {
+    /// Wake sessions again for selected completions, through the running
+    /// wake service; completions already delivered are skipped unless --force.
+    Wakes(WakesArgs),
+    /// Re-queue dead-lettered task requests (each under a derived delegation
+    /// id, <id>-r<dead-letter seq>); ones already re-queued are skipped unless --force.
+    Tasks(TasksArgs),
+    /// Re-publish a range of history under another prefix or to one subject,
+    /// headers preserved and marked with Wakebus-Replay.
+    Copy(CopyArgs),
+}
+
+/// Options every replay takes.
+#[derive(Debug, Args)]
+pub(crate) struct CommonArgs {
+    /// Which records.
+    #[command(flatten)]
+    pub(crate) filters: FilterArgs,
+    /// Only list what would be done.
+    #[arg(long)]
+    pub(crate) dry_run: bool,
+    /// JSON lines even on a terminal.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// `wakebus replay wakes`.
+#[derive(Debug, Args)]
+pub(crate) struct WakesArgs {
+    /// Filters and output.
+    #[command(flatten)]
+    pub(crate) common: CommonArgs,
+    /// Read the wake dead letters (completions the session API refused)
+    /// instead of the completions in the event history.
+    #[arg(long)]
+    pub(crate) dead_letters: bool,
+    /// Wake even for completions already delivered (their ledger entry is removed first).
+    #[arg(long)]
+    pub(crate) force: bool,
+}
+
+/// `wakebus replay tasks`.
+#[derive(Debug, Args)]
+pub(crate) struct TasksArgs {
+    /// Filters and output.
+    #[command(flatten)]
+    pub(crate) common: CommonArgs,
+    /// Re-queue even requests already re-queued (under a new ULID delegation id).
+    #[arg(long)]
+    pub(crate) force: bool,
+}
+
+/// `wakebus replay copy`.
+#[derive(Debug, Args)]
+pub(crate) struct CopyArgs {
+    /// Filters and output.
+    #[command(flatten)]
+    pub(crate) common: CommonArgs,
+    /// Copy dead letters instead of events (all, or only task or wake ones).
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "all")]
+    pub(crate) dead_letters: Option<DeadLetterArg>,
+    /// Publish each message on the same subject under this prefix.
+    #[arg(
+        long,
+        conflicts_with = "to_subject",
+        required_unless_present = "to_subject"
+    )]
+    pub(crate) to_prefix: Option<String>,
+    /// Publish every message on this one subject.
+    #[arg(long)]
+    pub(crate) to_subject: Option<String>,
+}
+
+pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<ExitCode> {
+    let (kind, common, force) = match args.what {
+        ReplayCommand::Wakes(a) => (
+            if a.dead_letters {
+                ReplayKind::WakeDeadLetters
+            } else {
+                ReplayKind::Wakes
+            },
+            a.common,
+            a.force,
+        ),
+        ReplayCommand::Tasks(a) => (ReplayKind::Tasks, a.common, a.force),
+        ReplayCommand::Copy(a) => {
+            let target = match (a.to_prefix, a.to_subject) {
+                (Some(prefix), _) => CopyTarget::Prefix(Subjects::new(&prefix)?),
+                (None, Some(subject)) => {
+                    if subject.is_empty()
+                        || subject.contains(['*', '>', ' '])
+                        || subject.split('.').any(str::is_empty)
+                    {
+                        bail!("--to-subject {subject:?} is not a valid subject to publish to");
+                    }
+                    CopyTarget::Subject(subject)
+                }
+                (None, None) => bail!("give --to-prefix or --to-subject"),
+            };
+            let source = a
+                .dead_letters
+                .map_or(wakebus::history::Source::Events, DeadLetterArg::source);
+            (ReplayKind::Copy { source, target }, a.common, false)
+        }
+    };
+    let plan = ReplayPlan {
+        kind,
+        selection: common.filters.selection()?,
+        force,
+        dry_run: common.dry_run,
+    };
+    let bus = super::commands::connect(global, "wakebus-replay").await?;
+    let replayer = Replayer::new(bus, plan).await?;
+
+    let cancel = CancellationToken::new();
+    let on_signal = cancel.clone();
+    tokio::spawn(async move {
+        super::shutdown_signal().await;
+        on_signal.cancel();
+    });
+    let json = common.json || !std::io::stdout().is_terminal();
+    let bar = ProgressBar::hidden();
+    let summary = replay::run(replayer, cancel, |progress| match progress {
+        Progress::Opened { total } => {
+            if std::io::stderr().is_terminal() {
+                bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+                bar.set_length(total);
+                bar.set_style(
+                    ProgressStyle::with_template(
+                        "{spinner} {pos}/{len} replayed or checked  {per_sec}  ETA {eta}  [{elapsed}]",
+                    )
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                );
+                bar.enable_steady_tick(Duration::from_millis(200));
+            }
+        }
+        Progress::Item(item) => {
+            bar.inc(1);
+            let line = if json {
+                serde_json::to_string(item).unwrap_or_default()
+            } else {
+                describe(item)
+            };
+            if bar.is_hidden() {
+                let _ = writeln!(std::io::stdout().lock(), "{line}");
+            } else {
+                bar.println(line);
+            }
+        }
+    })
+    .await;
+    bar.finish_and_clear();
+    let summary = summary?;
+    print_summary(&summary, json);
+    Ok(if summary.interrupted {
+        ExitCode::from(130)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn describe(item: &ReplayItem) -> String {
+    let what = format!(
+        "{} {}/{}",
+        item.source,
+        item.delegation_id.as_deref().unwrap_or("?"),
+        item.task_index.map(|i| i.to_string()).unwrap_or_default()
+    );
+    let target = item.target_subject.as_deref().unwrap_or("");
+    let renamed = item
+        .new_delegation_id
+        .as_deref()
+        .map(|id| format!(" as delegation {id}"))
+        .unwrap_or_default();
+    let cleared = if item.ledger_cleared {
+        " (ledger entry cleared)"
+    } else {
+        ""
+    };
+    match item.action {
+        Action::Replayed => format!("replayed     {what} -> {target}{renamed}{cleared}"),
+        Action::WouldReplay => format!("would replay {what} -> {target}{renamed}{cleared}"),
+        Action::Skipped => format!(
+            "skipped      {what}: {}",
+            item.reason.as_deref().unwrap_or("")
+        ),
+    }
+}
+
+fn print_summary(summary: &Summary, json: bool) {
+    if json {
+        let line = serde_json::json!({ "summary": summary }).to_string();
+        let _ = writeln!(std::io::stdout().lock(), "{line}");
+    } else {
+        eprintln!(
+            "{} selected: {} replayed, {} would be replayed, {} skipped{}",
+            summary.selected,
+            summary.replayed,
+            summary.would_replay,
+            summary.skipped,
+            if summary.interrupted {
+                " (interrupted)"
+            } else {
+                ""
+            }
+        );
+    }
+}
