@@ -290,8 +290,8 @@ async fn dead_letter_counts(bus: &Bus) -> Result<DeadLetterCounts, StatusError> 
         .await
         .map_err(|e| read_error(format!("subjects of {name}"), e))?;
     let mut counts = DeadLetterCounts::default();
-    let task_prefix = format!("{}.", s.dead_letter_task(""));
-    let task_prefix = task_prefix.trim_end_matches('.');
+    // `<prefix>.dlq.task.`, the pool follows.
+    let task_prefix = s.dead_letter_task("");
     let poison = s.dead_letter_wake("poison");
     while let Some((subject, count)) = subjects
         .try_next()
@@ -302,7 +302,7 @@ async fn dead_letter_counts(bus: &Bus) -> Result<DeadLetterCounts, StatusError> 
         counts.total += count;
         if subject == poison {
             counts.poison += count;
-        } else if let Some(pool) = subject.strip_prefix(task_prefix) {
+        } else if let Some(pool) = subject.strip_prefix(task_prefix.as_str()) {
             *counts.tasks.entry(pool.to_owned()).or_default() += count;
         } else {
             counts.wakes += count;

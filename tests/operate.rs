@@ -17,6 +17,25 @@ use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
 
+/// Polls `attempt` until it yields a value or `timeout` passes (then panics with `what`).
+async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut attempt: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = attempt().await {
+            return value;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn id_of(result: &DelegateResult) -> String {
     match result {
         DelegateResult::Dispatched { delegation_id, .. }
@@ -296,7 +315,9 @@ async fn events_refuse_malformed_or_contradictory_filters_with_a_clear_error() {
 // ---------------------------------------------------------------- replay
 
 /// Stored messages of the events stream that are replay copies.
-async fn replay_copies(bus: &wakebus::bus::Bus) -> Vec<async_nats::jetstream::message::StreamMessage> {
+async fn replay_copies(
+    bus: &wakebus::bus::Bus,
+) -> Vec<async_nats::jetstream::message::StreamMessage> {
     all_messages(bus, &bus.subjects.events_stream())
         .await
         .into_iter()
@@ -320,7 +341,10 @@ async fn delivered_wake(
             .await
             .unwrap(),
     );
-    wait_until(WAIT, "the first wake", || async { api.accepted().len() == 1 }).await;
+    wait_until(WAIT, "the first wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
     let ledger = bus
         .js
         .get_key_value(bus.subjects.wake_ledger_bucket())
@@ -345,15 +369,22 @@ async fn replay_skips_wakes_that_were_already_delivered() {
     let session = "s.replay *>";
     let id = delivered_wake(&bus, &api, &mut services, session).await;
 
-    let lines = wakebus(&nats.url(), &prefix, &["replay", "wakes", "--session", session])
-        .await
-        .ok_json();
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--session", session],
+    )
+    .await
+    .ok_json();
     let (items, summary) = lines.split_at(lines.len() - 1);
     assert_eq!(items.len(), 1, "{items:#?}");
     assert_eq!(items[0]["action"], "skipped");
     assert_eq!(items[0]["delegation_id"], id.as_str());
     assert!(
-        items[0]["reason"].as_str().unwrap().contains("already delivered"),
+        items[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("already delivered"),
         "{items:#?}"
     );
     assert_eq!(summary[0]["summary"]["replayed"], 0);
@@ -378,7 +409,14 @@ async fn replay_with_force_posts_a_delivered_wake_again_through_the_wake_service
     let dry = wakebus(
         &nats.url(),
         &prefix,
-        &["replay", "wakes", "--delegation", &id, "--force", "--dry-run"],
+        &[
+            "replay",
+            "wakes",
+            "--delegation",
+            &id,
+            "--force",
+            "--dry-run",
+        ],
     )
     .await
     .ok_json();
@@ -401,18 +439,28 @@ async fn replay_with_force_posts_a_delivered_wake_again_through_the_wake_service
     .await;
     let again = &api.accepted()[1];
     assert_eq!(again.session(), session);
-    assert_eq!(again.delegation_ids(), [id.clone()]);
-    assert_eq!(again.header("idempotency-key"), Some(format!("{id}.0.done")));
+    assert_eq!(again.delegation_ids(), [id.as_str()]);
+    assert_eq!(
+        again.header("idempotency-key"),
+        Some(format!("{id}.0.done"))
+    );
     let copies = replay_copies(&bus).await;
     assert_eq!(copies.len(), 1);
     let original_seq = forced[0]["source"].as_str().unwrap();
-    assert_eq!(copies[0].headers.get(HEADER_REPLAY).unwrap().as_str(), original_seq);
+    assert_eq!(
+        copies[0].headers.get(HEADER_REPLAY).unwrap().as_str(),
+        original_seq
+    );
     assert!(copies[0].headers.get("traceparent").is_some());
 
     // Delivered again, so a plain replay (which now also sees the copy) skips it.
-    let lines = wakebus(&nats.url(), &prefix, &["replay", "wakes", "--delegation", &id])
-        .await
-        .ok_json();
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id],
+    )
+    .await
+    .ok_json();
     let actions = field(&lines[..lines.len() - 1], "action");
     assert_eq!(actions, ["skipped", "skipped"], "{lines:#?}");
     services.stop().await;
@@ -468,7 +516,7 @@ async fn replay_of_wake_dead_letters_delivers_them_once_the_session_api_recovers
         api.accepted().len() == 1
     })
     .await;
-    assert_eq!(api.accepted()[0].delegation_ids(), [id.clone()]);
+    assert_eq!(api.accepted()[0].delegation_ids(), [id.as_str()]);
     let ledger = bus
         .js
         .get_key_value(bus.subjects.wake_ledger_bucket())
@@ -503,7 +551,11 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
     let mut config = test_worker_config("default");
     config.max_deliver = 1;
     let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
-    broken.worker(&bus, Executor::Command(CommandExecutor::new(missing)), config);
+    broken.worker(
+        &bus,
+        Executor::Command(CommandExecutor::new(missing)),
+        config,
+    );
     let mut services = Services::new();
     services.wake(&bus, test_wake_config(&api.url()));
     let id = id_of(
@@ -512,7 +564,10 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
             .await
             .unwrap(),
     );
-    wait_until(WAIT, "the failure wake", || async { api.accepted().len() == 1 }).await;
+    wait_until(WAIT, "the failure wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
     assert!(api.accepted()[0].text().contains("Status: failed"));
     broken.stop().await;
     services.echo_worker(&bus);
@@ -524,17 +579,28 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
     let derived = dry[0]["new_delegation_id"].as_str().unwrap().to_owned();
     assert!(derived.starts_with(&format!("{id}-r")), "{derived}");
 
-    let lines = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--session", session])
-        .await
-        .ok_json();
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "tasks", "--session", session],
+    )
+    .await
+    .ok_json();
     assert_eq!(lines[0]["action"], "replayed", "{lines:#?}");
     assert_eq!(lines[0]["new_delegation_id"], derived.as_str());
     assert_eq!(lines[0]["target_subject"], bus.subjects.task("default"));
-    wait_until(WAIT, "the re-run's wake", || async { api.accepted().len() == 2 }).await;
+    wait_until(WAIT, "the re-run's wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
     let rerun = &api.accepted()[1];
     assert_eq!(rerun.session(), session);
-    assert_eq!(rerun.delegation_ids(), [derived.clone()]);
-    assert!(rerun.text().contains("Status: completed"), "{}", rerun.text());
+    assert_eq!(rerun.delegation_ids(), [derived.as_str()]);
+    assert!(
+        rerun.text().contains("Status: completed"),
+        "{}",
+        rerun.text()
+    );
     assert!(rerun.text().contains("echo: needs a working worker"));
 
     // Already re-queued: skipped, unless forced (then under a fresh id).
@@ -584,7 +650,10 @@ async fn replay_does_not_requeue_a_request_that_can_never_run() {
         .ok_json();
     assert_eq!(lines[0]["action"], "skipped");
     assert!(
-        lines[0]["reason"].as_str().unwrap().contains("missing field `goal`"),
+        lines[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("missing field `goal`"),
         "{lines:#?}"
     );
     services.stop().await;
@@ -604,15 +673,29 @@ async fn replay_copy_republishes_history_under_another_prefix_with_headers_and_a
     let lines = wakebus(
         &nats.url(),
         &prefix,
-        &["replay", "copy", "--to-prefix", &target_prefix, "--session", "s.copy *>"],
+        &[
+            "replay",
+            "copy",
+            "--to-prefix",
+            &target_prefix,
+            "--session",
+            "s.copy *>",
+        ],
     )
     .await
     .ok_json();
-    assert_eq!(lines.last().unwrap()["summary"]["replayed"], 2, "{lines:#?}");
+    assert_eq!(
+        lines.last().unwrap()["summary"]["replayed"],
+        2,
+        "{lines:#?}"
+    );
     let copies = all_messages(&target, &target.subjects.events_stream()).await;
     assert_eq!(copies.len(), 2);
     let originals = all_messages(&bus, &bus.subjects.events_stream()).await;
-    let done_copy = copies.iter().find(|m| m.subject.ends_with(".done")).unwrap();
+    let done_copy = copies
+        .iter()
+        .find(|m| m.subject.ends_with(".done"))
+        .unwrap();
     let done_original = originals.iter().find(|m| m.sequence == done_seq).unwrap();
     assert_eq!(
         done_copy.subject.as_str(),
@@ -641,7 +724,12 @@ async fn replay_copy_republishes_history_under_another_prefix_with_headers_and_a
     );
     assert!(done_copy.subject.contains(&req.delegation_id));
 
-    let same = wakebus(&nats.url(), &prefix, &["replay", "copy", "--to-prefix", &prefix]).await;
+    let same = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "copy", "--to-prefix", &prefix],
+    )
+    .await;
     assert_eq!(same.code(), Some(1));
     assert!(same.stderr().contains("own prefix"), "{}", same.stderr());
     let nowhere = wakebus(
@@ -651,7 +739,11 @@ async fn replay_copy_republishes_history_under_another_prefix_with_headers_and_a
     )
     .await;
     assert_eq!(nowhere.code(), Some(1));
-    assert!(nowhere.stderr().contains("cannot publish"), "{}", nowhere.stderr());
+    assert!(
+        nowhere.stderr().contains("cannot publish"),
+        "{}",
+        nowhere.stderr()
+    );
 }
 
 #[tokio::test]
@@ -664,4 +756,307 @@ async fn replay_of_wakes_without_a_wake_ledger_says_so() {
     let run = wakebus(&nats.url(), &prefix, &["replay", "wakes"]).await;
     assert_eq!(run.code(), Some(1));
     assert!(run.stderr().contains("wake ledger"), "{}", run.stderr());
+}
+
+// ---------------------------------------------------------------- status
+
+#[tokio::test]
+async fn status_json_reports_streams_consumers_dead_letters_instances_and_waiting_sessions() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    api.fail_always(503); // wakes stay undelivered (retried) meanwhile
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    let mut config = test_worker_config("default");
+    config.concurrency = 3;
+    config.instance = "worker-status-test".to_owned();
+    services.worker(
+        &bus,
+        wakebus::worker::executor::Executor::Echo(Default::default()),
+        config,
+    );
+    let mut wake = test_wake_config(&api.url());
+    wake.instance = "wake-status-test".to_owned();
+    services.wake(&bus, wake);
+    let waiting = "s.status *>";
+    let delegator = Delegator::new(bus.clone());
+    let mut ids = Vec::new();
+    for goal in ["one", "two"] {
+        let result = delegator
+            .delegate(Delegation::new(goal).session(waiting))
+            .await
+            .unwrap();
+        ids.push(id_of(&result));
+    }
+    // The unusable request only after both completions, so that its
+    // session's wake is the younger one.
+    wait_until(WAIT, "both completions", || async {
+        all_messages(&bus, &bus.subjects.events_stream())
+            .await
+            .len()
+            == 4
+    })
+    .await;
+    let ack = bus
+        .js
+        .publish(
+            bus.subjects.task("default"),
+            r#"{"version":1,"delegation_id":"nogoal","origin_session_id":"s.other"}"#.into(),
+        )
+        .await
+        .unwrap();
+    ack.await.unwrap();
+
+    let args = ["status", "--json", "--discovery-timeout", "300ms"];
+    let report = eventually(WAIT, "status to show the known state", || async {
+        let run = wakebus(&nats.url(), &prefix, &args).await;
+        let report: Value = serde_json::from_str(&run.stdout()).unwrap_or_default();
+        let wake = report["consumers"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["name"] == "wake").cloned())
+            .unwrap_or_default();
+        let ready = report["services"].as_array().is_some_and(|s| s.len() == 2)
+            && report["dead_letters"]["total"] == 1
+            && wake["ack_pending"] == 3
+            && report["oldest_undelivered"]
+                .as_array()
+                .is_some_and(|s| s.len() == 2);
+        ready.then_some(report)
+    })
+    .await;
+
+    assert_eq!(report["prefix"], prefix.as_str());
+    let stream = |name: String| {
+        report["streams"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == name.as_str())
+            .cloned()
+            .unwrap()
+    };
+    let events = stream(bus.subjects.events_stream());
+    assert_eq!(events["present"], true);
+    assert_eq!(events["messages"], 5, "two started, three done");
+    assert!(events["bytes"].as_u64().unwrap() > 0);
+    assert!(events["first_time"].is_string() && events["last_time"].is_string());
+    assert_eq!(stream(bus.subjects.tasks_stream())["messages"], 0);
+    assert_eq!(stream(bus.subjects.dead_letter_stream())["messages"], 1);
+
+    let consumers = report["consumers"].as_array().unwrap();
+    assert_eq!(field(consumers, "name"), ["worker-default", "wake"]);
+    let worker_consumer = &consumers[0];
+    assert_eq!(worker_consumer["stream"], bus.subjects.tasks_stream());
+    assert_eq!(worker_consumer["pending"], 0);
+    assert_eq!(worker_consumer["ack_pending"], 0);
+    assert!(worker_consumer["waiting_pulls"].as_u64().unwrap() <= 1);
+    let wake_consumer = &consumers[1];
+    assert_eq!(wake_consumer["pending"], 0);
+    assert_eq!(wake_consumer["ack_pending"], 3);
+
+    let dead = &report["dead_letters"];
+    assert_eq!(dead["tasks"], serde_json::json!({"default": 1}));
+    assert_eq!(dead["wakes"], 0);
+    assert_eq!(dead["poison"], 0);
+
+    let services_seen = report["services"].as_array().unwrap();
+    let worker = &services_seen[1];
+    assert_eq!(worker["kind"], "worker");
+    assert_eq!(worker["instance"], "worker-status-test");
+    assert_eq!(worker["pool"], "default");
+    assert_eq!(worker["concurrency"], 3);
+    assert_eq!(worker["in_flight"], 0);
+    assert_eq!(worker["version"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(worker["prefix"], prefix.as_str());
+    let wake_seen = &services_seen[0];
+    assert_eq!(wake_seen["kind"], "wake");
+    assert_eq!(wake_seen["instance"], "wake-status-test");
+    assert_eq!(wake_seen["pool"], Value::Null);
+    assert!(
+        wake_seen["in_flight"].as_u64().unwrap() <= 2,
+        "one post per session at most"
+    );
+
+    let oldest = report["oldest_undelivered"].as_array().unwrap();
+    assert_eq!(field(oldest, "session"), [waiting, "s.other"]);
+    assert_eq!(oldest[0]["completions"], 2);
+    assert_eq!(oldest[0]["oldest_delegation_id"], ids[0].as_str());
+    assert_eq!(oldest[0]["session_token"], session_token(waiting));
+    assert_eq!(oldest[1]["completions"], 1);
+    assert_eq!(oldest[1]["oldest_delegation_id"], "nogoal");
+    assert!(
+        oldest[0]["age_seconds"].as_f64().unwrap() >= oldest[1]["age_seconds"].as_f64().unwrap()
+    );
+    assert_eq!(report["undelivered_scan"]["complete"], true);
+    assert_eq!(report["undelivered_scan"]["scanned"], 3);
+
+    api.recover();
+    wait_until(WAIT, "the wakes once the API recovers", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    services.stop().await;
+    let after = wakebus(&nats.url(), &prefix, &args).await;
+    assert!(after.success(), "{}", after.stderr());
+    let after: Value = serde_json::from_str(&after.stdout()).unwrap();
+    assert_eq!(after["oldest_undelivered"], serde_json::json!([]));
+    assert_eq!(
+        after["services"],
+        serde_json::json!([]),
+        "stopped instances deregister"
+    );
+}
+
+#[tokio::test]
+async fn instances_answer_the_standard_micro_service_requests() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    let request = |subject: &'static str| {
+        let client = bus.client.clone();
+        async move {
+            let reply = client.request(subject, "".into()).await.ok()?;
+            serde_json::from_slice::<Value>(&reply.payload).ok()
+        }
+    };
+    let ping = eventually(WAIT, "the worker to answer $SRV.PING", || {
+        request("$SRV.PING.wakebus-worker")
+    })
+    .await;
+    assert_eq!(ping["type"], "io.nats.micro.v1.ping_response");
+    assert_eq!(ping["name"], "wakebus-worker");
+    assert_eq!(ping["metadata"]["prefix"], prefix.as_str());
+
+    let info = eventually(WAIT, "the wake to answer $SRV.INFO", || {
+        request("$SRV.INFO.wakebus-wake")
+    })
+    .await;
+    assert_eq!(info["metadata"]["kind"], "wake");
+    let endpoint = &info["endpoints"][0];
+    assert_eq!(endpoint["name"], "status");
+    let subject = endpoint["subject"].as_str().unwrap().to_owned();
+    assert_eq!(
+        subject,
+        format!("{prefix}.status.{}", info["id"].as_str().unwrap())
+    );
+    let status = bus.client.request(subject, "".into()).await.unwrap();
+    let snapshot: Value = serde_json::from_slice(&status.payload).unwrap();
+    assert_eq!(snapshot["kind"], "wake");
+    assert_eq!(snapshot["prefix"], prefix.as_str());
+
+    let stats = request("$SRV.STATS.wakebus-worker").await.unwrap();
+    assert_eq!(stats["endpoints"][0]["data"]["pool"], "default");
+    services.stop().await;
+}
+
+// ---------------------------------------------------------------- metrics
+
+async fn http_get(url: &str) -> Option<(u16, String)> {
+    let response = reqwest::get(url).await.ok()?;
+    let status = response.status().as_u16();
+    Some((status, response.text().await.ok()?))
+}
+
+/// The value of the sample `name` (with its labels, exactly as rendered).
+fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[tokio::test]
+async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
+    init_logs();
+    let mut nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let addr = format!("127.0.0.1:{}", common::nats::free_port());
+    let logs = tempfile::tempdir().unwrap();
+    let mut args = common::process::base_args(&nats.url(), &prefix);
+    args.extend(["worker", "--metrics-addr", &addr].map(String::from));
+    let _worker = common::process::Service::spawn(args, logs.path().join("worker.log"));
+    let base = format!("http://{addr}");
+    wait_until(WAIT, "the worker to be ready", || async {
+        http_get(&format!("{base}/readyz"))
+            .await
+            .is_some_and(|(s, _)| s == 200)
+    })
+    .await;
+    assert_eq!(
+        http_get(&format!("{base}/healthz")).await,
+        Some((200, "ok\n".to_owned()))
+    );
+
+    let delegator = Delegator::new(bus.clone());
+    for goal in ["one", "two", "three"] {
+        delegator
+            .delegate(Delegation::new(goal).session("s.metrics"))
+            .await
+            .unwrap();
+    }
+    let ack = bus
+        .js
+        .publish(
+            bus.subjects.task("default"),
+            r#"{"version":1,"delegation_id":"nogoal"}"#.into(),
+        )
+        .await
+        .unwrap();
+    ack.await.unwrap();
+
+    let completed = r#"wakebus_tasks_completed_total{pool="default",status="completed"}"#;
+    let text = eventually(WAIT, "the scrape to count every task", || async {
+        let text = http_get(&format!("{base}/metrics")).await?.1;
+        let counted = sample(&text, completed) == Some(3.0)
+            && sample(
+                &text,
+                r#"wakebus_tasks_completed_total{pool="default",status="error"}"#,
+            ) == Some(1.0);
+        counted.then_some(text)
+    })
+    .await;
+    let expect = |name: &str, value: f64| {
+        assert_eq!(sample(&text, name), Some(value), "{name} in\n{text}");
+    };
+    expect(r#"wakebus_tasks_started_total{pool="default"}"#, 3.0);
+    expect(r#"wakebus_dead_letters_total{kind="task"}"#, 1.0);
+    expect(
+        r#"wakebus_task_duration_seconds_count{pool="default",status="completed"}"#,
+        3.0,
+    );
+    expect(
+        r#"wakebus_task_duration_seconds_bucket{pool="default",status="completed",le="+Inf"}"#,
+        3.0,
+    );
+    expect(r#"wakebus_tasks_in_flight{pool="default"}"#, 0.0);
+    let consumer = format!(
+        r#"{{stream="{}",consumer="worker-default"}}"#,
+        bus.subjects.tasks_stream()
+    );
+    expect(&format!("wakebus_consumer_pending{consumer}"), 0.0);
+    expect(&format!("wakebus_consumer_ack_pending{consumer}"), 0.0);
+    assert!(
+        text.contains("# TYPE wakebus_task_duration_seconds histogram"),
+        "{text}"
+    );
+    assert!(sample(&text, r#"wakebus_task_retries_total{pool="default"}"#).is_none());
+
+    // Without NATS the process is alive but not ready.
+    nats.kill();
+    wait_until(WAIT, "/readyz to fail without NATS", || async {
+        http_get(&format!("{base}/readyz"))
+            .await
+            .is_some_and(|(s, body)| s == 503 && body.contains("not ready"))
+    })
+    .await;
+    assert_eq!(
+        http_get(&format!("{base}/healthz")).await.map(|r| r.0),
+        Some(200)
+    );
 }
