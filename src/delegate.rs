@@ -15,8 +15,8 @@ use time::OffsetDateTime;
 
 use crate::bus::{Bus, PublishError};
 use crate::protocol::{
-    CompletionEvent, EventHeaders, EventKind, IdError, PROTOCOL_VERSION, Role, TaskRequest,
-    TraceParent, new_delegation_id, validate_pool, validate_session_id,
+    CompletionEvent, DEFAULT_MAX_DEPTH, EventHeaders, EventKind, IdError, PROTOCOL_VERSION, Role,
+    TaskRequest, TraceParent, new_delegation_id, validate_pool, validate_session_id,
 };
 
 /// What to delegate.
@@ -38,7 +38,8 @@ pub struct Delegation {
     pub toolsets: Vec<String>,
     /// Per-task time limit.
     pub timeout_seconds: Option<u64>,
-    /// The delegating agent's depth (0 for a top-level session).
+    /// Nesting level of the subagent this creates: 1 when a top-level
+    /// session delegates; a subagent delegating passes its own depth + 1.
     pub depth: u32,
     /// The delegating agent's session, if it differs from the origin.
     pub parent_session_id: Option<String>,
@@ -54,6 +55,7 @@ impl Delegation {
         Self {
             goal: goal.into(),
             pool: "default".to_owned(),
+            depth: 1,
             ..Self::default()
         }
     }
@@ -117,6 +119,14 @@ pub enum DelegateError {
     /// The goal is empty.
     #[error("goal must not be empty")]
     EmptyGoal,
+    /// The delegation would nest subagents deeper than allowed.
+    #[error("Delegation depth limit reached: depth {depth} is above the maximum of {max}")]
+    DepthLimit {
+        /// The requested depth.
+        depth: u32,
+        /// The configured maximum.
+        max: u32,
+    },
     /// An id or pool name is malformed.
     #[error(transparent)]
     InvalidId(#[from] IdError),
@@ -138,6 +148,8 @@ pub struct Delegator {
     bus: Bus,
     /// How long sync mode (and `wait`) waits for a completion; `None`: forever.
     wait_timeout: Option<Duration>,
+    /// Deepest subagent nesting accepted.
+    max_depth: u32,
 }
 
 impl Delegator {
@@ -146,6 +158,7 @@ impl Delegator {
         Self {
             bus,
             wait_timeout: None,
+            max_depth: DEFAULT_MAX_DEPTH,
         }
     }
 
@@ -155,12 +168,24 @@ impl Delegator {
         self
     }
 
+    /// Sets the deepest subagent nesting accepted (default 1: subagents cannot delegate).
+    pub fn with_max_depth(mut self, max_depth: u32) -> Self {
+        self.max_depth = max_depth;
+        self
+    }
+
     /// Publishes the request and, in sync mode (or with `wait`), waits for its completion.
     pub async fn delegate(&self, delegation: Delegation) -> Result<DelegateResult, DelegateError> {
         if delegation.goal.trim().is_empty() {
             return Err(DelegateError::EmptyGoal);
         }
         validate_pool(&delegation.pool)?;
+        if delegation.depth > self.max_depth {
+            return Err(DelegateError::DepthLimit {
+                depth: delegation.depth,
+                max: self.max_depth,
+            });
+        }
         if let Some(session) = &delegation.origin_session_id {
             validate_session_id(session)?;
         }

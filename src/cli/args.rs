@@ -113,8 +113,13 @@ pub(crate) struct DelegateArgs {
     #[arg(long, default_value = "")]
     pub(crate) context: String,
     /// The session to wake with the result (omit to run synchronously).
-    #[arg(long, env = "WAKEBUS_ORIGIN_SESSION")]
+    /// Deliberately not read from WAKEBUS_ORIGIN_SESSION: a subagent's own
+    /// delegations must not wake its parent's session by accident.
+    #[arg(long)]
     pub(crate) session: Option<String>,
+    /// Deepest subagent nesting accepted (1: subagents cannot delegate).
+    #[arg(long, env = "WAKEBUS_MAX_DEPTH", default_value_t = wakebus::protocol::DEFAULT_MAX_DEPTH)]
+    pub(crate) max_depth: u32,
     /// The pool to run on.
     #[arg(long, default_value = "default")]
     pub(crate) pool: String,
@@ -153,6 +158,9 @@ pub(crate) struct WorkerArgs {
     /// Time limit for tasks whose request sets none (default: none).
     #[arg(long, value_parser = humantime::parse_duration)]
     pub(crate) task_timeout: Option<Duration>,
+    /// Deepest subagent nesting this worker runs; deeper requests end in `error`.
+    #[arg(long, env = "WAKEBUS_MAX_DEPTH", default_value_t = wakebus::protocol::DEFAULT_MAX_DEPTH)]
+    pub(crate) max_depth: u32,
     /// How long running tasks may finish after SIGTERM.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub(crate) shutdown_grace: Duration,

@@ -51,7 +51,9 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Delegate(args) => {
             let bus = connect(&global, "wakebus-delegate").await?;
-            let delegator = Delegator::new(bus).with_wait_timeout(args.wait_timeout);
+            let delegator = Delegator::new(bus)
+                .with_wait_timeout(args.wait_timeout)
+                .with_max_depth(args.max_depth);
             let mut delegation = Delegation::new(args.goal)
                 .context(args.context)
                 .pool(args.pool);
@@ -85,6 +87,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.max_deliver = args.max_deliver;
             config.default_timeout = args.task_timeout;
             config.shutdown_grace = args.shutdown_grace;
+            config.max_depth = args.max_depth;
             let env = TaskEnv {
                 nats_url: global.nats_url.clone(),
                 prefix: global.prefix.clone(),
@@ -164,11 +167,15 @@ async fn connect(global: &Global, name: &str) -> anyhow::Result<Bus> {
     Ok(Bus::new(client, subjects))
 }
 
-/// Inside a `command` executor, a delegation continues its parent's depth.
+/// Inside a `command` executor (WAKEBUS_DEPTH is set), a delegation nests
+/// one level below its parent task and records the parent's session.
 fn inherit_from_parent_task(delegation: &mut Delegation) -> anyhow::Result<()> {
     if let Ok(depth) = std::env::var("WAKEBUS_DEPTH") {
         let parent: u32 = depth.parse().context("WAKEBUS_DEPTH is not a number")?;
         delegation.depth = parent + 1;
+        if delegation.parent_session_id.is_none() {
+            delegation.parent_session_id = std::env::var("WAKEBUS_ORIGIN_SESSION").ok();
+        }
     }
     Ok(())
 }

@@ -52,8 +52,9 @@ pub struct TaskRequest {
     /// Per-task time limit; the pool default applies when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_seconds: Option<u64>,
-    /// How many delegations deep this request is (0 for a top-level session).
-    #[serde(default)]
+    /// Nesting level of the subagent that runs this task: 1 for a task a
+    /// top-level session delegated, 2 for one its subagent delegated, ...
+    #[serde(default = "default_depth")]
     pub depth: u32,
     /// The session of the agent that delegated, when it differs from the origin.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -66,6 +67,13 @@ pub struct TaskRequest {
     )]
     pub created_at: Option<OffsetDateTime>,
 }
+
+fn default_depth() -> u32 {
+    1
+}
+
+/// The deepest subagent nesting allowed by default: subagents cannot delegate.
+pub const DEFAULT_MAX_DEPTH: u32 = 1;
 
 /// Why a request body could not be used. Each kind ends the task with an
 /// `error` completion rather than a retry: sending it again cannot help.

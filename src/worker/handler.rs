@@ -109,6 +109,25 @@ impl TaskHandler {
             info!("Completion already published by an earlier attempt; acking the redelivery.");
             return Outcome::Ack;
         }
+        if request.depth > self.config.max_depth {
+            let mut done = CompletionEvent::for_request(&request, Status::Error, "depth_limit");
+            done.error = Some(format!(
+                "Delegation depth limit reached: depth {} is above the maximum of {}",
+                request.depth, self.config.max_depth
+            ));
+            warn!(
+                depth = request.depth,
+                max = self.config.max_depth,
+                "Refusing a request nested too deep."
+            );
+            return match self.publish(&request, EventKind::Done, trace, &done).await {
+                Ok(()) => Outcome::Ack,
+                Err(error) => {
+                    warn!(%error, "Could not publish the error completion; will retry.");
+                    Outcome::Nak(Some(Duration::from_secs(1)))
+                }
+            };
+        }
         if attempt > self.config.max_deliver {
             let reason = format!(
                 "gave up after {} deliveries (the worker running it crashed or stalled each time)",
@@ -265,7 +284,7 @@ impl TaskHandler {
             model: None,
             toolsets: Vec::new(),
             timeout_seconds: None,
-            depth: 0,
+            depth: 1,
             parent_session_id: None,
             created_at: None,
         };

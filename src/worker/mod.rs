@@ -46,6 +46,8 @@ pub struct WorkerConfig {
     pub shutdown_grace: Duration,
     /// This worker's name in events and logs.
     pub instance: String,
+    /// Deepest subagent nesting this worker runs; deeper requests end in `error`.
+    pub max_depth: u32,
 }
 
 impl WorkerConfig {
@@ -61,6 +63,7 @@ impl WorkerConfig {
             retry_max: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(30),
             instance: default_instance_name("worker"),
+            max_depth: crate::protocol::DEFAULT_MAX_DEPTH,
         }
     }
 

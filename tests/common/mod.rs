@@ -82,8 +82,19 @@ impl Services {
 
     /// Starts a worker with `executor`.
     pub fn worker(&mut self, bus: &Bus, executor: Executor, config: WorkerConfig) {
+        self.worker_with_env(bus, executor, config, "");
+    }
+
+    /// Starts a worker that tells its tasks to reach NATS at `nats_url`.
+    pub fn worker_with_env(
+        &mut self,
+        bus: &Bus,
+        executor: Executor,
+        config: WorkerConfig,
+        nats_url: &str,
+    ) {
         let env = TaskEnv {
-            nats_url: String::new(),
+            nats_url: nats_url.to_owned(),
             prefix: bus.subjects.prefix().to_owned(),
             pool: config.pool.clone(),
         };
