@@ -10,8 +10,7 @@ use common::*;
 use wakebus::bus::Bus;
 use wakebus::delegate::{DelegateResult, Delegation, Delegator};
 use wakebus::protocol::{
-    CompletionEvent, EventHeaders, PROTOCOL_VERSION, Status, TaskRequest, TraceParent,
-    new_delegation_id,
+    CompletionEvent, EventHeaders, Status, TaskRequest, TraceParent, new_delegation_id,
 };
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
@@ -32,21 +31,9 @@ fn shell(script: &str) -> Executor {
 }
 
 fn request(session: &str, goal: &str) -> TaskRequest {
-    TaskRequest {
-        version: PROTOCOL_VERSION,
-        delegation_id: new_delegation_id(),
-        task_index: 0,
-        origin_session_id: Some(session.to_owned()),
-        goal: goal.to_owned(),
-        context: String::new(),
-        role: Default::default(),
-        model: None,
-        toolsets: Vec::new(),
-        timeout_seconds: None,
-        depth: 0,
-        parent_session_id: None,
-        created_at: None,
-    }
+    let mut request = TaskRequest::new(new_delegation_id(), goal);
+    request.origin_session_id = Some(session.to_owned());
+    request
 }
 
 /// Publishes `request` the way any client would, with the given dedupe id.

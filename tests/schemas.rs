@@ -90,6 +90,10 @@ fn full_request() -> TaskRequest {
         depth: 1,
         parent_session_id: Some("parent session".to_owned()),
         created_at: Some(datetime!(2025-05-14 09:30:21.004518 UTC)),
+        task_count: 5,
+        wake_mode: wakebus::protocol::WakeMode::Independent,
+        notify_early_failure: true,
+        output_schema: Some(serde_json::json!({"type": "object"})),
     }
 }
 
@@ -285,6 +289,7 @@ fn completion_for_an_unusable_request_matches_its_schema() {
         depth: 0,
         parent_session_id: None,
         created_at: None,
+        ..TaskRequest::new("", "")
     };
     let mut done = CompletionEvent::for_request(&stand_in, Status::Error, "invalid_request");
     done.error = Some("request body is not a valid task request".to_owned());

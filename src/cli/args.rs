@@ -87,6 +87,8 @@ pub(crate) enum Command {
     /// Delegate a task. With --session it returns at once and the session is
     /// woken later; without, it runs synchronously and prints the result.
     Delegate(DelegateArgs),
+    /// Cancel a delegation, or every open delegation of a session.
+    Cancel(CancelArgs),
     /// Run a worker for one pool.
     Worker(WorkerArgs),
     /// Run the wake service.
@@ -106,12 +108,26 @@ pub(crate) struct InitArgs {
 /// `wakebus delegate`.
 #[derive(Debug, Args)]
 pub(crate) struct DelegateArgs {
-    /// What the subagent should achieve.
-    #[arg(long)]
-    pub(crate) goal: String,
-    /// Background for the subagent.
+    /// What the subagent should achieve (one task).
+    #[arg(long, conflicts_with = "tasks")]
+    pub(crate) goal: Option<String>,
+    /// A task of a batch; repeat for several. Without --goal or --task, a
+    /// JSON array of goals (strings or {"goal", "context"} objects) is read
+    /// from stdin.
+    #[arg(long = "task")]
+    pub(crate) tasks: Vec<String>,
+    /// Background for the subagent(s).
     #[arg(long, default_value = "")]
     pub(crate) context: String,
+    /// Wake the session once per task instead of once for the whole batch.
+    #[arg(long)]
+    pub(crate) independent: bool,
+    /// In a batch, send an early notice when a task fails while others run.
+    #[arg(long)]
+    pub(crate) notify_early_failure: bool,
+    /// Largest batch accepted.
+    #[arg(long, env = "WAKEBUS_MAX_BATCH", default_value_t = wakebus::delegate::DEFAULT_MAX_BATCH)]
+    pub(crate) max_batch: usize,
     /// The session to wake with the result (omit to run synchronously).
     /// Deliberately not read from WAKEBUS_ORIGIN_SESSION: a subagent's own
     /// delegations must not wake its parent's session by accident.
@@ -135,6 +151,20 @@ pub(crate) struct DelegateArgs {
     /// Give up waiting (sync mode or --wait) after this long, e.g. 10m.
     #[arg(long, value_parser = humantime::parse_duration)]
     pub(crate) wait_timeout: Option<Duration>,
+}
+
+/// `wakebus cancel`.
+#[derive(Debug, Args)]
+#[command(group = clap::ArgGroup::new("target").required(true).args(["delegation_id", "session"]))]
+pub(crate) struct CancelArgs {
+    /// The delegation to cancel.
+    pub(crate) delegation_id: Option<String>,
+    /// Cancel every delegation of this session requested before now.
+    #[arg(long)]
+    pub(crate) session: Option<String>,
+    /// Do not wake the session with the interrupted results.
+    #[arg(long)]
+    pub(crate) silent: bool,
 }
 
 /// `wakebus worker`.

@@ -50,13 +50,20 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             );
         }
         Command::Delegate(args) => {
+            let mut delegation = Delegation::default().pool(&args.pool);
+            delegation.tasks = tasks_from(&args)?;
+            for task in delegation.tasks.iter_mut().filter(|t| t.context.is_empty()) {
+                task.context.clone_from(&args.context);
+            }
+            if args.independent {
+                delegation.wake_mode = wakebus::protocol::WakeMode::Independent;
+            }
+            delegation.notify_early_failure = args.notify_early_failure;
             let bus = connect(&global, "wakebus-delegate").await?;
             let delegator = Delegator::new(bus)
                 .with_wait_timeout(args.wait_timeout)
-                .with_max_depth(args.max_depth);
-            let mut delegation = Delegation::new(args.goal)
-                .context(args.context)
-                .pool(args.pool);
+                .with_max_depth(args.max_depth)
+                .with_max_batch(args.max_batch);
             delegation.origin_session_id = args.session;
             delegation.model = args.model;
             delegation.timeout_seconds = args.timeout_seconds;
@@ -64,6 +71,16 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             inherit_from_parent_task(&mut delegation)?;
             let result = delegator.delegate(delegation).await?;
             println!("{}", serde_json::to_string(&result)?);
+        }
+        Command::Cancel(args) => {
+            let bus = connect(&global, "wakebus-cancel").await?;
+            let canceller = wakebus::cancel::Canceller::new(bus);
+            let report = match (&args.delegation_id, &args.session) {
+                (Some(id), _) => canceller.cancel_delegation(id, args.silent).await?,
+                (None, Some(session)) => canceller.cancel_session(session, args.silent).await?,
+                (None, None) => bail!("give a delegation id or --session"),
+            };
+            println!("{}", serde_json::to_string(&report)?);
         }
         Command::Worker(args) => {
             let executor = match args.executor {
@@ -138,6 +155,59 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The tasks of `wakebus delegate`: --goal, --task..., or a JSON array on stdin.
+fn tasks_from(
+    args: &super::args::DelegateArgs,
+) -> anyhow::Result<Vec<wakebus::delegate::TaskSpec>> {
+    use std::io::{IsTerminal, Read};
+    use wakebus::delegate::TaskSpec;
+    let spec = |goal: &String| TaskSpec {
+        goal: goal.clone(),
+        context: String::new(),
+    };
+    if let Some(goal) = &args.goal {
+        return Ok(vec![spec(goal)]);
+    }
+    if !args.tasks.is_empty() {
+        return Ok(args.tasks.iter().map(spec).collect());
+    }
+    if std::io::stdin().is_terminal() {
+        bail!("give --goal, one or more --task, or a JSON array of tasks on stdin");
+    }
+    /// One task as read from stdin.
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Item {
+        /// Just a goal.
+        Goal(String),
+        /// A goal with its own context.
+        Task {
+            /// The goal.
+            goal: String,
+            /// The context.
+            #[serde(default)]
+            context: String,
+        },
+    }
+    let mut input = String::new();
+    std::io::stdin()
+        .read_to_string(&mut input)
+        .context("reading tasks from stdin")?;
+    let items: Vec<Item> = serde_json::from_str(&input).context(
+        "stdin must be a JSON array of goals (strings) or {\"goal\", \"context\"} objects",
+    )?;
+    Ok(items
+        .into_iter()
+        .map(|item| match item {
+            Item::Goal(goal) => TaskSpec {
+                goal,
+                context: String::new(),
+            },
+            Item::Task { goal, context } => TaskSpec { goal, context },
+        })
+        .collect())
 }
 
 fn settings(global: &Global) -> BusSettings {

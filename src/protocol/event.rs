@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
-use super::{PROTOCOL_VERSION, Role, TaskRequest};
+use super::{PROTOCOL_VERSION, Role, TaskRequest, WakeMode};
 
 /// The last token of an event subject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,6 +125,15 @@ pub struct CompletionEvent {
     /// The task index.
     #[serde(default)]
     pub task_index: u32,
+    /// How many tasks the delegation has.
+    #[serde(default = "default_task_count")]
+    pub task_count: u32,
+    /// Batch (one consolidated wake) or independent wakes.
+    #[serde(default)]
+    pub wake_mode: WakeMode,
+    /// In batch mode, send an early notice for a failed task.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub notify_early_failure: bool,
     /// The session to wake; `None` in sync mode.
     #[serde(default)]
     pub origin_session_id: Option<String>,
@@ -154,6 +163,12 @@ pub struct CompletionEvent {
     /// How many model calls the subagent made.
     #[serde(default)]
     pub api_calls: u64,
+    /// Prompt tokens used, when the executor knows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<u64>,
+    /// Completion tokens used, when the executor knows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_tokens: Option<u64>,
     /// Wall time of the run.
     #[serde(default)]
     pub duration_seconds: f64,
@@ -163,9 +178,16 @@ pub struct CompletionEvent {
     /// When the task ended.
     #[serde(with = "super::rfc3339")]
     pub completed_at: OffsetDateTime,
+    /// Set when the task was cancelled silently: record it, wake nobody.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub suppress_wake: bool,
     /// Machine-readable reason the run ended (`completed`, `nonzero_exit`,
     /// `timeout`, `invalid_request`, `max_deliveries_exceeded`, ...).
     pub exit_reason: String,
+}
+
+fn default_task_count() -> u32 {
+    1
 }
 
 fn default_version() -> u32 {
@@ -190,6 +212,9 @@ impl CompletionEvent {
             event_id: Self::id_for(&request.delegation_id, request.task_index),
             delegation_id: request.delegation_id.clone(),
             task_index: request.task_index,
+            task_count: request.task_count,
+            wake_mode: request.wake_mode,
+            notify_early_failure: request.notify_early_failure,
             origin_session_id: request.origin_session_id.clone(),
             parent_session_id: request.parent_session_id.clone(),
             goal: request.goal.clone(),
@@ -200,9 +225,12 @@ impl CompletionEvent {
             summary: None,
             error: None,
             api_calls: 0,
+            prompt_tokens: None,
+            completion_tokens: None,
             duration_seconds: 0.0,
             dispatched_at: request.created_at,
             completed_at: OffsetDateTime::now_utc(),
+            suppress_wake: false,
             exit_reason: exit_reason.to_owned(),
         }
     }

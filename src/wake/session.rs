@@ -24,7 +24,12 @@ use super::lock::LockGuard;
 use super::session_api::PostResult;
 use super::turn;
 use crate::outcome::Outcome;
-use crate::protocol::{CompletionEvent, HEADER_DEAD_LETTER_REASON, session_token};
+use crate::protocol::{
+    CompletionEvent, EventKind, HEADER_DEAD_LETTER_REASON, Status, WakeMode, header_safe,
+    session_token,
+};
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
+use std::collections::BTreeMap;
 
 /// A completion waiting to be woken, with the message that carries it.
 #[derive(Debug)]
@@ -43,6 +48,12 @@ impl Pending {
     fn ledger_key(&self) -> String {
         WakeLedger::key(&self.event.delegation_id, self.event.task_index)
     }
+
+    /// The completion's id, derived rather than trusted from the body: the
+    /// `Idempotency-Key` of a single-completion turn.
+    fn event_key(&self) -> String {
+        CompletionEvent::id_for(&self.event.delegation_id, self.event.task_index)
+    }
 }
 
 /// One continuation turn to post.
@@ -58,6 +69,17 @@ struct Turn {
     messages: Vec<Pending>,
     /// Trace context for the post.
     traceparent: Option<String>,
+}
+
+/// Why turns could not be planned; the actor retries shortly.
+#[derive(Debug, thiserror::Error)]
+enum PlanError {
+    /// The wake ledger is unavailable.
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    /// The history could not be read.
+    #[error("cannot read the history: {0}")]
+    History(String),
 }
 
 /// How posting one turn ended.
@@ -252,7 +274,105 @@ impl Router {
     /// Sorts held completions into turns: already delivered ones are acked,
     /// ones whose earlier post ended in doubt are re-sent as recorded, the
     /// rest become one new turn.
-    async fn plan(&self, held: &mut Vec<Pending>) -> Result<Vec<Turn>, LedgerError> {
+    async fn plan(&self, held: &mut Vec<Pending>) -> Result<Vec<Turn>, PlanError> {
+        let (members, singles): (Vec<Pending>, Vec<Pending>) = std::mem::take(held)
+            .into_iter()
+            .partition(|p| p.event.task_count > 1 && p.event.wake_mode == WakeMode::Batch);
+        *held = singles;
+        let mut turns = self.plan_batches(members).await?;
+        turns.extend(self.plan_singles(held).await?);
+        Ok(turns)
+    }
+
+    /// Batch members: one consolidated turn once every task has a
+    /// completion in the history (whoever handles the last one sees them
+    /// all); until then each member is acked, or reported early if it failed
+    /// and the batch asked for that.
+    async fn plan_batches(&self, members: Vec<Pending>) -> Result<Vec<Turn>, PlanError> {
+        let ledger = &self.shared.ledger;
+        let mut by_delegation: BTreeMap<String, Vec<Pending>> = BTreeMap::new();
+        for pending in members {
+            by_delegation
+                .entry(pending.event.delegation_id.clone())
+                .or_default()
+                .push(pending);
+        }
+        let mut turns = Vec::new();
+        for (delegation_id, group) in by_delegation {
+            let batch_key = format!("{delegation_id}.batch");
+            if let Some(LedgerState::Delivered { .. }) = ledger.get(&batch_key).await? {
+                for pending in &group {
+                    Outcome::Ack.apply(&pending.message).await;
+                }
+                continue;
+            }
+            if let Some(all) = self.batch_completions(&group[0]).await? {
+                info!(delegation_id = %delegation_id, tasks = all.len(), "Every task of the batch has ended; waking once.");
+                turns.push(Turn {
+                    traceparent: group[0].traceparent.clone(),
+                    key: batch_key.clone(),
+                    text: turn::render_batch(&delegation_id, &all),
+                    covers: vec![batch_key],
+                    messages: group,
+                });
+                continue;
+            }
+            for pending in group {
+                let event = &pending.event;
+                let early_key = format!("{}.{}.early", event.delegation_id, event.task_index);
+                let notify = event.notify_early_failure && event.status != Status::Completed;
+                if notify && ledger.get(&early_key).await?.is_none() {
+                    turns.push(Turn {
+                        traceparent: pending.traceparent.clone(),
+                        key: early_key.clone(),
+                        text: turn::render_early_failure(event),
+                        covers: vec![early_key],
+                        messages: vec![pending],
+                    });
+                } else {
+                    // Recorded in the history; the batch's last task reports it.
+                    Outcome::Ack.apply(&pending.message).await;
+                }
+            }
+        }
+        Ok(turns)
+    }
+
+    /// Every completion of `member`'s batch, by task index, if all exist.
+    async fn batch_completions(
+        &self,
+        member: &Pending,
+    ) -> Result<Option<Vec<CompletionEvent>>, PlanError> {
+        let subjects = &self.shared.bus.subjects;
+        let token = session_token(&member.session);
+        let mut all = Vec::with_capacity(member.event.task_count as usize);
+        for index in 0..member.event.task_count {
+            if index == member.event.task_index {
+                all.push(member.event.clone());
+                continue;
+            }
+            let subject =
+                subjects.event(&token, &member.event.delegation_id, index, EventKind::Done);
+            match self
+                .shared
+                .events
+                .get_last_raw_message_by_subject(&subject)
+                .await
+            {
+                Ok(message) => all.push(
+                    CompletionEvent::decode(&message.payload)
+                        .map_err(|e| PlanError::History(e.to_string()))?,
+                ),
+                Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                    return Ok(None);
+                }
+                Err(error) => return Err(PlanError::History(error.to_string())),
+            }
+        }
+        Ok(Some(all))
+    }
+
+    async fn plan_singles(&self, held: &mut Vec<Pending>) -> Result<Vec<Turn>, PlanError> {
         let ledger = &self.shared.ledger;
         let mut states = Vec::with_capacity(held.len());
         for pending in held.iter() {
@@ -320,7 +440,7 @@ impl Router {
         }
         let text = turn::render(&events);
         let key = match events.as_slice() {
-            [only] => only.event_id.clone(),
+            [_] => messages[0].event_key(),
             _ => {
                 let key = format!("wake.{}", ulid::Ulid::new());
                 let ledger = &self.shared.ledger;
@@ -452,15 +572,10 @@ impl Router {
     ) -> Result<(), crate::bus::PublishError> {
         let bus = &self.shared.bus;
         let mut headers = pending.message.headers.clone().unwrap_or_default();
-        let reason: String = reason
-            .chars()
-            .map(|c| if c.is_control() { ' ' } else { c })
-            .take(1024)
-            .collect();
-        headers.insert(HEADER_DEAD_LETTER_REASON, reason.as_str());
+        headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(reason).as_str());
         headers.insert(
             crate::protocol::HEADER_MSG_ID,
-            format!("dlq.wake.{}", pending.event.event_id).as_str(),
+            format!("dlq.wake.{}", pending.event_key()).as_str(),
         );
         let subject = bus
             .subjects

@@ -5,6 +5,7 @@
 //! it has free slots, so nothing waits in a local buffer while its AckWait
 //! runs out.
 
+mod cancel;
 pub mod executor;
 mod handler;
 
@@ -18,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-pub use handler::TaskHandler;
+use handler::TaskHandler;
 pub(crate) use handler::token_for;
 
 use crate::bus::{Bus, BusSettings, ProvisionError};
@@ -96,6 +97,9 @@ pub enum WorkerError {
     /// Streams or the consumer could not be set up.
     #[error(transparent)]
     Provision(#[from] ProvisionError),
+    /// The cancel records could not be followed.
+    #[error("cannot follow cancel records: {0}")]
+    Cancels(async_nats::Error),
 }
 
 /// Runs a worker until `shutdown` completes, then stops taking work, lets
@@ -112,6 +116,13 @@ pub async fn run(
     let consumer = bus.worker_consumer(&config.pool, config.ack_wait).await?;
     info!(pool = %config.pool, concurrency = config.concurrency, executor = executor.name(), instance = %config.instance, "Worker started.");
 
+    let cancels = Arc::new(cancel::CancelRegistry::default());
+    let stop_following = CancellationToken::new();
+    let _stop_following_on_exit = stop_following.clone().drop_guard();
+    cancels
+        .follow(&bus, provisioned.cancels.clone(), stop_following)
+        .await
+        .map_err(WorkerError::Cancels)?;
     let concurrency = config.concurrency.max(1);
     let grace = config.shutdown_grace;
     let handler = Arc::new(TaskHandler::new(
@@ -120,6 +131,7 @@ pub async fn run(
         executor,
         config,
         env,
+        cancels,
     ));
     let slots = Arc::new(Semaphore::new(concurrency));
     let tracker = TaskTracker::new();

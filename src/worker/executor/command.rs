@@ -179,6 +179,7 @@ impl CommandExecutor {
             summary,
             error,
             api_calls,
+            tokens: None,
             exit_reason: if truncated {
                 format!("{exit_reason}_truncated")
             } else {

@@ -24,6 +24,8 @@ pub struct ExecOutput {
     pub error: Option<String>,
     /// Model calls made.
     pub api_calls: u64,
+    /// Prompt and completion tokens used, when known.
+    pub tokens: Option<(u64, u64)>,
     /// Machine-readable end reason.
     pub exit_reason: String,
 }
