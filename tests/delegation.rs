@@ -231,17 +231,7 @@ async fn a_silent_cancel_records_the_interruption_but_wakes_nobody() {
     assert_eq!(done.status, Status::Interrupted);
     assert!(done.suppress_wake);
     // The wake service has seen it and acked it without posting.
-    let stream = bus.subjects.events_stream();
-    wait_until(WAIT, "the wake consumer to settle", || async {
-        let mut consumer: async_nats::jetstream::consumer::PullConsumer = bus
-            .js
-            .get_consumer_from_stream(bus.subjects.wake_consumer(), &stream)
-            .await
-            .unwrap();
-        let info = consumer.info().await.unwrap();
-        info.ack_floor.stream_sequence > 0 && info.num_ack_pending == 0 && info.num_pending == 0
-    })
-    .await;
+    wake_consumer_settled(&bus).await;
     services.stop().await;
     assert!(api.all_posts().is_empty());
 }
@@ -552,17 +542,7 @@ async fn batches_wake_exactly_once_with_two_wake_instances_racing_for_the_last_c
         dones(&bus).await.len() == 60
     })
     .await;
-    let stream = bus.subjects.events_stream();
-    wait_until(WAIT, "the wake consumer to settle", || async {
-        let mut consumer: async_nats::jetstream::consumer::PullConsumer = bus
-            .js
-            .get_consumer_from_stream(bus.subjects.wake_consumer(), &stream)
-            .await
-            .unwrap();
-        let info = consumer.info().await.unwrap();
-        info.num_ack_pending == 0 && info.num_pending == 0
-    })
-    .await;
+    wake_consumer_settled(&bus).await;
     services.stop().await;
     let mut keys: Vec<String> = api
         .accepted()
@@ -592,19 +572,10 @@ async fn a_batch_survives_a_wake_service_restart_between_its_completions() {
             .unwrap(),
     );
     // The first completion is handled (acked) by the first wake instance...
-    let stream = bus.subjects.events_stream();
     wait_until(WAIT, "the first completion acked", || async {
-        let consumer: Result<async_nats::jetstream::consumer::PullConsumer, _> = bus
-            .js
-            .get_consumer_from_stream(bus.subjects.wake_consumer(), &stream)
-            .await;
-        match consumer {
-            Ok(mut consumer) => consumer
-                .info()
-                .await
-                .is_ok_and(|i| i.ack_floor.stream_sequence > 0),
-            Err(_) => false,
-        }
+        wake_consumer_info(&bus)
+            .await
+            .is_some_and(|info| info.ack_floor.stream_sequence > 0)
     })
     .await;
     // ...which then goes away; a new one sees only the second.

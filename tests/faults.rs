@@ -46,10 +46,10 @@ async fn publish_until_stored(bus: &Bus, request: &TaskRequest) {
                 payload.clone(),
             )
             .await;
-        if let Ok(ack) = sent {
-            if ack.await.is_ok() {
-                return;
-            }
+        if let Ok(ack) = sent
+            && ack.await.is_ok()
+        {
+            return;
         }
         assert!(
             tokio::time::Instant::now() < deadline,

@@ -82,29 +82,6 @@ async fn started_count(bus: &Bus, delegation_id: &str) -> usize {
         .count()
 }
 
-/// Waits until the wake consumer has nothing pending or unacked.
-async fn wake_consumer_drained(bus: &Bus) {
-    let stream = bus.subjects.events_stream();
-    wait_until(WAIT, "the wake consumer to ack everything", || async {
-        let Ok(mut consumer) = bus
-            .js
-            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
-                bus.subjects.wake_consumer(),
-                &stream,
-            )
-            .await
-        else {
-            return false;
-        };
-        consumer
-            .info()
-            .await
-            .map(|i| i.num_ack_pending == 0 && i.num_pending == 0)
-            .unwrap_or(false)
-    })
-    .await;
-}
-
 #[tokio::test]
 async fn a_task_longer_than_ack_wait_is_not_redelivered_while_its_worker_is_alive() {
     init_logs();
@@ -235,7 +212,7 @@ async fn a_request_published_twice_runs_once_and_wakes_once() {
     wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
     // Published again after it ran: still inside the dedupe window.
     publish_request(&bus, &req, &msg_id).await;
-    wake_consumer_drained(&bus).await;
+    wake_consumer_settled(&bus).await;
     services.stop().await;
     assert_eq!(started_count(&bus, &req.delegation_id).await, 1);
     assert_eq!(api.all_posts().len(), 1);
@@ -274,7 +251,7 @@ async fn a_completion_published_again_after_its_wake_does_not_wake_twice() {
         .await
         .unwrap();
     assert_eq!(completions(&bus).await[&id].len(), 2);
-    wake_consumer_drained(&bus).await;
+    wake_consumer_settled(&bus).await;
     services.stop().await;
     assert_eq!(
         api.all_posts().len(),

@@ -246,7 +246,7 @@ impl Router {
                     .await;
             }
         };
-        let mut refresh_at = Instant::now() + self.shared.locks.refresh_interval();
+        let mut refresh_at = guard.written_at() + self.shared.locks.refresh_interval();
         while !turns.is_empty() {
             let turn = turns.remove(0);
             match self
@@ -414,7 +414,20 @@ impl Router {
                 None => remaining.push(pending),
             }
         }
-        if let Some(turn) = self.new_turn(remaining).await? {
+        // A redelivered completion may have been posted alone before (its
+        // ledger entry lost with the instance that posted it): post it alone
+        // again, under the same key, never inside a new combined turn.
+        let (redelivered, first_time): (Vec<Pending>, Vec<Pending>) = remaining
+            .into_iter()
+            .partition(|p| p.message.info().is_ok_and(|info| info.delivered > 1));
+        let mut alone: BTreeMap<String, Vec<Pending>> = BTreeMap::new();
+        for pending in redelivered {
+            alone.entry(pending.ledger_key()).or_default().push(pending);
+        }
+        for messages in alone.into_values() {
+            recovering.extend(self.new_turn(messages).await?);
+        }
+        if let Some(turn) = self.new_turn(first_time).await? {
             recovering.push(turn);
         }
         Ok(recovering)
@@ -488,17 +501,37 @@ impl Router {
         let mut attempt = 0u32;
         loop {
             attempt += 1;
+            // Post only while the lock is surely ours: refresh it when due,
+            // and give up the turn (it is re-planned under a new lock) if
+            // that fails, since another instance may hold the session now.
             if Instant::now() >= *refresh_at {
                 if let Err(error) = shared.locks.refresh(guard).await {
-                    warn!(%error, "Session lock lost while posting; another instance may post for this session meanwhile.");
+                    warn!(%error, "Session lock lost; re-planning under a new lock.");
+                    return Posted::Retry;
                 }
-                *refresh_at = Instant::now() + shared.locks.refresh_interval();
+                *refresh_at = guard.written_at() + shared.locks.refresh_interval();
             }
-            match shared
+            let post = shared
                 .api
-                .post(session, &turn.text, &turn.key, turn.traceparent.as_deref())
-                .await
-            {
+                .post(session, &turn.text, &turn.key, turn.traceparent.as_deref());
+            tokio::pin!(post);
+            let mut lock_lost = false;
+            let result = loop {
+                tokio::select! {
+                    result = &mut post => break result,
+                    () = tokio::time::sleep_until(*refresh_at), if !lock_lost => {
+                        // A slow post keeps the lock alive.
+                        match shared.locks.refresh(guard).await {
+                            Ok(()) => *refresh_at = guard.written_at() + shared.locks.refresh_interval(),
+                            Err(error) => {
+                                warn!(%error, "Session lock lost during a post; another instance may post for this session.");
+                                lock_lost = true;
+                            }
+                        }
+                    }
+                }
+            };
+            match result {
                 PostResult::Delivered => {
                     for covered in &turn.covers {
                         if let Err(error) = shared.ledger.mark_delivered(covered, &turn.key).await {

@@ -173,10 +173,10 @@ impl CancelRegistry {
                     () = stop.cancelled() => return,
                     entry = watch.next() => match entry {
                         Some(Ok(entry)) => {
-                            if entry.operation == kv::Operation::Put {
-                                if let (Some(target), Ok(record)) = (CancelTarget::from_key(&entry.key), serde_json::from_slice(&entry.value)) {
-                                    registry.apply(target, record);
-                                }
+                            if entry.operation == kv::Operation::Put
+                                && let Some((target, record)) = decode(&entry.key, &entry.value)
+                            {
+                                registry.apply(target, record);
                             }
                             if entry.delta == 0 {
                                 let _ = loaded_tx.take().map(|tx| tx.send(()));
@@ -190,8 +190,8 @@ impl CancelRegistry {
                         }
                     },
                     Some(message) = broadcasts.next() => {
-                        let key = message.subject.strip_prefix(prefix.as_str()).unwrap_or_default().to_owned();
-                        if let (Some(target), Ok(record)) = (CancelTarget::from_key(&key), serde_json::from_slice(&message.payload)) {
+                        let key = message.subject.strip_prefix(prefix.as_str()).unwrap_or_default();
+                        if let Some((target, record)) = decode(key, &message.payload) {
                             registry.apply(target, record);
                         }
                     }
@@ -201,4 +201,12 @@ impl CancelRegistry {
         let _ = loaded_rx.await;
         Ok(())
     }
+}
+
+/// A cancel record from its key and body; `None` if either is malformed.
+fn decode(key: &str, body: &[u8]) -> Option<(CancelTarget, CancelRecord)> {
+    Some((
+        CancelTarget::from_key(key)?,
+        serde_json::from_slice(body).ok()?,
+    ))
 }

@@ -480,37 +480,6 @@ pub(crate) fn token_for(session: Option<&str>) -> String {
     session.map_or_else(|| SYNC_SESSION_TOKEN.to_owned(), session_token)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_huge_summary_is_cut_to_fit_the_max_payload() {
-        let request =
-            TaskRequest::decode(br#"{"version":1,"delegation_id":"d","goal":"g"}"#).unwrap();
-        let mut done = CompletionEvent::for_request(&request, Status::Completed, "completed");
-        done.summary = Some("é".repeat(600_000));
-        fit_to_payload(&mut done, 1024 * 1024);
-        let size = serde_json::to_vec(&done).unwrap().len();
-        assert!(size <= 1024 * 1024 - PAYLOAD_MARGIN, "{size}");
-        assert!(
-            done.summary
-                .unwrap()
-                .ends_with("[truncated to fit the NATS max payload]")
-        );
-    }
-
-    #[test]
-    fn a_small_completion_is_left_alone() {
-        let request =
-            TaskRequest::decode(br#"{"version":1,"delegation_id":"d","goal":"g"}"#).unwrap();
-        let mut done = CompletionEvent::for_request(&request, Status::Completed, "completed");
-        done.summary = Some("short".into());
-        fit_to_payload(&mut done, 1024 * 1024);
-        assert_eq!(done.summary.as_deref(), Some("short"));
-    }
-}
-
 /// Decodes a request, salvaging its identity from body or headers when it is unusable.
 fn decode(payload: &[u8], headers: Option<&HeaderMap>) -> Result<TaskRequest, Rejected> {
     let origin_header = header(headers, HEADER_ORIGIN_SESSION);
@@ -546,4 +515,35 @@ fn decode(payload: &[u8], headers: Option<&HeaderMap>) -> Result<TaskRequest, Re
             origin_session,
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_huge_summary_is_cut_to_fit_the_max_payload() {
+        let request =
+            TaskRequest::decode(br#"{"version":1,"delegation_id":"d","goal":"g"}"#).unwrap();
+        let mut done = CompletionEvent::for_request(&request, Status::Completed, "completed");
+        done.summary = Some("é".repeat(600_000));
+        fit_to_payload(&mut done, 1024 * 1024);
+        let size = serde_json::to_vec(&done).unwrap().len();
+        assert!(size <= 1024 * 1024 - PAYLOAD_MARGIN, "{size}");
+        assert!(
+            done.summary
+                .unwrap()
+                .ends_with("[truncated to fit the NATS max payload]")
+        );
+    }
+
+    #[test]
+    fn a_small_completion_is_left_alone() {
+        let request =
+            TaskRequest::decode(br#"{"version":1,"delegation_id":"d","goal":"g"}"#).unwrap();
+        let mut done = CompletionEvent::for_request(&request, Status::Completed, "completed");
+        done.summary = Some("short".into());
+        fit_to_payload(&mut done, 1024 * 1024);
+        assert_eq!(done.summary.as_deref(), Some("short"));
+    }
 }

@@ -151,10 +151,8 @@ impl CommandExecutor {
                 0,
             ),
         };
-        if truncated {
-            if let Some(text) = summary.as_mut() {
-                text.push_str("\n[output truncated]");
-            }
+        if let Some(text) = summary.as_mut().filter(|_| truncated) {
+            text.push_str("\n[output truncated]");
         }
         let (status, exit_reason, error) = if exit.success() {
             (Status::Completed, "completed".to_owned(), error_override)
@@ -164,7 +162,7 @@ impl CommandExecutor {
                 None => "killed by a signal".to_owned(),
             };
             let detail = if stderr_text.is_empty() {
-                reason.clone()
+                reason
             } else {
                 format!("{reason}: {stderr_text}")
             };
