@@ -599,3 +599,41 @@ async fn a_batch_survives_a_wake_service_restart_between_its_completions() {
         "{text}"
     );
 }
+
+#[tokio::test]
+async fn progress_lines_become_throttled_progress_events_and_stay_out_of_the_summary() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    // Three quick reports (throttled to one per second), a pause, a last one.
+    let script = r#"echo '{"progress": "reading"}'; echo '{"progress": "thinking"}'; echo '{"progress": "still thinking"}'; sleep 1.5; echo '{"progress": "writing"}'; echo "the answer""#;
+    services.worker(&bus, shell(script), test_worker_config("default"));
+    let result = Delegator::new(bus.clone())
+        .with_wait_timeout(Some(WAIT))
+        .delegate(Delegation::new("report as you go"))
+        .await
+        .unwrap();
+    services.stop().await;
+    let json = serde_json::to_value(&result).unwrap();
+    assert_eq!(json["result"]["summary"], "the answer");
+    let progress: Vec<wakebus::protocol::ProgressEvent> =
+        all_messages(&bus, &bus.subjects.events_stream())
+            .await
+            .iter()
+            .filter(|m| m.subject.ends_with(".progress"))
+            .map(|m| serde_json::from_slice(&m.payload).unwrap())
+            .collect();
+    let messages: Vec<&str> = progress.iter().map(|p| p.message.as_str()).collect();
+    assert!(
+        messages.len() >= 2 && messages.len() < 4,
+        "throttled: {messages:?}"
+    );
+    // Latest wins within an interval: the first event carries one of the early reports.
+    assert!(
+        ["reading", "thinking", "still thinking"].contains(&messages[0]),
+        "{messages:?}"
+    );
+    assert_eq!(messages.last(), Some(&"writing"));
+    assert!(progress.iter().all(|p| p.delegation_id == id_of(&result)));
+}

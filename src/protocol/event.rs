@@ -10,6 +10,8 @@ use super::{PROTOCOL_VERSION, Role, TaskRequest, WakeMode};
 pub enum EventKind {
     /// A worker took the task and started running it.
     Started,
+    /// The running task reported progress.
+    Progress,
     /// The task ended (in any status); the wake service acts on these.
     Done,
 }
@@ -19,6 +21,7 @@ impl EventKind {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Started => "started",
+            Self::Progress => "progress",
             Self::Done => "done",
         }
     }
@@ -27,6 +30,7 @@ impl EventKind {
     pub fn ce_type(self) -> &'static str {
         match self {
             Self::Started => "io.wakebus.task.started",
+            Self::Progress => "io.wakebus.task.progress",
             Self::Done => "io.wakebus.task.done",
         }
     }
@@ -103,6 +107,46 @@ impl StartedEvent {
             worker: worker.to_owned(),
             attempt,
             started_at: OffsetDateTime::now_utc(),
+        }
+    }
+}
+
+/// The `progress` event body: what a running task last reported.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProgressEvent {
+    /// Always `delegation_progress`.
+    #[serde(rename = "type")]
+    pub event_type: String,
+    /// Body version.
+    pub version: u32,
+    /// The delegation id.
+    pub delegation_id: String,
+    /// The task index.
+    pub task_index: u32,
+    /// The origin session, if any.
+    #[serde(default)]
+    pub origin_session_id: Option<String>,
+    /// The worker instance running the task.
+    pub worker: String,
+    /// The message the executor reported.
+    pub message: String,
+    /// When it was reported.
+    #[serde(with = "super::rfc3339")]
+    pub at: OffsetDateTime,
+}
+
+impl ProgressEvent {
+    /// A progress event for `request`.
+    pub fn for_request(request: &TaskRequest, worker: &str, message: String) -> Self {
+        Self {
+            event_type: "delegation_progress".to_owned(),
+            version: PROTOCOL_VERSION,
+            delegation_id: request.delegation_id.clone(),
+            task_index: request.task_index,
+            origin_session_id: request.origin_session_id.clone(),
+            worker: worker.to_owned(),
+            message,
+            at: OffsetDateTime::now_utc(),
         }
     }
 }

@@ -13,12 +13,12 @@ use tracing::{Instrument, debug, error, info, info_span, warn};
 
 use super::WorkerConfig;
 use super::cancel::{CancelRegistry, StopReason};
-use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
+use super::executor::{ExecError, ExecOutput, Executor, Progress, TaskEnv};
 use crate::bus::{Bus, PublishError};
 use crate::outcome::Outcome;
 use crate::protocol::{
     CompletionEvent, EventHeaders, EventKind, HEADER_DEAD_LETTER_REASON, HEADER_DELEGATION_ID,
-    HEADER_MSG_ID, HEADER_ORIGIN_SESSION, HEADER_TASK_INDEX, HEADER_TRACEPARENT,
+    HEADER_MSG_ID, HEADER_ORIGIN_SESSION, HEADER_TASK_INDEX, HEADER_TRACEPARENT, ProgressEvent,
     SYNC_SESSION_TOKEN, StartedEvent, Status, TaskRequest, TraceParent, header, header_safe,
     session_token, validate_delegation_id, validate_session_id,
 };
@@ -189,7 +189,9 @@ impl TaskHandler {
         }
 
         let begun = Instant::now();
-        let result = self.execute(message, &request, &run_stop, &reason).await;
+        let result = self
+            .execute(message, &request, &run_stop, &reason, trace)
+            .await;
         let duration = begun.elapsed();
         let mut suppress_wake = false;
         let output = match (result, reason.get()) {
@@ -253,13 +255,19 @@ impl TaskHandler {
         request: &TaskRequest,
         run_stop: &CancellationToken,
         reason: &OnceLock<StopReason>,
+        trace: TraceParent,
     ) -> Result<ExecOutput, ExecError> {
         let timeout = request
             .timeout_seconds
             .map(Duration::from_secs)
             .or(self.config.default_timeout);
-        let run = self.executor.run(request, &self.env, run_stop);
+        let (progress, mut reports) = Progress::channel();
+        let run = self.executor.run(request, &self.env, run_stop, &progress);
         tokio::pin!(run);
+        // Progress is published at most once per interval, newest message first.
+        let throttle = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(throttle);
+        let mut unpublished = false;
         let mut keepalive = tokio::time::interval(self.config.progress_interval());
         keepalive.tick().await;
         let deadline = async {
@@ -272,13 +280,32 @@ impl TaskHandler {
         let mut deadline_passed = false;
         loop {
             tokio::select! {
-                result = &mut run => return result,
+                result = &mut run => {
+                    // The last report before the end still makes the history.
+                    if unpublished || reports.has_changed().unwrap_or(false) {
+                        self.publish_progress(request, &mut reports, trace).await;
+                    }
+                    return result;
+                }
                 _ = keepalive.tick() => {
                     // Tell the server we are alive so AckWait does not hand
                     // the task to another worker.
                     if let Err(error) = message.ack_with(AckKind::Progress).await {
                         warn!(%error, "Could not send an in-progress ack.");
                     }
+                }
+                Ok(()) = reports.changed() => {
+                    unpublished = true;
+                    if throttle.is_elapsed() {
+                        self.publish_progress(request, &mut reports, trace).await;
+                        unpublished = false;
+                        throttle.as_mut().reset(tokio::time::Instant::now() + PROGRESS_INTERVAL);
+                    }
+                }
+                () = &mut throttle, if unpublished => {
+                    self.publish_progress(request, &mut reports, trace).await;
+                    unpublished = false;
+                    throttle.as_mut().reset(tokio::time::Instant::now() + PROGRESS_INTERVAL);
                 }
                 () = &mut deadline, if !deadline_passed => {
                     deadline_passed = true;
@@ -288,6 +315,25 @@ impl TaskHandler {
                     }
                 }
             }
+        }
+    }
+
+    /// Publishes the newest progress report (history only: failures are logged).
+    async fn publish_progress(
+        &self,
+        request: &TaskRequest,
+        reports: &mut tokio::sync::watch::Receiver<Option<String>>,
+        trace: TraceParent,
+    ) {
+        let Some(message) = reports.borrow_and_update().clone() else {
+            return;
+        };
+        let event = ProgressEvent::for_request(request, &self.config.instance, message);
+        if let Err(error) = self
+            .publish(request, EventKind::Progress, trace, &event)
+            .await
+        {
+            warn!(%error, "Could not publish a progress event.");
         }
     }
 
@@ -403,10 +449,11 @@ impl TaskHandler {
                 .event(&token, &request.delegation_id, request.task_index, kind);
         let id = match kind {
             EventKind::Done => CompletionEvent::id_for(&request.delegation_id, request.task_index),
-            EventKind::Started => format!(
-                "{}.{}.started.{}",
+            EventKind::Started | EventKind::Progress => format!(
+                "{}.{}.{}.{}",
                 request.delegation_id,
                 request.task_index,
+                kind.as_str(),
                 ulid::Ulid::new()
             ),
         };
@@ -448,6 +495,9 @@ impl TaskHandler {
         Ok(())
     }
 }
+
+/// At most one progress event per task per interval.
+const PROGRESS_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Room left for headers and JSON overhead below the server's max payload.
 const PAYLOAD_MARGIN: usize = 16 * 1024;

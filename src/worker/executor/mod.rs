@@ -45,6 +45,27 @@ pub enum ExecError {
     },
 }
 
+/// Where a run reports progress. Latest wins: the worker publishes at most
+/// one `progress` event per interval, with the newest message.
+#[derive(Debug, Clone)]
+pub struct Progress {
+    /// The newest message.
+    latest: tokio::sync::watch::Sender<Option<String>>,
+}
+
+impl Progress {
+    /// A sink and the receiver the worker watches.
+    pub fn channel() -> (Self, tokio::sync::watch::Receiver<Option<String>>) {
+        let (latest, rx) = tokio::sync::watch::channel(None);
+        (Self { latest }, rx)
+    }
+
+    /// Reports a progress message.
+    pub fn report(&self, message: impl Into<String>) {
+        self.latest.send_replace(Some(message.into()));
+    }
+}
+
 /// Facts about the worker a run may pass on (to a child process, say).
 #[derive(Debug, Clone, Default)]
 pub struct TaskEnv {
@@ -72,10 +93,11 @@ impl Executor {
         request: &TaskRequest,
         env: &TaskEnv,
         stop: &CancellationToken,
+        progress: &Progress,
     ) -> Result<ExecOutput, ExecError> {
         match self {
             Self::Echo(echo) => Ok(echo.run(request)),
-            Self::Command(command) => command.run(request, env, stop).await,
+            Self::Command(command) => command.run(request, env, stop, progress).await,
         }
     }
 
