@@ -194,6 +194,18 @@ pub(crate) struct WorkerArgs {
     /// How long running tasks may finish after SIGTERM.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub(crate) shutdown_grace: Duration,
+    /// LLM executor: base URL including the version, e.g. https://api.openai.com/v1.
+    #[arg(long, env = "WAKEBUS_LLM_BASE_URL")]
+    pub(crate) llm_base_url: Option<String>,
+    /// LLM executor: model used when a request names none.
+    #[arg(long, env = "WAKEBUS_LLM_MODEL")]
+    pub(crate) llm_model: Option<String>,
+    /// LLM executor: file holding the API key (or set WAKEBUS_LLM_API_KEY).
+    #[arg(long, env = "WAKEBUS_LLM_API_KEY_FILE")]
+    pub(crate) llm_api_key_file: Option<PathBuf>,
+    /// LLM executor: limit for one model call.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
+    pub(crate) llm_timeout: Duration,
     /// Working directory of the command executor.
     #[arg(long)]
     pub(crate) workdir: Option<PathBuf>,
@@ -209,6 +221,8 @@ pub(crate) enum ExecutorKind {
     Echo,
     /// Run a program per task, request JSON on stdin.
     Command,
+    /// Ask an OpenAI-compatible chat-completions endpoint.
+    Llm,
 }
 
 /// `wakebus wake`.

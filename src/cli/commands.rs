@@ -92,9 +92,10 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         );
                     };
                     let mut config = CommandConfig::new(program, rest.to_vec());
-                    config.working_dir = args.workdir;
+                    config.working_dir = args.workdir.clone();
                     Executor::Command(CommandExecutor::new(config))
                 }
+                ExecutorKind::Llm => Executor::Llm(llm_executor(&args)?),
             };
             wakebus::protocol::validate_pool(&args.pool)?;
             let bus = connect(&global, "wakebus-worker").await?;
@@ -155,6 +156,34 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The `llm` executor from flags, environment or a key file.
+fn llm_executor(
+    args: &super::args::WorkerArgs,
+) -> anyhow::Result<wakebus::worker::executor::LlmExecutor> {
+    use wakebus::worker::executor::{LlmConfig, LlmExecutor};
+    let Some(base_url) = args.llm_base_url.clone() else {
+        bail!("--executor llm needs --llm-base-url (or WAKEBUS_LLM_BASE_URL)");
+    };
+    let Some(model) = args.llm_model.clone() else {
+        bail!("--executor llm needs --llm-model (or WAKEBUS_LLM_MODEL)");
+    };
+    let api_key = match &args.llm_api_key_file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the LLM API key from {}", path.display()))?
+                .trim()
+                .to_owned(),
+        ),
+        None => std::env::var("WAKEBUS_LLM_API_KEY").ok(),
+    };
+    Ok(LlmExecutor::new(&LlmConfig {
+        base_url,
+        model,
+        api_key,
+        request_timeout: args.llm_timeout,
+    })?)
 }
 
 /// The tasks of `wakebus delegate`: --goal, --task..., or a JSON array on stdin.

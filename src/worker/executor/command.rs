@@ -50,6 +50,9 @@ pub struct CommandExecutor {
     config: CommandConfig,
 }
 
+/// Largest context also passed as `WAKEBUS_CONTEXT`.
+const MAX_ENV_CONTEXT: usize = 64 * 1024;
+
 /// How much of stderr ends up in `error`.
 const STDERR_TAIL_BYTES: usize = 4096;
 
@@ -92,6 +95,7 @@ impl CommandExecutor {
             .env("WAKEBUS_DELEGATION_ID", &request.delegation_id)
             .env("WAKEBUS_TASK_INDEX", request.task_index.to_string())
             .env("WAKEBUS_DEPTH", request.depth.to_string())
+            .env("WAKEBUS_GOAL", &request.goal)
             .env("WAKEBUS_POOL", &env.pool)
             .env("NATS_URL", &env.nats_url)
             .env("WAKEBUS_PREFIX", &env.prefix);
@@ -99,6 +103,13 @@ impl CommandExecutor {
             Some(session) => command.env("WAKEBUS_ORIGIN_SESSION", session),
             None => command.env_remove("WAKEBUS_ORIGIN_SESSION"),
         };
+        // Environment strings are limited (128 KiB on Linux): a large
+        // context is only on stdin.
+        if request.context.len() <= MAX_ENV_CONTEXT {
+            command.env("WAKEBUS_CONTEXT", &request.context);
+        } else {
+            command.env_remove("WAKEBUS_CONTEXT");
+        }
         if let Some(dir) = &cfg.working_dir {
             command.current_dir(dir);
         }

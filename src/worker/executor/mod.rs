@@ -5,9 +5,11 @@
 
 mod command;
 mod echo;
+mod llm;
 
 pub use command::{CommandConfig, CommandExecutor};
 pub use echo::EchoExecutor;
+pub use llm::{LlmConfig, LlmConfigError, LlmExecutor};
 
 use tokio_util::sync::CancellationToken;
 
@@ -84,6 +86,8 @@ pub enum Executor {
     Echo(EchoExecutor),
     /// Runs a program per task.
     Command(CommandExecutor),
+    /// Asks an OpenAI-compatible chat-completions endpoint.
+    Llm(LlmExecutor),
 }
 
 impl Executor {
@@ -98,6 +102,7 @@ impl Executor {
         match self {
             Self::Echo(echo) => Ok(echo.run(request)),
             Self::Command(command) => command.run(request, env, stop, progress).await,
+            Self::Llm(llm) => llm.run(request, stop, progress).await,
         }
     }
 
@@ -106,6 +111,7 @@ impl Executor {
         match self {
             Self::Echo(_) => "echo",
             Self::Command(_) => "command",
+            Self::Llm(_) => "llm",
         }
     }
 }
