@@ -92,11 +92,13 @@ pub struct Bus {
     pub subjects: Subjects,
 }
 
-/// The streams, after provisioning.
+/// The streams (and the cancel bucket every worker reads), after provisioning.
 #[derive(Debug, Clone)]
 pub struct Streams {
     /// The events stream (history).
     pub events: stream::Stream,
+    /// Cancel records, checked before a task starts.
+    pub cancels: kv::Store,
 }
 
 /// The wake service's KV buckets, after provisioning.
@@ -191,7 +193,19 @@ impl Bus {
             ..Default::default()
         })
         .await?;
-        Ok(Streams { events })
+        let cancels = self
+            .ensure_bucket(kv::Config {
+                bucket: s.cancel_bucket(),
+                description: "Cancel records: delegations and sessions whose tasks must not run"
+                    .to_owned(),
+                history: 1,
+                max_age: settings.history_max_age,
+                storage: stream::StorageType::File,
+                num_replicas: settings.replicas,
+                ..Default::default()
+            })
+            .await?;
+        Ok(Streams { events, cancels })
     }
 
     async fn provision_buckets(&self, settings: &BusSettings) -> Result<WakeState, ProvisionError> {

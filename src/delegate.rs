@@ -1,10 +1,11 @@
-//! Delegating: turning a goal into a request on the bus.
+//! Delegating: turning one goal, or a batch of them, into requests on the bus.
 //!
 //! With an origin session the call returns as soon as JetStream has stored
-//! the request (background mode); the wake service later continues that
+//! every request (background mode); the wake service later continues that
 //! session. Without one there is nothing to wake, so the call waits for the
-//! completion and returns it inline (sync mode).
+//! completions and returns them inline (sync mode).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{DeliverPolicy, pull::OrderedConfig};
@@ -15,17 +16,27 @@ use time::OffsetDateTime;
 
 use crate::bus::{Bus, PublishError};
 use crate::protocol::{
-    CompletionEvent, EventHeaders, EventKind, IdError, PROTOCOL_VERSION, Role, TaskRequest,
-    TraceParent, new_delegation_id, validate_pool, validate_session_id,
+    CompletionEvent, DEFAULT_MAX_DEPTH, EventHeaders, IdError, Role, TaskRequest, TraceParent,
+    WakeMode, new_delegation_id, validate_pool, validate_session_id,
 };
 
-/// What to delegate.
-#[derive(Debug, Clone, Default)]
-pub struct Delegation {
+/// The largest batch accepted by default.
+pub const DEFAULT_MAX_BATCH: usize = 10;
+
+/// One task of a delegation.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TaskSpec {
     /// What the subagent should achieve.
     pub goal: String,
     /// Background for the subagent.
     pub context: String,
+}
+
+/// What to delegate: one task or a batch, and how to run and wake them.
+#[derive(Debug, Clone)]
+pub struct Delegation {
+    /// The tasks (one request each, `task_index` 0..N-1, run in parallel).
+    pub tasks: Vec<TaskSpec>,
     /// The session to wake; `None` runs synchronously.
     pub origin_session_id: Option<String>,
     /// The pool to run on.
@@ -38,22 +49,61 @@ pub struct Delegation {
     pub toolsets: Vec<String>,
     /// Per-task time limit.
     pub timeout_seconds: Option<u64>,
-    /// The delegating agent's depth (0 for a top-level session).
+    /// Nesting level of the subagent this creates: 1 when a top-level
+    /// session delegates; a subagent delegating passes its own depth + 1.
     pub depth: u32,
     /// The delegating agent's session, if it differs from the origin.
     pub parent_session_id: Option<String>,
     /// A trace to continue; a new one is started otherwise.
     pub traceparent: Option<TraceParent>,
-    /// Also wait for the completion in background mode.
+    /// Also wait for the completions in background mode.
     pub wait: bool,
+    /// For a batch: one consolidated wake (default) or one per task.
+    pub wake_mode: WakeMode,
+    /// For a batch: an early notice when a task fails while others run.
+    pub notify_early_failure: bool,
+    /// A JSON Schema every answer must satisfy.
+    pub output_schema: Option<serde_json::Value>,
+}
+
+impl Default for Delegation {
+    /// No tasks yet, the `default` pool, depth 1, sync mode.
+    fn default() -> Self {
+        Self {
+            tasks: Vec::new(),
+            origin_session_id: None,
+            pool: "default".to_owned(),
+            role: Role::default(),
+            model: None,
+            toolsets: Vec::new(),
+            timeout_seconds: None,
+            depth: 1,
+            parent_session_id: None,
+            traceparent: None,
+            wait: false,
+            wake_mode: WakeMode::default(),
+            notify_early_failure: false,
+            output_schema: None,
+        }
+    }
 }
 
 impl Delegation {
-    /// A delegation of `goal` to the `default` pool, in sync mode.
+    /// A delegation of one `goal` to the `default` pool, in sync mode.
     pub fn new(goal: impl Into<String>) -> Self {
+        Self::batch([goal.into()])
+    }
+
+    /// A batch: one task per goal, all on the `default` pool.
+    pub fn batch(goals: impl IntoIterator<Item = String>) -> Self {
         Self {
-            goal: goal.into(),
-            pool: "default".to_owned(),
+            tasks: goals
+                .into_iter()
+                .map(|goal| TaskSpec {
+                    goal,
+                    context: String::new(),
+                })
+                .collect(),
             ..Self::default()
         }
     }
@@ -64,9 +114,12 @@ impl Delegation {
         self
     }
 
-    /// Sets the context.
+    /// Sets the context of every task.
     pub fn context(mut self, context: impl Into<String>) -> Self {
-        self.context = context.into();
+        let context = context.into();
+        for task in &mut self.tasks {
+            task.context.clone_from(&context);
+        }
         self
     }
 
@@ -89,23 +142,41 @@ pub enum DelegateResult {
         mode: &'static str,
         /// The new delegation's id.
         delegation_id: String,
-        /// The completion, when `wait` was asked for.
-        #[serde(skip_serializing_if = "Option::is_none")]
-        result: Option<Box<CompletionEvent>>,
+        /// How many tasks were submitted.
+        tasks: usize,
+        /// The completions, when `wait` was asked for.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        results: Vec<CompletionEvent>,
     },
-    /// Sync mode: the completion, inline.
+    /// Sync mode: the completions, inline.
     Completed {
-        /// The task's status.
+        /// The status of a single task, or `completed` when every task of a
+        /// batch completed and `partial` otherwise.
         status: String,
         /// Always `sync`.
         mode: &'static str,
         /// The delegation id.
         delegation_id: String,
-        /// The completion event.
-        result: Box<CompletionEvent>,
+        /// The completion of a single task.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        result: Option<Box<CompletionEvent>>,
+        /// The completions of a batch, by task index.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        results: Vec<CompletionEvent>,
         /// Says that it ran synchronously and why.
         note: &'static str,
     },
+}
+
+impl DelegateResult {
+    /// The delegation id.
+    pub fn delegation_id(&self) -> &str {
+        match self {
+            Self::Dispatched { delegation_id, .. } | Self::Completed { delegation_id, .. } => {
+                delegation_id
+            }
+        }
+    }
 }
 
 /// The note on sync results.
@@ -114,19 +185,38 @@ pub const SYNC_NOTE: &str = "Ran SYNCHRONOUSLY: no origin session id was given, 
 /// Why a delegation was not accepted.
 #[derive(Debug, thiserror::Error)]
 pub enum DelegateError {
-    /// The goal is empty.
-    #[error("goal must not be empty")]
-    EmptyGoal,
+    /// No task was given.
+    #[error("a delegation needs at least one task")]
+    NoTasks,
+    /// A goal is empty.
+    #[error("goal of task {0} must not be empty")]
+    EmptyGoal(usize),
+    /// The batch is larger than allowed.
+    #[error("batch of {size} tasks is larger than the limit of {max}; split it or raise the limit")]
+    BatchTooLarge {
+        /// Tasks given.
+        size: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The delegation would nest subagents deeper than allowed.
+    #[error("Delegation depth limit reached: depth {depth} is above the maximum of {max}")]
+    DepthLimit {
+        /// The requested depth.
+        depth: u32,
+        /// The configured maximum.
+        max: u32,
+    },
     /// An id or pool name is malformed.
     #[error(transparent)]
     InvalidId(#[from] IdError),
-    /// JetStream did not confirm the request.
+    /// JetStream did not confirm a request.
     #[error("the request was not accepted by JetStream: {0}")]
     Publish(#[from] PublishError),
-    /// Waiting for the completion failed.
+    /// Waiting for the completions failed.
     #[error("could not wait for the completion: {0}")]
     Wait(String),
-    /// No completion arrived within the wait timeout.
+    /// Not every completion arrived within the wait timeout.
     #[error("no completion within {0:?}; the task may still run (delegation {1})")]
     WaitTimeout(Duration, String),
 }
@@ -136,8 +226,12 @@ pub enum DelegateError {
 pub struct Delegator {
     /// The deployment.
     bus: Bus,
-    /// How long sync mode (and `wait`) waits for a completion; `None`: forever.
+    /// How long sync mode (and `wait`) waits for completions; `None`: forever.
     wait_timeout: Option<Duration>,
+    /// Deepest subagent nesting accepted.
+    max_depth: u32,
+    /// Largest batch accepted.
+    max_batch: usize,
 }
 
 impl Delegator {
@@ -146,6 +240,8 @@ impl Delegator {
         Self {
             bus,
             wait_timeout: None,
+            max_depth: DEFAULT_MAX_DEPTH,
+            max_batch: DEFAULT_MAX_BATCH,
         }
     }
 
@@ -155,118 +251,200 @@ impl Delegator {
         self
     }
 
-    /// Publishes the request and, in sync mode (or with `wait`), waits for its completion.
+    /// Sets the deepest subagent nesting accepted (default 1: subagents cannot delegate).
+    pub fn with_max_depth(mut self, max_depth: u32) -> Self {
+        self.max_depth = max_depth;
+        self
+    }
+
+    /// Sets the largest batch accepted (default 10).
+    pub fn with_max_batch(mut self, max_batch: usize) -> Self {
+        self.max_batch = max_batch;
+        self
+    }
+
+    /// Publishes the requests and, in sync mode (or with `wait`), waits for
+    /// every completion.
     pub async fn delegate(&self, delegation: Delegation) -> Result<DelegateResult, DelegateError> {
-        if delegation.goal.trim().is_empty() {
-            return Err(DelegateError::EmptyGoal);
+        let requests = self.requests(&delegation)?;
+        let trace = delegation
+            .traceparent
+            .map_or_else(TraceParent::new_root, |t| t.child());
+        self.publish_all(&delegation.pool, &requests, trace).await?;
+
+        let delegation_id = requests[0].delegation_id.clone();
+        let tasks = requests.len();
+        let waits = delegation.wait || delegation.origin_session_id.is_none();
+        let mut results = if waits {
+            self.wait_for(&requests[0], tasks).await?
+        } else {
+            Vec::new()
+        };
+        if delegation.origin_session_id.is_some() {
+            return Ok(DelegateResult::Dispatched {
+                status: "dispatched",
+                mode: "background",
+                delegation_id,
+                tasks,
+                results,
+            });
+        }
+        let status = match results.as_slice() {
+            [only] => only.status.to_string(),
+            all if all
+                .iter()
+                .all(|r| r.status == crate::protocol::Status::Completed) =>
+            {
+                "completed".to_owned()
+            }
+            _ => "partial".to_owned(),
+        };
+        let result = (tasks == 1).then(|| Box::new(results.remove(0)));
+        Ok(DelegateResult::Completed {
+            status,
+            mode: "sync",
+            delegation_id,
+            result,
+            results,
+            note: SYNC_NOTE,
+        })
+    }
+
+    /// Validates the delegation and builds one request per task.
+    fn requests(&self, delegation: &Delegation) -> Result<Vec<TaskRequest>, DelegateError> {
+        let count = delegation.tasks.len();
+        if count == 0 {
+            return Err(DelegateError::NoTasks);
+        }
+        if count > self.max_batch {
+            return Err(DelegateError::BatchTooLarge {
+                size: count,
+                max: self.max_batch,
+            });
+        }
+        if let Some(index) = delegation
+            .tasks
+            .iter()
+            .position(|t| t.goal.trim().is_empty())
+        {
+            return Err(DelegateError::EmptyGoal(index));
         }
         validate_pool(&delegation.pool)?;
         if let Some(session) = &delegation.origin_session_id {
             validate_session_id(session)?;
         }
-        let request = TaskRequest {
-            version: PROTOCOL_VERSION,
-            delegation_id: new_delegation_id(),
-            task_index: 0,
-            origin_session_id: delegation.origin_session_id.clone(),
-            goal: delegation.goal,
-            context: delegation.context,
-            role: delegation.role,
-            model: delegation.model,
-            toolsets: delegation.toolsets,
-            timeout_seconds: delegation.timeout_seconds,
-            depth: delegation.depth,
-            parent_session_id: delegation.parent_session_id,
-            created_at: Some(OffsetDateTime::now_utc()),
-        };
-        let trace = delegation
-            .traceparent
-            .map_or_else(TraceParent::new_root, |t| t.child());
-        self.publish(&delegation.pool, &request, trace).await?;
-
-        let delegation_id = request.delegation_id.clone();
-        match request.origin_session_id {
-            Some(_) => {
-                let result = if delegation.wait {
-                    Some(Box::new(self.wait_for(&request).await?))
-                } else {
-                    None
-                };
-                Ok(DelegateResult::Dispatched {
-                    status: "dispatched",
-                    mode: "background",
-                    delegation_id,
-                    result,
-                })
-            }
-            None => {
-                let done = self.wait_for(&request).await?;
-                Ok(DelegateResult::Completed {
-                    status: done.status.to_string(),
-                    mode: "sync",
-                    delegation_id,
-                    result: Box::new(done),
-                    note: SYNC_NOTE,
-                })
-            }
+        if delegation.depth > self.max_depth {
+            return Err(DelegateError::DepthLimit {
+                depth: delegation.depth,
+                max: self.max_depth,
+            });
         }
+        let delegation_id = new_delegation_id();
+        let created_at = Some(OffsetDateTime::now_utc());
+        Ok(delegation
+            .tasks
+            .iter()
+            .enumerate()
+            .map(|(index, task)| {
+                let mut request = TaskRequest::new(delegation_id.clone(), task.goal.clone());
+                request.task_index = u32::try_from(index).unwrap_or(u32::MAX);
+                request.task_count = u32::try_from(count).unwrap_or(u32::MAX);
+                request.wake_mode = delegation.wake_mode;
+                request.notify_early_failure = delegation.notify_early_failure;
+                request
+                    .origin_session_id
+                    .clone_from(&delegation.origin_session_id);
+                request.context.clone_from(&task.context);
+                request.role = delegation.role;
+                request.model.clone_from(&delegation.model);
+                request.toolsets.clone_from(&delegation.toolsets);
+                request.timeout_seconds = delegation.timeout_seconds;
+                request.depth = delegation.depth;
+                request
+                    .parent_session_id
+                    .clone_from(&delegation.parent_session_id);
+                request.created_at = created_at;
+                request.output_schema.clone_from(&delegation.output_schema);
+                request
+            })
+            .collect())
     }
 
-    /// Publishes one request, idempotently (same `Nats-Msg-Id` on a retry).
-    async fn publish(
+    /// Publishes every request, then waits for all acks (pipelined).
+    async fn publish_all(
         &self,
         pool: &str,
-        request: &TaskRequest,
+        requests: &[TaskRequest],
         trace: TraceParent,
     ) -> Result<(), PublishError> {
-        let id = format!("{}.{}", request.delegation_id, request.task_index);
-        let headers = EventHeaders {
-            id: &id,
-            ce_type: "io.wakebus.task.requested",
-            source: "wakebus/delegate",
-            origin_session: request.origin_session_id.as_deref(),
-            delegation_id: &request.delegation_id,
-            task_index: request.task_index,
-            traceparent: trace,
-        }
-        .to_header_map();
-        let payload = Bytes::from(serde_json::to_vec(request)?);
         let subject = self.bus.subjects.task(pool);
+        let mut pending = Vec::with_capacity(requests.len());
+        for request in requests {
+            let id = format!("{}.{}", request.delegation_id, request.task_index);
+            let headers = EventHeaders {
+                id: &id,
+                ce_type: "io.wakebus.task.requested",
+                source: "wakebus/delegate",
+                origin_session: request.origin_session_id.as_deref(),
+                delegation_id: &request.delegation_id,
+                task_index: request.task_index,
+                traceparent: trace,
+            }
+            .to_header_map();
+            let payload = Bytes::from(serde_json::to_vec(request)?);
+            pending.push((subject.clone(), headers, payload));
+        }
+        // A lost ack is retried with the same id: JetStream drops duplicates.
         let mut last_error = None;
-        // A lost ack is retried with the same id: JetStream drops the duplicate.
         for _ in 0..3 {
-            match self
-                .bus
-                .js
-                .publish_with_headers(subject.clone(), headers.clone(), payload.clone())
-                .await
-            {
-                Ok(ack) => match ack.await {
-                    Ok(_) => return Ok(()),
-                    Err(error) => last_error = Some(error),
-                },
-                Err(error) => last_error = Some(error),
+            let mut acks = Vec::with_capacity(pending.len());
+            for (subject, headers, payload) in &pending {
+                acks.push(
+                    self.bus
+                        .js
+                        .publish_with_headers(subject.clone(), headers.clone(), payload.clone())
+                        .await,
+                );
+            }
+            let mut failed = false;
+            for ack in acks {
+                let result = match ack {
+                    Ok(ack) => ack.await.map(drop),
+                    Err(error) => Err(error),
+                };
+                if let Err(error) = result {
+                    failed = true;
+                    last_error = Some(error);
+                }
+            }
+            if !failed {
+                return Ok(());
             }
         }
-        Err(PublishError::Publish(last_error.expect("loop ran")))
+        Err(PublishError::Publish(last_error.expect("a publish failed")))
     }
 
-    /// Reads the task's completion from the events stream (stored or future).
-    async fn wait_for(&self, request: &TaskRequest) -> Result<CompletionEvent, DelegateError> {
-        let token = crate::worker::token_for(request.origin_session_id.as_deref());
-        let subject = self.bus.subjects.event(
-            &token,
-            &request.delegation_id,
-            request.task_index,
-            EventKind::Done,
+    /// Reads the delegation's completions from the events stream (stored or
+    /// future) until every task has one; returns them by task index.
+    async fn wait_for(
+        &self,
+        first: &TaskRequest,
+        tasks: usize,
+    ) -> Result<Vec<CompletionEvent>, DelegateError> {
+        let token = crate::worker::token_for(first.origin_session_id.as_deref());
+        let subject = format!(
+            "{}.evt.{token}.{}.*.done",
+            self.bus.subjects.prefix(),
+            first.delegation_id
         );
         let wait = async {
+            let failed = |e: &dyn std::fmt::Display| DelegateError::Wait(e.to_string());
             let stream = self
                 .bus
                 .js
                 .get_stream(self.bus.subjects.events_stream())
                 .await
-                .map_err(|e| DelegateError::Wait(e.to_string()))?;
+                .map_err(|e| failed(&e))?;
             let consumer = stream
                 .create_consumer(OrderedConfig {
                     filter_subject: subject,
@@ -274,32 +452,29 @@ impl Delegator {
                     ..Default::default()
                 })
                 .await
-                .map_err(|e| DelegateError::Wait(e.to_string()))?;
-            let mut messages = consumer
-                .messages()
-                .await
-                .map_err(|e| DelegateError::Wait(e.to_string()))?;
-            loop {
+                .map_err(|e| failed(&e))?;
+            let mut messages = consumer.messages().await.map_err(|e| failed(&e))?;
+            let mut done = BTreeMap::new();
+            while done.len() < tasks {
                 match messages.next().await {
-                    Some(Ok(message)) => match CompletionEvent::decode(&message.payload) {
-                        Ok(done) => return Ok(done),
-                        Err(error) => {
-                            return Err(DelegateError::Wait(format!(
-                                "completion is not valid: {error}"
-                            )));
-                        }
-                    },
+                    Some(Ok(message)) => {
+                        let event = CompletionEvent::decode(&message.payload).map_err(|e| {
+                            DelegateError::Wait(format!("completion is not valid: {e}"))
+                        })?;
+                        done.insert(event.task_index, event);
+                    }
                     Some(Err(error)) => {
                         tracing::debug!(%error, "Ordered consumer hiccup; it recreates itself.");
                     }
                     None => return Err(DelegateError::Wait("event stream ended".to_owned())),
                 }
             }
+            Ok(done.into_values().collect())
         };
         match self.wait_timeout {
             Some(limit) => tokio::time::timeout(limit, wait)
                 .await
-                .map_err(|_| DelegateError::WaitTimeout(limit, request.delegation_id.clone()))?,
+                .map_err(|_| DelegateError::WaitTimeout(limit, first.delegation_id.clone()))?,
             None => wait.await,
         }
     }

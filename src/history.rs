@@ -71,7 +71,7 @@ pub struct Selection {
     pub session: Option<String>,
     /// Only this delegation.
     pub delegation: Option<String>,
-    /// Only started or only done events (events only).
+    /// Only started, progress or done events (events only).
     pub kind: Option<EventKind>,
     /// Only completions with this status (implies done events).
     pub status: Option<Status>,
@@ -159,9 +159,10 @@ impl Selection {
             ));
         }
         if self.status.is_some() {
-            if self.kind == Some(EventKind::Started) {
+            if matches!(self.kind, Some(EventKind::Started | EventKind::Progress)) {
                 return Err(HistoryError::Selection(
-                    "--status selects completions; started events have none".to_owned(),
+                    "--status selects completions; started and progress events have none"
+                        .to_owned(),
                 ));
             }
             if source == Source::TaskDeadLetters {
@@ -269,6 +270,8 @@ impl Selection {
 pub enum RecordKind {
     /// A started event.
     Started,
+    /// A progress event.
+    Progress,
     /// A completion event.
     Done,
     /// A dead-lettered task request.
@@ -283,6 +286,7 @@ impl From<EventKind> for RecordKind {
     fn from(kind: EventKind) -> Self {
         match kind {
             EventKind::Started => Self::Started,
+            EventKind::Progress => Self::Progress,
             EventKind::Done => Self::Done,
         }
     }
@@ -293,6 +297,7 @@ impl RecordKind {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Started => "started",
+            Self::Progress => "progress",
             Self::Done => "done",
             Self::TaskDeadLetter => "dlq-task",
             Self::WakeDeadLetter => "dlq-wake",
@@ -376,6 +381,7 @@ impl Record {
     pub fn kind(&self) -> RecordKind {
         match self.tokens().as_slice() {
             ["evt", _, _, _, "started"] => RecordKind::Started,
+            ["evt", _, _, _, "progress"] => RecordKind::Progress,
             ["evt", _, _, _, "done"] => RecordKind::Done,
             ["dlq", "task", _] => RecordKind::TaskDeadLetter,
             ["dlq", "wake", _] => RecordKind::WakeDeadLetter,

@@ -34,6 +34,7 @@
 //! calls `run(config, shutdown)` functions from here.
 
 pub mod bus;
+pub mod cancel;
 pub mod connect;
 pub mod delegate;
 pub mod dev;

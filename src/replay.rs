@@ -11,7 +11,12 @@
 //!   (session lock, coalescing, retries and the ledger). Nothing here posts to
 //!   the session API. A completion the ledger records as delivered is skipped,
 //!   unless `force`, which first removes its ledger entry so that the wake
-//!   service posts it again.
+//!   service posts it again. A batch (several tasks, `wake_mode: batch`) is
+//!   one wake: its ledger entry is `<delegation_id>.batch`, and one copy of
+//!   any of its completions makes the wake service post the consolidated
+//!   turn again (it reads the other completions from the history).
+//!   Completions cancelled silently (`suppress_wake`) and sync-mode ones
+//!   are skipped: nobody is to be woken.
 //! * **Tasks** (dead-lettered requests): the request is published again to
 //!   its pool under a **derived delegation id** `<id>-r<dead-letter
 //!   sequence>`. Under its original id the re-run could not wake anyone: its
@@ -20,6 +25,8 @@
 //!   failure as delivered. The derived id is deterministic, so a request
 //!   already re-queued (a started or done event exists for the derived id)
 //!   is skipped unless `force`, which re-queues under a fresh ULID instead.
+//!   A member of a batch is re-queued with `wake_mode: independent`, since
+//!   under its new id it has no siblings to wait for.
 //! * **Copy**: messages are published, unchanged but for a `Wakebus-Replay`
 //!   header, under another prefix or to one subject (to rebuild a downstream
 //!   consumer or reproduce an incident in a test deployment).
@@ -40,7 +47,7 @@ use crate::history::{
 };
 use crate::protocol::{
     CompletionEvent, EventKind, HEADER_CE_ID, HEADER_DEAD_LETTER_REASON, HEADER_DELEGATION_ID,
-    HEADER_MSG_ID, Subjects, TaskRequest, new_delegation_id, session_token,
+    HEADER_MSG_ID, Subjects, TaskRequest, WakeMode, new_delegation_id, session_token,
 };
 use crate::wake::ledger::{LedgerError, LedgerState, WakeLedger};
 
@@ -322,14 +329,28 @@ impl Replayer {
         let Some(session) = event.origin_session_id.clone() else {
             return Ok(item.skipped("sync mode: there is no session to wake"));
         };
+        if event.suppress_wake {
+            return Ok(item.skipped("cancelled silently: nobody is to be woken"));
+        }
         if record.origin_session() != Some(session.as_str()) {
             return Ok(item.skipped(
                 "its Wakebus-Origin-Session header does not match origin_session_id (poison)",
             ));
         }
-        let key = WakeLedger::key(&event.delegation_id, event.task_index);
+        // A batch wakes once for all its tasks: one copy of any member
+        // makes the wake service post the consolidated turn again.
+        let batch = event.task_count > 1 && event.wake_mode == WakeMode::Batch;
+        let key = if batch {
+            WakeLedger::batch_key(&event.delegation_id)
+        } else {
+            WakeLedger::key(&event.delegation_id, event.task_index)
+        };
         if !self.seen.insert(key.clone()) {
-            return Ok(item.skipped("an earlier copy of this completion was already handled"));
+            return Ok(item.skipped(if batch {
+                "another completion of this batch was already handled"
+            } else {
+                "an earlier copy of this completion was already handled"
+            }));
         }
         let ledger = self.ledger.as_ref().expect("wake replays open the ledger");
         let delivered = match ledger.get(&key).await? {
@@ -361,7 +382,8 @@ impl Replayer {
             ledger.forget(&key).await?;
         }
         let mut headers = replay_headers(record);
-        let msg_id = format!("{}.replay.{}", event.event_id, ulid::Ulid::new());
+        let event_id = CompletionEvent::id_for(&event.delegation_id, event.task_index);
+        let msg_id = format!("{event_id}.replay.{}", ulid::Ulid::new());
         headers.insert(HEADER_MSG_ID, msg_id.as_str());
         self.publish(subject, headers, record.payload.clone())
             .await?;
@@ -407,6 +429,11 @@ impl Replayer {
         let mut body: serde_json::Value =
             serde_json::from_slice(&record.payload).unwrap_or_default();
         body["delegation_id"] = serde_json::Value::from(new_id.as_str());
+        if request.task_count > 1 {
+            // Alone under its new id: a batch would wait for siblings that
+            // will never run.
+            body["wake_mode"] = serde_json::Value::from("independent");
+        }
         let payload = serde_json::to_vec(&body)
             .map_err(|error| ReplayError::Publish {
                 subject: subject.clone(),

@@ -13,26 +13,13 @@ use common::*;
 use nix::sys::signal::Signal;
 use wakebus::bus::Bus;
 use wakebus::protocol::{
-    CompletionEvent, EventHeaders, PROTOCOL_VERSION, StartedEvent, TaskRequest, TraceParent,
-    new_delegation_id,
+    CompletionEvent, EventHeaders, StartedEvent, TaskRequest, TraceParent, new_delegation_id,
 };
 
 fn request(session: &str, goal: &str) -> TaskRequest {
-    TaskRequest {
-        version: PROTOCOL_VERSION,
-        delegation_id: new_delegation_id(),
-        task_index: 0,
-        origin_session_id: Some(session.to_owned()),
-        goal: goal.to_owned(),
-        context: String::new(),
-        role: Default::default(),
-        model: None,
-        toolsets: Vec::new(),
-        timeout_seconds: None,
-        depth: 0,
-        parent_session_id: None,
-        created_at: None,
-    }
+    let mut request = TaskRequest::new(new_delegation_id(), goal);
+    request.origin_session_id = Some(session.to_owned());
+    request
 }
 
 /// Publishes until JetStream acknowledges (the server may be restarting).
@@ -59,10 +46,10 @@ async fn publish_until_stored(bus: &Bus, request: &TaskRequest) {
                 payload.clone(),
             )
             .await;
-        if let Ok(ack) = sent {
-            if ack.await.is_ok() {
-                return;
-            }
+        if let Ok(ack) = sent
+            && ack.await.is_ok()
+        {
+            return;
         }
         assert!(
             tokio::time::Instant::now() < deadline,

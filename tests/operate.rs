@@ -286,7 +286,7 @@ async fn events_refuse_malformed_or_contradictory_filters_with_a_clear_error() {
         (vec!["events", "--delegation", "a.b"], "delegation id"),
         (
             vec!["events", "--kind", "started", "--status", "failed"],
-            "started events have none",
+            "events have none",
         ),
         (
             vec!["events", "--from-seq", "9", "--to-seq", "2"],
@@ -463,6 +463,80 @@ async fn replay_with_force_posts_a_delivered_wake_again_through_the_wake_service
     .ok_json();
     let actions = field(&lines[..lines.len() - 1], "action");
     assert_eq!(actions, ["skipped", "skipped"], "{lines:#?}");
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 2);
+}
+
+#[tokio::test]
+async fn replay_treats_a_batch_as_one_wake() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    let goals = ["alpha", "beta", "gamma"].map(String::from);
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::batch(goals).session("s.batch"))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the batch wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    let batch_key = format!("{id}.batch");
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    wait_until(WAIT, "the ledger to record the batch", || async {
+        ledger.get(&batch_key).await.ok().flatten().is_some()
+    })
+    .await;
+
+    let plain = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id],
+    )
+    .await
+    .ok_json();
+    let summary = &plain.last().unwrap()["summary"];
+    assert_eq!(
+        (summary["selected"].as_u64(), summary["skipped"].as_u64()),
+        (Some(3), Some(3))
+    );
+    assert!(
+        plain[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("already delivered")
+    );
+    assert!(plain[1]["reason"].as_str().unwrap().contains("batch"));
+
+    let forced = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id, "--force"],
+    )
+    .await
+    .ok_json();
+    let actions = field(&forced[..3], "action");
+    assert_eq!(actions, ["replayed", "skipped", "skipped"], "{forced:#?}");
+    wait_until(WAIT, "the batch woken again", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    let again = &api.accepted()[1];
+    assert_eq!(again.header("idempotency-key"), Some(batch_key));
+    for goal in ["alpha", "beta", "gamma"] {
+        assert!(again.text().contains(goal), "{}", again.text());
+    }
     services.stop().await;
     assert_eq!(api.all_posts().len(), 2);
 }

@@ -102,27 +102,13 @@ async fn sync_delegation_returns_the_result_inline_and_posts_nothing() {
     };
     assert_eq!((status.as_str(), mode), ("completed", "sync"));
     assert_eq!(note, SYNC_NOTE);
+    let result = result.expect("a single task's result");
     assert!(note.contains("SYNCHRONOUSLY"));
     assert_eq!(result.summary.as_deref(), Some("echo: Add 2 and 2"));
     assert_eq!(result.origin_session_id, None);
 
     // The wake service has seen (and acked) the completion, and posted nothing.
-    let consumer_name = bus.subjects.wake_consumer();
-    let stream = bus.subjects.events_stream();
-    wait_until(
-        WAIT,
-        "the wake consumer acked the sync completion",
-        || async {
-            let mut consumer: async_nats::jetstream::consumer::PullConsumer = bus
-                .js
-                .get_consumer_from_stream(consumer_name, &stream)
-                .await
-                .expect("consumer");
-            let info = consumer.info().await.expect("info");
-            info.ack_floor.stream_sequence > 0 && info.num_ack_pending == 0 && info.num_pending == 0
-        },
-    )
-    .await;
+    wake_consumer_settled(&bus).await;
     services.stop().await;
     assert!(
         api.all_posts().is_empty(),

@@ -10,15 +10,28 @@ use std::path::PathBuf;
 
 use serde_json::{Value, json};
 use time::macros::datetime;
+use wakebus::cancel::{CancelRecord, CancelReport, CancelTarget, DelegationState};
+use wakebus::delegate::DelegateResult;
 use wakebus::protocol::{
-    CompletionEvent, PROTOCOL_VERSION, Role, StartedEvent, Status, TaskRequest, session_token,
+    CompletionEvent, PROTOCOL_VERSION, ProgressEvent, Role, StartedEvent, Status, Subjects,
+    TaskRequest, WakeMode, session_token,
 };
 use wakebus::wake::turn;
 
 const REQUEST: &str = "task-request";
 const STARTED: &str = "started-event";
+const PROGRESS: &str = "progress-event";
 const COMPLETION: &str = "completion-event";
-const SCHEMAS: [&str; 3] = [REQUEST, STARTED, COMPLETION];
+const SCHEMAS: [&str; 4] = [REQUEST, STARTED, PROGRESS, COMPLETION];
+
+/// Completion fields the library leaves out when they are false or unknown;
+/// every other field is always written.
+const COMPLETION_OMITTED_WHEN_EMPTY: [&str; 4] = [
+    "notify_early_failure",
+    "prompt_tokens",
+    "completion_tokens",
+    "suppress_wake",
+];
 
 fn repo_path(relative: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(relative)
@@ -68,6 +81,9 @@ fn library_accepts(stem: &str, body: &Value) -> Result<(), String> {
         STARTED => serde_json::from_slice::<StartedEvent>(&bytes)
             .map(drop)
             .map_err(|e| e.to_string()),
+        PROGRESS => serde_json::from_slice::<ProgressEvent>(&bytes)
+            .map(drop)
+            .map_err(|e| e.to_string()),
         COMPLETION => CompletionEvent::decode(&bytes)
             .map(drop)
             .map_err(|e| e.to_string()),
@@ -90,6 +106,10 @@ fn full_request() -> TaskRequest {
         depth: 1,
         parent_session_id: Some("parent session".to_owned()),
         created_at: Some(datetime!(2025-05-14 09:30:21.004518 UTC)),
+        task_count: 5,
+        wake_mode: WakeMode::Independent,
+        notify_early_failure: true,
+        output_schema: Some(serde_json::json!({"type": "object"})),
     }
 }
 
@@ -104,7 +124,10 @@ fn full_completion() -> CompletionEvent {
     done.summary = Some("partial result".to_owned());
     done.error = Some("exit code 2: boom".to_owned());
     done.api_calls = 4;
+    done.prompt_tokens = Some(1200);
+    done.completion_tokens = Some(340);
     done.duration_seconds = 12.5;
+    done.suppress_wake = true;
     done
 }
 
@@ -113,6 +136,11 @@ fn full_body(stem: &str) -> Value {
     let value = match stem {
         REQUEST => serde_json::to_value(full_request()),
         STARTED => serde_json::to_value(StartedEvent::for_request(&full_request(), "worker-a", 2)),
+        PROGRESS => serde_json::to_value(ProgressEvent::for_request(
+            &full_request(),
+            "worker-a",
+            "model call 2".to_owned(),
+        )),
         COMPLETION => serde_json::to_value(full_completion()),
         other => panic!("no body for {other}"),
     };
@@ -242,6 +270,20 @@ fn started_event_built_by_the_worker_matches_its_schema() {
 }
 
 #[test]
+fn progress_event_built_by_the_worker_matches_its_schema() {
+    for request in [full_request(), minimal_request()] {
+        for message in ["model call 1", "", "línea\nwith a break"] {
+            let progress =
+                ProgressEvent::for_request(&request, "worker-gpu-box-3-48211", message.to_owned());
+            let body = serde_json::to_value(&progress).unwrap();
+            assert_valid(PROGRESS, &body);
+            assert_eq!(body["message"], message);
+            assert!(body["at"].as_str().unwrap().ends_with('Z'), "{body}");
+        }
+    }
+}
+
+#[test]
 fn completion_built_by_the_worker_matches_its_schema() {
     let statuses = [
         (Status::Completed, "completed"),
@@ -250,8 +292,10 @@ fn completion_built_by_the_worker_matches_its_schema() {
         (Status::Failed, "max_deliveries_exceeded"),
         (Status::Failed, "max_attempts_exceeded"),
         (Status::Interrupted, "completed"),
+        (Status::Interrupted, "cancelled"),
         (Status::Timeout, "timeout"),
         (Status::Error, "invalid_request"),
+        (Status::Error, "depth_limit"),
     ];
     for request in [full_request(), minimal_request()] {
         for (status, exit_reason) in statuses {
@@ -260,10 +304,14 @@ fn completion_built_by_the_worker_matches_its_schema() {
             done.summary = Some("result".to_owned());
             done.error = Some("what went wrong".to_owned());
             done.api_calls = 3;
+            done.prompt_tokens = Some(10);
+            done.completion_tokens = Some(0);
             done.duration_seconds = 0.25;
+            done.suppress_wake = status == Status::Interrupted;
             let body = serde_json::to_value(&done).unwrap();
             assert_valid(COMPLETION, &body);
             assert_eq!(body["status"], status.as_str());
+            assert_eq!(body["task_count"], request.task_count);
         }
     }
 }
@@ -285,6 +333,7 @@ fn completion_for_an_unusable_request_matches_its_schema() {
         depth: 0,
         parent_session_id: None,
         created_at: None,
+        ..TaskRequest::new("", "")
     };
     let mut done = CompletionEvent::for_request(&stand_in, Status::Error, "invalid_request");
     done.error = Some("request body is not a valid task request".to_owned());
@@ -292,6 +341,8 @@ fn completion_for_an_unusable_request_matches_its_schema() {
     assert_valid(COMPLETION, &body);
     assert_eq!(body["origin_session_id"], Value::Null);
     assert_eq!(body["dispatched_at"], Value::Null);
+    assert_eq!(body["task_count"], 1);
+    assert_eq!(body["wake_mode"], "batch");
 }
 
 #[test]
@@ -313,8 +364,10 @@ fn schemas_list_exactly_the_fields_the_library_writes() {
 }
 
 #[test]
-fn completion_and_started_events_write_every_field_even_when_empty() {
-    // Option fields of events are written as null, never omitted.
+fn events_write_every_field_even_when_empty() {
+    // Option fields of events are written as null, never omitted, except
+    // the completion's flags and token counts, which are left out when
+    // false or unknown.
     let request = minimal_request();
     let done = serde_json::to_value(CompletionEvent::for_request(
         &request,
@@ -323,9 +376,23 @@ fn completion_and_started_events_write_every_field_even_when_empty() {
     ))
     .unwrap();
     let started = serde_json::to_value(StartedEvent::for_request(&request, "w", 1)).unwrap();
-    for (stem, body) in [(COMPLETION, done), (STARTED, started)] {
+    let progress =
+        serde_json::to_value(ProgressEvent::for_request(&request, "w", String::new())).unwrap();
+    let mut always_written = properties(COMPLETION);
+    for field in COMPLETION_OMITTED_WHEN_EMPTY {
+        assert!(always_written.remove(field), "{field} is not in the schema");
+        assert!(
+            !required(COMPLETION).contains(field),
+            "{field} is omitted, so it cannot be required"
+        );
+    }
+    for (stem, body, expected) in [
+        (COMPLETION, done, always_written),
+        (STARTED, started, properties(STARTED)),
+        (PROGRESS, progress, properties(PROGRESS)),
+    ] {
         let written: BTreeSet<String> = body.as_object().unwrap().keys().cloned().collect();
-        assert_eq!(written, properties(stem), "{stem}");
+        assert_eq!(written, expected, "{stem}");
     }
 }
 
@@ -342,6 +409,8 @@ fn request_omits_optional_fields_it_does_not_have() {
         "version",
         "delegation_id",
         "task_index",
+        "task_count",
+        "wake_mode",
         "goal",
         "context",
         "role",
@@ -361,12 +430,19 @@ fn schema_and_library_agree_on_which_fields_are_required() {
             body.as_object_mut().unwrap().remove(&field);
             let schema_ok = schema_errors(stem, &body).is_empty();
             let library = library_accepts(stem, &body);
+            assert_eq!(required.contains(&field), !schema_ok, "{stem}.{field}");
+            if stem == REQUEST && field == "task_count" {
+                // The full request is task 3 of 5: without task_count it is
+                // task 3 of 1, which only the library can tell is wrong.
+                let error = library.expect_err("task 3 of 1 is refused");
+                assert_eq!(error, "task_index 3 is not below task_count 1");
+                continue;
+            }
             assert_eq!(
                 schema_ok,
                 library.is_ok(),
                 "{stem} without {field}: schema says {schema_ok}, library says {library:?}"
             );
-            assert_eq!(required.contains(&field), !schema_ok, "{stem}.{field}");
         }
     }
 }
@@ -394,9 +470,15 @@ fn schema_and_library_reject_the_same_broken_bodies() {
     let request = serde_json::to_value(full_request()).unwrap();
     let completion = serde_json::to_value(full_completion()).unwrap();
     let started = full_body(STARTED);
+    let progress = full_body(PROGRESS);
     let with = |base: &Value, field: &str, value: Value| {
         let mut body = base.clone();
         body[field] = value;
+        body
+    };
+    let without = |base: &Value, field: &str| {
+        let mut body = base.clone();
+        body.as_object_mut().unwrap().remove(field);
         body
     };
     let cases = [
@@ -475,6 +557,31 @@ fn schema_and_library_reject_the_same_broken_bodies() {
             with(&request, "task_index", json!(-1)),
         ),
         (
+            "request with no tasks",
+            REQUEST,
+            with(&request, "task_count", json!(0)),
+        ),
+        (
+            "request with a negative task count",
+            REQUEST,
+            with(&request, "task_count", json!(-2)),
+        ),
+        (
+            "request with an unknown wake mode",
+            REQUEST,
+            with(&request, "wake_mode", json!("together")),
+        ),
+        (
+            "request with an uppercase wake mode",
+            REQUEST,
+            with(&request, "wake_mode", json!("Batch")),
+        ),
+        (
+            "request with a string notify_early_failure",
+            REQUEST,
+            with(&request, "notify_early_failure", json!("true")),
+        ),
+        (
             "request with a fractional timeout",
             REQUEST,
             with(&request, "timeout_seconds", json!(1.5)),
@@ -511,6 +618,36 @@ fn schema_and_library_reject_the_same_broken_bodies() {
             with(&completion, "role", json!("boss")),
         ),
         (
+            "completion with an unknown wake mode",
+            COMPLETION,
+            with(&completion, "wake_mode", json!("together")),
+        ),
+        (
+            "completion with a string task count",
+            COMPLETION,
+            with(&completion, "task_count", json!("5")),
+        ),
+        (
+            "completion with a numeric suppress_wake",
+            COMPLETION,
+            with(&completion, "suppress_wake", json!(1)),
+        ),
+        (
+            "completion with a string notify_early_failure",
+            COMPLETION,
+            with(&completion, "notify_early_failure", json!("yes")),
+        ),
+        (
+            "completion with negative prompt tokens",
+            COMPLETION,
+            with(&completion, "prompt_tokens", json!(-1)),
+        ),
+        (
+            "completion with fractional completion tokens",
+            COMPLETION,
+            with(&completion, "completion_tokens", json!(1.5)),
+        ),
+        (
             "started event with a string attempt",
             STARTED,
             with(&started, "attempt", json!("1")),
@@ -519,6 +656,21 @@ fn schema_and_library_reject_the_same_broken_bodies() {
             "started event with a non-date started_at",
             STARTED,
             with(&started, "started_at", json!("soon")),
+        ),
+        (
+            "progress event with a numeric message",
+            PROGRESS,
+            with(&progress, "message", json!(42)),
+        ),
+        (
+            "progress event without a message",
+            PROGRESS,
+            without(&progress, "message"),
+        ),
+        (
+            "progress event with a non-date at",
+            PROGRESS,
+            with(&progress, "at", json!("now")),
         ),
     ];
     for (what, stem, body) in cases {
@@ -529,6 +681,35 @@ fn schema_and_library_reject_the_same_broken_bodies() {
         assert!(
             library_accepts(stem, &body).is_err(),
             "library accepts {what}"
+        );
+    }
+}
+
+#[test]
+fn a_task_index_not_below_the_task_count_is_refused_with_a_clear_error() {
+    // The one rule the schema cannot state (it compares two fields), as
+    // documented in the schema's description and PROTOCOL.md 5.1.
+    assert!(
+        schema(REQUEST)["description"]
+            .as_str()
+            .unwrap()
+            .contains("task_index must be below task_count")
+    );
+    assert!(
+        read("docs/PROTOCOL.md")
+            .contains("A request's `task_index` must be below its `task_count`")
+    );
+    let request = serde_json::to_value(full_request()).unwrap();
+    for (index, count) in [(5, 5), (6, 5), (1, 1)] {
+        let mut body = request.clone();
+        body["task_index"] = json!(index);
+        body["task_count"] = json!(count);
+        assert_valid(REQUEST, &body);
+        assert_eq!(
+            library_accepts(REQUEST, &body),
+            Err(format!(
+                "task_index {index} is not below task_count {count}"
+            ))
         );
     }
 }
@@ -580,6 +761,9 @@ fn documented_completions_are_what_the_library_writes() {
         "completion-completed",
         "completion-failed",
         "completion-error",
+        "completion-batch-0",
+        "completion-batch-1",
+        "completion-cancelled",
     ] {
         let documented = example_json(name);
         let decoded = CompletionEvent::decode(documented.to_string().as_bytes()).unwrap();
@@ -594,9 +778,72 @@ fn documented_completions_are_what_the_library_writes() {
             "{name}"
         );
     }
-    let request = example_json("request-full");
-    let decoded = TaskRequest::decode(request.to_string().as_bytes()).unwrap();
-    assert_eq!(serde_json::to_value(&decoded).unwrap(), request);
+    for name in ["request-full", "request-batch"] {
+        let request = example_json(name);
+        let decoded = TaskRequest::decode(request.to_string().as_bytes()).unwrap();
+        assert_eq!(serde_json::to_value(&decoded).unwrap(), request, "{name}");
+    }
+}
+
+#[test]
+fn documented_started_and_progress_events_are_what_the_library_writes() {
+    let started = example_json("started");
+    let decoded: StartedEvent = serde_json::from_value(started.clone()).unwrap();
+    assert_eq!(serde_json::to_value(&decoded).unwrap(), started);
+    let progress = example_json("progress");
+    let decoded: ProgressEvent = serde_json::from_value(progress.clone()).unwrap();
+    assert_eq!(serde_json::to_value(&decoded).unwrap(), progress);
+    assert_eq!(decoded.event_type, "delegation_progress");
+}
+
+/// A documented completion, decoded.
+fn documented_completion(name: &str) -> CompletionEvent {
+    CompletionEvent::decode(example(name).content.as_bytes())
+        .unwrap_or_else(|e| panic!("example {name} does not decode: {e}"))
+}
+
+#[test]
+fn documented_batch_completions_are_what_a_worker_writes_for_the_documented_batch() {
+    // The second request of the batch is documented; the first differs only
+    // in task_index and goal.
+    let second = TaskRequest::decode(example("request-batch").content.as_bytes()).unwrap();
+    assert_eq!(second.task_count, 2);
+    assert_eq!(second.wake_mode, WakeMode::Batch);
+    assert!(second.notify_early_failure);
+    for (index, name) in ["completion-batch-0", "completion-batch-1"]
+        .into_iter()
+        .enumerate()
+    {
+        let documented = documented_completion(name);
+        let mut request = second.clone();
+        request.task_index = u32::try_from(index).unwrap();
+        request.goal.clone_from(&documented.goal);
+        let mut expected =
+            CompletionEvent::for_request(&request, documented.status, &documented.exit_reason);
+        expected.summary.clone_from(&documented.summary);
+        expected.error.clone_from(&documented.error);
+        expected.api_calls = documented.api_calls;
+        expected.prompt_tokens = documented.prompt_tokens;
+        expected.completion_tokens = documented.completion_tokens;
+        expected.duration_seconds = documented.duration_seconds;
+        expected.completed_at = documented.completed_at;
+        assert_eq!(documented, expected, "{name}");
+    }
+    // Task 1 ended first, and not completed: it is the one noticed early.
+    let first = documented_completion("completion-batch-0");
+    let early = documented_completion("completion-batch-1");
+    assert!(early.completed_at < first.completed_at);
+    assert_ne!(early.status, Status::Completed);
+}
+
+#[test]
+fn documented_cancelled_completion_is_what_a_worker_writes_for_a_silent_cancel() {
+    let done = documented_completion("completion-cancelled");
+    assert_eq!(done.status, Status::Interrupted);
+    assert_eq!(done.exit_reason, "cancelled");
+    assert_eq!(done.error.as_deref(), Some("cancelled while running"));
+    assert!(done.suppress_wake);
+    assert!(done.summary.is_some(), "partial output is kept");
 }
 
 #[test]
@@ -614,6 +861,133 @@ fn documented_turn_texts_are_what_the_wake_service_renders() {
     assert_eq!(body["messages"][0]["content"], single.as_str());
     assert_eq!(body["messages"][0]["role"], "user");
     assert_eq!(body["stream"], false);
+}
+
+#[test]
+fn documented_batch_turn_texts_are_what_the_wake_service_renders() {
+    let first = documented_completion("completion-batch-0");
+    let second = documented_completion("completion-batch-1");
+    assert_eq!(first.delegation_id, second.delegation_id);
+    assert_eq!(
+        turn::render_batch(&first.delegation_id, &[first.clone(), second.clone()]),
+        example("turn-batch").content
+    );
+    assert_eq!(
+        turn::render_early_failure(&second),
+        example("turn-early-failure").content
+    );
+    let doc = read("docs/PROTOCOL.md");
+    for key in [
+        "`Idempotency-Key: <delegation_id>.batch`",
+        "`Idempotency-Key: <delegation_id>.<task_index>.early`",
+    ] {
+        assert!(doc.contains(key), "PROTOCOL.md does not say {key}");
+    }
+}
+
+#[test]
+fn documented_cancel_record_decodes_and_round_trips() {
+    let block = example("cancel-record");
+    let record: CancelRecord = serde_json::from_str(&block.content).unwrap();
+    assert_eq!(
+        record,
+        CancelRecord {
+            at: datetime!(2025-05-14 09:50:59.812005 UTC),
+            silent: true,
+        }
+    );
+    assert_eq!(
+        serde_json::to_value(&record).unwrap(),
+        example_json("cancel-record")
+    );
+    // `silent` is optional and defaults to false.
+    let loud: CancelRecord = serde_json::from_str(r#"{"at":"2025-05-14T09:50:59Z"}"#).unwrap();
+    assert!(!loud.silent);
+}
+
+#[test]
+fn documented_cancel_keys_subjects_and_bucket_are_the_librarys() {
+    let doc = read("docs/PROTOCOL.md");
+    let subjects = Subjects::new("wakebus").unwrap();
+    let id = "01JV3S2D6F8H0K2M4P6R8T0W2Y";
+    let target = CancelTarget::Delegation(id.to_owned());
+    assert_eq!(target.key(), format!("dlg.{id}"));
+    assert_eq!(CancelTarget::from_key(&target.key()), Some(target.clone()));
+    let token = session_token("sess.42 *>");
+    let session = CancelTarget::Session(token.clone());
+    assert_eq!(session.key(), format!("ses.{token}"));
+    assert_eq!(CancelTarget::from_key(&session.key()), Some(session));
+    let subject = format!("{}.{}", subjects.cancel_broadcasts_prefix(), target.key());
+    let bucket = subjects.cancel_bucket();
+    assert_eq!(bucket, "WAKEBUS_CANCELS");
+    for shown in [
+        format!("nats kv put {bucket} {} ", target.key()),
+        format!("nats pub {subject} "),
+        "`<prefix>.ctl.cancel.dlg.<delegation_id>`".to_owned(),
+        "`<prefix>.ctl.cancel.ses.<session_token>`".to_owned(),
+        "`dlg.<delegation_id>` or `ses.<session_token>`".to_owned(),
+        "`<PREFIX>_CANCELS`".to_owned(),
+    ] {
+        assert!(doc.contains(&shown), "PROTOCOL.md does not show {shown:?}");
+    }
+}
+
+#[test]
+fn documented_cancel_reports_are_what_the_library_prints() {
+    let id = "01JV3S2D6F8H0K2M4P6R8T0W2Y";
+    let delegation = CancelReport {
+        status: "cancelled",
+        scope: "delegation",
+        target: id.to_owned(),
+        state: Some(DelegationState::Running),
+        silent: true,
+        message: format!("Delegation {id} is being interrupted; queued tasks of it will not run."),
+    };
+    assert_eq!(
+        serde_json::to_value(&delegation).unwrap(),
+        example_json("cancel-report")
+    );
+    let session = CancelReport {
+        status: "cancelled",
+        scope: "session",
+        target: "sess.42 *>".to_owned(),
+        state: None,
+        silent: false,
+        message:
+            "Every delegation of the session requested before now is interrupted or will not run."
+                .to_owned(),
+    };
+    assert_eq!(
+        serde_json::to_value(&session).unwrap(),
+        example_json("cancel-report-session")
+    );
+    let doc = read("docs/PROTOCOL.md");
+    for state in [
+        DelegationState::Finished,
+        DelegationState::Running,
+        DelegationState::Queued,
+        DelegationState::Unknown,
+    ] {
+        let name = serde_json::to_value(state).unwrap();
+        let shown = format!("`{}`:", name.as_str().unwrap());
+        assert!(doc.contains(&shown), "PROTOCOL.md does not explain {shown}");
+    }
+}
+
+#[test]
+fn documented_delegate_output_is_what_the_library_prints() {
+    let batch = documented_completion("completion-batch-0");
+    let dispatched = DelegateResult::Dispatched {
+        status: "dispatched",
+        mode: "background",
+        delegation_id: batch.delegation_id.clone(),
+        tasks: batch.task_count as usize,
+        results: Vec::new(),
+    };
+    assert_eq!(
+        serde_json::to_value(&dispatched).unwrap(),
+        example_json("delegate-background")
+    );
 }
 
 #[test]

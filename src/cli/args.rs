@@ -87,6 +87,8 @@ pub(crate) enum Command {
     /// Delegate a task. With --session it returns at once and the session is
     /// woken later; without, it runs synchronously and prints the result.
     Delegate(DelegateArgs),
+    /// Cancel a delegation, or every open delegation of a session.
+    Cancel(CancelArgs),
     /// Run a worker for one pool.
     Worker(WorkerArgs),
     /// Run the wake service.
@@ -113,15 +115,34 @@ pub(crate) struct InitArgs {
 /// `wakebus delegate`.
 #[derive(Debug, Args)]
 pub(crate) struct DelegateArgs {
-    /// What the subagent should achieve.
-    #[arg(long)]
-    pub(crate) goal: String,
-    /// Background for the subagent.
+    /// What the subagent should achieve (one task).
+    #[arg(long, conflicts_with = "tasks")]
+    pub(crate) goal: Option<String>,
+    /// A task of a batch; repeat for several. Without --goal or --task, a
+    /// JSON array of goals (strings or {"goal", "context"} objects) is read
+    /// from stdin.
+    #[arg(long = "task")]
+    pub(crate) tasks: Vec<String>,
+    /// Background for the subagent(s).
     #[arg(long, default_value = "")]
     pub(crate) context: String,
+    /// Wake the session once per task instead of once for the whole batch.
+    #[arg(long)]
+    pub(crate) independent: bool,
+    /// In a batch, send an early notice when a task fails while others run.
+    #[arg(long)]
+    pub(crate) notify_early_failure: bool,
+    /// Largest batch accepted.
+    #[arg(long, env = "WAKEBUS_MAX_BATCH", default_value_t = wakebus::delegate::DEFAULT_MAX_BATCH)]
+    pub(crate) max_batch: usize,
     /// The session to wake with the result (omit to run synchronously).
-    #[arg(long, env = "WAKEBUS_ORIGIN_SESSION")]
+    /// Deliberately not read from WAKEBUS_ORIGIN_SESSION: a subagent's own
+    /// delegations must not wake its parent's session by accident.
+    #[arg(long)]
     pub(crate) session: Option<String>,
+    /// Deepest subagent nesting accepted (1: subagents cannot delegate).
+    #[arg(long, env = "WAKEBUS_MAX_DEPTH", default_value_t = wakebus::protocol::DEFAULT_MAX_DEPTH)]
+    pub(crate) max_depth: u32,
     /// The pool to run on.
     #[arg(long, default_value = "default")]
     pub(crate) pool: String,
@@ -137,6 +158,20 @@ pub(crate) struct DelegateArgs {
     /// Give up waiting (sync mode or --wait) after this long, e.g. 10m.
     #[arg(long, value_parser = humantime::parse_duration)]
     pub(crate) wait_timeout: Option<Duration>,
+}
+
+/// `wakebus cancel`.
+#[derive(Debug, Args)]
+#[command(group = clap::ArgGroup::new("target").required(true).args(["delegation_id", "session"]))]
+pub(crate) struct CancelArgs {
+    /// The delegation to cancel.
+    pub(crate) delegation_id: Option<String>,
+    /// Cancel every delegation of this session requested before now.
+    #[arg(long)]
+    pub(crate) session: Option<String>,
+    /// Do not wake the session with the interrupted results.
+    #[arg(long)]
+    pub(crate) silent: bool,
 }
 
 /// `wakebus worker`.
@@ -160,9 +195,24 @@ pub(crate) struct WorkerArgs {
     /// Time limit for tasks whose request sets none (default: none).
     #[arg(long, value_parser = humantime::parse_duration)]
     pub(crate) task_timeout: Option<Duration>,
+    /// Deepest subagent nesting this worker runs; deeper requests end in `error`.
+    #[arg(long, env = "WAKEBUS_MAX_DEPTH", default_value_t = wakebus::protocol::DEFAULT_MAX_DEPTH)]
+    pub(crate) max_depth: u32,
     /// How long running tasks may finish after SIGTERM.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub(crate) shutdown_grace: Duration,
+    /// LLM executor: base URL including the version, e.g. https://api.openai.com/v1.
+    #[arg(long, env = "WAKEBUS_LLM_BASE_URL")]
+    pub(crate) llm_base_url: Option<String>,
+    /// LLM executor: model used when a request names none.
+    #[arg(long, env = "WAKEBUS_LLM_MODEL")]
+    pub(crate) llm_model: Option<String>,
+    /// LLM executor: file holding the API key (or set WAKEBUS_LLM_API_KEY).
+    #[arg(long, env = "WAKEBUS_LLM_API_KEY_FILE")]
+    pub(crate) llm_api_key_file: Option<PathBuf>,
+    /// LLM executor: limit for one model call.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
+    pub(crate) llm_timeout: Duration,
     /// Working directory of the command executor.
     #[arg(long)]
     pub(crate) workdir: Option<PathBuf>,
@@ -181,6 +231,8 @@ pub(crate) enum ExecutorKind {
     Echo,
     /// Run a program per task, request JSON on stdin.
     Command,
+    /// Ask an OpenAI-compatible chat-completions endpoint.
+    Llm,
 }
 
 /// `wakebus wake`.

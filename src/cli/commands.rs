@@ -54,11 +54,20 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             );
         }
         Command::Delegate(args) => {
+            let mut delegation = Delegation::default().pool(&args.pool);
+            delegation.tasks = tasks_from(&args)?;
+            for task in delegation.tasks.iter_mut().filter(|t| t.context.is_empty()) {
+                task.context.clone_from(&args.context);
+            }
+            if args.independent {
+                delegation.wake_mode = wakebus::protocol::WakeMode::Independent;
+            }
+            delegation.notify_early_failure = args.notify_early_failure;
             let bus = connect(&global, "wakebus-delegate").await?;
-            let delegator = Delegator::new(bus).with_wait_timeout(args.wait_timeout);
-            let mut delegation = Delegation::new(args.goal)
-                .context(args.context)
-                .pool(args.pool);
+            let delegator = Delegator::new(bus)
+                .with_wait_timeout(args.wait_timeout)
+                .with_max_depth(args.max_depth)
+                .with_max_batch(args.max_batch);
             delegation.origin_session_id = args.session;
             delegation.model = args.model;
             delegation.timeout_seconds = args.timeout_seconds;
@@ -66,6 +75,16 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             inherit_from_parent_task(&mut delegation)?;
             let result = delegator.delegate(delegation).await?;
             println!("{}", serde_json::to_string(&result)?);
+        }
+        Command::Cancel(args) => {
+            let bus = connect(&global, "wakebus-cancel").await?;
+            let canceller = wakebus::cancel::Canceller::new(bus);
+            let report = match (&args.delegation_id, &args.session) {
+                (Some(id), _) => canceller.cancel_delegation(id, args.silent).await?,
+                (None, Some(session)) => canceller.cancel_session(session, args.silent).await?,
+                (None, None) => bail!("give a delegation id or --session"),
+            };
+            println!("{}", serde_json::to_string(&report)?);
         }
         Command::Worker(args) => {
             let executor = match args.executor {
@@ -77,9 +96,10 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         );
                     };
                     let mut config = CommandConfig::new(program, rest.to_vec());
-                    config.working_dir = args.workdir;
+                    config.working_dir = args.workdir.clone();
                     Executor::Command(CommandExecutor::new(config))
                 }
+                ExecutorKind::Llm => Executor::Llm(llm_executor(&args)?),
             };
             wakebus::protocol::validate_pool(&args.pool)?;
             let bus = connect(&global, "wakebus-worker").await?;
@@ -90,6 +110,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.max_deliver = args.max_deliver;
             config.default_timeout = args.task_timeout;
             config.shutdown_grace = args.shutdown_grace;
+            config.max_depth = args.max_depth;
             let env = TaskEnv {
                 nats_url: global.nats_url.clone(),
                 prefix: global.prefix.clone(),
@@ -143,6 +164,87 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The `llm` executor from flags, environment or a key file.
+fn llm_executor(
+    args: &super::args::WorkerArgs,
+) -> anyhow::Result<wakebus::worker::executor::LlmExecutor> {
+    use wakebus::worker::executor::{LlmConfig, LlmExecutor};
+    let Some(base_url) = args.llm_base_url.clone() else {
+        bail!("--executor llm needs --llm-base-url (or WAKEBUS_LLM_BASE_URL)");
+    };
+    let Some(model) = args.llm_model.clone() else {
+        bail!("--executor llm needs --llm-model (or WAKEBUS_LLM_MODEL)");
+    };
+    let api_key = match &args.llm_api_key_file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the LLM API key from {}", path.display()))?
+                .trim()
+                .to_owned(),
+        ),
+        None => std::env::var("WAKEBUS_LLM_API_KEY").ok(),
+    };
+    Ok(LlmExecutor::new(&LlmConfig {
+        base_url,
+        model,
+        api_key,
+        request_timeout: args.llm_timeout,
+    })?)
+}
+
+/// The tasks of `wakebus delegate`: --goal, --task..., or a JSON array on stdin.
+fn tasks_from(
+    args: &super::args::DelegateArgs,
+) -> anyhow::Result<Vec<wakebus::delegate::TaskSpec>> {
+    use std::io::{IsTerminal, Read};
+    use wakebus::delegate::TaskSpec;
+    let spec = |goal: &String| TaskSpec {
+        goal: goal.clone(),
+        context: String::new(),
+    };
+    if let Some(goal) = &args.goal {
+        return Ok(vec![spec(goal)]);
+    }
+    if !args.tasks.is_empty() {
+        return Ok(args.tasks.iter().map(spec).collect());
+    }
+    if std::io::stdin().is_terminal() {
+        bail!("give --goal, one or more --task, or a JSON array of tasks on stdin");
+    }
+    /// One task as read from stdin.
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Item {
+        /// Just a goal.
+        Goal(String),
+        /// A goal with its own context.
+        Task {
+            /// The goal.
+            goal: String,
+            /// The context.
+            #[serde(default)]
+            context: String,
+        },
+    }
+    let mut input = String::new();
+    std::io::stdin()
+        .read_to_string(&mut input)
+        .context("reading tasks from stdin")?;
+    let items: Vec<Item> = serde_json::from_str(&input).context(
+        "stdin must be a JSON array of goals (strings) or {\"goal\", \"context\"} objects",
+    )?;
+    Ok(items
+        .into_iter()
+        .map(|item| match item {
+            Item::Goal(goal) => TaskSpec {
+                goal,
+                context: String::new(),
+            },
+            Item::Task { goal, context } => TaskSpec { goal, context },
+        })
+        .collect())
+}
+
 fn settings(global: &Global) -> BusSettings {
     BusSettings {
         history_max_age: global.history,
@@ -170,11 +272,15 @@ pub(crate) async fn connect(global: &Global, name: &str) -> anyhow::Result<Bus> 
     Ok(Bus::new(client, subjects))
 }
 
-/// Inside a `command` executor, a delegation continues its parent's depth.
+/// Inside a `command` executor (WAKEBUS_DEPTH is set), a delegation nests
+/// one level below its parent task and records the parent's session.
 fn inherit_from_parent_task(delegation: &mut Delegation) -> anyhow::Result<()> {
     if let Ok(depth) = std::env::var("WAKEBUS_DEPTH") {
         let parent: u32 = depth.parse().context("WAKEBUS_DEPTH is not a number")?;
         delegation.depth = parent + 1;
+        if delegation.parent_session_id.is_none() {
+            delegation.parent_session_id = std::env::var("WAKEBUS_ORIGIN_SESSION").ok();
+        }
     }
     Ok(())
 }

@@ -117,6 +117,7 @@ fn row(record: &Record) -> String {
             format!("attempt {}", body["attempt"].as_u64().unwrap_or(0)),
             text("worker").to_owned(),
         ),
+        RecordKind::Progress => (String::new(), text("message").to_owned()),
         RecordKind::Done => (
             text("status").to_owned(),
             if text("error").is_empty() {

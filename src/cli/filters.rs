@@ -15,7 +15,7 @@ pub(crate) struct FilterArgs {
     /// Only this delegation.
     #[arg(long)]
     pub(crate) delegation: Option<String>,
-    /// Only started or only done events.
+    /// Only events of this kind.
     #[arg(long, value_enum)]
     pub(crate) kind: Option<KindArg>,
     /// Only completions with this status.
@@ -43,6 +43,8 @@ pub(crate) struct FilterArgs {
 pub(crate) enum KindArg {
     /// A worker started the task.
     Started,
+    /// The running task reported progress.
+    Progress,
     /// The task ended.
     Done,
 }
@@ -100,6 +102,7 @@ impl FilterArgs {
             delegation: self.delegation.clone(),
             kind: self.kind.map(|kind| match kind {
                 KindArg::Started => EventKind::Started,
+                KindArg::Progress => EventKind::Progress,
                 KindArg::Done => EventKind::Done,
             }),
             status: self.status.map(|status| match status {

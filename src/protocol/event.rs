@@ -3,13 +3,15 @@
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
-use super::{PROTOCOL_VERSION, Role, TaskRequest};
+use super::{PROTOCOL_VERSION, Role, TaskRequest, WakeMode};
 
 /// The last token of an event subject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EventKind {
     /// A worker took the task and started running it.
     Started,
+    /// The running task reported progress.
+    Progress,
     /// The task ended (in any status); the wake service acts on these.
     Done,
 }
@@ -19,6 +21,7 @@ impl EventKind {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Started => "started",
+            Self::Progress => "progress",
             Self::Done => "done",
         }
     }
@@ -27,6 +30,7 @@ impl EventKind {
     pub fn ce_type(self) -> &'static str {
         match self {
             Self::Started => "io.wakebus.task.started",
+            Self::Progress => "io.wakebus.task.progress",
             Self::Done => "io.wakebus.task.done",
         }
     }
@@ -107,6 +111,46 @@ impl StartedEvent {
     }
 }
 
+/// The `progress` event body: what a running task last reported.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProgressEvent {
+    /// Always `delegation_progress`.
+    #[serde(rename = "type")]
+    pub event_type: String,
+    /// Body version.
+    pub version: u32,
+    /// The delegation id.
+    pub delegation_id: String,
+    /// The task index.
+    pub task_index: u32,
+    /// The origin session, if any.
+    #[serde(default)]
+    pub origin_session_id: Option<String>,
+    /// The worker instance running the task.
+    pub worker: String,
+    /// The message the executor reported.
+    pub message: String,
+    /// When it was reported.
+    #[serde(with = "super::rfc3339")]
+    pub at: OffsetDateTime,
+}
+
+impl ProgressEvent {
+    /// A progress event for `request`.
+    pub fn for_request(request: &TaskRequest, worker: &str, message: String) -> Self {
+        Self {
+            event_type: "delegation_progress".to_owned(),
+            version: PROTOCOL_VERSION,
+            delegation_id: request.delegation_id.clone(),
+            task_index: request.task_index,
+            origin_session_id: request.origin_session_id.clone(),
+            worker: worker.to_owned(),
+            message,
+            at: OffsetDateTime::now_utc(),
+        }
+    }
+}
+
 /// The `done` event body: the field names of Hermes's `async_delegation`
 /// completion event, plus `version` and `event_id`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -125,6 +169,15 @@ pub struct CompletionEvent {
     /// The task index.
     #[serde(default)]
     pub task_index: u32,
+    /// How many tasks the delegation has.
+    #[serde(default = "default_task_count")]
+    pub task_count: u32,
+    /// Batch (one consolidated wake) or independent wakes.
+    #[serde(default)]
+    pub wake_mode: WakeMode,
+    /// In batch mode, send an early notice for a failed task.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub notify_early_failure: bool,
     /// The session to wake; `None` in sync mode.
     #[serde(default)]
     pub origin_session_id: Option<String>,
@@ -154,6 +207,12 @@ pub struct CompletionEvent {
     /// How many model calls the subagent made.
     #[serde(default)]
     pub api_calls: u64,
+    /// Prompt tokens used, when the executor knows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<u64>,
+    /// Completion tokens used, when the executor knows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_tokens: Option<u64>,
     /// Wall time of the run.
     #[serde(default)]
     pub duration_seconds: f64,
@@ -163,9 +222,16 @@ pub struct CompletionEvent {
     /// When the task ended.
     #[serde(with = "super::rfc3339")]
     pub completed_at: OffsetDateTime,
+    /// Set when the task was cancelled silently: record it, wake nobody.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub suppress_wake: bool,
     /// Machine-readable reason the run ended (`completed`, `nonzero_exit`,
     /// `timeout`, `invalid_request`, `max_deliveries_exceeded`, ...).
     pub exit_reason: String,
+}
+
+fn default_task_count() -> u32 {
+    1
 }
 
 fn default_version() -> u32 {
@@ -190,6 +256,9 @@ impl CompletionEvent {
             event_id: Self::id_for(&request.delegation_id, request.task_index),
             delegation_id: request.delegation_id.clone(),
             task_index: request.task_index,
+            task_count: request.task_count,
+            wake_mode: request.wake_mode,
+            notify_early_failure: request.notify_early_failure,
             origin_session_id: request.origin_session_id.clone(),
             parent_session_id: request.parent_session_id.clone(),
             goal: request.goal.clone(),
@@ -200,9 +269,12 @@ impl CompletionEvent {
             summary: None,
             error: None,
             api_calls: 0,
+            prompt_tokens: None,
+            completion_tokens: None,
             duration_seconds: 0.0,
             dispatched_at: request.created_at,
             completed_at: OffsetDateTime::now_utc(),
+            suppress_wake: false,
             exit_reason: exit_reason.to_owned(),
         }
     }

@@ -10,7 +10,7 @@ mod ids;
 mod request;
 mod subjects;
 
-pub use event::{CompletionEvent, EventKind, StartedEvent, Status};
+pub use event::{CompletionEvent, EventKind, ProgressEvent, StartedEvent, Status};
 pub use headers::{
     CE_SPECVERSION, EventHeaders, HEADER_CE_ID, HEADER_CE_SOURCE, HEADER_CE_SPECVERSION,
     HEADER_CE_TIME, HEADER_CE_TYPE, HEADER_CONTENT_TYPE, HEADER_DEAD_LETTER_REASON,
@@ -21,7 +21,7 @@ pub use ids::{
     IdError, MAX_SESSION_ID_BYTES, SYNC_SESSION_TOKEN, new_delegation_id, session_token,
     validate_delegation_id, validate_pool, validate_session_id,
 };
-pub use request::{DecodeError, PROTOCOL_VERSION, Role, TaskRequest};
+pub use request::{DEFAULT_MAX_DEPTH, DecodeError, PROTOCOL_VERSION, Role, TaskRequest, WakeMode};
 pub use subjects::{PrefixError, Subjects};
 
 /// Formats a timestamp the way every wakebus body does (RFC 3339, UTC).

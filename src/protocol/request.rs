@@ -19,6 +19,17 @@ pub enum Role {
     Orchestrator,
 }
 
+/// How the tasks of a multi-task delegation wake their session.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WakeMode {
+    /// One consolidated turn once every task has ended.
+    #[default]
+    Batch,
+    /// Each task wakes the session on its own.
+    Independent,
+}
+
 /// One task of a delegation, as workers receive it.
 ///
 /// Unknown fields are ignored so that newer publishers can add fields
@@ -32,6 +43,16 @@ pub struct TaskRequest {
     /// Position of this task within the delegation, from 0.
     #[serde(default)]
     pub task_index: u32,
+    /// How many tasks the delegation has (a batch has several).
+    #[serde(default = "default_task_count")]
+    pub task_count: u32,
+    /// For several tasks: one consolidated wake (`batch`) or one per task.
+    #[serde(default)]
+    pub wake_mode: WakeMode,
+    /// In batch mode, also send an early notice when a task fails while
+    /// its siblings still run.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub notify_early_failure: bool,
     /// The session to wake with the result; `None` means the caller waits (sync mode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub origin_session_id: Option<String>,
@@ -52,8 +73,9 @@ pub struct TaskRequest {
     /// Per-task time limit; the pool default applies when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_seconds: Option<u64>,
-    /// How many delegations deep this request is (0 for a top-level session).
-    #[serde(default)]
+    /// Nesting level of the subagent that runs this task: 1 for a task a
+    /// top-level session delegated, 2 for one its subagent delegated, ...
+    #[serde(default = "default_depth")]
     pub depth: u32,
     /// The session of the agent that delegated, when it differs from the origin.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -65,7 +87,22 @@ pub struct TaskRequest {
         skip_serializing_if = "Option::is_none"
     )]
     pub created_at: Option<OffsetDateTime>,
+    /// A JSON Schema the answer must satisfy (`llm` executor: the model gets
+    /// one correction attempt).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_schema: Option<serde_json::Value>,
 }
+
+fn default_task_count() -> u32 {
+    1
+}
+
+fn default_depth() -> u32 {
+    1
+}
+
+/// The deepest subagent nesting allowed by default: subagents cannot delegate.
+pub const DEFAULT_MAX_DEPTH: u32 = 1;
 
 /// Why a request body could not be used. Each kind ends the task with an
 /// `error` completion rather than a retry: sending it again cannot help.
@@ -88,12 +125,43 @@ pub enum DecodeError {
     /// An id in the body is malformed.
     #[error("request has an invalid id: {0}")]
     InvalidId(#[from] IdError),
+    /// The task index is not below the task count.
+    #[error("task_index {index} is not below task_count {count}")]
+    TaskIndex {
+        /// The index.
+        index: u32,
+        /// The count.
+        count: u32,
+    },
     /// The origin session header disagrees with the body.
     #[error("the Wakebus-Origin-Session header does not match origin_session_id in the body")]
     OriginMismatch,
 }
 
 impl TaskRequest {
+    /// A request for task 0 of a one-task delegation, with defaults elsewhere.
+    pub fn new(delegation_id: impl Into<String>, goal: impl Into<String>) -> Self {
+        Self {
+            version: PROTOCOL_VERSION,
+            delegation_id: delegation_id.into(),
+            task_index: 0,
+            task_count: 1,
+            wake_mode: WakeMode::Batch,
+            notify_early_failure: false,
+            origin_session_id: None,
+            goal: goal.into(),
+            context: String::new(),
+            role: Role::Leaf,
+            model: None,
+            toolsets: Vec::new(),
+            timeout_seconds: None,
+            depth: default_depth(),
+            parent_session_id: None,
+            created_at: None,
+            output_schema: None,
+        }
+    }
+
     /// Decodes and validates a request body.
     pub fn decode(body: &[u8]) -> Result<Self, DecodeError> {
         let request: Self = serde_json::from_slice(body)?;
@@ -114,6 +182,12 @@ impl TaskRequest {
         }
         if self.goal.trim().is_empty() {
             return Err(DecodeError::EmptyGoal);
+        }
+        if self.task_count == 0 || self.task_index >= self.task_count {
+            return Err(DecodeError::TaskIndex {
+                index: self.task_index,
+                count: self.task_count,
+            });
         }
         Ok(())
     }

@@ -101,6 +101,12 @@ impl Subjects {
         format!("{}.dlq.>", self.prefix)
     }
 
+    /// Where cancel broadcasts go: `<prefix>.ctl.cancel`, followed by
+    /// `.dlg.<delegation-id>` or `.ses.<session-token>`.
+    pub fn cancel_broadcasts_prefix(&self) -> String {
+        format!("{}.ctl.cancel", self.prefix)
+    }
+
     /// The stream of requests (work-queue retention).
     pub fn tasks_stream(&self) -> String {
         format!("{}_TASKS", self.name_prefix)
@@ -129,6 +135,11 @@ impl Subjects {
     /// The KV bucket recording which completions have been woken.
     pub fn wake_ledger_bucket(&self) -> String {
         format!("{}_WAKES", self.name_prefix)
+    }
+
+    /// The KV bucket of cancel records (checked before a task starts).
+    pub fn cancel_bucket(&self) -> String {
+        format!("{}_CANCELS", self.name_prefix)
     }
 
     /// The KV bucket holding per-session wake locks.

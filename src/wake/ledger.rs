@@ -79,6 +79,11 @@ impl WakeLedger {
         format!("{delegation_id}.{task_index}")
     }
 
+    /// The ledger key of a batch's consolidated wake.
+    pub fn batch_key(delegation_id: &str) -> String {
+        format!("{delegation_id}.batch")
+    }
+
     /// The state of a task's wake, if any was recorded.
     pub async fn get(&self, key: &str) -> Result<Option<LedgerState>, LedgerError> {
         match self.kv.get(key).await? {

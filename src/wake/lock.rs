@@ -38,6 +38,15 @@ pub struct LockGuard {
     key: String,
     /// The revision this holder last wrote.
     revision: u64,
+    /// When this holder last wrote it (the lock expires a TTL later).
+    written_at: tokio::time::Instant,
+}
+
+impl LockGuard {
+    /// When the lock was last written by its holder.
+    pub fn written_at(&self) -> tokio::time::Instant {
+        self.written_at
+    }
 }
 
 impl SessionLocks {
@@ -61,6 +70,7 @@ impl SessionLocks {
             Ok(revision) => Ok(Some(LockGuard {
                 key: session_token.to_owned(),
                 revision,
+                written_at: tokio::time::Instant::now(),
             })),
             Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
             Err(err) => Err(err.into()),
@@ -69,10 +79,12 @@ impl SessionLocks {
 
     /// Extends the lock's life.
     pub async fn refresh(&self, guard: &mut LockGuard) -> Result<(), LockError> {
+        let started = tokio::time::Instant::now();
         guard.revision = self
             .kv
             .update(&guard.key, self.owner.clone(), guard.revision)
             .await?;
+        guard.written_at = started;
         Ok(())
     }
 

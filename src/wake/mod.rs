@@ -93,6 +93,8 @@ pub(crate) struct Shared {
     pub(crate) locks: SessionLocks,
     /// For dead letters.
     pub(crate) bus: Bus,
+    /// The history, where a batch's completions are collected.
+    pub(crate) events: async_nats::jetstream::stream::Stream,
     /// Timings.
     pub(crate) config: WakeConfig,
     /// Posts awaiting the session API's answer, for status reports.
@@ -108,7 +110,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), WakeError> {
     let api = SessionApi::new(&config.api)?;
-    bus.provision(&settings).await?;
+    let streams = bus.provision(&settings).await?;
     let provisioned = bus.provision_wake_state(&settings).await?;
     let consumer = bus
         .wake_consumer(config.ack_wait, config.max_in_flight)
@@ -123,6 +125,7 @@ pub async fn run(
             settings.session_lock_ttl,
         ),
         bus: bus.clone(),
+        events: streams.events,
         config,
         posting: Default::default(),
     });
@@ -191,8 +194,8 @@ pub async fn run(
 /// Why a completion message is not routed to a session.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Admission {
-    /// No origin session (sync mode): nothing to wake; ack it.
-    NoSession,
+    /// No origin session (sync mode) or a silent cancel: nothing to wake; ack it.
+    NothingToWake,
     /// Unusable: dead-letter with this reason and terminate.
     Poison(String),
 }
@@ -207,7 +210,7 @@ fn admit(message: jetstream::Message) -> Result<Pending, Admission> {
         .and_then(|h| h.get(HEADER_ORIGIN_SESSION))
         .map(|v| v.as_str().to_owned());
     let session = match (event.origin_session_id.clone(), header) {
-        (None, None) => return Err(Admission::NoSession),
+        (None, None) => return Err(Admission::NothingToWake),
         (Some(body), Some(header)) if body == header => body,
         (Some(_), None) => {
             return Err(Admission::Poison(
@@ -222,6 +225,9 @@ fn admit(message: jetstream::Message) -> Result<Pending, Admission> {
         }
     };
     validate_session_id(&session).map_err(|err| Admission::Poison(err.to_string()))?;
+    if event.suppress_wake {
+        return Err(Admission::NothingToWake);
+    }
     validate_delegation_id(&event.delegation_id).map_err(|err| {
         Admission::Poison(format!("completion has an invalid delegation id: {err}"))
     })?;
@@ -241,7 +247,7 @@ fn admit(message: jetstream::Message) -> Result<Pending, Admission> {
 
 async fn outcome_for(shared: &Shared, message: &jetstream::Message, admission: Admission) {
     match admission {
-        Admission::NoSession => Outcome::Ack.apply(message).await,
+        Admission::NothingToWake => Outcome::Ack.apply(message).await,
         Admission::Poison(reason) => {
             warn!(subject = %message.subject, %reason, "Dead-lettering an unusable completion.");
             let bus = &shared.bus;

@@ -25,7 +25,12 @@ use super::session_api::PostResult;
 use super::turn;
 use crate::ops::metrics as m;
 use crate::outcome::Outcome;
-use crate::protocol::{CompletionEvent, HEADER_DEAD_LETTER_REASON, session_token};
+use crate::protocol::{
+    CompletionEvent, EventKind, HEADER_DEAD_LETTER_REASON, Status, WakeMode, header_safe,
+    session_token,
+};
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
+use std::collections::BTreeMap;
 
 /// A completion waiting to be woken, with the message that carries it.
 #[derive(Debug)]
@@ -43,6 +48,12 @@ pub(crate) struct Pending {
 impl Pending {
     fn ledger_key(&self) -> String {
         WakeLedger::key(&self.event.delegation_id, self.event.task_index)
+    }
+
+    /// The completion's id, derived rather than trusted from the body: the
+    /// `Idempotency-Key` of a single-completion turn.
+    fn event_key(&self) -> String {
+        CompletionEvent::id_for(&self.event.delegation_id, self.event.task_index)
     }
 }
 
@@ -64,12 +75,14 @@ struct Turn {
 impl Turn {
     /// The span of a turn's logs: the delegations it reports and its trace.
     fn span(&self) -> tracing::Span {
-        let delegation_id = self
-            .covers
+        let mut ids: Vec<&str> = self
+            .messages
             .iter()
-            .map(|key| key.rsplit_once('.').map_or(key.as_str(), |(id, _)| id))
-            .collect::<Vec<_>>()
-            .join(",");
+            .map(|p| p.event.delegation_id.as_str())
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let delegation_id = ids.join(",");
         let trace_id = self
             .traceparent
             .as_deref()
@@ -78,6 +91,17 @@ impl Turn {
             .unwrap_or_default();
         info_span!("turn", %delegation_id, %trace_id, idempotency_key = %self.key)
     }
+}
+
+/// Why turns could not be planned; the actor retries shortly.
+#[derive(Debug, thiserror::Error)]
+enum PlanError {
+    /// The wake ledger is unavailable.
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    /// The history could not be read.
+    #[error("cannot read the history: {0}")]
+    History(String),
 }
 
 /// How posting one turn ended.
@@ -244,7 +268,7 @@ impl Router {
                     .await;
             }
         };
-        let mut refresh_at = Instant::now() + self.shared.locks.refresh_interval();
+        let mut refresh_at = guard.written_at() + self.shared.locks.refresh_interval();
         while !turns.is_empty() {
             let turn = turns.remove(0);
             let span = turn.span();
@@ -274,7 +298,105 @@ impl Router {
     /// Sorts held completions into turns: already delivered ones are acked,
     /// ones whose earlier post ended in doubt are re-sent as recorded, the
     /// rest become one new turn.
-    async fn plan(&self, held: &mut Vec<Pending>) -> Result<Vec<Turn>, LedgerError> {
+    async fn plan(&self, held: &mut Vec<Pending>) -> Result<Vec<Turn>, PlanError> {
+        let (members, singles): (Vec<Pending>, Vec<Pending>) = std::mem::take(held)
+            .into_iter()
+            .partition(|p| p.event.task_count > 1 && p.event.wake_mode == WakeMode::Batch);
+        *held = singles;
+        let mut turns = self.plan_batches(members).await?;
+        turns.extend(self.plan_singles(held).await?);
+        Ok(turns)
+    }
+
+    /// Batch members: one consolidated turn once every task has a
+    /// completion in the history (whoever handles the last one sees them
+    /// all); until then each member is acked, or reported early if it failed
+    /// and the batch asked for that.
+    async fn plan_batches(&self, members: Vec<Pending>) -> Result<Vec<Turn>, PlanError> {
+        let ledger = &self.shared.ledger;
+        let mut by_delegation: BTreeMap<String, Vec<Pending>> = BTreeMap::new();
+        for pending in members {
+            by_delegation
+                .entry(pending.event.delegation_id.clone())
+                .or_default()
+                .push(pending);
+        }
+        let mut turns = Vec::new();
+        for (delegation_id, group) in by_delegation {
+            let batch_key = WakeLedger::batch_key(&delegation_id);
+            if let Some(LedgerState::Delivered { .. }) = ledger.get(&batch_key).await? {
+                for pending in &group {
+                    Outcome::Ack.apply(&pending.message).await;
+                }
+                continue;
+            }
+            if let Some(all) = self.batch_completions(&group[0]).await? {
+                info!(delegation_id = %delegation_id, tasks = all.len(), "Every task of the batch has ended; waking once.");
+                turns.push(Turn {
+                    traceparent: group[0].traceparent.clone(),
+                    key: batch_key.clone(),
+                    text: turn::render_batch(&delegation_id, &all),
+                    covers: vec![batch_key],
+                    messages: group,
+                });
+                continue;
+            }
+            for pending in group {
+                let event = &pending.event;
+                let early_key = format!("{}.{}.early", event.delegation_id, event.task_index);
+                let notify = event.notify_early_failure && event.status != Status::Completed;
+                if notify && ledger.get(&early_key).await?.is_none() {
+                    turns.push(Turn {
+                        traceparent: pending.traceparent.clone(),
+                        key: early_key.clone(),
+                        text: turn::render_early_failure(event),
+                        covers: vec![early_key],
+                        messages: vec![pending],
+                    });
+                } else {
+                    // Recorded in the history; the batch's last task reports it.
+                    Outcome::Ack.apply(&pending.message).await;
+                }
+            }
+        }
+        Ok(turns)
+    }
+
+    /// Every completion of `member`'s batch, by task index, if all exist.
+    async fn batch_completions(
+        &self,
+        member: &Pending,
+    ) -> Result<Option<Vec<CompletionEvent>>, PlanError> {
+        let subjects = &self.shared.bus.subjects;
+        let token = session_token(&member.session);
+        let mut all = Vec::with_capacity(member.event.task_count as usize);
+        for index in 0..member.event.task_count {
+            if index == member.event.task_index {
+                all.push(member.event.clone());
+                continue;
+            }
+            let subject =
+                subjects.event(&token, &member.event.delegation_id, index, EventKind::Done);
+            match self
+                .shared
+                .events
+                .get_last_raw_message_by_subject(&subject)
+                .await
+            {
+                Ok(message) => all.push(
+                    CompletionEvent::decode(&message.payload)
+                        .map_err(|e| PlanError::History(e.to_string()))?,
+                ),
+                Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                    return Ok(None);
+                }
+                Err(error) => return Err(PlanError::History(error.to_string())),
+            }
+        }
+        Ok(Some(all))
+    }
+
+    async fn plan_singles(&self, held: &mut Vec<Pending>) -> Result<Vec<Turn>, PlanError> {
         let ledger = &self.shared.ledger;
         let mut states = Vec::with_capacity(held.len());
         for pending in held.iter() {
@@ -316,7 +438,20 @@ impl Router {
                 None => remaining.push(pending),
             }
         }
-        if let Some(turn) = self.new_turn(remaining).await? {
+        // A redelivered completion may have been posted alone before (its
+        // ledger entry lost with the instance that posted it): post it alone
+        // again, under the same key, never inside a new combined turn.
+        let (redelivered, first_time): (Vec<Pending>, Vec<Pending>) = remaining
+            .into_iter()
+            .partition(|p| p.message.info().is_ok_and(|info| info.delivered > 1));
+        let mut alone: BTreeMap<String, Vec<Pending>> = BTreeMap::new();
+        for pending in redelivered {
+            alone.entry(pending.ledger_key()).or_default().push(pending);
+        }
+        for messages in alone.into_values() {
+            recovering.extend(self.new_turn(messages).await?);
+        }
+        if let Some(turn) = self.new_turn(first_time).await? {
             recovering.push(turn);
         }
         Ok(recovering)
@@ -342,7 +477,7 @@ impl Router {
         }
         let text = turn::render(&events);
         let key = match events.as_slice() {
-            [only] => only.event_id.clone(),
+            [_] => messages[0].event_key(),
             _ => {
                 let key = format!("wake.{}", ulid::Ulid::new());
                 let ledger = &self.shared.ledger;
@@ -390,19 +525,38 @@ impl Router {
         let mut attempt = 0u32;
         loop {
             attempt += 1;
+            // Post only while the lock is surely ours: refresh it when due,
+            // and give up the turn (it is re-planned under a new lock) if
+            // that fails, since another instance may hold the session now.
             if Instant::now() >= *refresh_at {
                 if let Err(error) = shared.locks.refresh(guard).await {
-                    warn!(%error, "Session lock lost while posting; another instance may post for this session meanwhile.");
+                    warn!(%error, "Session lock lost; re-planning under a new lock.");
+                    return Posted::Retry;
                 }
-                *refresh_at = Instant::now() + shared.locks.refresh_interval();
+                *refresh_at = guard.written_at() + shared.locks.refresh_interval();
             }
-            let result = {
-                let _posting = m::InFlight::wake_post(&shared.posting);
-                shared
-                    .api
-                    .post(session, &turn.text, &turn.key, turn.traceparent.as_deref())
-                    .await
+            let posting = m::InFlight::wake_post(&shared.posting);
+            let post = shared
+                .api
+                .post(session, &turn.text, &turn.key, turn.traceparent.as_deref());
+            tokio::pin!(post);
+            let mut lock_lost = false;
+            let result = loop {
+                tokio::select! {
+                    result = &mut post => break result,
+                    () = tokio::time::sleep_until(*refresh_at), if !lock_lost => {
+                        // A slow post keeps the lock alive.
+                        match shared.locks.refresh(guard).await {
+                            Ok(()) => *refresh_at = guard.written_at() + shared.locks.refresh_interval(),
+                            Err(error) => {
+                                warn!(%error, "Session lock lost during a post; another instance may post for this session.");
+                                lock_lost = true;
+                            }
+                        }
+                    }
+                }
             };
+            drop(posting);
             match result {
                 PostResult::Delivered => {
                     m::wake_posted("delivered");
@@ -481,15 +635,10 @@ impl Router {
     ) -> Result<(), crate::bus::PublishError> {
         let bus = &self.shared.bus;
         let mut headers = pending.message.headers.clone().unwrap_or_default();
-        let reason: String = reason
-            .chars()
-            .map(|c| if c.is_control() { ' ' } else { c })
-            .take(1024)
-            .collect();
-        headers.insert(HEADER_DEAD_LETTER_REASON, reason.as_str());
+        headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(reason).as_str());
         headers.insert(
             crate::protocol::HEADER_MSG_ID,
-            format!("dlq.wake.{}", pending.event.event_id).as_str(),
+            format!("dlq.wake.{}", pending.event_key()).as_str(),
         );
         let subject = bus
             .subjects

@@ -27,6 +27,55 @@ pub fn render(completions: &[&CompletionEvent]) -> String {
     text
 }
 
+/// Renders the one turn that reports a whole batch, `completions` ordered
+/// by task index.
+pub fn render_batch(delegation_id: &str, completions: &[CompletionEvent]) -> String {
+    let mut text = String::new();
+    let _ = writeln!(text, "[ASYNC DELEGATION BATCH COMPLETE — {delegation_id}]");
+    let completed = completions
+        .iter()
+        .filter(|c| c.status == crate::protocol::Status::Completed)
+        .count();
+    let _ = writeln!(
+        text,
+        "{} tasks: {completed} completed, {} not completed",
+        completions.len(),
+        completions.len() - completed
+    );
+    for c in completions {
+        let _ = writeln!(text, "\nTask {}: {}", c.task_index, c.status);
+        let _ = writeln!(text, "Goal: {}", c.goal);
+        if let Some(summary) = c.summary.as_deref().filter(|s| !s.is_empty()) {
+            let _ = writeln!(text, "Result:\n{summary}");
+        }
+        if let Some(error) = c.error.as_deref().filter(|s| !s.is_empty()) {
+            let _ = writeln!(text, "Error: {error}");
+        }
+    }
+    text
+}
+
+/// Renders the early notice for a batch task that failed while its
+/// siblings still run.
+pub fn render_early_failure(c: &CompletionEvent) -> String {
+    let mut text = String::new();
+    let _ = writeln!(
+        text,
+        "[ASYNC DELEGATION TASK FAILED EARLY — {}]",
+        c.delegation_id
+    );
+    let _ = writeln!(
+        text,
+        "Task {} of {} ended {} while the others still run; the whole batch is reported when every task has ended.",
+        c.task_index, c.task_count, c.status
+    );
+    let _ = writeln!(text, "Goal: {}", c.goal);
+    if let Some(error) = c.error.as_deref().filter(|s| !s.is_empty()) {
+        let _ = writeln!(text, "Error: {error}");
+    }
+    text
+}
+
 fn write_one(text: &mut String, c: &CompletionEvent) {
     let _ = writeln!(text, "[ASYNC DELEGATION COMPLETE — {}]", c.delegation_id);
     if c.task_index > 0 {

@@ -1,6 +1,9 @@
 //! Handling one task request, start to finish, as a function that returns an [`Outcome`].
 
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
+
+use time::OffsetDateTime;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, AckKind};
@@ -9,20 +12,21 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
 
 use super::WorkerConfig;
-use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
+use super::cancel::{CancelRegistry, StopReason};
+use super::executor::{ExecError, ExecOutput, Executor, Progress, TaskEnv};
 use crate::bus::{Bus, PublishError};
 use crate::ops::metrics as m;
 use crate::outcome::Outcome;
 use crate::protocol::{
     CompletionEvent, EventHeaders, EventKind, HEADER_DEAD_LETTER_REASON, HEADER_DELEGATION_ID,
-    HEADER_MSG_ID, HEADER_ORIGIN_SESSION, HEADER_TASK_INDEX, HEADER_TRACEPARENT,
+    HEADER_MSG_ID, HEADER_ORIGIN_SESSION, HEADER_TASK_INDEX, HEADER_TRACEPARENT, ProgressEvent,
     SYNC_SESSION_TOKEN, StartedEvent, Status, TaskRequest, TraceParent, header, header_safe,
     session_token, validate_delegation_id, validate_session_id,
 };
 
 /// Everything needed to run one task; shared by all of a worker's tasks.
 #[derive(Debug)]
-pub struct TaskHandler {
+pub(crate) struct TaskHandler {
     /// Where to publish events.
     bus: Bus,
     /// The events stream, to look for an existing completion on redelivery.
@@ -35,6 +39,8 @@ pub struct TaskHandler {
     env: TaskEnv,
     /// `ce-source` of this worker's events.
     source: String,
+    /// Cancel records and the runs they may stop.
+    cancels: Arc<CancelRegistry>,
 }
 
 /// Why a request could not be used, with whatever identity could be salvaged.
@@ -51,12 +57,13 @@ struct Rejected {
 
 impl TaskHandler {
     /// A handler publishing through `bus`.
-    pub fn new(
+    pub(crate) fn new(
         bus: Bus,
         events: jetstream::stream::Stream,
         executor: Executor,
         config: WorkerConfig,
         env: TaskEnv,
+        cancels: Arc<CancelRegistry>,
     ) -> Self {
         let source = format!("wakebus/worker/{}", config.instance);
         Self {
@@ -66,13 +73,18 @@ impl TaskHandler {
             config,
             env,
             source,
+            cancels,
         }
     }
 
     /// Handles one delivery of a request. `stop` is cancelled when the worker
     /// shuts down and its grace period is over: the run is then stopped and
     /// the request handed back.
-    pub async fn handle(&self, message: &jetstream::Message, stop: &CancellationToken) -> Outcome {
+    pub(crate) async fn handle(
+        &self,
+        message: &jetstream::Message,
+        stop: &CancellationToken,
+    ) -> Outcome {
         let attempt = message
             .info()
             .map(|info| info.delivered)
@@ -114,6 +126,25 @@ impl TaskHandler {
             info!("Completion already published by an earlier attempt; acking the redelivery.");
             return Outcome::Ack;
         }
+        if request.depth > self.config.max_depth {
+            let mut done = CompletionEvent::for_request(&request, Status::Error, "depth_limit");
+            done.error = Some(format!(
+                "Delegation depth limit reached: depth {} is above the maximum of {}",
+                request.depth, self.config.max_depth
+            ));
+            warn!(
+                depth = request.depth,
+                max = self.config.max_depth,
+                "Refusing a request nested too deep."
+            );
+            return match self.publish(&request, EventKind::Done, trace, &done).await {
+                Ok(()) => Outcome::Ack,
+                Err(error) => {
+                    warn!(%error, "Could not publish the error completion; will retry.");
+                    Outcome::Nak(Some(Duration::from_secs(1)))
+                }
+            };
+        }
         if attempt > self.config.max_deliver {
             let reason = format!(
                 "gave up after {} deliveries (the worker running it crashed or stalled each time)",
@@ -123,6 +154,35 @@ impl TaskHandler {
                 .give_up(message, &request, trace, "max_deliveries_exceeded", reason)
                 .await;
         }
+
+        // Register before looking for a cancel record: a cancel either is
+        // recorded already or finds this run registered when it broadcasts.
+        let run_stop = stop.child_token();
+        let reason = Arc::new(OnceLock::new());
+        let stored_at = message
+            .info()
+            .map(|info| info.published)
+            .unwrap_or_else(|_| OffsetDateTime::now_utc());
+        let _registered = match self.cancels.register(
+            &request.delegation_id,
+            &token_for(request.origin_session_id.as_deref()),
+            stored_at,
+            run_stop.clone(),
+            reason.clone(),
+        ) {
+            Ok(guard) => guard,
+            Err(record) => {
+                info!(
+                    silent = record.silent,
+                    "Task was cancelled before it started; not running it."
+                );
+                let mut done =
+                    CompletionEvent::for_request(&request, Status::Interrupted, "cancelled");
+                done.error = Some("cancelled before it started".to_owned());
+                done.suppress_wake = record.silent;
+                return self.finish(&request, trace, done).await;
+            }
+        };
 
         let started = StartedEvent::for_request(&request, &self.config.instance, attempt);
         if let Err(error) = self
@@ -135,64 +195,43 @@ impl TaskHandler {
         m::task_started(&self.config.pool);
 
         let begun = Instant::now();
-        let timeout = request
-            .timeout_seconds
-            .map(Duration::from_secs)
-            .or(self.config.default_timeout);
-        let run_stop = stop.child_token();
-        let timed_out = CancellationToken::new();
-        let result = {
-            let run = self.executor.run(&request, &self.env, &run_stop);
-            tokio::pin!(run);
-            let mut keepalive = tokio::time::interval(self.config.progress_interval());
-            keepalive.tick().await;
-            let deadline = async {
-                match timeout {
-                    Some(limit) => tokio::time::sleep(limit).await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::pin!(deadline);
-            loop {
-                tokio::select! {
-                    result = &mut run => break result,
-                    _ = keepalive.tick() => {
-                        // Tell the server we are alive so AckWait does not
-                        // hand the task to another worker.
-                        if let Err(error) = message.ack_with(AckKind::Progress).await {
-                            warn!(%error, "Could not send an in-progress ack.");
-                        }
-                    }
-                    () = &mut deadline, if !timed_out.is_cancelled() => {
-                        warn!(timeout = ?timeout, "Task timed out; stopping it.");
-                        timed_out.cancel();
-                        run_stop.cancel();
-                    }
-                }
-            }
-        };
+        let result = self
+            .execute(message, &request, &run_stop, &reason, trace)
+            .await;
         let duration = begun.elapsed();
-
-        let output = match result {
-            Ok(output) => output,
-            Err(ExecError::Stopped { partial }) if timed_out.is_cancelled() => ExecOutput {
+        let mut suppress_wake = false;
+        let output = match (result, reason.get()) {
+            (Ok(output), _) => output,
+            (Err(ExecError::Stopped { partial }), Some(StopReason::Timeout)) => ExecOutput {
                 status: Status::Timeout,
                 summary: partial,
                 error: Some(format!("timed out after {}s", duration.as_secs())),
                 api_calls: 0,
+                tokens: None,
                 exit_reason: "timeout".to_owned(),
             },
-            Err(ExecError::Stopped { .. }) => {
+            (Err(ExecError::Stopped { partial }), Some(StopReason::Cancelled { silent })) => {
+                suppress_wake = *silent;
+                ExecOutput {
+                    status: Status::Interrupted,
+                    summary: partial,
+                    error: Some("cancelled while running".to_owned()),
+                    api_calls: 0,
+                    tokens: None,
+                    exit_reason: "cancelled".to_owned(),
+                }
+            }
+            (Err(ExecError::Stopped { .. }), None) => {
                 info!("Worker is shutting down; handing the task back.");
                 return Outcome::Nak(None);
             }
-            Err(ExecError::Transient(reason)) if attempt < self.config.max_deliver => {
+            (Err(ExecError::Transient(reason)), _) if attempt < self.config.max_deliver => {
                 let delay = self.config.retry_delay(attempt);
                 warn!(%reason, retry_in = ?delay, "Executor failed transiently; will retry.");
                 m::task_retried(&self.config.pool);
                 return Outcome::Nak(Some(delay));
             }
-            Err(ExecError::Transient(reason)) => {
+            (Err(ExecError::Transient(reason)), _) => {
                 let reason = format!("failed {attempt} times; last error: {reason}");
                 return self
                     .give_up(message, &request, trace, "max_attempts_exceeded", reason)
@@ -204,12 +243,118 @@ impl TaskHandler {
         done.summary = output.summary;
         done.error = output.error;
         done.api_calls = output.api_calls;
+        if let Some((prompt, completion)) = output.tokens {
+            done.prompt_tokens = Some(prompt);
+            done.completion_tokens = Some(completion);
+        }
         done.duration_seconds = duration.as_secs_f64();
+        done.suppress_wake = suppress_wake;
         fit_to_payload(&mut done, self.bus.client.server_info().max_payload);
-        match self.publish(&request, EventKind::Done, trace, &done).await {
+        info!(status = %done.status, duration_ms = duration.as_millis() as u64, "Task done.");
+        self.finish(&request, trace, done).await
+    }
+
+    /// Runs the executor, sending in-progress acks while it runs and stopping
+    /// it when its time limit passes.
+    async fn execute(
+        &self,
+        message: &jetstream::Message,
+        request: &TaskRequest,
+        run_stop: &CancellationToken,
+        reason: &OnceLock<StopReason>,
+        trace: TraceParent,
+    ) -> Result<ExecOutput, ExecError> {
+        let timeout = request
+            .timeout_seconds
+            .map(Duration::from_secs)
+            .or(self.config.default_timeout);
+        let (progress, mut reports) = Progress::channel();
+        let run = self.executor.run(request, &self.env, run_stop, &progress);
+        tokio::pin!(run);
+        // Progress is published at most once per interval, newest message first.
+        let throttle = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(throttle);
+        let mut unpublished = false;
+        let mut keepalive = tokio::time::interval(self.config.progress_interval());
+        keepalive.tick().await;
+        let deadline = async {
+            match timeout {
+                Some(limit) => tokio::time::sleep(limit).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(deadline);
+        let mut deadline_passed = false;
+        loop {
+            tokio::select! {
+                result = &mut run => {
+                    // The last report before the end still makes the history.
+                    if unpublished || reports.has_changed().unwrap_or(false) {
+                        self.publish_progress(request, &mut reports, trace).await;
+                    }
+                    return result;
+                }
+                _ = keepalive.tick() => {
+                    // Tell the server we are alive so AckWait does not hand
+                    // the task to another worker.
+                    if let Err(error) = message.ack_with(AckKind::Progress).await {
+                        warn!(%error, "Could not send an in-progress ack.");
+                    }
+                }
+                Ok(()) = reports.changed() => {
+                    unpublished = true;
+                    if throttle.is_elapsed() {
+                        self.publish_progress(request, &mut reports, trace).await;
+                        unpublished = false;
+                        throttle.as_mut().reset(tokio::time::Instant::now() + PROGRESS_INTERVAL);
+                    }
+                }
+                () = &mut throttle, if unpublished => {
+                    self.publish_progress(request, &mut reports, trace).await;
+                    unpublished = false;
+                    throttle.as_mut().reset(tokio::time::Instant::now() + PROGRESS_INTERVAL);
+                }
+                () = &mut deadline, if !deadline_passed => {
+                    deadline_passed = true;
+                    if reason.set(StopReason::Timeout).is_ok() {
+                        warn!(timeout = ?timeout, "Task timed out; stopping it.");
+                        run_stop.cancel();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Publishes the newest progress report (history only: failures are logged).
+    async fn publish_progress(
+        &self,
+        request: &TaskRequest,
+        reports: &mut tokio::sync::watch::Receiver<Option<String>>,
+        trace: TraceParent,
+    ) {
+        let Some(message) = reports.borrow_and_update().clone() else {
+            return;
+        };
+        let event = ProgressEvent::for_request(request, &self.config.instance, message);
+        if let Err(error) = self
+            .publish(request, EventKind::Progress, trace, &event)
+            .await
+        {
+            warn!(%error, "Could not publish a progress event.");
+        }
+    }
+
+    /// Publishes the completion; acks the request only once it is stored.
+    async fn finish(
+        &self,
+        request: &TaskRequest,
+        trace: TraceParent,
+        done: CompletionEvent,
+    ) -> Outcome {
+        match self.publish(request, EventKind::Done, trace, &done).await {
             Ok(()) => {
-                info!(status = %done.status, duration_ms = duration.as_millis() as u64, "Task done.");
-                m::task_completed(&self.config.pool, done.status, duration);
+                let ran = Duration::from_secs_f64(done.duration_seconds);
+                m::task_completed(&self.config.pool, done.status, ran);
                 Outcome::Ack
             }
             Err(error) => {
@@ -267,21 +412,9 @@ impl TaskHandler {
             return Outcome::Nak(Some(Duration::from_secs(1)));
         }
         m::dead_lettered("task");
-        let stand_in = TaskRequest {
-            version: crate::protocol::PROTOCOL_VERSION,
-            delegation_id,
-            task_index: rejected.task_index,
-            origin_session_id: rejected.origin_session,
-            goal: String::new(),
-            context: String::new(),
-            role: Default::default(),
-            model: None,
-            toolsets: Vec::new(),
-            timeout_seconds: None,
-            depth: 0,
-            parent_session_id: None,
-            created_at: None,
-        };
+        let mut stand_in = TaskRequest::new(delegation_id, String::new());
+        stand_in.task_index = rejected.task_index;
+        stand_in.origin_session_id = rejected.origin_session;
         let mut done = CompletionEvent::for_request(&stand_in, Status::Error, "invalid_request");
         done.error = Some(rejected.reason.clone());
         let trace = header(message.headers.as_ref(), HEADER_TRACEPARENT)
@@ -333,10 +466,11 @@ impl TaskHandler {
                 .event(&token, &request.delegation_id, request.task_index, kind);
         let id = match kind {
             EventKind::Done => CompletionEvent::id_for(&request.delegation_id, request.task_index),
-            EventKind::Started => format!(
-                "{}.{}.started.{}",
+            EventKind::Started | EventKind::Progress => format!(
+                "{}.{}.{}.{}",
                 request.delegation_id,
                 request.task_index,
+                kind.as_str(),
                 ulid::Ulid::new()
             ),
         };
@@ -379,6 +513,9 @@ impl TaskHandler {
     }
 }
 
+/// At most one progress event per task per interval.
+const PROGRESS_INTERVAL: Duration = Duration::from_secs(1);
+
 /// Room left for headers and JSON overhead below the server's max payload.
 const PAYLOAD_MARGIN: usize = 16 * 1024;
 
@@ -408,37 +545,6 @@ fn fit_to_payload(done: &mut CompletionEvent, max_payload: usize) {
 /// The subject token for an optional origin session.
 pub(crate) fn token_for(session: Option<&str>) -> String {
     session.map_or_else(|| SYNC_SESSION_TOKEN.to_owned(), session_token)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_huge_summary_is_cut_to_fit_the_max_payload() {
-        let request =
-            TaskRequest::decode(br#"{"version":1,"delegation_id":"d","goal":"g"}"#).unwrap();
-        let mut done = CompletionEvent::for_request(&request, Status::Completed, "completed");
-        done.summary = Some("é".repeat(600_000));
-        fit_to_payload(&mut done, 1024 * 1024);
-        let size = serde_json::to_vec(&done).unwrap().len();
-        assert!(size <= 1024 * 1024 - PAYLOAD_MARGIN, "{size}");
-        assert!(
-            done.summary
-                .unwrap()
-                .ends_with("[truncated to fit the NATS max payload]")
-        );
-    }
-
-    #[test]
-    fn a_small_completion_is_left_alone() {
-        let request =
-            TaskRequest::decode(br#"{"version":1,"delegation_id":"d","goal":"g"}"#).unwrap();
-        let mut done = CompletionEvent::for_request(&request, Status::Completed, "completed");
-        done.summary = Some("short".into());
-        fit_to_payload(&mut done, 1024 * 1024);
-        assert_eq!(done.summary.as_deref(), Some("short"));
-    }
 }
 
 /// Decodes a request, salvaging its identity from body or headers when it is unusable.
@@ -476,4 +582,35 @@ fn decode(payload: &[u8], headers: Option<&HeaderMap>) -> Result<TaskRequest, Re
             origin_session,
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_huge_summary_is_cut_to_fit_the_max_payload() {
+        let request =
+            TaskRequest::decode(br#"{"version":1,"delegation_id":"d","goal":"g"}"#).unwrap();
+        let mut done = CompletionEvent::for_request(&request, Status::Completed, "completed");
+        done.summary = Some("é".repeat(600_000));
+        fit_to_payload(&mut done, 1024 * 1024);
+        let size = serde_json::to_vec(&done).unwrap().len();
+        assert!(size <= 1024 * 1024 - PAYLOAD_MARGIN, "{size}");
+        assert!(
+            done.summary
+                .unwrap()
+                .ends_with("[truncated to fit the NATS max payload]")
+        );
+    }
+
+    #[test]
+    fn a_small_completion_is_left_alone() {
+        let request =
+            TaskRequest::decode(br#"{"version":1,"delegation_id":"d","goal":"g"}"#).unwrap();
+        let mut done = CompletionEvent::for_request(&request, Status::Completed, "completed");
+        done.summary = Some("short".into());
+        fit_to_payload(&mut done, 1024 * 1024);
+        assert_eq!(done.summary.as_deref(), Some("short"));
+    }
 }

@@ -5,6 +5,7 @@
 //! it has free slots, so nothing waits in a local buffer while its AckWait
 //! runs out.
 
+mod cancel;
 pub mod executor;
 mod handler;
 
@@ -18,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-pub use handler::TaskHandler;
+use handler::TaskHandler;
 pub(crate) use handler::token_for;
 
 use crate::bus::{Bus, BusSettings, ProvisionError};
@@ -47,6 +48,8 @@ pub struct WorkerConfig {
     pub shutdown_grace: Duration,
     /// This worker's name in events and logs.
     pub instance: String,
+    /// Deepest subagent nesting this worker runs; deeper requests end in `error`.
+    pub max_depth: u32,
 }
 
 impl WorkerConfig {
@@ -62,6 +65,7 @@ impl WorkerConfig {
             retry_max: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(30),
             instance: default_instance_name("worker"),
+            max_depth: crate::protocol::DEFAULT_MAX_DEPTH,
         }
     }
 
@@ -94,6 +98,9 @@ pub enum WorkerError {
     /// Streams or the consumer could not be set up.
     #[error(transparent)]
     Provision(#[from] ProvisionError),
+    /// The cancel records could not be followed.
+    #[error("cannot follow cancel records: {0}")]
+    Cancels(async_nats::Error),
 }
 
 /// Runs a worker until `shutdown` completes, then stops taking work, lets
@@ -110,6 +117,13 @@ pub async fn run(
     let consumer = bus.worker_consumer(&config.pool, config.ack_wait).await?;
     info!(pool = %config.pool, concurrency = config.concurrency, executor = executor.name(), instance = %config.instance, "Worker started.");
 
+    let cancels = Arc::new(cancel::CancelRegistry::default());
+    let stop_following = CancellationToken::new();
+    let _stop_following_on_exit = stop_following.clone().drop_guard();
+    cancels
+        .follow(&bus, provisioned.cancels.clone(), stop_following)
+        .await
+        .map_err(WorkerError::Cancels)?;
     let concurrency = config.concurrency.max(1);
     let grace = config.shutdown_grace;
     let tracker = TaskTracker::new();
@@ -127,6 +141,7 @@ pub async fn run(
         executor,
         config,
         env,
+        cancels,
     ));
     let slots = Arc::new(Semaphore::new(concurrency));
     let stop_runs = CancellationToken::new();

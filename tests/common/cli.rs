@@ -7,8 +7,8 @@ use std::time::Duration;
 use serde_json::Value;
 use wakebus::bus::Bus;
 use wakebus::protocol::{
-    CompletionEvent, EventHeaders, EventKind, PROTOCOL_VERSION, StartedEvent, Status, TaskRequest,
-    TraceParent, new_delegation_id, session_token,
+    CompletionEvent, EventHeaders, EventKind, StartedEvent, Status, TaskRequest, TraceParent,
+    new_delegation_id, session_token,
 };
 
 /// What a finished `wakebus` command printed.
@@ -89,21 +89,9 @@ pub async fn wakebus(nats_url: &str, prefix: &str, args: &[&str]) -> Run {
 
 /// A request for `session` (sync mode when `None`).
 pub fn request(session: Option<&str>, goal: &str) -> TaskRequest {
-    TaskRequest {
-        version: PROTOCOL_VERSION,
-        delegation_id: new_delegation_id(),
-        task_index: 0,
-        origin_session_id: session.map(str::to_owned),
-        goal: goal.to_owned(),
-        context: String::new(),
-        role: Default::default(),
-        model: None,
-        toolsets: Vec::new(),
-        timeout_seconds: None,
-        depth: 0,
-        parent_session_id: None,
-        created_at: None,
-    }
+    let mut request = TaskRequest::new(new_delegation_id(), goal);
+    request.origin_session_id = session.map(str::to_owned);
+    request
 }
 
 /// Publishes one event for `request` as a worker would; returns its stream sequence.
@@ -122,10 +110,11 @@ pub async fn publish_event(
         .event(&token, &request.delegation_id, request.task_index, kind);
     let id = match kind {
         EventKind::Done => CompletionEvent::id_for(&request.delegation_id, request.task_index),
-        EventKind::Started => format!(
-            "{}.{}.started.{}",
+        other => format!(
+            "{}.{}.{}.{}",
             request.delegation_id,
             request.task_index,
+            other.as_str(),
             ulid::Ulid::new()
         ),
     };

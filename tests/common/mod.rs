@@ -83,8 +83,19 @@ impl Services {
 
     /// Starts a worker with `executor`.
     pub fn worker(&mut self, bus: &Bus, executor: Executor, config: WorkerConfig) {
+        self.worker_with_env(bus, executor, config, "");
+    }
+
+    /// Starts a worker that tells its tasks to reach NATS at `nats_url`.
+    pub fn worker_with_env(
+        &mut self,
+        bus: &Bus,
+        executor: Executor,
+        config: WorkerConfig,
+        nats_url: &str,
+    ) {
         let env = TaskEnv {
-            nats_url: String::new(),
+            nats_url: nats_url.to_owned(),
             prefix: bus.subjects.prefix().to_owned(),
             pool: config.pool.clone(),
         };
@@ -180,4 +191,30 @@ pub async fn all_messages(
         }
     }
     out
+}
+
+/// The wake consumer's state, or `None` while it does not exist yet.
+pub async fn wake_consumer_info(bus: &Bus) -> Option<async_nats::jetstream::consumer::Info> {
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = bus
+        .js
+        .get_consumer_from_stream(bus.subjects.wake_consumer(), bus.subjects.events_stream())
+        .await
+        .ok()?;
+    consumer.info().await.ok().cloned()
+}
+
+/// Waits until the wake service has handled (acked) every completion.
+pub async fn wake_consumer_settled(bus: &Bus) {
+    wait_until(
+        Duration::from_secs(30),
+        "the wake consumer to ack every completion",
+        || async {
+            wake_consumer_info(bus).await.is_some_and(|info| {
+                info.ack_floor.stream_sequence > 0
+                    && info.num_ack_pending == 0
+                    && info.num_pending == 0
+            })
+        },
+    )
+    .await;
 }

@@ -84,10 +84,10 @@ impl NatsServer {
     pub async fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            if let Some(child) = self.child.as_mut() {
-                if let Ok(Some(status)) = child.try_wait() {
-                    panic!("nats-server exited during start: {status}");
-                }
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                panic!("nats-server exited during start: {status}");
             }
             if let Ok(client) = async_nats::ConnectOptions::new()
                 .connection_timeout(Duration::from_millis(500))
@@ -99,10 +99,10 @@ impl NatsServer {
                     client.request("$JS.API.INFO", "".into()),
                 )
                 .await;
-                if let Ok(Ok(reply)) = ready {
-                    if !String::from_utf8_lossy(&reply.payload).contains("\"error\"") {
-                        return;
-                    }
+                if let Ok(Ok(reply)) = ready
+                    && !String::from_utf8_lossy(&reply.payload).contains("\"error\"")
+                {
+                    return;
                 }
             }
             assert!(

@@ -12,7 +12,7 @@ use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::{ExecError, ExecOutput, TaskEnv};
+use super::{ExecError, ExecOutput, Progress, TaskEnv};
 use crate::protocol::{Status, TaskRequest};
 
 /// How to run the program.
@@ -50,6 +50,9 @@ pub struct CommandExecutor {
     config: CommandConfig,
 }
 
+/// Largest context also passed as `WAKEBUS_CONTEXT`.
+const MAX_ENV_CONTEXT: usize = 64 * 1024;
+
 /// How much of stderr ends up in `error`.
 const STDERR_TAIL_BYTES: usize = 4096;
 
@@ -78,6 +81,7 @@ impl CommandExecutor {
         request: &TaskRequest,
         env: &TaskEnv,
         stop: &CancellationToken,
+        progress: &Progress,
     ) -> Result<ExecOutput, ExecError> {
         let cfg = &self.config;
         let mut command = Command::new(&cfg.program);
@@ -91,6 +95,7 @@ impl CommandExecutor {
             .env("WAKEBUS_DELEGATION_ID", &request.delegation_id)
             .env("WAKEBUS_TASK_INDEX", request.task_index.to_string())
             .env("WAKEBUS_DEPTH", request.depth.to_string())
+            .env("WAKEBUS_GOAL", &request.goal)
             .env("WAKEBUS_POOL", &env.pool)
             .env("NATS_URL", &env.nats_url)
             .env("WAKEBUS_PREFIX", &env.prefix);
@@ -98,6 +103,13 @@ impl CommandExecutor {
             Some(session) => command.env("WAKEBUS_ORIGIN_SESSION", session),
             None => command.env_remove("WAKEBUS_ORIGIN_SESSION"),
         };
+        // Environment strings are limited (128 KiB on Linux): a large
+        // context is only on stdin.
+        if request.context.len() <= MAX_ENV_CONTEXT {
+            command.env("WAKEBUS_CONTEXT", &request.context);
+        } else {
+            command.env_remove("WAKEBUS_CONTEXT");
+        }
         if let Some(dir) = &cfg.working_dir {
             command.current_dir(dir);
         }
@@ -115,7 +127,7 @@ impl CommandExecutor {
                 let _ = stdin.shutdown().await;
             }
         };
-        let stdout = read_capped(child.stdout.take(), cfg.max_output_bytes, false);
+        let stdout = read_stdout(child.stdout.take(), cfg.max_output_bytes, progress);
         let stderr = read_capped(child.stderr.take(), STDERR_TAIL_BYTES, true);
         let io = async { tokio::join!(feed, stdout, stderr) };
         tokio::pin!(io);
@@ -151,10 +163,8 @@ impl CommandExecutor {
                 0,
             ),
         };
-        if truncated {
-            if let Some(text) = summary.as_mut() {
-                text.push_str("\n[output truncated]");
-            }
+        if let Some(text) = summary.as_mut().filter(|_| truncated) {
+            text.push_str("\n[output truncated]");
         }
         let (status, exit_reason, error) = if exit.success() {
             (Status::Completed, "completed".to_owned(), error_override)
@@ -164,7 +174,7 @@ impl CommandExecutor {
                 None => "killed by a signal".to_owned(),
             };
             let detail = if stderr_text.is_empty() {
-                reason.clone()
+                reason
             } else {
                 format!("{reason}: {stderr_text}")
             };
@@ -179,12 +189,97 @@ impl CommandExecutor {
             summary,
             error,
             api_calls,
+            tokens: None,
             exit_reason: if truncated {
                 format!("{exit_reason}_truncated")
             } else {
                 exit_reason
             },
         })
+    }
+}
+
+/// Longest stdout line looked at as a possible progress report.
+const MAX_PROGRESS_LINE: usize = 64 * 1024;
+
+/// Reads stdout to its end: JSON lines with a `"progress"` string are
+/// reported as progress; everything else is output, of which the first
+/// `cap` bytes are kept. Returns the output and whether any was dropped.
+async fn read_stdout(
+    pipe: Option<impl AsyncRead + Unpin>,
+    cap: usize,
+    progress: &Progress,
+) -> (Vec<u8>, bool) {
+    let Some(mut pipe) = pipe else {
+        return (Vec::new(), false);
+    };
+    let mut out = Output {
+        kept: Vec::new(),
+        cap,
+        dropped: false,
+    };
+    let mut line = Vec::new();
+    // Inside a line too long to be a progress report: the rest is output.
+    let mut long_line = false;
+    let mut chunk = [0u8; 8192];
+    loop {
+        let n = match pipe.read(&mut chunk).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        for &byte in &chunk[..n] {
+            line.push(byte);
+            if byte == b'\n' {
+                match progress_message(&line).filter(|_| !long_line) {
+                    Some(message) => progress.report(message),
+                    None => out.keep(&line),
+                }
+                line.clear();
+                long_line = false;
+            } else if line.len() > MAX_PROGRESS_LINE {
+                out.keep(&line);
+                line.clear();
+                long_line = true;
+            }
+        }
+    }
+    match progress_message(&line).filter(|_| !long_line) {
+        Some(message) => progress.report(message),
+        None => out.keep(&line),
+    }
+    (out.kept, out.dropped)
+}
+
+/// Output kept up to a cap.
+struct Output {
+    /// What is kept.
+    kept: Vec<u8>,
+    /// The cap.
+    cap: usize,
+    /// Whether anything was dropped.
+    dropped: bool,
+}
+
+impl Output {
+    fn keep(&mut self, bytes: &[u8]) {
+        let room = self.cap.saturating_sub(self.kept.len());
+        if bytes.len() > room {
+            self.dropped = true;
+        }
+        self.kept.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    }
+}
+
+/// The message of a `{"progress": "..."}` line, if it is one.
+fn progress_message(line: &[u8]) -> Option<String> {
+    let trimmed = line.trim_ascii();
+    if !trimmed.starts_with(b"{") {
+        return None;
+    }
+    let value: serde_json::Value = serde_json::from_slice(trimmed).ok()?;
+    match value.get("progress")? {
+        serde_json::Value::String(message) => Some(message.clone()),
+        other => Some(other.to_string()),
     }
 }
 

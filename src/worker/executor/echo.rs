@@ -15,6 +15,7 @@ impl EchoExecutor {
             summary: Some(format!("echo: {}", request.goal)),
             error: None,
             api_calls: 0,
+            tokens: None,
             exit_reason: "completed".to_owned(),
         }
     }

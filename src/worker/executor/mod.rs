@@ -5,9 +5,11 @@
 
 mod command;
 mod echo;
+mod llm;
 
 pub use command::{CommandConfig, CommandExecutor};
 pub use echo::EchoExecutor;
+pub use llm::{LlmConfig, LlmConfigError, LlmExecutor};
 
 use tokio_util::sync::CancellationToken;
 
@@ -24,6 +26,8 @@ pub struct ExecOutput {
     pub error: Option<String>,
     /// Model calls made.
     pub api_calls: u64,
+    /// Prompt and completion tokens used, when known.
+    pub tokens: Option<(u64, u64)>,
     /// Machine-readable end reason.
     pub exit_reason: String,
 }
@@ -41,6 +45,27 @@ pub enum ExecError {
         /// Partial output.
         partial: Option<String>,
     },
+}
+
+/// Where a run reports progress. Latest wins: the worker publishes at most
+/// one `progress` event per interval, with the newest message.
+#[derive(Debug, Clone)]
+pub struct Progress {
+    /// The newest message.
+    latest: tokio::sync::watch::Sender<Option<String>>,
+}
+
+impl Progress {
+    /// A sink and the receiver the worker watches.
+    pub fn channel() -> (Self, tokio::sync::watch::Receiver<Option<String>>) {
+        let (latest, rx) = tokio::sync::watch::channel(None);
+        (Self { latest }, rx)
+    }
+
+    /// Reports a progress message.
+    pub fn report(&self, message: impl Into<String>) {
+        self.latest.send_replace(Some(message.into()));
+    }
 }
 
 /// Facts about the worker a run may pass on (to a child process, say).
@@ -61,6 +86,8 @@ pub enum Executor {
     Echo(EchoExecutor),
     /// Runs a program per task.
     Command(CommandExecutor),
+    /// Asks an OpenAI-compatible chat-completions endpoint.
+    Llm(LlmExecutor),
 }
 
 impl Executor {
@@ -70,10 +97,12 @@ impl Executor {
         request: &TaskRequest,
         env: &TaskEnv,
         stop: &CancellationToken,
+        progress: &Progress,
     ) -> Result<ExecOutput, ExecError> {
         match self {
             Self::Echo(echo) => Ok(echo.run(request)),
-            Self::Command(command) => command.run(request, env, stop).await,
+            Self::Command(command) => command.run(request, env, stop, progress).await,
+            Self::Llm(llm) => llm.run(request, stop, progress).await,
         }
     }
 
@@ -82,6 +111,7 @@ impl Executor {
         match self {
             Self::Echo(_) => "echo",
             Self::Command(_) => "command",
+            Self::Llm(_) => "llm",
         }
     }
 }

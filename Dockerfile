@@ -1,0 +1,34 @@
+# syntax=docker/dockerfile:1
+#
+# The wakebus image: one static-ish binary on Debian slim, run as a non-root
+# user. Every subcommand is the entrypoint's argument:
+#
+#   docker build -t wakebus .
+#   docker run --rm -e NATS_URL=nats://nats:4222 wakebus worker --executor echo
+#
+# docker-compose.yml builds and runs it against a 3-node NATS cluster.
+
+FROM rust:1-bookworm AS builder
+WORKDIR /src
+COPY . .
+# The caches keep crates and build artefacts between builds; the binary is
+# copied out of the cached target directory so the next stage can take it.
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/usr/local/cargo/git \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked --bin wakebus \
+    && install -D -m 0755 target/release/wakebus /out/wakebus
+
+FROM debian:bookworm-slim
+# ca-certificates: TLS to NATS and to the session API.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+RUN groupadd --system --gid 10001 wakebus \
+    && useradd --system --uid 10001 --gid wakebus --create-home \
+       --home-dir /home/wakebus --shell /usr/sbin/nologin wakebus
+COPY --from=builder /out/wakebus /usr/local/bin/wakebus
+USER 10001:10001
+WORKDIR /home/wakebus
+ENTRYPOINT ["wakebus"]
+CMD ["--help"]

@@ -1,0 +1,304 @@
+//! Cancellation: a durable record checked before a task starts, plus a
+//! broadcast that interrupts tasks already running, on any machine.
+//!
+//! The record lives in the KV bucket `<PREFIX>_CANCELS` under
+//! `dlg.<delegation_id>` or `ses.<session_token>`; the broadcast goes to
+//! `<prefix>.ctl.cancel.dlg.<delegation_id>` or
+//! `<prefix>.ctl.cancel.ses.<session_token>` with the record as body. A
+//! session cancel applies to requests stored before it (like a user's /stop).
+
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+
+use crate::bus::Bus;
+use crate::protocol::{
+    CompletionEvent, EventKind, IdError, session_token, validate_delegation_id, validate_session_id,
+};
+
+/// What was cancelled, when, and whether the session should hear of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CancelRecord {
+    /// When the cancel was issued; a session cancel applies to requests stored before this.
+    #[serde(with = "time::serde::rfc3339")]
+    pub at: OffsetDateTime,
+    /// Do not wake the session with the interrupted results.
+    #[serde(default)]
+    pub silent: bool,
+}
+
+/// What a cancel targets.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum CancelTarget {
+    /// One delegation (all its tasks).
+    Delegation(String),
+    /// Every open delegation of a session, by session token.
+    Session(String),
+}
+
+impl CancelTarget {
+    /// The KV key of the record.
+    pub fn key(&self) -> String {
+        match self {
+            Self::Delegation(id) => format!("dlg.{id}"),
+            Self::Session(token) => format!("ses.{token}"),
+        }
+    }
+
+    /// Parses a KV key (or the tail of a broadcast subject) back.
+    pub fn from_key(key: &str) -> Option<Self> {
+        let (kind, rest) = key.split_once('.')?;
+        match kind {
+            "dlg" => Some(Self::Delegation(rest.to_owned())),
+            "ses" => Some(Self::Session(rest.to_owned())),
+            _ => None,
+        }
+    }
+
+    /// The broadcast subject.
+    pub fn subject(&self, bus: &Bus) -> String {
+        format!("{}.{}", bus.subjects.cancel_broadcasts_prefix(), self.key())
+    }
+}
+
+/// Where a cancelled delegation stood.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DelegationState {
+    /// Every task had already ended: nothing was cancelled.
+    Finished,
+    /// At least one task had started: running tasks are being interrupted.
+    Running,
+    /// A request is still queued: it will not run.
+    Queued,
+    /// No trace of it in the history or the queue: unknown (or already expired).
+    Unknown,
+}
+
+/// The answer to a cancel, printed as JSON by the CLI.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CancelReport {
+    /// `cancelled`, or `nothing_to_cancel` for a finished or unknown delegation.
+    pub status: &'static str,
+    /// `delegation` or `session`.
+    pub scope: &'static str,
+    /// The delegation id or the raw session id.
+    pub target: String,
+    /// For a delegation: where it stood.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<DelegationState>,
+    /// Whether the session is spared the interrupted results.
+    pub silent: bool,
+    /// A sentence for humans.
+    pub message: String,
+}
+
+/// Why a cancel could not be carried out.
+#[derive(Debug, thiserror::Error)]
+pub enum CancelError {
+    /// The id is malformed.
+    #[error(transparent)]
+    InvalidId(#[from] IdError),
+    /// The cancel bucket is unavailable.
+    #[error("cannot reach the cancel records: {0}")]
+    Bucket(#[from] async_nats::jetstream::context::KeyValueError),
+    /// The record could not be written.
+    #[error("cannot record the cancel: {0}")]
+    Put(#[from] kv::PutError),
+    /// The broadcast could not be sent.
+    #[error("cannot broadcast the cancel: {0}")]
+    Broadcast(String),
+    /// The history could not be read.
+    #[error("cannot read the history: {0}")]
+    History(String),
+}
+
+/// How many queued requests `cancel` scans to tell "queued" from "unknown".
+const QUEUE_SCAN_LIMIT: u64 = 10_000;
+
+/// Cancels delegations of one deployment.
+#[derive(Debug, Clone)]
+pub struct Canceller {
+    /// The deployment.
+    bus: Bus,
+}
+
+impl Canceller {
+    /// A canceller on `bus` (streams and the cancel bucket must exist).
+    pub fn new(bus: Bus) -> Self {
+        Self { bus }
+    }
+
+    /// Cancels every task of `delegation_id`.
+    pub async fn cancel_delegation(
+        &self,
+        delegation_id: &str,
+        silent: bool,
+    ) -> Result<CancelReport, CancelError> {
+        validate_delegation_id(delegation_id)?;
+        let state = self.state_of(delegation_id).await?;
+        let report = |status, message: String| CancelReport {
+            status,
+            scope: "delegation",
+            target: delegation_id.to_owned(),
+            state: Some(state),
+            silent,
+            message,
+        };
+        match state {
+            DelegationState::Finished => {
+                return Ok(report(
+                    "nothing_to_cancel",
+                    format!("Delegation {delegation_id} already finished; nothing to cancel."),
+                ));
+            }
+            DelegationState::Unknown => {
+                return Ok(report(
+                    "nothing_to_cancel",
+                    format!(
+                        "Delegation {delegation_id} is unknown: no event or queued request has that id."
+                    ),
+                ));
+            }
+            DelegationState::Running | DelegationState::Queued => {}
+        }
+        self.record_and_broadcast(&CancelTarget::Delegation(delegation_id.to_owned()), silent)
+            .await?;
+        let message = match state {
+            DelegationState::Running => format!(
+                "Delegation {delegation_id} is being interrupted; queued tasks of it will not run."
+            ),
+            _ => format!("Delegation {delegation_id} has not started; it will not run."),
+        };
+        Ok(report("cancelled", message))
+    }
+
+    /// Cancels every open delegation of `session` (requests stored before now).
+    pub async fn cancel_session(
+        &self,
+        session: &str,
+        silent: bool,
+    ) -> Result<CancelReport, CancelError> {
+        validate_session_id(session)?;
+        self.record_and_broadcast(&CancelTarget::Session(session_token(session)), silent)
+            .await?;
+        Ok(CancelReport {
+            status: "cancelled",
+            scope: "session",
+            target: session.to_owned(),
+            state: None,
+            silent,
+            message: "Every delegation of the session requested before now is interrupted or will not run.".to_owned(),
+        })
+    }
+
+    async fn record_and_broadcast(
+        &self,
+        target: &CancelTarget,
+        silent: bool,
+    ) -> Result<(), CancelError> {
+        let record = CancelRecord {
+            at: OffsetDateTime::now_utc(),
+            silent,
+        };
+        let body = serde_json::to_vec(&record).unwrap_or_default();
+        // Record first, broadcast second: a task either starts after the
+        // record exists or is already running when the broadcast arrives.
+        let bucket = self
+            .bus
+            .js
+            .get_key_value(self.bus.subjects.cancel_bucket())
+            .await?;
+        bucket.put(target.key(), body.clone().into()).await?;
+        self.bus
+            .client
+            .publish(target.subject(&self.bus), body.into())
+            .await
+            .map_err(|e| CancelError::Broadcast(e.to_string()))?;
+        self.bus
+            .client
+            .flush()
+            .await
+            .map_err(|e| CancelError::Broadcast(e.to_string()))?;
+        Ok(())
+    }
+
+    /// Where a delegation stands, from its events and the request queue.
+    async fn state_of(&self, delegation_id: &str) -> Result<DelegationState, CancelError> {
+        let history = |e: &dyn std::fmt::Display| CancelError::History(e.to_string());
+        let events = self
+            .bus
+            .js
+            .get_stream(self.bus.subjects.events_stream())
+            .await
+            .map_err(|e| history(&e))?;
+        let filter = |kind: EventKind| {
+            format!(
+                "{}.evt.*.{delegation_id}.*.{}",
+                self.bus.subjects.prefix(),
+                kind.as_str()
+            )
+        };
+        if let Ok(done) = events
+            .get_last_raw_message_by_subject(&filter(EventKind::Done))
+            .await
+        {
+            let done = CompletionEvent::decode(&done.payload).map_err(|e| history(&e))?;
+            // One subject per task: count the tasks that have a completion.
+            let tasks_done = events
+                .info_with_subjects(filter(EventKind::Done))
+                .await
+                .map_err(|e| history(&e))?
+                .count()
+                .await;
+            if tasks_done >= done.task_count.max(1) as usize {
+                return Ok(DelegationState::Finished);
+            }
+            return Ok(DelegationState::Running);
+        }
+        if events
+            .get_last_raw_message_by_subject(&filter(EventKind::Started))
+            .await
+            .is_ok()
+        {
+            return Ok(DelegationState::Running);
+        }
+        if self.is_queued(delegation_id).await? {
+            return Ok(DelegationState::Queued);
+        }
+        Ok(DelegationState::Unknown)
+    }
+
+    /// Whether a request of the delegation waits in the work queue.
+    async fn is_queued(&self, delegation_id: &str) -> Result<bool, CancelError> {
+        let mut tasks = self
+            .bus
+            .js
+            .get_stream(self.bus.subjects.tasks_stream())
+            .await
+            .map_err(|e| CancelError::History(e.to_string()))?;
+        let state = tasks
+            .info()
+            .await
+            .map_err(|e| CancelError::History(e.to_string()))?
+            .state
+            .clone();
+        let first = state.first_sequence.max(1);
+        let last = state
+            .last_sequence
+            .min(first.saturating_add(QUEUE_SCAN_LIMIT));
+        for seq in first..=last {
+            if let Ok(message) = tasks.get_raw_message(seq).await {
+                let id = message
+                    .headers
+                    .get(crate::protocol::HEADER_DELEGATION_ID)
+                    .map(|v| v.to_string());
+                if id.as_deref() == Some(delegation_id) {
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    }
+}

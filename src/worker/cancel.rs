@@ -1,0 +1,212 @@
+//! The worker's view of cancellations: records (from the KV bucket, live)
+//! and the tasks running here, under one lock so no cancel slips between a
+//! task's check and its start.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use time::OffsetDateTime;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::bus::Bus;
+use crate::cancel::{CancelRecord, CancelTarget};
+
+/// Why a run was stopped before it ended by itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StopReason {
+    /// Its time limit passed.
+    Timeout,
+    /// It was cancelled; `silent` spares the session the results.
+    Cancelled {
+        /// Do not wake the session.
+        silent: bool,
+    },
+}
+
+/// A task running on this worker.
+#[derive(Debug)]
+struct Running {
+    /// Its delegation.
+    delegation_id: String,
+    /// Its session's subject token.
+    session_token: String,
+    /// When JetStream stored its request.
+    stored_at: OffsetDateTime,
+    /// Stops the run.
+    stop: CancellationToken,
+    /// Why it was stopped, set by whoever stops it.
+    reason: Arc<OnceLock<StopReason>>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// Every cancel record known.
+    records: HashMap<CancelTarget, CancelRecord>,
+    /// Runs in progress, by a local id.
+    running: HashMap<u64, Running>,
+    /// Next local id.
+    next_id: u64,
+}
+
+/// Cancel records and running tasks.
+#[derive(Debug, Default)]
+pub(crate) struct CancelRegistry {
+    /// Everything, under one lock (never held across an await).
+    inner: Mutex<Inner>,
+}
+
+/// Unregisters a run when dropped.
+pub(crate) struct RunGuard {
+    /// The registry.
+    registry: Arc<CancelRegistry>,
+    /// The run's local id.
+    id: u64,
+}
+
+impl Drop for RunGuard {
+    fn drop(&mut self) {
+        self.registry
+            .inner
+            .lock()
+            .expect("cancel registry")
+            .running
+            .remove(&self.id);
+    }
+}
+
+fn matches(
+    target: &CancelTarget,
+    record: &CancelRecord,
+    delegation_id: &str,
+    session_token: &str,
+    stored_at: OffsetDateTime,
+) -> bool {
+    match target {
+        CancelTarget::Delegation(id) => id == delegation_id,
+        CancelTarget::Session(token) => token == session_token && stored_at <= record.at,
+    }
+}
+
+impl CancelRegistry {
+    /// Records a cancel and stops every matching run.
+    pub(crate) fn apply(&self, target: CancelTarget, record: CancelRecord) {
+        let mut inner = self.inner.lock().expect("cancel registry");
+        for run in inner.running.values() {
+            if matches(
+                &target,
+                &record,
+                &run.delegation_id,
+                &run.session_token,
+                run.stored_at,
+            ) {
+                info!(delegation_id = %run.delegation_id, silent = record.silent, "Cancel received; interrupting the task.");
+                let _ = run.reason.set(StopReason::Cancelled {
+                    silent: record.silent,
+                });
+                run.stop.cancel();
+            }
+        }
+        inner.records.insert(target, record);
+    }
+
+    /// Registers a run about to start, or returns the record that cancels it.
+    pub(crate) fn register(
+        self: &Arc<Self>,
+        delegation_id: &str,
+        session_token: &str,
+        stored_at: OffsetDateTime,
+        stop: CancellationToken,
+        reason: Arc<OnceLock<StopReason>>,
+    ) -> Result<RunGuard, CancelRecord> {
+        let mut inner = self.inner.lock().expect("cancel registry");
+        if let Some((_, record)) = inner.records.iter().find(|(target, record)| {
+            matches(target, record, delegation_id, session_token, stored_at)
+        }) {
+            return Err(record.clone());
+        }
+        let id = inner.next_id;
+        inner.next_id += 1;
+        inner.running.insert(
+            id,
+            Running {
+                delegation_id: delegation_id.to_owned(),
+                session_token: session_token.to_owned(),
+                stored_at,
+                stop,
+                reason,
+            },
+        );
+        Ok(RunGuard {
+            registry: self.clone(),
+            id,
+        })
+    }
+
+    /// Follows the cancel bucket and the broadcasts until `stop`; returns
+    /// once the records that existed at start are loaded.
+    pub(crate) async fn follow(
+        self: &Arc<Self>,
+        bus: &Bus,
+        bucket: kv::Store,
+        stop: CancellationToken,
+    ) -> Result<(), async_nats::Error> {
+        let broadcasts = bus
+            .client
+            .subscribe(format!("{}.>", bus.subjects.cancel_broadcasts_prefix()))
+            .await?;
+        let mut watch = bucket.watch_with_history(">").await?;
+        let existing = bucket.status().await?.values();
+        let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<()>();
+        let mut loaded_tx = Some(loaded_tx);
+        if existing == 0 {
+            let _ = loaded_tx.take().map(|tx| tx.send(()));
+        }
+        let registry = self.clone();
+        let prefix = format!("{}.", bus.subjects.cancel_broadcasts_prefix());
+        tokio::spawn(async move {
+            let mut broadcasts = broadcasts;
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    entry = watch.next() => match entry {
+                        Some(Ok(entry)) => {
+                            if entry.operation == kv::Operation::Put
+                                && let Some((target, record)) = decode(&entry.key, &entry.value)
+                            {
+                                registry.apply(target, record);
+                            }
+                            if entry.delta == 0 {
+                                let _ = loaded_tx.take().map(|tx| tx.send(()));
+                            }
+                        }
+                        Some(Err(error)) => warn!(%error, "Cancel watch error."),
+                        None => {
+                            warn!("Cancel watch ended; relying on broadcasts.");
+                            let _ = loaded_tx.take().map(|tx| tx.send(()));
+                            std::future::pending::<()>().await;
+                        }
+                    },
+                    Some(message) = broadcasts.next() => {
+                        let key = message.subject.strip_prefix(prefix.as_str()).unwrap_or_default();
+                        if let Some((target, record)) = decode(key, &message.payload) {
+                            registry.apply(target, record);
+                        }
+                    }
+                }
+            }
+        });
+        let _ = loaded_rx.await;
+        Ok(())
+    }
+}
+
+/// A cancel record from its key and body; `None` if either is malformed.
+fn decode(key: &str, body: &[u8]) -> Option<(CancelTarget, CancelRecord)> {
+    Some((
+        CancelTarget::from_key(key)?,
+        serde_json::from_slice(body).ok()?,
+    ))
+}

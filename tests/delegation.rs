@@ -1,0 +1,639 @@
+//! Delegation semantics: depth limits, nested delegation from a subagent.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use wakebus::cancel::{Canceller, DelegationState};
+use wakebus::delegate::{DelegateError, Delegation, Delegator};
+use wakebus::protocol::{CompletionEvent, Status};
+use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+#[tokio::test]
+async fn a_delegation_deeper_than_the_limit_is_refused_before_publishing() {
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut nested = Delegation::new("grandchild work").session("s");
+    nested.depth = 2;
+    let err = Delegator::new(bus.clone())
+        .delegate(nested)
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        DelegateError::DepthLimit { depth: 2, max: 1 }
+    ));
+    assert!(
+        err.to_string()
+            .starts_with("Delegation depth limit reached"),
+        "{err}"
+    );
+    let mut tasks = bus
+        .js
+        .get_stream(bus.subjects.tasks_stream())
+        .await
+        .unwrap();
+    assert_eq!(
+        tasks.info().await.unwrap().state.messages,
+        0,
+        "nothing was published"
+    );
+}
+
+#[tokio::test]
+async fn a_subagent_delegating_through_the_cli_nests_one_level_and_is_refused_past_the_limit() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    // The subagent tries to delegate again with the same CLI a real one would use.
+    let script = format!(
+        "{bin} --nats-url \"$NATS_URL\" --prefix \"$WAKEBUS_PREFIX\" delegate --goal nested 2>&1; echo \"depth=$WAKEBUS_DEPTH\"",
+        bin = env!("CARGO_BIN_EXE_wakebus")
+    );
+    let command = CommandConfig::new("sh", vec!["-c".into(), script]);
+    let mut services = Services::new();
+    let mut config = test_worker_config("default");
+    config.instance = "w".into();
+    let env_bus = bus.clone();
+    services.worker_with_env(
+        &env_bus,
+        Executor::Command(CommandExecutor::new(command)),
+        config,
+        &nats.url(),
+    );
+    services.wake(&bus, test_wake_config(&api.url()));
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("try to nest").session("s.nest"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    services.stop().await;
+    let text = api.accepted()[0].text();
+    assert!(
+        text.contains("Delegation depth limit reached: depth 2 is above the maximum of 1"),
+        "{text}"
+    );
+    assert!(text.contains("depth=1"), "{text}");
+    // No second request ever reached the bus.
+    let dones: Vec<CompletionEvent> = all_messages(&bus, &bus.subjects.events_stream())
+        .await
+        .iter()
+        .filter(|m| m.subject.ends_with(".done"))
+        .map(|m| CompletionEvent::decode(&m.payload).unwrap())
+        .collect();
+    assert_eq!(dones.len(), 1);
+    assert_eq!(dones[0].status, Status::Completed);
+}
+
+fn shell(script: &str) -> Executor {
+    Executor::Command(CommandExecutor::new(CommandConfig::new(
+        "sh",
+        vec!["-c".into(), script.into()],
+    )))
+}
+
+async fn dones(bus: &wakebus::bus::Bus) -> Vec<CompletionEvent> {
+    all_messages(bus, &bus.subjects.events_stream())
+        .await
+        .iter()
+        .filter(|m| m.subject.ends_with(".done"))
+        .map(|m| CompletionEvent::decode(&m.payload).unwrap())
+        .collect()
+}
+
+async fn started(bus: &wakebus::bus::Bus) -> usize {
+    all_messages(bus, &bus.subjects.events_stream())
+        .await
+        .iter()
+        .filter(|m| m.subject.ends_with(".started"))
+        .count()
+}
+
+fn id_of(result: &wakebus::delegate::DelegateResult) -> String {
+    serde_json::to_value(result).unwrap()["delegation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+#[tokio::test]
+async fn a_queued_task_that_is_cancelled_never_runs_and_wakes_its_session_as_interrupted() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::new("never mind").session("s.q"))
+            .await
+            .unwrap(),
+    );
+    let report = Canceller::new(bus.clone())
+        .cancel_delegation(&id, false)
+        .await
+        .unwrap();
+    assert_eq!(
+        (report.status, report.state),
+        ("cancelled", Some(DelegationState::Queued))
+    );
+    // Only now does a worker appear.
+    let mut services = Services::new();
+    services.worker(&bus, shell("echo ran"), test_worker_config("default"));
+    services.wake(&bus, test_wake_config(&api.url()));
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    services.stop().await;
+    assert_eq!(started(&bus).await, 0, "a cancelled task must not start");
+    let done = &dones(&bus).await[0];
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Interrupted, "cancelled")
+    );
+    assert!(api.accepted()[0].text().contains("Status: interrupted"));
+}
+
+#[tokio::test]
+async fn a_running_task_is_interrupted_with_its_partial_output() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.worker(
+        &bus,
+        shell("echo partial; sleep 60; echo never"),
+        test_worker_config("default"),
+    );
+    services.wake(&bus, test_wake_config(&api.url()));
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::new("long job").session("s.run"))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the task to start", || async {
+        started(&bus).await == 1
+    })
+    .await;
+    let report = Canceller::new(bus.clone())
+        .cancel_delegation(&id, false)
+        .await
+        .unwrap();
+    assert_eq!(report.state, Some(DelegationState::Running));
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    services.stop().await;
+    let done = &dones(&bus).await[0];
+    assert_eq!(done.status, Status::Interrupted);
+    assert_eq!(done.summary.as_deref(), Some("partial"));
+    assert!(
+        done.duration_seconds < 30.0,
+        "the process group was not stopped"
+    );
+    let text = api.accepted()[0].text();
+    assert!(
+        text.contains("Status: interrupted") && text.contains("partial"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_silent_cancel_records_the_interruption_but_wakes_nobody() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.worker(&bus, shell("sleep 60"), test_worker_config("default"));
+    services.wake(&bus, test_wake_config(&api.url()));
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::new("hush").session("s.silent"))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the task to start", || async {
+        started(&bus).await == 1
+    })
+    .await;
+    Canceller::new(bus.clone())
+        .cancel_delegation(&id, true)
+        .await
+        .unwrap();
+    wait_until(WAIT, "the interrupted completion", || async {
+        !dones(&bus).await.is_empty()
+    })
+    .await;
+    let done = &dones(&bus).await[0];
+    assert_eq!(done.status, Status::Interrupted);
+    assert!(done.suppress_wake);
+    // The wake service has seen it and acked it without posting.
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    assert!(api.all_posts().is_empty());
+}
+
+#[tokio::test]
+async fn cancelling_a_session_stops_its_delegations_and_no_others() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    let mut config = test_worker_config("default");
+    config.concurrency = 2;
+    // Each task takes a while, so some run and some wait in the queue.
+    services.worker(&bus, shell("echo part; sleep 2"), config);
+    services.wake(&bus, test_wake_config(&api.url()));
+    let delegator = Delegator::new(bus.clone());
+    for i in 0..4 {
+        delegator
+            .delegate(Delegation::new(format!("stop me {i}")).session("s.stop"))
+            .await
+            .unwrap();
+    }
+    let other = id_of(
+        &delegator
+            .delegate(Delegation::new("keep me").session("s.keep"))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "two tasks running", || async {
+        started(&bus).await >= 2
+    })
+    .await;
+    let report = Canceller::new(bus.clone())
+        .cancel_session("s.stop", false)
+        .await
+        .unwrap();
+    assert_eq!((report.status, report.scope), ("cancelled", "session"));
+    wait_until(WAIT, "five completions", || async {
+        dones(&bus).await.len() == 5
+    })
+    .await;
+    services.stop().await;
+    for done in dones(&bus).await {
+        if done.delegation_id == other {
+            assert_eq!(done.status, Status::Completed);
+        } else {
+            assert_eq!(done.status, Status::Interrupted, "{done:?}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn cancelling_a_finished_or_unknown_delegation_says_so() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    let result = Delegator::new(bus.clone())
+        .with_wait_timeout(Some(WAIT))
+        .delegate(Delegation::new("quick"))
+        .await
+        .unwrap();
+    services.stop().await;
+    let canceller = Canceller::new(bus.clone());
+    let finished = canceller
+        .cancel_delegation(&id_of(&result), false)
+        .await
+        .unwrap();
+    assert_eq!(finished.status, "nothing_to_cancel");
+    assert_eq!(finished.state, Some(DelegationState::Finished));
+    assert!(
+        finished.message.contains("already finished"),
+        "{}",
+        finished.message
+    );
+    let unknown = canceller
+        .cancel_delegation("no-such-delegation", false)
+        .await
+        .unwrap();
+    assert_eq!(unknown.state, Some(DelegationState::Unknown));
+    assert!(unknown.message.contains("unknown"), "{}", unknown.message);
+    assert!(canceller.cancel_delegation("bad id!", false).await.is_err());
+}
+
+/// Fails goals containing FAIL, sleeps 2 s for SLOW, completes the rest.
+const BATCH_SCRIPT: &str = r#"input=$(cat); case "$input" in *FAIL*) echo "it broke" >&2; exit 1;; *SLOW*) sleep 2; echo "slow done";; *) echo "fine";; esac"#;
+
+fn batch(goals: &[&str], session: &str) -> Delegation {
+    Delegation::batch(goals.iter().map(|g| g.to_string())).session(session)
+}
+
+#[tokio::test]
+async fn a_batch_wakes_its_session_once_when_every_task_has_ended() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.worker(&bus, shell(BATCH_SCRIPT), test_worker_config("default"));
+    services.wake(&bus, test_wake_config(&api.url()));
+    let result = Delegator::new(bus.clone())
+        .delegate(batch(&["first SLOW", "second FAIL", "third"], "s.batch"))
+        .await
+        .unwrap();
+    let json = serde_json::to_value(&result).unwrap();
+    assert_eq!(json["tasks"], 3);
+    let id = id_of(&result);
+    wait_until(WAIT, "the batch wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    // Every completion has been handled by the wake service by now.
+    wait_until(WAIT, "three completions", || async {
+        dones(&bus).await.len() == 3
+    })
+    .await;
+    services.stop().await;
+    let posts = api.accepted();
+    assert_eq!(posts.len(), 1, "one consolidated turn");
+    let text = posts[0].text();
+    assert!(
+        text.starts_with(&format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]\n")),
+        "{text}"
+    );
+    assert!(
+        text.contains("3 tasks: 2 completed, 1 not completed"),
+        "{text}"
+    );
+    let first = text.find("Task 0: completed").expect("task 0");
+    let second = text.find("Task 1: failed").expect("task 1");
+    let third = text.find("Task 2: completed").expect("task 2");
+    assert!(
+        first < second && second < third,
+        "ordered by task index: {text}"
+    );
+    assert!(
+        text.contains("slow done") && text.contains("it broke"),
+        "{text}"
+    );
+    assert_eq!(
+        posts[0].header("idempotency-key"),
+        Some(format!("{id}.batch"))
+    );
+}
+
+#[tokio::test]
+async fn independent_batch_tasks_each_wake_on_their_own() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    let mut config = test_wake_config(&api.url());
+    config.coalesce_window = Duration::ZERO;
+    services.wake(&bus, config);
+    let mut delegation = batch(&["a", "b"], "s.indep");
+    delegation.wake_mode = wakebus::protocol::WakeMode::Independent;
+    Delegator::new(bus.clone())
+        .delegate(delegation)
+        .await
+        .unwrap();
+    wait_until(WAIT, "both tasks woken", || async {
+        api.accepted()
+            .iter()
+            .map(|p| p.delegation_ids().len())
+            .sum::<usize>()
+            == 2
+    })
+    .await;
+    services.stop().await;
+    assert!(
+        api.accepted()
+            .iter()
+            .all(|p| !p.text().contains("BATCH COMPLETE"))
+    );
+}
+
+#[tokio::test]
+async fn an_early_failure_notice_arrives_while_siblings_still_run() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.worker(&bus, shell(BATCH_SCRIPT), test_worker_config("default"));
+    services.wake(&bus, test_wake_config(&api.url()));
+    let mut delegation = batch(&["quick FAIL", "patient SLOW"], "s.early");
+    delegation.notify_early_failure = true;
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(delegation)
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the notice and the batch wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    services.stop().await;
+    let posts = api.accepted();
+    assert!(
+        posts[0]
+            .text()
+            .starts_with(&format!("[ASYNC DELEGATION TASK FAILED EARLY — {id}]")),
+        "{}",
+        posts[0].text()
+    );
+    assert!(
+        posts[0].text().contains("Task 0 of 2 ended failed"),
+        "{}",
+        posts[0].text()
+    );
+    assert!(
+        posts[1]
+            .text()
+            .starts_with(&format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]"))
+    );
+}
+
+#[tokio::test]
+async fn a_batch_larger_than_the_limit_is_refused_and_nothing_is_published() {
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let goals: Vec<String> = (0..11).map(|i| format!("task {i}")).collect();
+    let err = Delegator::new(bus.clone())
+        .delegate(Delegation::batch(goals).session("s"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, DelegateError::BatchTooLarge { size: 11, max: 10 }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("larger than the limit of 10"));
+    let mut tasks = bus
+        .js
+        .get_stream(bus.subjects.tasks_stream())
+        .await
+        .unwrap();
+    assert_eq!(tasks.info().await.unwrap().state.messages, 0);
+}
+
+#[tokio::test]
+async fn a_sync_batch_returns_every_result_inline_in_task_order() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    let result = Delegator::new(bus.clone())
+        .with_wait_timeout(Some(WAIT))
+        .delegate(Delegation::batch([
+            "x".to_string(),
+            "y".to_string(),
+            "z".to_string(),
+        ]))
+        .await
+        .unwrap();
+    services.stop().await;
+    let json = serde_json::to_value(&result).unwrap();
+    assert_eq!(json["mode"], "sync");
+    assert_eq!(json["status"], "completed");
+    let summaries: Vec<&str> = json["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["summary"].as_str().unwrap())
+        .collect();
+    assert_eq!(summaries, ["echo: x", "echo: y", "echo: z"]);
+}
+
+#[tokio::test]
+async fn batches_wake_exactly_once_with_two_wake_instances_racing_for_the_last_completions() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    let mut config = test_worker_config("default");
+    config.concurrency = 32;
+    services.worker(
+        &bus,
+        Executor::Echo(wakebus::worker::executor::EchoExecutor),
+        config,
+    );
+    for name in ["wake-a", "wake-b"] {
+        let mut config = test_wake_config(&api.url());
+        config.instance = name.into();
+        config.coalesce_window = Duration::ZERO;
+        services.wake(&bus, config);
+    }
+    let delegator = Delegator::new(bus.clone());
+    let mut ids = Vec::new();
+    for i in 0..20 {
+        let result = delegator
+            .delegate(batch(&["a", "b", "c"], &format!("s{}", i % 5)))
+            .await
+            .unwrap();
+        ids.push(id_of(&result));
+    }
+    wait_until(WAIT, "20 batch wakes", || async {
+        api.accepted().len() >= 20
+    })
+    .await;
+    wait_until(WAIT, "60 completions", || async {
+        dones(&bus).await.len() == 60
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let mut keys: Vec<String> = api
+        .accepted()
+        .iter()
+        .map(|p| p.header("idempotency-key").unwrap())
+        .collect();
+    keys.sort();
+    let mut expected: Vec<String> = ids.iter().map(|id| format!("{id}.batch")).collect();
+    expected.sort();
+    assert_eq!(keys, expected, "each batch woke exactly once");
+}
+
+#[tokio::test]
+async fn a_batch_survives_a_wake_service_restart_between_its_completions() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut workers = Services::new();
+    workers.worker(&bus, shell(BATCH_SCRIPT), test_worker_config("default"));
+    let mut first_wake = Services::new();
+    first_wake.wake(&bus, test_wake_config(&api.url()));
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(batch(&["now", "later SLOW"], "s.restart"))
+            .await
+            .unwrap(),
+    );
+    // The first completion is handled (acked) by the first wake instance...
+    wait_until(WAIT, "the first completion acked", || async {
+        wake_consumer_info(&bus)
+            .await
+            .is_some_and(|info| info.ack_floor.stream_sequence > 0)
+    })
+    .await;
+    // ...which then goes away; a new one sees only the second.
+    first_wake.stop().await;
+    let mut second_wake = Services::new();
+    second_wake.wake(&bus, test_wake_config(&api.url()));
+    wait_until(WAIT, "the batch wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    second_wake.stop().await;
+    workers.stop().await;
+    assert_eq!(api.accepted().len(), 1);
+    let text = api.accepted()[0].text();
+    assert!(
+        text.starts_with(&format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]")),
+        "{text}"
+    );
+    assert!(
+        text.contains("fine") && text.contains("slow done"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn progress_lines_become_throttled_progress_events_and_stay_out_of_the_summary() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    // Three quick reports (throttled to one per second), a pause, a last one.
+    let script = r#"echo '{"progress": "reading"}'; echo '{"progress": "thinking"}'; echo '{"progress": "still thinking"}'; sleep 1.5; echo '{"progress": "writing"}'; echo "the answer""#;
+    services.worker(&bus, shell(script), test_worker_config("default"));
+    let result = Delegator::new(bus.clone())
+        .with_wait_timeout(Some(WAIT))
+        .delegate(Delegation::new("report as you go"))
+        .await
+        .unwrap();
+    services.stop().await;
+    let json = serde_json::to_value(&result).unwrap();
+    assert_eq!(json["result"]["summary"], "the answer");
+    let progress: Vec<wakebus::protocol::ProgressEvent> =
+        all_messages(&bus, &bus.subjects.events_stream())
+            .await
+            .iter()
+            .filter(|m| m.subject.ends_with(".progress"))
+            .map(|m| serde_json::from_slice(&m.payload).unwrap())
+            .collect();
+    let messages: Vec<&str> = progress.iter().map(|p| p.message.as_str()).collect();
+    assert!(
+        messages.len() >= 2 && messages.len() < 4,
+        "throttled: {messages:?}"
+    );
+    // Latest wins within an interval: the first event carries one of the early reports.
+    assert!(
+        ["reading", "thinking", "still thinking"].contains(&messages[0]),
+        "{messages:?}"
+    );
+    assert_eq!(messages.last(), Some(&"writing"));
+    assert!(progress.iter().all(|p| p.delegation_id == id_of(&result)));
+}

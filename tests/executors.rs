@@ -1,0 +1,305 @@
+//! Executors against real counterparts: an OpenAI-compatible model server on
+//! 127.0.0.1:0 for `llm`, and a Hermes stand-in behind `command`.
+
+mod common;
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use common::*;
+use serde_json::{Value, json};
+use wakebus::cancel::Canceller;
+use wakebus::delegate::{Delegation, Delegator};
+use wakebus::protocol::{CompletionEvent, Status};
+use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor, LlmConfig, LlmExecutor};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// What the model server answers next.
+#[derive(Clone)]
+enum Reply {
+    /// 200 with this content and usage.
+    Answer(&'static str),
+    /// This status.
+    Status(u16),
+    /// Never answers (until the client gives up).
+    Hang,
+}
+
+#[derive(Default)]
+struct ModelState {
+    replies: Mutex<VecDeque<Reply>>,
+    requests: Mutex<Vec<(HeaderMap, Value)>>,
+}
+
+/// A chat-completions server answering from a script of replies.
+struct ModelServer {
+    url: String,
+    state: Arc<ModelState>,
+}
+
+impl ModelServer {
+    async fn start(replies: Vec<Reply>) -> Self {
+        let state = Arc::new(ModelState::default());
+        state.replies.lock().unwrap().extend(replies);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1", listener.local_addr().unwrap());
+        let app = Router::new()
+            .route("/v1/chat/completions", post(answer))
+            .with_state(state.clone());
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Self { url, state }
+    }
+
+    fn requests(&self) -> Vec<(HeaderMap, Value)> {
+        self.state.requests.lock().unwrap().clone()
+    }
+
+    fn executor(&self) -> Executor {
+        Executor::Llm(
+            LlmExecutor::new(&LlmConfig {
+                base_url: self.url.clone(),
+                model: "test-model".into(),
+                api_key: Some("sk-test".into()),
+                request_timeout: Duration::from_secs(60),
+            })
+            .unwrap(),
+        )
+    }
+}
+
+async fn answer(
+    State(state): State<Arc<ModelState>>,
+    headers: HeaderMap,
+    Json(body): Json<Value>,
+) -> Response {
+    state.requests.lock().unwrap().push((headers, body));
+    let reply = state
+        .replies
+        .lock()
+        .unwrap()
+        .pop_front()
+        .unwrap_or(Reply::Status(500));
+    match reply {
+        Reply::Answer(content) => Json(json!({
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15},
+        }))
+        .into_response(),
+        Reply::Status(code) => (StatusCode::from_u16(code).unwrap(), "model says no").into_response(),
+        Reply::Hang => {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            StatusCode::OK.into_response()
+        }
+    }
+}
+
+async fn completions(bus: &wakebus::bus::Bus) -> Vec<CompletionEvent> {
+    all_messages(bus, &bus.subjects.events_stream())
+        .await
+        .iter()
+        .filter(|m| m.subject.ends_with(".done"))
+        .map(|m| CompletionEvent::decode(&m.payload).unwrap())
+        .collect()
+}
+
+async fn run_one(
+    executor: Executor,
+    delegation: Delegation,
+) -> (CompletionEvent, wakebus::bus::Bus, NatsServer) {
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.worker(&bus, executor, test_worker_config("default"));
+    let result = Delegator::new(bus.clone())
+        .with_wait_timeout(Some(WAIT))
+        .delegate(delegation)
+        .await
+        .unwrap();
+    services.stop().await;
+    let json = serde_json::to_value(&result).unwrap();
+    (
+        serde_json::from_value(json["result"].clone()).unwrap(),
+        bus,
+        nats,
+    )
+}
+
+#[tokio::test]
+async fn the_llm_executor_answers_with_the_models_reply_and_counts_calls_and_tokens() {
+    init_logs();
+    let model = ModelServer::start(vec![Reply::Answer("The answer is 4.")]).await;
+    let (done, _bus, _nats) = run_one(
+        model.executor(),
+        Delegation::new("What is 2+2?").context("arithmetic"),
+    )
+    .await;
+    assert_eq!(done.status, Status::Completed);
+    assert_eq!(done.summary.as_deref(), Some("The answer is 4."));
+    assert_eq!(done.api_calls, 1);
+    assert_eq!(
+        (done.prompt_tokens, done.completion_tokens),
+        (Some(12), Some(3))
+    );
+    let (headers, body) = &model.requests()[0];
+    assert_eq!(headers["authorization"], "Bearer sk-test");
+    assert_eq!(body["model"], "test-model");
+    assert_eq!(body["messages"][0]["role"], "system");
+    let user = body["messages"][1]["content"].as_str().unwrap();
+    assert!(
+        user.contains("What is 2+2?") && user.contains("arithmetic"),
+        "{user}"
+    );
+}
+
+#[tokio::test]
+async fn an_answer_that_misses_the_output_schema_gets_one_correction_attempt() {
+    init_logs();
+    let model = ModelServer::start(vec![
+        Reply::Answer("four"),
+        Reply::Answer(r#"{"answer": 4}"#),
+    ])
+    .await;
+    let mut delegation = Delegation::new("What is 2+2?");
+    delegation.output_schema = Some(json!({
+        "type": "object",
+        "required": ["answer"],
+        "properties": {"answer": {"type": "integer"}}
+    }));
+    let (done, _bus, _nats) = run_one(model.executor(), delegation).await;
+    assert_eq!(done.status, Status::Completed);
+    assert_eq!(done.summary.as_deref(), Some(r#"{"answer": 4}"#));
+    assert_eq!(done.api_calls, 2);
+    assert_eq!(done.prompt_tokens, Some(24));
+    let correction = model.requests()[1].1["messages"][3]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        correction.contains("does not match the required JSON Schema"),
+        "{correction}"
+    );
+}
+
+#[tokio::test]
+async fn an_answer_that_misses_the_schema_twice_fails_with_the_reason() {
+    init_logs();
+    let model = ModelServer::start(vec![Reply::Answer("four"), Reply::Answer("still four")]).await;
+    let mut delegation = Delegation::new("What is 2+2?");
+    delegation.output_schema = Some(json!({"type": "object"}));
+    let (done, _bus, _nats) = run_one(model.executor(), delegation).await;
+    assert_eq!(done.status, Status::Failed);
+    assert_eq!(done.exit_reason, "schema_mismatch");
+    assert!(done.error.unwrap().contains("not JSON"));
+}
+
+#[tokio::test]
+async fn an_llm_endpoint_answering_5xx_is_retried_and_a_4xx_is_not() {
+    init_logs();
+    let model = ModelServer::start(vec![Reply::Status(503), Reply::Answer("fine now")]).await;
+    let (done, bus, _nats) = run_one(model.executor(), Delegation::new("flaky")).await;
+    assert_eq!(done.summary.as_deref(), Some("fine now"));
+    let started = all_messages(&bus, &bus.subjects.events_stream())
+        .await
+        .iter()
+        .filter(|m| m.subject.ends_with(".started"))
+        .count();
+    assert_eq!(started, 2, "the 503 attempt was NAKed and delivered again");
+
+    let refusing = ModelServer::start(vec![Reply::Status(401)]).await;
+    let (done, _bus, _nats) = run_one(refusing.executor(), Delegation::new("no key")).await;
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Failed, "llm_refused")
+    );
+    assert!(done.error.unwrap().contains("401"));
+    assert_eq!(refusing.requests().len(), 1);
+}
+
+#[tokio::test]
+async fn cancelling_a_running_llm_task_aborts_the_model_call() {
+    init_logs();
+    let model = ModelServer::start(vec![Reply::Hang]).await;
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.worker(&bus, model.executor(), test_worker_config("default"));
+    let result = Delegator::new(bus.clone())
+        .delegate(Delegation::new("think forever").session("s.llm"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the model call", || async {
+        !model.requests().is_empty()
+    })
+    .await;
+    Canceller::new(bus.clone())
+        .cancel_delegation(result.delegation_id(), true)
+        .await
+        .unwrap();
+    wait_until(WAIT, "the interrupted completion", || async {
+        !completions(&bus).await.is_empty()
+    })
+    .await;
+    services.stop().await;
+    let done = &completions(&bus).await[0];
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Interrupted, "cancelled")
+    );
+}
+
+#[tokio::test]
+async fn a_hermes_agent_runs_as_the_subagent_through_the_command_executor() {
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    // Stands in for `hermes`: checks it is called as `hermes chat -q PROMPT`.
+    let standin = dir.path().join("hermes");
+    std::fs::write(
+        &standin,
+        "#!/bin/sh\n[ \"$1\" = chat ] && [ \"$2\" = -q ] || { echo \"bad args: $*\" >&2; exit 2; }\nprintf 'hermes answered: %s (session %s, depth %s)\\n' \"$3\" \"$WAKEBUS_ORIGIN_SESSION\" \"$WAKEBUS_DEPTH\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &standin,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/hermes-subagent.sh");
+    let command = CommandConfig::new("sh", vec![script.into(), standin.display().to_string()]);
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.worker(
+        &bus,
+        Executor::Command(CommandExecutor::new(command)),
+        test_worker_config("default"),
+    );
+    services.wake(&bus, test_wake_config(&api.url()));
+    Delegator::new(bus.clone())
+        .delegate(
+            Delegation::new("Summarise INC-2291")
+                .context("gateway logs")
+                .session("hermes-session-1"),
+        )
+        .await
+        .unwrap();
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    services.stop().await;
+    let text = api.accepted()[0].text();
+    assert!(text.contains("Status: completed"), "{text}");
+    assert!(
+        text.contains("hermes answered: Summarise INC-2291\n\nContext:\ngateway logs (session hermes-session-1, depth 1)"),
+        "{text}"
+    );
+}
