@@ -320,7 +320,12 @@ impl Router {
             for pending in group {
                 let event = &pending.event;
                 let early_key = format!("{}.{}.early", event.delegation_id, event.task_index);
-                let notify = event.notify_early_failure && event.status != Status::Completed;
+                // A failure, not a cancel: the canceller knows already.
+                let notify = event.notify_early_failure
+                    && matches!(
+                        event.status,
+                        Status::Failed | Status::Timeout | Status::Error
+                    );
                 if notify && ledger.get(&early_key).await?.is_none() {
                     turns.push(Turn {
                         traceparent: pending.traceparent.clone(),
