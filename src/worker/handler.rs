@@ -205,6 +205,7 @@ impl TaskHandler {
                 error: Some(format!("timed out after {}s", duration.as_secs())),
                 api_calls: 0,
                 tokens: None,
+                truncated: false,
                 exit_reason: "timeout".to_owned(),
             },
             (Err(ExecError::Stopped { partial }), Some(StopReason::Cancelled { silent })) => {
@@ -215,6 +216,7 @@ impl TaskHandler {
                     error: Some("cancelled while running".to_owned()),
                     api_calls: 0,
                     tokens: None,
+                    truncated: false,
                     exit_reason: "cancelled".to_owned(),
                 }
             }
@@ -245,6 +247,7 @@ impl TaskHandler {
         }
         done.duration_seconds = duration.as_secs_f64();
         done.suppress_wake = suppress_wake;
+        done.truncated = output.truncated;
         fit_to_payload(&mut done, self.bus.client.server_info().max_payload);
         info!(status = %done.status, duration_ms = duration.as_millis() as u64, "Task done.");
         self.finish(&request, trace, done).await
