@@ -210,7 +210,17 @@ impl Canceller {
             .js
             .get_key_value(self.bus.subjects.cancel_bucket())
             .await?;
-        bucket.put(target.key(), body.clone().into()).await?;
+        bucket.put(target.key(), body.into()).await?;
+        // Workers compare `at` with the server's stored time of each request,
+        // so broadcast the server's time of the record, not this machine's.
+        let record = match bucket.entry(target.key()).await {
+            Ok(Some(entry)) => CancelRecord {
+                at: entry.created,
+                ..record
+            },
+            _ => record,
+        };
+        let body = serde_json::to_vec(&record).unwrap_or_default();
         self.bus
             .client
             .publish(target.subject(&self.bus), body.into())
@@ -270,7 +280,9 @@ impl Canceller {
         Ok(DelegationState::Unknown)
     }
 
-    /// Whether a request of the delegation waits in the work queue.
+    /// Whether a request of the delegation waits in the work queue (also
+    /// true when the queue is longer than the scan limit: better a record
+    /// too many than a queued task that runs after all).
     async fn is_queued(&self, delegation_id: &str) -> Result<bool, CancelError> {
         let mut tasks = self
             .bus
@@ -288,6 +300,10 @@ impl Canceller {
         let last = state
             .last_sequence
             .min(first.saturating_add(QUEUE_SCAN_LIMIT));
+        if last < state.last_sequence {
+            // A long queue: not scanned to its end, so it may be in there.
+            return Ok(true);
+        }
         for seq in first..=last {
             if let Ok(message) = tasks.get_raw_message(seq).await {
                 let id = message

@@ -199,6 +199,9 @@ pub enum DelegateError {
         /// The limit.
         max: usize,
     },
+    /// The output schema is not a usable JSON Schema.
+    #[error("output_schema is not a valid JSON Schema: {0}")]
+    OutputSchema(String),
     /// The delegation would nest subagents deeper than allowed.
     #[error("Delegation depth limit reached: depth {depth} is above the maximum of {max}")]
     DepthLimit {
@@ -330,6 +333,11 @@ impl Delegator {
             return Err(DelegateError::EmptyGoal(index));
         }
         validate_pool(&delegation.pool)?;
+        if let Some(schema) = &delegation.output_schema
+            && let Err(error) = jsonschema::validator_for(schema)
+        {
+            return Err(DelegateError::OutputSchema(error.to_string()));
+        }
         if let Some(session) = &delegation.origin_session_id {
             validate_session_id(session)?;
         }

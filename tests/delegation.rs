@@ -637,3 +637,49 @@ async fn progress_lines_become_throttled_progress_events_and_stay_out_of_the_sum
     assert_eq!(messages.last(), Some(&"writing"));
     assert!(progress.iter().all(|p| p.delegation_id == id_of(&result)));
 }
+
+#[tokio::test]
+async fn an_unusable_member_still_completes_its_batch() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    // Task 0 is fine; task 1 has no goal. Both claim a batch of two.
+    let id = wakebus::protocol::new_delegation_id();
+    let bodies = [
+        format!(
+            r#"{{"version":1,"delegation_id":"{id}","task_index":0,"task_count":2,"origin_session_id":"s.mixed","goal":"fine"}}"#
+        ),
+        format!(
+            r#"{{"version":1,"delegation_id":"{id}","task_index":1,"task_count":2,"origin_session_id":"s.mixed"}}"#
+        ),
+    ];
+    for (index, body) in bodies.iter().enumerate() {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", format!("{id}.{index}").as_str());
+        headers.insert("Wakebus-Origin-Session", "s.mixed");
+        bus.js
+            .publish_with_headers(bus.subjects.task("default"), headers, body.clone().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    wait_until(WAIT, "the batch wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    services.stop().await;
+    let text = api.accepted()[0].text();
+    assert!(
+        text.starts_with(&format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]")),
+        "{text}"
+    );
+    assert!(
+        text.contains("Task 1: error") && text.contains("missing field `goal`"),
+        "{text}"
+    );
+}

@@ -303,3 +303,23 @@ async fn a_hermes_agent_runs_as_the_subagent_through_the_command_executor() {
         "{text}"
     );
 }
+
+#[tokio::test]
+async fn command_output_beyond_the_cap_is_cut_and_flagged_truncated() {
+    init_logs();
+    let mut config = CommandConfig::new("sh", vec!["-c".into(), "printf '%05000d' 0".into()]);
+    config.max_output_bytes = 100;
+    let (done, _bus, _nats) = run_one(
+        Executor::Command(CommandExecutor::new(config)),
+        Delegation::new("talk a lot"),
+    )
+    .await;
+    assert_eq!(done.status, Status::Completed);
+    assert!(done.truncated);
+    let summary = done.summary.unwrap();
+    assert!(
+        summary.starts_with(&"0".repeat(100)) && summary.ends_with("[output truncated]"),
+        "{summary}"
+    );
+    assert!(summary.len() < 200);
+}

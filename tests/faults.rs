@@ -220,7 +220,11 @@ async fn ledger_every_delegation_wakes_its_session_exactly_once_through_crashes_
     };
 
     let woken = |api: &SessionApiServer| -> usize {
-        api.turns().iter().map(|t| t.delegation_ids().len()).sum()
+        api.turns()
+            .iter()
+            .flat_map(|t| t.delegation_ids())
+            .collect::<HashSet<_>>()
+            .len()
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(240);
     let mut phase = 0;
@@ -283,8 +287,23 @@ async fn ledger_every_delegation_wakes_its_session_exactly_once_through_crashes_
     let doubled: Vec<_> = turns_per_delegation
         .iter()
         .filter(|(_, n)| **n > 1)
+        .map(|(id, n)| {
+            let keys: Vec<String> = api
+                .turns()
+                .iter()
+                .filter(|t| t.delegation_ids().contains(id))
+                .map(|t| t.header("idempotency-key").unwrap_or_default())
+                .collect();
+            (id, n, keys, logs.path().display().to_string())
+        })
         .collect();
-    assert!(doubled.is_empty(), "woken more than once: {doubled:?}");
+    if !doubled.is_empty() {
+        let kept = logs.keep();
+        panic!(
+            "woken more than once: {doubled:?}; logs kept in {}",
+            kept.display()
+        );
+    }
     // A repeated post only ever repeats an earlier key (a post in doubt),
     // so a session API honouring Idempotency-Key never shows a second turn.
     let mut keys_by_delegation: HashMap<String, HashSet<String>> = HashMap::new();

@@ -26,8 +26,9 @@ const SCHEMAS: [&str; 4] = [REQUEST, STARTED, PROGRESS, COMPLETION];
 
 /// Completion fields the library leaves out when they are false or unknown;
 /// every other field is always written.
-const COMPLETION_OMITTED_WHEN_EMPTY: [&str; 4] = [
+const COMPLETION_OMITTED_WHEN_EMPTY: [&str; 5] = [
     "notify_early_failure",
+    "truncated",
     "prompt_tokens",
     "completion_tokens",
     "suppress_wake",
@@ -128,6 +129,7 @@ fn full_completion() -> CompletionEvent {
     done.completion_tokens = Some(340);
     done.duration_seconds = 12.5;
     done.suppress_wake = true;
+    done.truncated = true;
     done
 }
 

@@ -149,6 +149,15 @@ pub(crate) struct DelegateArgs {
     /// Model preference for the subagent.
     #[arg(long)]
     pub(crate) model: Option<String>,
+    /// The subagent's role.
+    #[arg(long, value_enum, default_value_t = RoleArg::Leaf)]
+    pub(crate) role: RoleArg,
+    /// A tool set the subagent may use; repeat for several.
+    #[arg(long = "toolset")]
+    pub(crate) toolsets: Vec<String>,
+    /// A JSON Schema every answer must satisfy: inline JSON, or @FILE.
+    #[arg(long)]
+    pub(crate) output_schema: Option<String>,
     /// Per-task time limit, in seconds.
     #[arg(long)]
     pub(crate) timeout_seconds: Option<u64>,
@@ -222,6 +231,15 @@ pub(crate) struct WorkerArgs {
     /// Metrics and health endpoints.
     #[command(flatten)]
     pub(crate) ops: super::ops::OpsArgs,
+}
+
+/// Subagent roles.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum RoleArg {
+    /// Does the task itself.
+    Leaf,
+    /// May plan and delegate (within the depth limit).
+    Orchestrator,
 }
 
 /// Executors.

@@ -69,7 +69,16 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .with_max_depth(args.max_depth)
                 .with_max_batch(args.max_batch);
             delegation.origin_session_id = args.session;
-            delegation.model = args.model;
+            delegation.model = args.model.clone();
+            delegation.role = match args.role {
+                super::args::RoleArg::Leaf => wakebus::protocol::Role::Leaf,
+                super::args::RoleArg::Orchestrator => wakebus::protocol::Role::Orchestrator,
+            };
+            delegation.toolsets = args.toolsets.clone();
+            delegation.output_schema = match &args.output_schema {
+                Some(text) => Some(read_json_arg(text).context("--output-schema")?),
+                None => None,
+            };
             delegation.timeout_seconds = args.timeout_seconds;
             delegation.wait = args.wait;
             inherit_from_parent_task(&mut delegation)?;
@@ -162,6 +171,15 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Inline JSON, or the JSON in a file given as `@PATH`.
+fn read_json_arg(text: &str) -> anyhow::Result<serde_json::Value> {
+    let json = match text.strip_prefix('@') {
+        Some(path) => std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?,
+        None => text.to_owned(),
+    };
+    serde_json::from_str(&json).context("not valid JSON")
 }
 
 /// The `llm` executor from flags, environment or a key file.

@@ -222,6 +222,9 @@ pub struct CompletionEvent {
     /// When the task ended.
     #[serde(with = "super::rfc3339")]
     pub completed_at: OffsetDateTime,
+    /// The executor's output was longer than its cap and was cut.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
     /// Set when the task was cancelled silently: record it, wake nobody.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub suppress_wake: bool,
@@ -274,6 +277,7 @@ impl CompletionEvent {
             duration_seconds: 0.0,
             dispatched_at: request.created_at,
             completed_at: OffsetDateTime::now_utc(),
+            truncated: false,
             suppress_wake: false,
             exit_reason: exit_reason.to_owned(),
         }

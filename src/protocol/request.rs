@@ -125,6 +125,9 @@ pub enum DecodeError {
     /// An id in the body is malformed.
     #[error("request has an invalid id: {0}")]
     InvalidId(#[from] IdError),
+    /// The output schema is not a usable JSON Schema.
+    #[error("output_schema is not a valid JSON Schema: {0}")]
+    OutputSchema(String),
     /// The task index is not below the task count.
     #[error("task_index {index} is not below task_count {count}")]
     TaskIndex {
@@ -183,6 +186,11 @@ impl TaskRequest {
         if self.goal.trim().is_empty() {
             return Err(DecodeError::EmptyGoal);
         }
+        if let Some(schema) = &self.output_schema
+            && let Err(error) = jsonschema::validator_for(schema)
+        {
+            return Err(DecodeError::OutputSchema(error.to_string()));
+        }
         if self.task_count == 0 || self.task_index >= self.task_count {
             return Err(DecodeError::TaskIndex {
                 index: self.task_index,
@@ -229,6 +237,21 @@ mod tests {
         let err =
             TaskRequest::decode(br#"{"version":1,"delegation_id":"d1","goal":"  "}"#).unwrap_err();
         assert!(matches!(err, DecodeError::EmptyGoal));
+    }
+
+    #[test]
+    fn an_output_schema_that_is_no_schema_is_refused() {
+        let err = TaskRequest::decode(
+            br#"{"version":1,"delegation_id":"d1","goal":"g","output_schema":"just text"}"#,
+        )
+        .unwrap_err();
+        assert!(matches!(err, DecodeError::OutputSchema(_)), "{err}");
+        assert!(
+            TaskRequest::decode(
+                br#"{"version":1,"delegation_id":"d1","goal":"g","output_schema":{"type":"object"}}"#
+            )
+            .is_ok()
+        );
     }
 
     #[test]

@@ -344,7 +344,12 @@ impl Router {
             for pending in group {
                 let event = &pending.event;
                 let early_key = format!("{}.{}.early", event.delegation_id, event.task_index);
-                let notify = event.notify_early_failure && event.status != Status::Completed;
+                // A failure, not a cancel: the canceller knows already.
+                let notify = event.notify_early_failure
+                    && matches!(
+                        event.status,
+                        Status::Failed | Status::Timeout | Status::Error
+                    );
                 if notify && ledger.get(&early_key).await?.is_none() {
                     turns.push(Turn {
                         traceparent: pending.traceparent.clone(),
@@ -441,15 +446,25 @@ impl Router {
         // A redelivered completion may have been posted alone before (its
         // ledger entry lost with the instance that posted it): post it alone
         // again, under the same key, never inside a new combined turn.
-        let (redelivered, first_time): (Vec<Pending>, Vec<Pending>) = remaining
-            .into_iter()
-            .partition(|p| p.message.info().is_ok_and(|info| info.delivered > 1));
-        let mut alone: BTreeMap<String, Vec<Pending>> = BTreeMap::new();
-        for pending in redelivered {
-            alone.entry(pending.ledger_key()).or_default().push(pending);
+        // Group by task first: the same task can arrive as two messages
+        // (a completion published twice), and must end up in one turn.
+        let mut by_task: BTreeMap<String, Vec<Pending>> = BTreeMap::new();
+        for pending in remaining {
+            by_task
+                .entry(pending.ledger_key())
+                .or_default()
+                .push(pending);
         }
-        for messages in alone.into_values() {
-            recovering.extend(self.new_turn(messages).await?);
+        let mut first_time = Vec::new();
+        for messages in by_task.into_values() {
+            let redelivered = messages
+                .iter()
+                .any(|p| p.message.info().is_ok_and(|info| info.delivered > 1));
+            if redelivered {
+                recovering.extend(self.new_turn(messages).await?);
+            } else {
+                first_time.extend(messages);
+            }
         }
         if let Some(turn) = self.new_turn(first_time).await? {
             recovering.push(turn);

@@ -168,14 +168,17 @@ impl CancelRegistry {
         let prefix = format!("{}.", bus.subjects.cancel_broadcasts_prefix());
         tokio::spawn(async move {
             let mut broadcasts = broadcasts;
+            let mut watching = true;
             loop {
                 tokio::select! {
                     () = stop.cancelled() => return,
-                    entry = watch.next() => match entry {
+                    entry = watch.next(), if watching => match entry {
                         Some(Ok(entry)) => {
                             if entry.operation == kv::Operation::Put
-                                && let Some((target, record)) = decode(&entry.key, &entry.value)
+                                && let Some((target, mut record)) = decode(&entry.key, &entry.value)
                             {
+                                // The server's clock, like the requests' stored times.
+                                record.at = entry.created;
                                 registry.apply(target, record);
                             }
                             if entry.delta == 0 {
@@ -186,7 +189,7 @@ impl CancelRegistry {
                         None => {
                             warn!("Cancel watch ended; relying on broadcasts.");
                             let _ = loaded_tx.take().map(|tx| tx.send(()));
-                            std::future::pending::<()>().await;
+                            watching = false;
                         }
                     },
                     Some(message) = broadcasts.next() => {

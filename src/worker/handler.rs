@@ -53,6 +53,9 @@ struct Rejected {
     task_index: u32,
     /// The origin session from the body or headers, if valid.
     origin_session: Option<String>,
+    /// The batch the task belongs to, as far as the body says, so that an
+    /// unusable member still completes its batch.
+    batch: Option<(u32, crate::protocol::WakeMode, bool)>,
 }
 
 impl TaskHandler {
@@ -208,6 +211,7 @@ impl TaskHandler {
                 error: Some(format!("timed out after {}s", duration.as_secs())),
                 api_calls: 0,
                 tokens: None,
+                truncated: false,
                 exit_reason: "timeout".to_owned(),
             },
             (Err(ExecError::Stopped { partial }), Some(StopReason::Cancelled { silent })) => {
@@ -218,6 +222,7 @@ impl TaskHandler {
                     error: Some("cancelled while running".to_owned()),
                     api_calls: 0,
                     tokens: None,
+                    truncated: false,
                     exit_reason: "cancelled".to_owned(),
                 }
             }
@@ -249,6 +254,7 @@ impl TaskHandler {
         }
         done.duration_seconds = duration.as_secs_f64();
         done.suppress_wake = suppress_wake;
+        done.truncated = output.truncated;
         fit_to_payload(&mut done, self.bus.client.server_info().max_payload);
         info!(status = %done.status, duration_ms = duration.as_millis() as u64, "Task done.");
         self.finish(&request, trace, done).await
@@ -415,6 +421,11 @@ impl TaskHandler {
         let mut stand_in = TaskRequest::new(delegation_id, String::new());
         stand_in.task_index = rejected.task_index;
         stand_in.origin_session_id = rejected.origin_session;
+        if let Some((count, mode, notify)) = rejected.batch {
+            stand_in.task_count = count;
+            stand_in.wake_mode = mode;
+            stand_in.notify_early_failure = notify;
+        }
         let mut done = CompletionEvent::for_request(&stand_in, Status::Error, "invalid_request");
         done.error = Some(rejected.reason.clone());
         let trace = header(message.headers.as_ref(), HEADER_TRACEPARENT)
@@ -575,11 +586,28 @@ fn decode(payload: &[u8], headers: Option<&HeaderMap>) -> Result<TaskRequest, Re
                 .filter(|s| validate_session_id(s).is_ok())
                 .map(str::to_owned),
         };
+        let batch = loose
+            .get("task_count")
+            .and_then(serde_json::Value::as_u64)
+            .and_then(|v| u32::try_from(v).ok())
+            .filter(|count| *count > task_index)
+            .map(|count| {
+                let mode = loose
+                    .get("wake_mode")
+                    .and_then(|v| serde_json::from_value(v.clone()).ok())
+                    .unwrap_or_default();
+                let notify = loose
+                    .get("notify_early_failure")
+                    .and_then(serde_json::Value::as_bool)
+                    .unwrap_or(false);
+                (count, mode, notify)
+            });
         Rejected {
             reason: err.to_string(),
             delegation_id,
             task_index,
             origin_session,
+            batch,
         }
     })
 }

@@ -190,11 +190,8 @@ impl CommandExecutor {
             error,
             api_calls,
             tokens: None,
-            exit_reason: if truncated {
-                format!("{exit_reason}_truncated")
-            } else {
-                exit_reason
-            },
+            truncated,
+            exit_reason,
         })
     }
 }

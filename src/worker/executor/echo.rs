@@ -16,6 +16,7 @@ impl EchoExecutor {
             error: None,
             api_calls: 0,
             tokens: None,
+            truncated: false,
             exit_reason: "completed".to_owned(),
         }
     }

@@ -298,6 +298,7 @@ fn output(
         error,
         api_calls,
         tokens: Some(tokens),
+        truncated: false,
         exit_reason: exit_reason.to_owned(),
     }
 }

@@ -28,6 +28,8 @@ pub struct ExecOutput {
     pub api_calls: u64,
     /// Prompt and completion tokens used, when known.
     pub tokens: Option<(u64, u64)>,
+    /// Whether output beyond the cap was dropped.
+    pub truncated: bool,
     /// Machine-readable end reason.
     pub exit_reason: String,
 }
