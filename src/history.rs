@@ -28,13 +28,9 @@ use time::format_description::well_known::Rfc3339;
 use crate::bus::Bus;
 use crate::protocol::{
     EventKind, HEADER_DEAD_LETTER_REASON, HEADER_DELEGATION_ID, HEADER_ORIGIN_SESSION,
-    HEADER_TASK_INDEX, IdError, Status, Subjects, session_token, validate_delegation_id,
-    validate_pool, validate_session_id,
+    HEADER_REPLAY, HEADER_TASK_INDEX, IdError, Status, Subjects, session_token,
+    validate_delegation_id, validate_pool, validate_session_id,
 };
-
-/// Marks a message as a copy made by `wakebus replay`; its value names the
-/// original, `<stream>:<sequence>`.
-pub const HEADER_REPLAY: &str = "Wakebus-Replay";
 
 /// How long a bounded read waits for the next message it knows is pending
 /// before it reports the read as stalled.

@@ -42,12 +42,11 @@ use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
 use crate::bus::{Bus, PublishError};
-use crate::history::{
-    HEADER_REPLAY, HistoryError, HistoryReader, Record, RecordKind, Selection, Source,
-};
+use crate::history::{HistoryError, HistoryReader, Record, RecordKind, Selection, Source};
 use crate::protocol::{
     CompletionEvent, EventKind, HEADER_CE_ID, HEADER_DEAD_LETTER_REASON, HEADER_DELEGATION_ID,
-    HEADER_MSG_ID, Subjects, TaskRequest, WakeMode, new_delegation_id, session_token,
+    HEADER_MSG_ID, HEADER_REPLAY, Subjects, TaskRequest, WakeMode, new_delegation_id,
+    session_token,
 };
 use crate::wake::ledger::{LedgerError, LedgerState, WakeLedger};
 

@@ -11,8 +11,7 @@ use common::*;
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use wakebus::delegate::{DelegateResult, Delegation, Delegator};
-use wakebus::history::HEADER_REPLAY;
-use wakebus::protocol::{Status, session_token};
+use wakebus::protocol::{HEADER_REPLAY, Status, session_token};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -1132,5 +1131,38 @@ async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
     assert_eq!(
         http_get(&format!("{base}/healthz")).await.map(|r| r.0),
         Some(200)
+    );
+}
+
+// ---------------------------------------------------------------- docs
+
+#[test]
+fn the_protocol_documents_replay_copies_and_the_status_snapshot() {
+    let doc =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/PROTOCOL.md")).unwrap();
+    for needle in [
+        HEADER_REPLAY,
+        wakebus::ops::service::WORKER_SERVICE,
+        wakebus::ops::service::WAKE_SERVICE,
+        "<prefix>.status.<service-id>",
+        ".done.replay.<ULID>",
+        "-r<dead-letter-sequence>",
+    ] {
+        assert!(
+            doc.contains(needle),
+            "PROTOCOL.md does not mention {needle}"
+        );
+    }
+    let block: String = doc
+        .split("```json example=status-snapshot\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n```").next())
+        .expect("the status snapshot example")
+        .to_owned();
+    let snapshot: wakebus::ops::service::ServiceSnapshot =
+        serde_json::from_str(&block).expect("the example is a snapshot");
+    assert_eq!(
+        serde_json::to_value(&snapshot).unwrap(),
+        serde_json::from_str::<Value>(&block).unwrap()
     );
 }

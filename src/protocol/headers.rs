@@ -14,6 +14,9 @@ pub const HEADER_DELEGATION_ID: &str = "Wakebus-Delegation-Id";
 pub const HEADER_TASK_INDEX: &str = "Wakebus-Task-Index";
 /// Why a message was dead-lettered.
 pub const HEADER_DEAD_LETTER_REASON: &str = "Wakebus-Dead-Letter-Reason";
+/// Marks a copy made by `wakebus replay`; the value names the original as
+/// `<stream>:<sequence>`.
+pub const HEADER_REPLAY: &str = "Wakebus-Replay";
 /// W3C trace context.
 pub const HEADER_TRACEPARENT: &str = "traceparent";
 /// CloudEvents id.
