@@ -152,7 +152,6 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
     let summary = replay::run(replayer, cancel, |progress| match progress {
         Progress::Opened { total } => {
             if std::io::stderr().is_terminal() {
-                bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
                 bar.set_length(total);
                 bar.set_style(
                     ProgressStyle::with_template(
@@ -160,6 +159,7 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
                     )
                     .unwrap_or_else(|_| ProgressStyle::default_bar()),
                 );
+                bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
                 bar.enable_steady_tick(Duration::from_millis(200));
             }
         }
