@@ -194,8 +194,12 @@ pub async fn collect(bus: &Bus, options: &StatusOptions) -> Result<StatusReport,
         consumers.extend(durables);
     }
     let dead_letters = dead_letter_counts(bus).await?;
-    let mut services = discover(bus, WORKER_SERVICE, options.discovery_timeout).await?;
-    services.extend(discover(bus, WAKE_SERVICE, options.discovery_timeout).await?);
+    let (workers, wakes) = tokio::join!(
+        discover(bus, WORKER_SERVICE, options.discovery_timeout),
+        discover(bus, WAKE_SERVICE, options.discovery_timeout),
+    );
+    let mut services = workers?;
+    services.extend(wakes?);
     services.sort_by(|a, b| {
         (&a.snapshot.kind, &a.snapshot.pool, &a.snapshot.instance).cmp(&(
             &b.snapshot.kind,

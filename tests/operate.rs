@@ -230,6 +230,64 @@ async fn events_from_and_to_a_sequence_select_that_range() {
 }
 
 #[tokio::test]
+async fn events_of_task_dead_letters_select_by_pool() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    for pool in ["default", "gpu"] {
+        services.worker(
+            &bus,
+            wakebus::worker::executor::Executor::Echo(Default::default()),
+            test_worker_config(pool),
+        );
+        let body = format!(r#"{{"version":1,"delegation_id":"nogoal-{pool}"}}"#);
+        let ack = bus
+            .js
+            .publish(bus.subjects.task(pool), body.into())
+            .await
+            .unwrap();
+        ack.await.unwrap();
+    }
+    wait_until(WAIT, "both dead letters", || async {
+        all_messages(&bus, &bus.subjects.dead_letter_stream())
+            .await
+            .len()
+            == 2
+    })
+    .await;
+    let gpu = wakebus(
+        &nats.url(),
+        &prefix,
+        &["events", "--dead-letters", "task", "--pool", "gpu"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(field(&gpu, "delegation_id"), ["nogoal-gpu"]);
+    assert_eq!(gpu[0]["kind"], "dlq-task");
+    assert_eq!(gpu[0]["pool"], "gpu");
+    assert!(
+        gpu[0]["dead_letter_reason"]
+            .as_str()
+            .unwrap()
+            .contains("goal")
+    );
+    let all = wakebus(&nats.url(), &prefix, &["events", "--dead-letters"])
+        .await
+        .ok_json();
+    assert_eq!(all.len(), 2);
+    let on_events = wakebus(&nats.url(), &prefix, &["events", "--pool", "gpu"]).await;
+    assert_eq!(on_events.code(), Some(1));
+    assert!(
+        on_events.stderr().contains("--pool"),
+        "{}",
+        on_events.stderr()
+    );
+    services.stop().await;
+}
+
+#[tokio::test]
 async fn events_follow_streams_new_events_until_interrupted() {
     init_logs();
     let nats = NatsServer::start().await;
