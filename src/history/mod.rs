@@ -16,20 +16,20 @@
 
 use std::time::Duration;
 
-use async_nats::HeaderMap;
 use async_nats::jetstream::consumer::DeliverPolicy;
 use async_nats::jetstream::consumer::pull::{Ordered, OrderedConfig};
-use bytes::Bytes;
 use futures::StreamExt;
-use serde::Deserialize;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
+mod record;
+
+pub use record::{Record, RecordKind};
+
 use crate::bus::Bus;
 use crate::protocol::{
-    EventKind, HEADER_DEAD_LETTER_REASON, HEADER_DELEGATION_ID, HEADER_ORIGIN_SESSION,
-    HEADER_REPLAY, HEADER_TASK_INDEX, IdError, Status, Subjects, session_token,
-    validate_delegation_id, validate_pool, validate_session_id,
+    EventKind, IdError, Status, Subjects, session_token, validate_delegation_id, validate_pool,
+    validate_session_id,
 };
 
 /// How long a bounded read waits for the next message it knows is pending
@@ -258,228 +258,6 @@ impl Selection {
             (None, Some(start_time)) => DeliverPolicy::ByStartTime { start_time },
             (None, None) => DeliverPolicy::All,
         }
-    }
-}
-
-/// What a history message is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RecordKind {
-    /// A started event.
-    Started,
-    /// A progress event.
-    Progress,
-    /// A completion event.
-    Done,
-    /// A dead-lettered task request.
-    TaskDeadLetter,
-    /// A dead-lettered completion.
-    WakeDeadLetter,
-    /// Anything else found in the streams.
-    Other,
-}
-
-impl From<EventKind> for RecordKind {
-    fn from(kind: EventKind) -> Self {
-        match kind {
-            EventKind::Started => Self::Started,
-            EventKind::Progress => Self::Progress,
-            EventKind::Done => Self::Done,
-        }
-    }
-}
-
-impl RecordKind {
-    /// A short name for output.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Started => "started",
-            Self::Progress => "progress",
-            Self::Done => "done",
-            Self::TaskDeadLetter => "dlq-task",
-            Self::WakeDeadLetter => "dlq-wake",
-            Self::Other => "other",
-        }
-    }
-}
-
-/// One stored message, with its place in the stream.
-#[derive(Debug, Clone)]
-pub struct Record {
-    /// The stream it was read from.
-    pub stream: String,
-    /// Its stream sequence.
-    pub sequence: u64,
-    /// When the stream stored it.
-    pub published: OffsetDateTime,
-    /// Its subject.
-    pub subject: String,
-    /// The subject with the deployment prefix and its dot removed
-    /// (`evt.<token>.<delegation>.<task>.<kind>`, `dlq.task.<pool>`, …).
-    pub local_subject: String,
-    /// Its headers.
-    pub headers: HeaderMap,
-    /// Its body.
-    pub payload: Bytes,
-}
-
-/// The few body fields that selections and listings need.
-#[derive(Debug, Default, Deserialize)]
-struct BodyPeek {
-    /// The completion's status, if this is a completion.
-    #[serde(default)]
-    status: Option<Status>,
-    /// The delegation id in the body.
-    #[serde(default)]
-    delegation_id: Option<String>,
-    /// The task index in the body.
-    #[serde(default)]
-    task_index: Option<u32>,
-}
-
-impl Record {
-    /// Builds a record from a delivered message.
-    fn from_message(
-        message: &async_nats::jetstream::Message,
-        prefix: &str,
-    ) -> Result<Self, String> {
-        let info = message.info().map_err(|err| err.to_string())?;
-        let subject = message.subject.to_string();
-        let local_subject = subject
-            .strip_prefix(prefix)
-            .and_then(|rest| rest.strip_prefix('.'))
-            .unwrap_or(&subject)
-            .to_owned();
-        Ok(Self {
-            stream: info.stream.to_owned(),
-            sequence: info.stream_sequence,
-            published: info.published,
-            subject,
-            local_subject,
-            headers: message.headers.clone().unwrap_or_default(),
-            payload: message.payload.clone(),
-        })
-    }
-
-    /// A header's value.
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).map(|value| value.as_str())
-    }
-
-    fn tokens(&self) -> Vec<&str> {
-        self.local_subject.split('.').collect()
-    }
-
-    fn peek(&self) -> BodyPeek {
-        serde_json::from_slice(&self.payload).unwrap_or_default()
-    }
-
-    /// What this message is, from its subject.
-    pub fn kind(&self) -> RecordKind {
-        match self.tokens().as_slice() {
-            ["evt", _, _, _, "started"] => RecordKind::Started,
-            ["evt", _, _, _, "progress"] => RecordKind::Progress,
-            ["evt", _, _, _, "done"] => RecordKind::Done,
-            ["dlq", "task", _] => RecordKind::TaskDeadLetter,
-            ["dlq", "wake", _] => RecordKind::WakeDeadLetter,
-            _ => RecordKind::Other,
-        }
-    }
-
-    /// The session token in the subject (events and wake dead letters).
-    pub fn session_token(&self) -> Option<&str> {
-        match self.tokens().as_slice() {
-            ["evt", token, _, _, _] | ["dlq", "wake", token] => Some(*token),
-            _ => None,
-        }
-    }
-
-    /// The pool (task dead letters).
-    pub fn pool(&self) -> Option<&str> {
-        match self.kind() {
-            RecordKind::TaskDeadLetter => self.local_subject.rsplit('.').next(),
-            _ => None,
-        }
-    }
-
-    /// The raw origin session id, from the header.
-    pub fn origin_session(&self) -> Option<&str> {
-        self.header(HEADER_ORIGIN_SESSION)
-    }
-
-    /// The delegation id: from the event subject, the header, or the body.
-    pub fn delegation_id(&self) -> Option<String> {
-        if let ["evt", _, delegation, _, _] = self.tokens().as_slice() {
-            return Some((*delegation).to_owned());
-        }
-        self.header(HEADER_DELEGATION_ID)
-            .map(str::to_owned)
-            .or_else(|| self.peek().delegation_id)
-    }
-
-    /// The task index: from the event subject, the header, or the body.
-    pub fn task_index(&self) -> Option<u32> {
-        if let ["evt", _, _, index, _] = self.tokens().as_slice() {
-            return index.parse().ok();
-        }
-        self.header(HEADER_TASK_INDEX)
-            .and_then(|v| v.parse().ok())
-            .or_else(|| self.peek().task_index)
-    }
-
-    /// The completion's status (done events and wake dead letters).
-    pub fn status(&self) -> Option<Status> {
-        match self.kind() {
-            RecordKind::Done | RecordKind::WakeDeadLetter => self.peek().status,
-            _ => None,
-        }
-    }
-
-    /// Why it was dead-lettered.
-    pub fn dead_letter_reason(&self) -> Option<&str> {
-        self.header(HEADER_DEAD_LETTER_REASON)
-    }
-
-    /// The original this is a replay copy of, if it is one.
-    pub fn replay_of(&self) -> Option<&str> {
-        self.header(HEADER_REPLAY)
-    }
-
-    /// Where a replay copy says it came from: `<stream>:<sequence>`.
-    pub fn origin_ref(&self) -> String {
-        format!("{}:{}", self.stream, self.sequence)
-    }
-
-    /// The record as one JSON object, for `--json` output and scripts.
-    pub fn to_json(&self) -> serde_json::Value {
-        let headers: serde_json::Map<String, serde_json::Value> = self
-            .headers
-            .iter()
-            .map(|(name, values)| {
-                let value = values.first().map(|v| v.as_str()).unwrap_or_default();
-                (name.to_string(), serde_json::Value::from(value))
-            })
-            .collect();
-        let body =
-            serde_json::from_slice::<serde_json::Value>(&self.payload).unwrap_or_else(|_| {
-                serde_json::Value::from(String::from_utf8_lossy(&self.payload).into_owned())
-            });
-        serde_json::json!({
-            "stream": self.stream,
-            "seq": self.sequence,
-            "time": rfc3339(self.published),
-            "subject": self.subject,
-            "kind": self.kind().as_str(),
-            "session_token": self.session_token(),
-            "origin_session": self.origin_session(),
-            "delegation_id": self.delegation_id(),
-            "task_index": self.task_index(),
-            "status": self.status(),
-            "pool": self.pool(),
-            "replay_of": self.replay_of(),
-            "dead_letter_reason": self.dead_letter_reason(),
-            "headers": headers,
-            "body": body,
-        })
     }
 }
 
