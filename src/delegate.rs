@@ -15,8 +15,8 @@ use time::OffsetDateTime;
 
 use crate::bus::{Bus, PublishError};
 use crate::protocol::{
-    CompletionEvent, EventHeaders, EventKind, IdError, PROTOCOL_VERSION, Role, TaskRequest,
-    TraceParent, new_delegation_id, validate_pool, validate_session_id,
+    CompletionEvent, EventHeaders, EventKind, IdError, Limits, PROTOCOL_VERSION, Role, TaskRequest,
+    TooLarge, TraceParent, new_delegation_id, validate_pool, validate_session_id,
 };
 
 /// What to delegate.
@@ -120,6 +120,10 @@ pub enum DelegateError {
     /// An id or pool name is malformed.
     #[error(transparent)]
     InvalidId(#[from] IdError),
+    /// The goal, context or whole request is larger than workers accept or
+    /// the NATS server carries.
+    #[error("delegation refused: {0}")]
+    TooLarge(#[from] TooLarge),
     /// JetStream did not confirm the request.
     #[error("the request was not accepted by JetStream: {0}")]
     Publish(#[from] PublishError),
@@ -138,6 +142,9 @@ pub struct Delegator {
     bus: Bus,
     /// How long sync mode (and `wait`) waits for a completion; `None`: forever.
     wait_timeout: Option<Duration>,
+    /// Size limits checked before publishing, so an oversized delegation is
+    /// refused here with a clear error rather than by a worker later.
+    limits: Limits,
 }
 
 impl Delegator {
@@ -146,7 +153,14 @@ impl Delegator {
         Self {
             bus,
             wait_timeout: None,
+            limits: Limits::default(),
         }
+    }
+
+    /// Sets the size limits (use the workers' limits).
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// Limits how long sync mode waits.
@@ -164,6 +178,8 @@ impl Delegator {
         if let Some(session) = &delegation.origin_session_id {
             validate_session_id(session)?;
         }
+        self.limits
+            .check_fields(&delegation.goal, &delegation.context)?;
         let request = TaskRequest {
             version: PROTOCOL_VERSION,
             delegation_id: new_delegation_id(),
@@ -212,13 +228,30 @@ impl Delegator {
         }
     }
 
+    /// Checks the encoded request against the limits and the server's max payload.
+    fn check_size(&self, len: usize, request: &TaskRequest) -> Result<(), TooLarge> {
+        self.limits.check_body(len)?;
+        // Headers count against max_payload too: ours take well under 1 KiB
+        // plus the session id.
+        let headers = 1024 + request.origin_session_id.as_ref().map_or(0, String::len);
+        let max_payload = self.bus.client.server_info().max_payload;
+        if len + headers > max_payload {
+            return Err(TooLarge {
+                what: "request with its headers (the NATS server's max_payload)",
+                len: len + headers,
+                max: max_payload,
+            });
+        }
+        Ok(())
+    }
+
     /// Publishes one request, idempotently (same `Nats-Msg-Id` on a retry).
     async fn publish(
         &self,
         pool: &str,
         request: &TaskRequest,
         trace: TraceParent,
-    ) -> Result<(), PublishError> {
+    ) -> Result<(), DelegateError> {
         let id = format!("{}.{}", request.delegation_id, request.task_index);
         let headers = EventHeaders {
             id: &id,
@@ -230,7 +263,8 @@ impl Delegator {
             traceparent: trace,
         }
         .to_header_map();
-        let payload = Bytes::from(serde_json::to_vec(request)?);
+        let payload = Bytes::from(serde_json::to_vec(request).map_err(PublishError::from)?);
+        self.check_size(payload.len(), request)?;
         let subject = self.bus.subjects.task(pool);
         let mut last_error = None;
         // A lost ack is retried with the same id: JetStream drops the duplicate.
@@ -248,7 +282,7 @@ impl Delegator {
                 Err(error) => last_error = Some(error),
             }
         }
-        Err(PublishError::Publish(last_error.expect("loop ran")))
+        Err(PublishError::Publish(last_error.expect("loop ran")).into())
     }
 
     /// Reads the task's completion from the events stream (stored or future).

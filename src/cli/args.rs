@@ -130,6 +130,35 @@ pub(crate) struct DelegateArgs {
     /// Give up waiting (sync mode or --wait) after this long, e.g. 10m.
     #[arg(long, value_parser = humantime::parse_duration)]
     pub(crate) wait_timeout: Option<Duration>,
+    /// Size limits checked before publishing.
+    #[command(flatten)]
+    pub(crate) limits: LimitArgs,
+}
+
+/// Size limits on requests (the worker refuses larger ones with an `error`
+/// completion; the delegate command refuses to send them).
+#[derive(Debug, Args)]
+pub(crate) struct LimitArgs {
+    /// Largest request body, in bytes.
+    #[arg(long, env = "WAKEBUS_MAX_REQUEST_BYTES", default_value_t = wakebus::protocol::DEFAULT_MAX_REQUEST_BYTES)]
+    pub(crate) max_request_bytes: usize,
+    /// Largest goal, in bytes.
+    #[arg(long, env = "WAKEBUS_MAX_GOAL_BYTES", default_value_t = wakebus::protocol::DEFAULT_MAX_GOAL_BYTES)]
+    pub(crate) max_goal_bytes: usize,
+    /// Largest context, in bytes.
+    #[arg(long, env = "WAKEBUS_MAX_CONTEXT_BYTES", default_value_t = wakebus::protocol::DEFAULT_MAX_CONTEXT_BYTES)]
+    pub(crate) max_context_bytes: usize,
+}
+
+impl LimitArgs {
+    /// The library's limits.
+    pub(crate) fn limits(&self) -> wakebus::protocol::Limits {
+        wakebus::protocol::Limits {
+            max_request_bytes: self.max_request_bytes,
+            max_goal_bytes: self.max_goal_bytes,
+            max_context_bytes: self.max_context_bytes,
+        }
+    }
 }
 
 /// `wakebus worker`.
@@ -156,6 +185,9 @@ pub(crate) struct WorkerArgs {
     /// How long running tasks may finish after SIGTERM.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub(crate) shutdown_grace: Duration,
+    /// Size limits on requests.
+    #[command(flatten)]
+    pub(crate) limits: LimitArgs,
     /// Working directory of the command executor.
     #[arg(long)]
     pub(crate) workdir: Option<PathBuf>,

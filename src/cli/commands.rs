@@ -51,7 +51,9 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Delegate(args) => {
             let bus = connect(&global, "wakebus-delegate").await?;
-            let delegator = Delegator::new(bus).with_wait_timeout(args.wait_timeout);
+            let delegator = Delegator::new(bus)
+                .with_wait_timeout(args.wait_timeout)
+                .with_limits(args.limits.limits());
             let mut delegation = Delegation::new(args.goal)
                 .context(args.context)
                 .pool(args.pool);
@@ -85,6 +87,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.max_deliver = args.max_deliver;
             config.default_timeout = args.task_timeout;
             config.shutdown_grace = args.shutdown_grace;
+            config.limits = args.limits.limits();
             let env = TaskEnv {
                 nats_url: global.nats_url.clone(),
                 prefix: global.prefix.clone(),

@@ -24,8 +24,8 @@ use tracing::{info, warn};
 use crate::bus::{Bus, BusSettings, ProvisionError};
 use crate::outcome::Outcome;
 use crate::protocol::{
-    CompletionEvent, HEADER_DEAD_LETTER_REASON, HEADER_ORIGIN_SESSION, HEADER_TRACEPARENT,
-    TraceParent, header_safe, validate_delegation_id, validate_session_id,
+    CompletionEvent, HEADER_ORIGIN_SESSION, HEADER_TRACEPARENT, TraceParent, bounded,
+    validate_delegation_id, validate_session_id,
 };
 use ledger::WakeLedger;
 use lock::SessionLocks;
@@ -186,8 +186,9 @@ pub enum Admission {
 
 /// Decides what to do with one completion message.
 fn admit(message: jetstream::Message) -> Result<Pending, Admission> {
-    let event = CompletionEvent::decode(&message.payload)
-        .map_err(|err| Admission::Poison(format!("completion is not valid: {err}")))?;
+    let mut event = CompletionEvent::decode(&message.payload).map_err(|err| {
+        Admission::Poison(bounded(&format!("completion is not valid: {err}"), 1024))
+    })?;
     let header = message
         .headers
         .as_ref()
@@ -212,6 +213,16 @@ fn admit(message: jetstream::Message) -> Result<Pending, Admission> {
     validate_delegation_id(&event.delegation_id).map_err(|err| {
         Admission::Poison(format!("completion has an invalid delegation id: {err}"))
     })?;
+    // The event id becomes the Idempotency-Key header: only the documented
+    // value is accepted (or filled in when absent).
+    let event_id = CompletionEvent::id_for(&event.delegation_id, event.task_index);
+    if event.event_id.is_empty() {
+        event.event_id = event_id;
+    } else if event.event_id != event_id {
+        return Err(Admission::Poison(format!(
+            "completion's event_id is not {event_id:?}, as its delegation_id and task_index require"
+        )));
+    }
     let traceparent = message
         .headers
         .as_ref()
@@ -232,25 +243,16 @@ async fn outcome_for(shared: &Shared, message: &jetstream::Message, admission: A
         Admission::Poison(reason) => {
             warn!(subject = %message.subject, %reason, "Dead-lettering an unusable completion.");
             let bus = &shared.bus;
-            let mut headers = message.headers.clone().unwrap_or_default();
-            headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(&reason).as_str());
             let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
-            headers.insert(
-                crate::protocol::HEADER_MSG_ID,
-                format!("dlq.wake.poison.{seq}").as_str(),
-            );
-            let published = match bus
-                .js
-                .publish_with_headers(
+            let published = bus
+                .dead_letter(
                     bus.subjects.dead_letter_wake("poison"),
-                    headers,
-                    message.payload.clone(),
+                    message,
+                    &reason,
+                    &format!("dlq.wake.poison.{seq}"),
                 )
                 .await
-            {
-                Ok(ack) => ack.await.is_ok(),
-                Err(_) => false,
-            };
+                .is_ok();
             if published {
                 Outcome::Term(reason).apply(message).await;
             } else {

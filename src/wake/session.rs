@@ -24,7 +24,7 @@ use super::lock::LockGuard;
 use super::session_api::PostResult;
 use super::turn;
 use crate::outcome::Outcome;
-use crate::protocol::{CompletionEvent, HEADER_DEAD_LETTER_REASON, session_token};
+use crate::protocol::{CompletionEvent, session_token};
 
 /// A completion waiting to be woken, with the message that carries it.
 #[derive(Debug)]
@@ -451,25 +451,16 @@ impl Router {
         reason: &str,
     ) -> Result<(), crate::bus::PublishError> {
         let bus = &self.shared.bus;
-        let mut headers = pending.message.headers.clone().unwrap_or_default();
-        let reason: String = reason
-            .chars()
-            .map(|c| if c.is_control() { ' ' } else { c })
-            .take(1024)
-            .collect();
-        headers.insert(HEADER_DEAD_LETTER_REASON, reason.as_str());
-        headers.insert(
-            crate::protocol::HEADER_MSG_ID,
-            format!("dlq.wake.{}", pending.event.event_id).as_str(),
-        );
         let subject = bus
             .subjects
             .dead_letter_wake(&session_token(&pending.session));
-        bus.js
-            .publish_with_headers(subject, headers, pending.message.payload.clone())
-            .await?
-            .await?;
-        Ok(())
+        bus.dead_letter(
+            subject,
+            &pending.message,
+            reason,
+            &format!("dlq.wake.{}", pending.event.event_id),
+        )
+        .await
     }
 
     /// Shutdown: hand every held message back at once so another instance takes it.

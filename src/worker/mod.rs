@@ -23,6 +23,7 @@ pub(crate) use handler::token_for;
 
 use crate::bus::{Bus, BusSettings, ProvisionError};
 use crate::outcome::Outcome;
+use crate::protocol::Limits;
 use executor::{Executor, TaskEnv};
 
 /// How a worker behaves.
@@ -46,6 +47,9 @@ pub struct WorkerConfig {
     pub shutdown_grace: Duration,
     /// This worker's name in events and logs.
     pub instance: String,
+    /// Largest request, goal and context accepted; larger ones end with an
+    /// `error` completion.
+    pub limits: Limits,
 }
 
 impl WorkerConfig {
@@ -61,6 +65,7 @@ impl WorkerConfig {
             retry_max: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(30),
             instance: default_instance_name("worker"),
+            limits: Limits::default(),
         }
     }
 

@@ -4,6 +4,7 @@
 
 pub mod nats;
 pub mod process;
+pub mod raw;
 pub mod session_api;
 
 use std::future::Future;
