@@ -113,11 +113,17 @@ async fn sync_delegation_returns_the_result_inline_and_posts_nothing() {
         WAIT,
         "the wake consumer acked the sync completion",
         || async {
-            let mut consumer: async_nats::jetstream::consumer::PullConsumer = bus
+            // The wake service may not have created its consumer yet.
+            let Ok(mut consumer) = bus
                 .js
-                .get_consumer_from_stream(consumer_name, &stream)
+                .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                    consumer_name,
+                    &stream,
+                )
                 .await
-                .expect("consumer");
+            else {
+                return false;
+            };
             let info = consumer.info().await.expect("info");
             info.ack_floor.stream_sequence > 0 && info.num_ack_pending == 0 && info.num_pending == 0
         },
