@@ -151,7 +151,7 @@ impl Bus {
             )
             .when(is_transient)
             .notify(|err, delay| {
-                warn!(error = %err, retry_in = ?delay, "Provisioning failed, NATS may not be up yet; will retry.");
+                warn!(error = %err, retry_in = ?delay, "Provisioning failed: NATS may not be up yet, or this NATS user may not create what is missing (run `wakebus init` as operator); will retry.");
             })
             .await
     }
@@ -226,18 +226,41 @@ impl Bus {
         })
     }
 
+    /// Makes sure a stream exists with `config`.
+    ///
+    /// Reads it first: when it already has these settings (the usual case
+    /// once `wakebus init` has run), nothing is written, so a service whose
+    /// NATS user may only read stream info starts as well. A stream with
+    /// other settings is updated; if that fails (this user may not manage
+    /// streams) the stream is used as it is, with a warning. A missing stream
+    /// is created; if this user may not, the caller retries until an
+    /// operator has run `wakebus init`.
     async fn ensure_stream(
         &self,
         config: stream::Config,
     ) -> Result<stream::Stream, ProvisionError> {
         let name = config.name.clone();
-        self.js
-            .create_or_update_stream(config)
-            .await
-            .map_err(|source| ProvisionError::Stream {
-                name: name.clone(),
-                source,
-            })?;
+        match self.js.get_stream(&name).await {
+            Ok(existing) if stream_matches(&existing.cached_info().config, &config) => {
+                return Ok(existing);
+            }
+            Ok(existing) => {
+                if let Err(error) = self.js.update_stream(config).await {
+                    warn!(stream = %name, %error, "Stream settings differ from this service's and could not be updated (does this NATS user manage streams? run `wakebus init` as operator); using it as it is.");
+                    return Ok(existing);
+                }
+            }
+            Err(error) if is_not_found(&error) => {
+                self.js
+                    .create_stream(config)
+                    .await
+                    .map_err(|source| ProvisionError::Stream {
+                        name: name.clone(),
+                        source,
+                    })?;
+            }
+            Err(source) => return Err(ProvisionError::GetStream { name, source }),
+        }
         self.js
             .get_stream(&name)
             .await
@@ -364,6 +387,15 @@ impl Bus {
 }
 
 impl Bus {
+    /// The server's max payload, or NATS's default (1 MiB) while it is not
+    /// known yet (the client connects in the background).
+    pub fn max_payload(&self) -> usize {
+        match self.client.server_info().max_payload {
+            0 => 1024 * 1024,
+            known => known,
+        }
+    }
+
     /// Copies `message` to the dead-letter `subject` with `reason`, deduped
     /// by `msg_id`, and waits until JetStream has stored it.
     ///
@@ -380,7 +412,7 @@ impl Bus {
         reason: &str,
         msg_id: &str,
     ) -> Result<(), PublishError> {
-        let max_payload = self.client.server_info().max_payload;
+        let max_payload = self.max_payload();
         let (headers, payload) = dead_letter_parts(
             message.headers.as_ref(),
             &message.payload,
@@ -438,6 +470,38 @@ fn dead_letter_parts(
     headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(&reason).as_str());
     headers.insert(HEADER_MSG_ID, msg_id);
     (headers, payload)
+}
+
+/// Whether a stream lookup failed because the stream does not exist.
+fn is_not_found(error: &jetstream::context::GetStreamError) -> bool {
+    matches!(
+        error.kind(),
+        jetstream::context::GetStreamErrorKind::JetStream(e)
+            if e.code() == 404
+    )
+}
+
+/// Whether `existing` already has every setting wakebus asks for in `wanted`.
+fn stream_matches(existing: &stream::Config, wanted: &stream::Config) -> bool {
+    existing.subjects == wanted.subjects
+        && existing.retention == wanted.retention
+        && existing.storage == wanted.storage
+        && existing.max_age == wanted.max_age
+        && existing.num_replicas.max(1) == wanted.num_replicas.max(1)
+        && unlimited_as_minus_one(existing.max_messages_per_subject)
+            == unlimited_as_minus_one(wanted.max_messages_per_subject)
+        && existing.discard == wanted.discard
+        && existing.allow_rollup == wanted.allow_rollup
+        && existing.deny_delete == wanted.deny_delete
+        && existing.allow_direct == wanted.allow_direct
+        // Zero means "server default", which the server fills in.
+        && (wanted.duplicate_window.is_zero()
+            || existing.duplicate_window == wanted.duplicate_window)
+}
+
+/// Limits of 0 (client default) and -1 (server's "unlimited") mean the same.
+fn unlimited_as_minus_one(limit: i64) -> i64 {
+    if limit <= 0 { -1 } else { limit }
 }
 
 /// Whether an error may go away by itself (server not up, leader election,

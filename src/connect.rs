@@ -31,6 +31,11 @@ pub struct NatsConfig {
     pub tls_cert: Option<PathBuf>,
     /// Client key for mutual TLS.
     pub tls_key: Option<PathBuf>,
+    /// Subject prefix of this client's reply inboxes (default `_INBOX`).
+    /// With NATS permissions, each role subscribes only to its own prefix,
+    /// so no role can read replies meant for another (tasks pulled by
+    /// workers, say).
+    pub inbox_prefix: Option<String>,
 }
 
 /// Why a connection could not be set up.
@@ -109,6 +114,9 @@ impl NatsConfig {
         }
         if let Some(name) = &self.name {
             options = options.name(name);
+        }
+        if let Some(prefix) = &self.inbox_prefix {
+            options = options.custom_inbox_prefix(prefix);
         }
         Ok(options
             .retry_on_initial_connect()

@@ -234,8 +234,9 @@ impl Delegator {
         // Headers count against max_payload too: ours take well under 1 KiB
         // plus the session id.
         let headers = 1024 + request.origin_session_id.as_ref().map_or(0, String::len);
+        // Zero until the client has connected: the server then has the last word.
         let max_payload = self.bus.client.server_info().max_payload;
-        if len + headers > max_payload {
+        if max_payload > 0 && len + headers > max_payload {
             return Err(TooLarge {
                 what: "request with its headers (the NATS server's max_payload)",
                 len: len + headers,
@@ -303,6 +304,12 @@ impl Delegator {
                 .map_err(|e| DelegateError::Wait(e.to_string()))?;
             let consumer = stream
                 .create_consumer(OrderedConfig {
+                    // Named, so that the name and filter are in the API
+                    // subject and NATS permissions can check them.
+                    name: Some(format!(
+                        "wait-{}-{}",
+                        request.delegation_id, request.task_index
+                    )),
                     filter_subject: subject,
                     deliver_policy: DeliverPolicy::All,
                     ..Default::default()

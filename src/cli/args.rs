@@ -56,6 +56,10 @@ pub(crate) struct Global {
     /// Client key for mutual TLS.
     #[arg(long, env = "NATS_KEY", global = true)]
     pub(crate) tls_key: Option<PathBuf>,
+    /// Subject prefix of reply inboxes (each role's NATS user may subscribe
+    /// only to its own, e.g. _INBOX_worker; see deploy/nats/).
+    #[arg(long, env = "NATS_INBOX_PREFIX", global = true)]
+    pub(crate) inbox_prefix: Option<String>,
     /// Log format.
     #[arg(long, env = "WAKEBUS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub(crate) log_format: LogFormat,

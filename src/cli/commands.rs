@@ -162,6 +162,7 @@ async fn connect(global: &Global, name: &str) -> anyhow::Result<Bus> {
         tls_ca: global.tls_ca.clone(),
         tls_cert: global.tls_cert.clone(),
         tls_key: global.tls_key.clone(),
+        inbox_prefix: global.inbox_prefix.clone(),
     };
     let client = config.connect().await?;
     Ok(Bus::new(client, subjects))

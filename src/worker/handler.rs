@@ -198,7 +198,7 @@ impl TaskHandler {
         done.error = output.error;
         done.api_calls = output.api_calls;
         done.duration_seconds = duration.as_secs_f64();
-        fit_to_payload(&mut done, self.bus.client.server_info().max_payload);
+        fit_to_payload(&mut done, self.bus.max_payload());
         match self.publish(&request, EventKind::Done, trace, &done).await {
             Ok(()) => {
                 info!(status = %done.status, duration_ms = duration.as_millis() as u64, "Task done.");
