@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use async_nats::{Client, ConnectOptions, Event};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 /// How to reach and authenticate to NATS. Secrets are read from files so that
 /// they never appear in process listings or logs.
@@ -126,6 +126,11 @@ impl NatsConfig {
                 match event {
                     Event::Connected => info!("Connected to NATS."),
                     Event::Disconnected => warn!("Disconnected from NATS, reconnecting."),
+                    // Needs an operator: retrying will not help.
+                    other if is_refusal(&other) => error!(
+                        event = %other,
+                        "NATS refused this client: check the credentials (--user/--password-file, --nkey-file, --creds, --token-file) and TLS client certificate, or this user's permissions."
+                    ),
                     other => info!(event = %other, "NATS client event."),
                 }
             }))
@@ -146,4 +151,13 @@ impl NatsConfig {
                 source,
             })
     }
+}
+
+/// Whether a client event means the server refused the credentials or a
+/// permission (as opposed to a network hiccup).
+fn is_refusal(event: &Event) -> bool {
+    let text = event.to_string().to_ascii_lowercase();
+    text.contains("authorization violation")
+        || text.contains("authentication")
+        || text.contains("permissions violation")
 }
