@@ -213,8 +213,31 @@ pub(crate) enum ExecutorKind {
 #[derive(Debug, Args)]
 pub(crate) struct WakeArgs {
     /// Base URL of the session API (Hermes: http://127.0.0.1:8642).
-    #[arg(long, env = "WAKEBUS_API_URL")]
-    pub(crate) api_url: String,
+    #[arg(
+        long,
+        env = "WAKEBUS_API_URL",
+        required_unless_present = "webhook_url",
+        conflicts_with = "webhook_url"
+    )]
+    pub(crate) api_url: Option<String>,
+    /// Instead of Hermes: post each wake to this URL as a signed webhook
+    /// (Standard Webhooks).
+    #[arg(long, env = "WAKEBUS_WEBHOOK_URL")]
+    pub(crate) webhook_url: Option<String>,
+    /// File holding webhook signing secrets (`whsec_...`), one per line;
+    /// repeat the flag or add lines during a key rotation: each secret
+    /// signs every post.
+    #[arg(
+        long = "webhook-secret-file",
+        env = "WAKEBUS_WEBHOOK_SECRET_FILE",
+        value_delimiter = ',',
+        requires = "webhook_url"
+    )]
+    pub(crate) webhook_secret_files: Vec<PathBuf>,
+    /// Allow plain http:// to hosts other than this machine (turns, API
+    /// keys and signatures then cross the network unencrypted).
+    #[arg(long, env = "WAKEBUS_ALLOW_INSECURE_HTTP")]
+    pub(crate) allow_insecure_http: bool,
     /// File holding the API key (sent as a bearer token).
     #[arg(long, env = "WAKEBUS_API_KEY_FILE")]
     pub(crate) api_key_file: Option<PathBuf>,

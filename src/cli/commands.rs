@@ -7,7 +7,8 @@ use wakebus::bus::{Bus, BusSettings};
 use wakebus::connect::NatsConfig;
 use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::Subjects;
-use wakebus::wake::session_api::SessionApiConfig;
+use wakebus::wake::session_api::{PostShape, SessionApiConfig};
+use wakebus::wake::webhook::WebhookSecret;
 use wakebus::wake::{self, WakeConfig};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, EchoExecutor, Executor, TaskEnv};
 use wakebus::worker::{self, WorkerConfig};
@@ -118,13 +119,25 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 ),
                 None => None,
             };
+            let (base_url, shape) = match (args.api_url, args.webhook_url) {
+                (_, Some(url)) => (
+                    url,
+                    PostShape::Webhook {
+                        secrets: webhook_secrets(&args.webhook_secret_files)?,
+                    },
+                ),
+                (Some(url), None) => (url, PostShape::Hermes),
+                (None, None) => bail!("either --api-url or --webhook-url is needed"),
+            };
             let bus = connect(&global, "wakebus-wake").await?;
             let mut config = WakeConfig::new(SessionApiConfig {
-                base_url: args.api_url,
+                base_url,
                 api_key,
                 model: args.model,
                 request_timeout: args.request_timeout,
             });
+            config.shape = shape;
+            config.allow_insecure_http = args.allow_insecure_http;
             config.coalesce_window = args.coalesce_window;
             config.ack_wait = args.ack_wait;
             config.retry_min = args.retry_min;
@@ -166,6 +179,31 @@ async fn connect(global: &Global, name: &str) -> anyhow::Result<Bus> {
     };
     let client = config.connect().await?;
     Ok(Bus::new(client, subjects))
+}
+
+/// Reads webhook secrets, one per non-empty line of each file. Errors name
+/// the file and line, never the secret.
+fn webhook_secrets(files: &[std::path::PathBuf]) -> anyhow::Result<Vec<WebhookSecret>> {
+    let mut secrets = Vec::new();
+    for path in files {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading webhook secrets from {}", path.display()))?;
+        for (number, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let secret = line
+                .parse()
+                .with_context(|| format!("{} line {}", path.display(), number + 1))?;
+            secrets.push(secret);
+        }
+    }
+    if secrets.is_empty() {
+        bail!(
+            "--webhook-url needs at least one secret: --webhook-secret-file FILE (whsec_... per line)"
+        );
+    }
+    Ok(secrets)
 }
 
 /// Inside a `command` executor, a delegation continues its parent's depth.

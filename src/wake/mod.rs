@@ -10,6 +10,7 @@ pub mod lock;
 mod session;
 pub mod session_api;
 pub mod turn;
+pub mod webhook;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -30,7 +31,7 @@ use crate::protocol::{
 use ledger::WakeLedger;
 use lock::SessionLocks;
 use session::{Pending, Router};
-use session_api::{SessionApi, SessionApiConfig, SessionApiError};
+use session_api::{PostShape, SessionApi, SessionApiConfig, SessionApiError};
 
 /// How the wake service behaves.
 #[derive(Debug, Clone)]
@@ -49,6 +50,10 @@ pub struct WakeConfig {
     pub retry_max: Duration,
     /// This instance's name, in lock values and logs.
     pub instance: String,
+    /// Hermes chat completions, or a signed webhook.
+    pub shape: PostShape,
+    /// Allow plain `http://` to hosts other than this machine.
+    pub allow_insecure_http: bool,
 }
 
 impl WakeConfig {
@@ -62,6 +67,8 @@ impl WakeConfig {
             retry_min: Duration::from_millis(500),
             retry_max: Duration::from_secs(30),
             instance: crate::worker::default_instance_name("wake"),
+            shape: PostShape::Hermes,
+            allow_insecure_http: false,
         }
     }
 
@@ -104,7 +111,7 @@ pub async fn run(
     config: WakeConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), WakeError> {
-    let api = SessionApi::new(&config.api)?;
+    let api = SessionApi::new(&config.api, &config.shape, config.allow_insecure_http)?;
     bus.provision(&settings).await?;
     let provisioned = bus.provision_wake_state(&settings).await?;
     let consumer = bus

@@ -21,7 +21,7 @@ use tracing::{Instrument, error, info, info_span, warn};
 use super::Shared;
 use super::ledger::{Intent, LedgerError, LedgerState, WakeLedger};
 use super::lock::LockGuard;
-use super::session_api::PostResult;
+use super::session_api::{Post, PostResult};
 use super::turn;
 use crate::outcome::Outcome;
 use crate::protocol::{CompletionEvent, session_token};
@@ -58,6 +58,31 @@ struct Turn {
     messages: Vec<Pending>,
     /// Trace context for the post.
     traceparent: Option<String>,
+}
+
+impl Turn {
+    /// The completion events in hand, once each.
+    fn events(&self) -> Vec<&CompletionEvent> {
+        let mut events: Vec<&CompletionEvent> = Vec::new();
+        for pending in &self.messages {
+            if !events.iter().any(|e| e.event_id == pending.event.event_id) {
+                events.push(&pending.event);
+            }
+        }
+        events
+    }
+
+    /// The post for this turn.
+    fn post<'a>(&'a self, session: &'a str, events: &'a [&'a CompletionEvent]) -> Post<'a> {
+        Post {
+            session,
+            text: &self.text,
+            idempotency_key: &self.key,
+            traceparent: self.traceparent.as_deref(),
+            covers: &self.covers,
+            events,
+        }
+    }
 }
 
 /// How posting one turn ended.
@@ -365,6 +390,7 @@ impl Router {
             .with_jitter()
             .without_max_times()
             .build();
+        let events = turn.events();
         let mut attempt = 0u32;
         loop {
             attempt += 1;
@@ -374,11 +400,7 @@ impl Router {
                 }
                 *refresh_at = Instant::now() + shared.locks.refresh_interval();
             }
-            match shared
-                .api
-                .post(session, &turn.text, &turn.key, turn.traceparent.as_deref())
-                .await
-            {
+            match shared.api.post(turn.post(session, &events)).await {
                 PostResult::Delivered => {
                     for covered in &turn.covers {
                         if let Err(error) = shared.ledger.mark_delivered(covered, &turn.key).await {
