@@ -193,17 +193,36 @@ pub enum Admission {
 
 /// Decides what to do with one completion message.
 fn admit(message: jetstream::Message) -> Result<Pending, Admission> {
-    let mut event = CompletionEvent::decode(&message.payload).map_err(|err| {
+    let headers = message.headers.as_ref();
+    let origin = headers
+        .and_then(|h| h.get(HEADER_ORIGIN_SESSION))
+        .map(|v| v.as_str());
+    let (event, session) = check_completion(&message.payload, origin)?;
+    let traceparent = headers
+        .and_then(|h| h.get(HEADER_TRACEPARENT))
+        .and_then(|v| TraceParent::parse(v.as_str()))
+        .map(|tp| tp.child().to_string());
+    Ok(Pending {
+        message,
+        event,
+        session,
+        traceparent,
+    })
+}
+
+/// Decides, from a completion's body and its `Wakebus-Origin-Session`
+/// header, which session it wakes. Returns the decoded event (with its
+/// `event_id` filled in) and the session.
+pub fn check_completion(
+    payload: &[u8],
+    origin_header: Option<&str>,
+) -> Result<(CompletionEvent, String), Admission> {
+    let mut event = CompletionEvent::decode(payload).map_err(|err| {
         Admission::Poison(bounded(&format!("completion is not valid: {err}"), 1024))
     })?;
-    let header = message
-        .headers
-        .as_ref()
-        .and_then(|h| h.get(HEADER_ORIGIN_SESSION))
-        .map(|v| v.as_str().to_owned());
-    let session = match (event.origin_session_id.clone(), header) {
+    let session = match (event.origin_session_id.as_deref(), origin_header) {
         (None, None) => return Err(Admission::NoSession),
-        (Some(body), Some(header)) if body == header => body,
+        (Some(body), Some(header)) if body == header => body.to_owned(),
         (Some(_), None) => {
             return Err(Admission::Poison(
                 "completion has an origin session but no Wakebus-Origin-Session header".to_owned(),
@@ -230,18 +249,7 @@ fn admit(message: jetstream::Message) -> Result<Pending, Admission> {
             "completion's event_id is not {event_id:?}, as its delegation_id and task_index require"
         )));
     }
-    let traceparent = message
-        .headers
-        .as_ref()
-        .and_then(|h| h.get(HEADER_TRACEPARENT))
-        .and_then(|v| TraceParent::parse(v.as_str()))
-        .map(|tp| tp.child().to_string());
-    Ok(Pending {
-        message,
-        event,
-        session,
-        traceparent,
-    })
+    Ok((event, session))
 }
 
 async fn outcome_for(shared: &Shared, message: &jetstream::Message, admission: Admission) {

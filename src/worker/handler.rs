@@ -36,16 +36,18 @@ pub struct TaskHandler {
     source: String,
 }
 
-/// Why a request could not be used, with whatever identity could be salvaged.
-struct Rejected {
+/// Why a request could not be used, with whatever identity could be salvaged
+/// for its `error` completion.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejected {
     /// The reason, for the `error` completion and the dead letter.
-    reason: String,
+    pub reason: String,
     /// The delegation id from the body or headers, if valid.
-    delegation_id: Option<String>,
+    pub delegation_id: Option<String>,
     /// The task index from the body or headers.
-    task_index: u32,
+    pub task_index: u32,
     /// The origin session from the body or headers, if valid.
-    origin_session: Option<String>,
+    pub origin_session: Option<String>,
 }
 
 impl TaskHandler {
@@ -78,7 +80,7 @@ impl TaskHandler {
             .unwrap_or(1)
             .max(1) as u64;
         let headers = message.headers.as_ref();
-        let request = match decode(&message.payload, headers, &self.config.limits) {
+        let request = match decode_request(&message.payload, headers, &self.config.limits) {
             Ok(request) => request,
             Err(rejected) => return self.reject(message, rejected).await,
         };
@@ -414,8 +416,9 @@ pub(crate) fn token_for(session: Option<&str>) -> String {
 /// Longest rejection reason kept: serde errors may quote the offending input.
 const MAX_REASON_BYTES: usize = 1024;
 
-/// Decodes a request, salvaging its identity from body or headers when it is unusable.
-fn decode(
+/// Decodes a request as a worker does, salvaging its identity from body or
+/// headers when it is unusable.
+pub fn decode_request(
     payload: &[u8],
     headers: Option<&HeaderMap>,
     limits: &Limits,

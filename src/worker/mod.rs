@@ -18,8 +18,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-pub use handler::TaskHandler;
 pub(crate) use handler::token_for;
+pub use handler::{Rejected, TaskHandler, decode_request};
 
 use crate::bus::{Bus, BusSettings, ProvisionError};
 use crate::outcome::Outcome;
