@@ -25,6 +25,7 @@
 //! - [`wake`]: the wake service: session API client, ledger, locks, turn text.
 //! - [`dev`]: `wakebus dev`, the whole loop on one machine.
 //! - [`outcome`]: a message's disposition (ack, nak, term) as a value.
+//! - [`quarantine`]: removing messages the NATS client cannot read.
 //!
 //! The `wakebus` binary (`src/main.rs`, `src/cli/`) only parses arguments and
 //! calls `run(config, shutdown)` functions from here.
@@ -35,6 +36,7 @@ pub mod delegate;
 pub mod dev;
 pub mod outcome;
 pub mod protocol;
+pub mod quarantine;
 mod tls;
 pub mod wake;
 pub mod worker;

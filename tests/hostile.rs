@@ -488,15 +488,12 @@ async fn forged_and_inconsistent_completions_are_dead_lettered_once_and_real_wak
     }
 }
 
-/// Known gap, kept as a reproduction: async-nats 0.51 treats a message
-/// header that is not UTF-8 as a protocol error and drops the connection, so
-/// such a request (which nats-server stores without checking) comes back
-/// after every AckWait and the worker's connection with it. Run with
-/// `--ignored` to see it; it passes once the client (or a quarantine step in
-/// wakebus) handles such messages.
+/// async-nats drops the connection whenever it receives a message whose
+/// headers are not UTF-8 (nats-server stores them without checking), so no
+/// handler ever sees it. After the reconnect the service finds it through the
+/// JetStream API, dead-letters and deletes it, and goes on.
 #[tokio::test]
-#[ignore = "async-nats 0.51 disconnects on a header that is not UTF-8"]
-async fn a_request_whose_header_is_not_utf8_does_not_stall_the_pool() {
+async fn a_message_whose_headers_the_client_cannot_read_is_removed_and_the_services_go_on() {
     init_logs();
     let nats = NatsServer::start().await;
     let api = SessionApiServer::start().await;
@@ -504,14 +501,25 @@ async fn a_request_whose_header_is_not_utf8_does_not_stall_the_pool() {
     let mut services = Services::new();
     services.echo_worker(&bus);
     services.wake(&bus, test_wake_config(&api.url()));
+    let unreadable = b"NATS/1.0\r\nWakebus-Origin-Session: \xff\xfe\r\n\r\n";
     let refused = raw::hpub(
         nats.port,
         &bus.subjects.task("default"),
-        b"NATS/1.0\r\nWakebus-Origin-Session: \xff\xfe\r\n\r\n",
+        unreadable,
         &request_body("rawhdr", "s.raw", "g", ""),
     )
     .await;
     assert_eq!(refused, None, "nats-server stores it without complaint");
+    // And a completion the wake service cannot read.
+    let token = session_token("s.raw");
+    let refused = raw::hpub(
+        nats.port,
+        &format!("{}.evt.{token}.rawdone.0.done", bus.subjects.prefix()),
+        unreadable,
+        b"{}",
+    )
+    .await;
+    assert_eq!(refused, None);
     Delegator::new(bus.clone())
         .delegate(Delegation::new("after").session("s.after"))
         .await
@@ -520,7 +528,30 @@ async fn a_request_whose_header_is_not_utf8_does_not_stall_the_pool() {
         api.accepted().iter().any(|p| p.session() == "s.after")
     })
     .await;
-    let dead = all_messages(&bus, &bus.subjects.dead_letter_stream()).await;
-    assert_eq!(dead.len(), 1, "the unreadable request is dead-lettered");
+    let dlq = bus.subjects.dead_letter_stream();
+    wait_until(WAIT, "both unreadable messages dead-lettered", || async {
+        all_messages(&bus, &dlq).await.len() >= 2
+    })
+    .await;
     services.stop().await;
+
+    let dead = all_messages(&bus, &dlq).await;
+    let subjects: Vec<&str> = dead.iter().map(|m| m.subject.as_str()).collect();
+    assert!(
+        subjects.contains(&bus.subjects.dead_letter_task("default").as_str()),
+        "{subjects:?}"
+    );
+    assert!(
+        subjects.contains(&bus.subjects.dead_letter_wake("poison").as_str()),
+        "{subjects:?}"
+    );
+    for reason in dead_letter_reasons(&dead) {
+        assert!(reason.contains("headers are not valid UTF-8"), "{reason}");
+    }
+    assert!(api.accepted().iter().all(|p| p.session() != "s.raw"));
+    assert_eq!(
+        all_messages(&bus, &bus.subjects.tasks_stream()).await.len(),
+        0,
+        "the unreadable request is gone from the work queue"
+    );
 }

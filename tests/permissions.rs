@@ -339,3 +339,64 @@ async fn the_server_refuses_what_each_role_must_not_do() {
         "{refused:?}"
     );
 }
+
+#[tokio::test]
+async fn the_least_privileged_wake_removes_a_completion_its_client_cannot_read() {
+    init_logs();
+    let server = RoleServer::start().await;
+    let api = SessionApiServer::start().await;
+    init(&server).await;
+    let mut services = Services::new();
+    services.wake(&server.bus("wake").await, test_wake_config(&api.url()));
+
+    let token = session_token("sess.victim");
+    // Headers that are not UTF-8, as only a hand-written client sends them.
+    let mut worker =
+        raw::RawClient::connect(server.nats.port, Some(("worker", "worker-dev-only"))).await;
+    let refused = worker
+        .hpub(
+            &format!("wakebus.evt.{token}.unreadable.0.done"),
+            b"NATS/1.0\r\nWakebus-Origin-Session: \xff\r\n\r\n",
+            b"{}",
+        )
+        .await;
+    assert_eq!(refused, None);
+    let good = serde_json::json!({
+        "type": "async_delegation", "delegation_id": "good", "origin_session_id": "sess.victim",
+        "status": "completed", "completed_at": "2026-01-01T00:00:00Z", "exit_reason": "completed",
+    });
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Wakebus-Origin-Session", "sess.victim");
+    server
+        .bus("worker")
+        .await
+        .js
+        .publish_with_headers(
+            format!("wakebus.evt.{token}.good.0.done"),
+            headers,
+            serde_json::to_vec(&good).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    wait_until(WAIT, "the good wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    let operator = server.bus("operator").await;
+    wait_until(WAIT, "the unreadable completion dead-lettered", || async {
+        !all_messages(&operator, "WAKEBUS_DLQ").await.is_empty()
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(api.accepted()[0].delegation_ids(), vec!["good".to_owned()]);
+    let events = all_messages(&operator, "WAKEBUS_EVENTS").await;
+    assert_eq!(events.len(), 1, "the unreadable completion left the stream");
+    assert_eq!(
+        server.violations(),
+        Vec::<String>::new(),
+        "the wake role may read and delete by sequence"
+    );
+}

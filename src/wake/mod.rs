@@ -28,6 +28,7 @@ use crate::protocol::{
     CompletionEvent, HEADER_ORIGIN_SESSION, HEADER_TRACEPARENT, TraceParent, bounded,
     validate_delegation_id, validate_session_id,
 };
+use crate::quarantine::{ReconnectWatch, sweep_after_reconnect};
 use ledger::WakeLedger;
 use lock::SessionLocks;
 use session::{Pending, Router};
@@ -134,6 +135,13 @@ pub async fn run(
     let router = Router::new(shared.clone(), tracker.clone(), stopping.clone());
     tokio::pin!(shutdown);
 
+    let mut reconnects = ReconnectWatch::new(&bus.client);
+    let mut sweep_check = tokio::time::interval(Duration::from_secs(2));
+    let (events_stream, poison) = (
+        bus.subjects.events_stream(),
+        bus.subjects.dead_letter_wake("poison"),
+    );
+
     'consume: loop {
         let mut messages = match consumer
             .stream()
@@ -156,6 +164,12 @@ pub async fn run(
             let next = tokio::select! {
                 () = &mut shutdown => break 'consume,
                 next = messages.next() => next,
+                _ = sweep_check.tick() => {
+                    // An unreadable message drops the connection; find and remove it.
+                    let wake = bus.subjects.wake_consumer();
+                    sweep_after_reconnect(&mut reconnects, &bus, &events_stream, wake, &poison);
+                    continue;
+                }
             };
             match next {
                 Some(Ok(message)) => {

@@ -24,6 +24,7 @@ pub use handler::{Rejected, TaskHandler, decode_request};
 use crate::bus::{Bus, BusSettings, ProvisionError};
 use crate::outcome::Outcome;
 use crate::protocol::Limits;
+use crate::quarantine::{ReconnectWatch, sweep_after_reconnect};
 use executor::{Executor, TaskEnv};
 
 /// How a worker behaves.
@@ -115,6 +116,7 @@ pub async fn run(
     info!(pool = %config.pool, concurrency = config.concurrency, executor = executor.name(), instance = %config.instance, "Worker started.");
 
     let concurrency = config.concurrency.max(1);
+    let pool = config.pool.clone();
     let grace = config.shutdown_grace;
     let handler = Arc::new(TaskHandler::new(
         bus.clone(),
@@ -129,7 +131,22 @@ pub async fn run(
     let stopping = CancellationToken::new();
     tokio::pin!(shutdown);
 
+    let mut reconnects = ReconnectWatch::new(&bus.client);
+    let (tasks_stream, consumer_name, dead_letters) = (
+        bus.subjects.tasks_stream(),
+        bus.subjects.worker_consumer(&pool),
+        bus.subjects.dead_letter_task(&pool),
+    );
+
     'pull: loop {
+        // An unreadable message drops the connection; find and remove it.
+        sweep_after_reconnect(
+            &mut reconnects,
+            &bus,
+            &tasks_stream,
+            &consumer_name,
+            &dead_letters,
+        );
         let first = tokio::select! {
             () = &mut shutdown => break 'pull,
             permit = slots.clone().acquire_owned() => permit.expect("semaphore is never closed"),
