@@ -118,7 +118,7 @@ pub async fn run(
     let consumer = bus
         .wake_consumer(config.ack_wait, config.max_in_flight)
         .await?;
-    info!(api = %config.api.base_url, instance = %config.instance, "Wake service started.");
+    info!(api = %session_api::redacted_url(&config.api.base_url), instance = %config.instance, "Wake service started.");
     let shared = Arc::new(Shared {
         api,
         ledger: WakeLedger::new(provisioned.wake_ledger),

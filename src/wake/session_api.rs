@@ -16,8 +16,9 @@ use super::webhook::{
 };
 use crate::protocol::CompletionEvent;
 
-/// Where and how to post turns.
-#[derive(Debug, Clone)]
+/// Where and how to post turns. Its `Debug` output leaves out the API key
+/// and any password in the URL.
+#[derive(Clone)]
 pub struct SessionApiConfig {
     /// Base URL, e.g. `http://127.0.0.1:8642`; `/v1/chat/completions` is
     /// appended. With [`PostShape::Webhook`], the endpoint's full URL.
@@ -28,6 +29,30 @@ pub struct SessionApiConfig {
     pub model: String,
     /// Limit for one request, connect to last byte.
     pub request_timeout: Duration,
+}
+
+impl std::fmt::Debug for SessionApiConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionApiConfig")
+            .field("base_url", &redacted_url(&self.base_url))
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("model", &self.model)
+            .field("request_timeout", &self.request_timeout)
+            .finish()
+    }
+}
+
+/// `url` without its user name and password, for logs.
+pub fn redacted_url(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut parsed) if parsed.password().is_some() || !parsed.username().is_empty() => {
+            let _ = parsed.set_username("");
+            let _ = parsed.set_password(None);
+            parsed.to_string()
+        }
+        Ok(_) => url.to_owned(),
+        Err(_) => "<not a URL>".to_owned(),
+    }
 }
 
 /// How one post went.
@@ -277,18 +302,17 @@ impl SessionApi {
 
 /// Refuses URLs that are not http(s), and plain http to anything but loopback.
 fn check_url(url: &str, allow_insecure_http: bool) -> Result<(), SessionApiError> {
-    let parsed = reqwest::Url::parse(url).map_err(|_| SessionApiError::BadUrl {
-        url: url.to_owned(),
-    })?;
+    let bad = || SessionApiError::BadUrl {
+        url: redacted_url(url),
+    };
+    let parsed = reqwest::Url::parse(url).map_err(|_| bad())?;
     match parsed.scheme() {
         "https" => Ok(()),
         "http" if allow_insecure_http || is_loopback(&parsed) => Ok(()),
         "http" => Err(SessionApiError::InsecureUrl {
-            url: url.to_owned(),
+            url: redacted_url(url),
         }),
-        _ => Err(SessionApiError::BadUrl {
-            url: url.to_owned(),
-        }),
+        _ => Err(bad()),
     }
 }
 
@@ -372,6 +396,26 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn debug_output_and_logged_urls_hide_secrets() {
+        let config = SessionApiConfig {
+            base_url: "https://user:hunter2@hermes.example.com/".to_owned(),
+            api_key: Some("sk-secret".to_owned()),
+            model: "m".to_owned(),
+            request_timeout: Duration::from_secs(1),
+        };
+        let debug = format!("{config:?}");
+        assert!(
+            !debug.contains("hunter2") && !debug.contains("sk-secret"),
+            "{debug}"
+        );
+        assert!(!debug.contains("user"), "{debug}");
+        assert_eq!(
+            redacted_url("http://127.0.0.1:8642"),
+            "http://127.0.0.1:8642"
+        );
     }
 
     #[test]
