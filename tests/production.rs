@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::process::Command;
 
+use common::pki::{Pki, pki, write};
 use common::*;
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 use wakebus::bus::{Bus, BusSettings};
 use wakebus::connect::NatsConfig;
 use wakebus::delegate::{DelegateResult, Delegation, Delegator};
@@ -19,52 +19,6 @@ use wakebus::worker::executor::{EchoExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
 const ROLES: [&str; 4] = ["operator", "delegator", "worker", "wake"];
-
-/// A CA, a server certificate for 127.0.0.1 and a client certificate, as
-/// PEM files in `dir`.
-struct Pki {
-    ca: PathBuf,
-    server_cert: PathBuf,
-    server_key: PathBuf,
-    client_cert: PathBuf,
-    client_key: PathBuf,
-}
-
-fn write(dir: &Path, name: &str, contents: &str) -> PathBuf {
-    let path = dir.join(name);
-    std::fs::write(&path, contents).unwrap();
-    path
-}
-
-fn pki(dir: &Path) -> Pki {
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "wakebus test CA");
-    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let leaf = |names: Vec<String>, common_name: &str| {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(names).unwrap();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, common_name);
-        let cert = params.signed_by(&key, &issuer).unwrap();
-        (cert.pem(), key.serialize_pem())
-    };
-    let (server_cert, server_key) =
-        leaf(vec!["127.0.0.1".into(), "localhost".into()], "nats-server");
-    let (client_cert, client_key) = leaf(Vec::new(), "wakebus-client");
-    Pki {
-        ca: write(dir, "ca.pem", &ca_cert.pem()),
-        server_cert: write(dir, "server.pem", &server_cert),
-        server_key: write(dir, "server-key.pem", &server_key),
-        client_cert: write(dir, "client.pem", &client_cert),
-        client_key: write(dir, "client-key.pem", &client_key),
-    }
-}
 
 struct Deployment {
     nats: NatsServer,

@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,11 +13,14 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
+use common::pki::{Pki, pki};
 use common::*;
 use hmac::{Hmac, Mac};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use sha2::Sha256;
 use wakebus::delegate::{DelegateResult, Delegation, Delegator};
-use wakebus::wake::session_api::PostShape;
+use wakebus::wake::session_api::{HttpSecurity, PostShape};
 use wakebus::wake::webhook::WebhookSecret;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -34,29 +38,97 @@ struct Receiver {
 }
 
 impl Receiver {
-    async fn start(secrets: &[&str]) -> Self {
+    fn new(url: String, secrets: &[&str]) -> Self {
         let keys = secrets
             .iter()
             .map(|s| BASE64.decode(s.strip_prefix("whsec_").unwrap()).unwrap())
             .collect();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let receiver = Self {
-            url: format!("http://{}/hooks/wakebus", listener.local_addr().unwrap()),
+        Self {
+            url,
             keys: Arc::new(keys),
             verified: Arc::default(),
             refused: Arc::default(),
-        };
-        let app = axum::Router::new()
+        }
+    }
+
+    fn app(&self) -> axum::Router {
+        axum::Router::new()
             .route("/hooks/wakebus", post(receive))
-            .with_state(receiver.clone());
+            .with_state(self.clone())
+    }
+
+    async fn start(secrets: &[&str]) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/hooks/wakebus", listener.local_addr().unwrap());
+        let receiver = Self::new(url, secrets);
+        let app = receiver.app();
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
         receiver
     }
 
+    /// The same receiver over HTTPS, with a certificate from `pki`'s CA.
+    /// Returns it and the count of failed TLS handshakes.
+    async fn start_https(secrets: &[&str], pki: &Pki) -> (Self, Arc<AtomicUsize>) {
+        let cert = CertificateDer::from_pem_file(&pki.server_cert).unwrap();
+        let key = PrivateKeyDer::from_pem_file(&pki.server_key).unwrap();
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![cert], key)
+        .unwrap();
+        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}/hooks/wakebus", tcp.local_addr().unwrap());
+        let receiver = Self::new(url, secrets);
+        let failures = Arc::new(AtomicUsize::new(0));
+        let listener = TlsListener {
+            tcp,
+            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),
+            failures: failures.clone(),
+        };
+        let app = receiver.app();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        (receiver, failures)
+    }
+
     fn verified(&self) -> Vec<(HeaderMap, Bytes)> {
         self.verified.lock().unwrap().clone()
+    }
+}
+
+/// A TLS listener for axum that counts failed handshakes.
+struct TlsListener {
+    tcp: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    failures: Arc<AtomicUsize>,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let Ok((tcp, addr)) = self.tcp.accept().await else {
+                continue;
+            };
+            match self.acceptor.accept(tcp).await {
+                Ok(tls) => return (tls, addr),
+                Err(_) => {
+                    self.failures.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.tcp.local_addr()
     }
 }
 
@@ -186,6 +258,49 @@ async fn a_wake_posted_as_a_webhook_carries_signatures_a_receiver_verifies() {
         "{text}"
     );
     assert_eq!(*receiver.refused.lock().unwrap(), 0);
+}
+
+#[tokio::test]
+async fn https_certificates_are_verified_and_a_private_ca_can_be_trusted() {
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let pki = pki(dir.path());
+    let nats = NatsServer::start().await;
+    let (receiver, failed_handshakes) = Receiver::start_https(&[NEW], &pki).await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+
+    // Without the private CA, the wake refuses the receiver's certificate and
+    // keeps the wake for later.
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, webhook_wake_config(&receiver.url, &[NEW]));
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("over https").session("sess.tls"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "refused TLS handshakes", || async {
+        failed_handshakes.load(Ordering::SeqCst) >= 2
+    })
+    .await;
+    services.stop().await;
+    assert!(receiver.verified().is_empty());
+
+    // Trusting the CA, the held wake is delivered.
+    let mut services = Services::new();
+    let mut config = webhook_wake_config(&receiver.url, &[NEW]);
+    config.http = HttpSecurity {
+        extra_ca: Some(pki.ca.clone()),
+        ..HttpSecurity::default()
+    };
+    services.wake(&bus, config);
+    wait_until(WAIT, "the wake over verified https", || async {
+        !receiver.verified().is_empty()
+    })
+    .await;
+    services.stop().await;
+    let (_, raw) = &receiver.verified()[0];
+    let body: serde_json::Value = serde_json::from_slice(raw).unwrap();
+    assert_eq!(body["data"]["session_id"], "sess.tls");
 }
 
 #[tokio::test]

@@ -238,6 +238,10 @@ pub(crate) struct WakeArgs {
     /// keys and signatures then cross the network unencrypted).
     #[arg(long, env = "WAKEBUS_ALLOW_INSECURE_HTTP")]
     pub(crate) allow_insecure_http: bool,
+    /// A CA certificate (PEM) to trust besides the system's, for a session
+    /// API or webhook endpoint whose certificate a private CA signed.
+    #[arg(long, env = "WAKEBUS_API_CA")]
+    pub(crate) api_ca: Option<PathBuf>,
     /// File holding the API key (sent as a bearer token).
     #[arg(long, env = "WAKEBUS_API_KEY_FILE")]
     pub(crate) api_key_file: Option<PathBuf>,

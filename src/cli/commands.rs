@@ -7,7 +7,7 @@ use wakebus::bus::{Bus, BusSettings};
 use wakebus::connect::NatsConfig;
 use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::Subjects;
-use wakebus::wake::session_api::{PostShape, SessionApiConfig};
+use wakebus::wake::session_api::{HttpSecurity, PostShape, SessionApiConfig};
 use wakebus::wake::webhook::WebhookSecret;
 use wakebus::wake::{self, WakeConfig};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, EchoExecutor, Executor, TaskEnv};
@@ -137,7 +137,10 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 request_timeout: args.request_timeout,
             });
             config.shape = shape;
-            config.allow_insecure_http = args.allow_insecure_http;
+            config.http = HttpSecurity {
+                allow_insecure_http: args.allow_insecure_http,
+                extra_ca: args.api_ca,
+            };
             config.coalesce_window = args.coalesce_window;
             config.ack_wait = args.ack_wait;
             config.retry_min = args.retry_min;

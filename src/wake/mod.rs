@@ -32,7 +32,7 @@ use crate::quarantine::{ReconnectWatch, sweep_after_reconnect};
 use ledger::WakeLedger;
 use lock::SessionLocks;
 use session::{Pending, Router};
-use session_api::{PostShape, SessionApi, SessionApiConfig, SessionApiError};
+use session_api::{HttpSecurity, PostShape, SessionApi, SessionApiConfig, SessionApiError};
 
 /// How the wake service behaves.
 #[derive(Debug, Clone)]
@@ -53,8 +53,8 @@ pub struct WakeConfig {
     pub instance: String,
     /// Hermes chat completions, or a signed webhook.
     pub shape: PostShape,
-    /// Allow plain `http://` to hosts other than this machine.
-    pub allow_insecure_http: bool,
+    /// Plain-HTTP policy and extra CA for the HTTP client.
+    pub http: HttpSecurity,
 }
 
 impl WakeConfig {
@@ -69,7 +69,7 @@ impl WakeConfig {
             retry_max: Duration::from_secs(30),
             instance: crate::worker::default_instance_name("wake"),
             shape: PostShape::Hermes,
-            allow_insecure_http: false,
+            http: HttpSecurity::default(),
         }
     }
 
@@ -112,7 +112,7 @@ pub async fn run(
     config: WakeConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), WakeError> {
-    let api = SessionApi::new(&config.api, &config.shape, config.allow_insecure_http)?;
+    let api = SessionApi::new(&config.api, &config.shape, &config.http)?;
     bus.provision(&settings).await?;
     let provisioned = bus.provision_wake_state(&settings).await?;
     let consumer = bus

@@ -92,6 +92,16 @@ pub enum PostShape {
     },
 }
 
+/// How the HTTP client may reach the endpoint.
+#[derive(Debug, Clone, Default)]
+pub struct HttpSecurity {
+    /// Allow plain `http://` to hosts other than this machine.
+    pub allow_insecure_http: bool,
+    /// A CA certificate (PEM) to trust besides the system's, for an endpoint
+    /// whose certificate a private CA signed.
+    pub extra_ca: Option<std::path::PathBuf>,
+}
+
 /// One turn to post.
 #[derive(Debug, Clone, Copy)]
 pub struct Post<'a> {
@@ -151,6 +161,14 @@ pub enum SessionApiError {
         /// The URL.
         url: String,
     },
+    /// The extra CA certificate could not be read or parsed.
+    #[error("cannot use {path} as a CA certificate: {reason}")]
+    CaFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
     /// A webhook shape without any signing secret.
     #[error("a webhook needs at least one signing secret")]
     NoWebhookSecret,
@@ -163,14 +181,24 @@ impl SessionApi {
     pub fn new(
         config: &SessionApiConfig,
         shape: &PostShape,
-        allow_insecure_http: bool,
+        security: &HttpSecurity,
     ) -> Result<Self, SessionApiError> {
-        check_url(&config.base_url, allow_insecure_http)?;
+        check_url(&config.base_url, security.allow_insecure_http)?;
         if matches!(shape, PostShape::Webhook { secrets } if secrets.is_empty()) {
             return Err(SessionApiError::NoWebhookSecret);
         }
         crate::tls::install_crypto_provider();
-        let http = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder();
+        if let Some(path) = &security.extra_ca {
+            let ca_error = |reason: String| SessionApiError::CaFile {
+                path: path.clone(),
+                reason,
+            };
+            let pem = std::fs::read(path).map_err(|e| ca_error(e.to_string()))?;
+            let ca = reqwest::Certificate::from_pem(&pem).map_err(|e| ca_error(e.to_string()))?;
+            builder = builder.tls_certs_merge([ca]);
+        }
+        let http = builder
             .timeout(config.request_timeout)
             .connect_timeout(config.request_timeout.min(Duration::from_secs(10)))
             .pool_idle_timeout(Duration::from_secs(90))

@@ -3,6 +3,7 @@
 #![allow(dead_code, unreachable_pub, missing_docs, unused_imports)]
 
 pub mod nats;
+pub mod pki;
 pub mod process;
 pub mod raw;
 pub mod session_api;
