@@ -305,10 +305,13 @@ impl Delegator {
             let consumer = stream
                 .create_consumer(OrderedConfig {
                     // Named, so that the name and filter are in the API
-                    // subject and NATS permissions can check them.
+                    // subject and NATS permissions can check them; unique,
+                    // so that two waiters never share one.
                     name: Some(format!(
-                        "wait-{}-{}",
-                        request.delegation_id, request.task_index
+                        "wait-{}-{}-{}",
+                        request.delegation_id,
+                        request.task_index,
+                        ulid::Ulid::new()
                     )),
                     filter_subject: subject,
                     deliver_policy: DeliverPolicy::All,
