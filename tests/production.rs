@@ -229,7 +229,8 @@ async fn a_client_without_the_right_key_or_certificate_is_refused_and_no_secret_
 }
 
 #[tokio::test]
-async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_or_environment() {
+async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environment_or_config_file()
+{
     init_logs();
     let dir = tempfile::tempdir().unwrap();
     let token = "s3cret-token-value";
@@ -271,6 +272,42 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_or_envir
         output.status.success(),
         "{}",
         String::from_utf8_lossy(&output.stderr)
+    );
+
+    // The same from a config file (WAKEBUS_CONFIG), with a comment.
+    let config = write(
+        dir.path(),
+        "wakebus.conf",
+        &format!(
+            "# connection\nnats-url = \"{}\"\ntoken-file = {}\n",
+            nats.url(),
+            token_file.display()
+        ),
+    );
+    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .env_clear()
+        .env("WAKEBUS_CONFIG", &config)
+        .arg("init")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let bad = write(dir.path(), "bad.conf", "nats-ur1 = x\n");
+    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .env_clear()
+        .args(["--config", bad.to_str().unwrap(), "init"])
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("line 1: unknown option \"nats-ur1\""),
+        "{stderr}"
     );
 
     // A missing secret file is a clear error naming the file.

@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// Durable background delegation for AI-agent gateways, on NATS JetStream.
 #[derive(Debug, Parser)]
-#[command(name = "wakebus", version, about)]
+#[command(name = "wakebus", version, about, args_override_self = true)]
 pub(crate) struct Cli {
     /// Options every command takes.
     #[command(flatten)]
@@ -21,6 +21,10 @@ pub(crate) struct Cli {
 /// Options every command takes.
 #[derive(Debug, Args)]
 pub(crate) struct Global {
+    /// File of global options (`nats-url = ...`, `nkey-file = ...`), one
+    /// `name = value` per line; flags and environment variables win over it.
+    #[arg(long, env = "WAKEBUS_CONFIG", global = true)]
+    pub(crate) config: Option<PathBuf>,
     /// NATS server URL(s), comma-separated.
     #[arg(
         long,
