@@ -3,12 +3,12 @@
 
 use std::time::Duration;
 
-use async_nats::Client;
 use async_nats::jetstream::{self, consumer, kv, stream};
+use async_nats::{Client, HeaderMap};
 use backon::{ExponentialBuilder, Retryable};
 use tracing::{info, warn};
 
-use crate::protocol::Subjects;
+use crate::protocol::{HEADER_DEAD_LETTER_REASON, HEADER_MSG_ID, Subjects, header_safe};
 
 /// Settings for the streams and buckets, shared by every service.
 #[derive(Debug, Clone)]
@@ -153,7 +153,7 @@ impl Bus {
             )
             .when(is_transient)
             .notify(|err, delay| {
-                warn!(error = %err, retry_in = ?delay, "Provisioning failed, NATS may not be up yet; will retry.");
+                warn!(error = %err, retry_in = ?delay, "Provisioning failed: NATS may not be up yet, or this NATS user may not create what is missing (run `wakebus init` as operator); will retry.");
             })
             .await
     }
@@ -240,18 +240,41 @@ impl Bus {
         })
     }
 
+    /// Makes sure a stream exists with `config`.
+    ///
+    /// Reads it first: when it already has these settings (the usual case
+    /// once `wakebus init` has run), nothing is written, so a service whose
+    /// NATS user may only read stream info starts as well. A stream with
+    /// other settings is updated; if that fails (this user may not manage
+    /// streams) the stream is used as it is, with a warning. A missing stream
+    /// is created; if this user may not, the caller retries until an
+    /// operator has run `wakebus init`.
     async fn ensure_stream(
         &self,
         config: stream::Config,
     ) -> Result<stream::Stream, ProvisionError> {
         let name = config.name.clone();
-        self.js
-            .create_or_update_stream(config)
-            .await
-            .map_err(|source| ProvisionError::Stream {
-                name: name.clone(),
-                source,
-            })?;
+        match self.js.get_stream(&name).await {
+            Ok(existing) if stream_matches(&existing.cached_info().config, &config) => {
+                return Ok(existing);
+            }
+            Ok(existing) => {
+                if let Err(error) = self.js.update_stream(config).await {
+                    warn!(stream = %name, %error, "Stream settings differ from this service's and could not be updated (does this NATS user manage streams? run `wakebus init` as operator); using it as it is.");
+                    return Ok(existing);
+                }
+            }
+            Err(error) if is_not_found(&error) => {
+                self.js
+                    .create_stream(config)
+                    .await
+                    .map_err(|source| ProvisionError::Stream {
+                        name: name.clone(),
+                        source,
+                    })?;
+            }
+            Err(source) => return Err(ProvisionError::GetStream { name, source }),
+        }
         self.js
             .get_stream(&name)
             .await
@@ -377,6 +400,124 @@ impl Bus {
     }
 }
 
+impl Bus {
+    /// The server's max payload, or NATS's default (1 MiB) while it is not
+    /// known yet (the client connects in the background).
+    pub fn max_payload(&self) -> usize {
+        match self.client.server_info().max_payload {
+            0 => 1024 * 1024,
+            known => known,
+        }
+    }
+
+    /// Copies `message` to the dead-letter `subject` with `reason`, deduped
+    /// by `msg_id`, and waits until JetStream has stored it.
+    ///
+    /// The copy keeps the original headers and body when they fit in one
+    /// message. A message that was already near the server's max payload
+    /// would not fit with the added headers, and a dead letter that can never
+    /// be stored would make the original come back forever: then the body
+    /// (and, if still too large, the original headers) are left out and the
+    /// reason says so.
+    pub async fn dead_letter(
+        &self,
+        subject: String,
+        message: &jetstream::Message,
+        reason: &str,
+        msg_id: &str,
+    ) -> Result<(), PublishError> {
+        let max_payload = self.max_payload();
+        let (headers, payload) = dead_letter_parts(
+            message.headers.as_ref(),
+            &message.payload,
+            reason,
+            msg_id,
+            max_payload,
+        );
+        self.js
+            .publish_with_headers(subject, headers, payload)
+            .await?
+            .await?;
+        Ok(())
+    }
+}
+
+/// Room kept free below the max payload for the headers a dead letter adds.
+const DEAD_LETTER_MARGIN: usize = 4 * 1024;
+
+/// The headers and body of a dead letter that fits in `max_payload`.
+fn dead_letter_parts(
+    original: Option<&HeaderMap>,
+    payload: &bytes::Bytes,
+    reason: &str,
+    msg_id: &str,
+    max_payload: usize,
+) -> (HeaderMap, bytes::Bytes) {
+    let budget = max_payload.saturating_sub(DEAD_LETTER_MARGIN);
+    let header_bytes = original.map_or(0, |headers| {
+        headers
+            .iter()
+            .map(|(name, values)| {
+                values
+                    .iter()
+                    .map(|v| AsRef::<str>::as_ref(name).len() + v.as_str().len() + 4)
+                    .sum::<usize>()
+            })
+            .sum()
+    });
+    let mut reason = reason.to_owned();
+    let (mut headers, payload) = if header_bytes + payload.len() <= budget {
+        (original.cloned().unwrap_or_default(), payload.clone())
+    } else if header_bytes <= budget {
+        reason.push_str(&format!(
+            " (body of {} bytes left out: too large to store again)",
+            payload.len()
+        ));
+        (original.cloned().unwrap_or_default(), bytes::Bytes::new())
+    } else {
+        reason.push_str(&format!(
+            " (body of {} bytes and headers of {header_bytes} bytes left out: too large to store again)",
+            payload.len()
+        ));
+        (HeaderMap::new(), bytes::Bytes::new())
+    };
+    headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(&reason).as_str());
+    headers.insert(HEADER_MSG_ID, msg_id);
+    (headers, payload)
+}
+
+/// Whether a stream lookup failed because the stream does not exist.
+fn is_not_found(error: &jetstream::context::GetStreamError) -> bool {
+    matches!(
+        error.kind(),
+        jetstream::context::GetStreamErrorKind::JetStream(e)
+            if e.code() == 404
+    )
+}
+
+/// Whether `existing` already has every setting wakebus asks for in `wanted`.
+fn stream_matches(existing: &stream::Config, wanted: &stream::Config) -> bool {
+    existing.subjects == wanted.subjects
+        && existing.retention == wanted.retention
+        && existing.storage == wanted.storage
+        && existing.max_age == wanted.max_age
+        && existing.num_replicas.max(1) == wanted.num_replicas.max(1)
+        && unlimited_as_minus_one(existing.max_messages_per_subject)
+            == unlimited_as_minus_one(wanted.max_messages_per_subject)
+        && existing.discard == wanted.discard
+        && existing.allow_rollup == wanted.allow_rollup
+        && existing.deny_delete == wanted.deny_delete
+        && existing.allow_direct == wanted.allow_direct
+        // Zero means "server default", which the server fills in.
+        && (wanted.duplicate_window.is_zero()
+            || existing.duplicate_window == wanted.duplicate_window)
+}
+
+/// Limits of 0 (client default) and -1 (server's "unlimited") mean the same.
+fn unlimited_as_minus_one(limit: i64) -> i64 {
+    if limit <= 0 { -1 } else { limit }
+}
+
 /// Whether an error may go away by itself (server not up, leader election,
 /// timeouts) as opposed to a configuration conflict an operator must fix.
 fn is_transient(err: &ProvisionError) -> bool {
@@ -405,4 +546,43 @@ pub enum PublishError {
     /// The publish was not acknowledged (server down, timeout, no stream...).
     #[error("publish was not acknowledged by JetStream: {0}")]
     Publish(#[from] jetstream::context::PublishError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dead_letter_keeps_the_original_when_it_fits() {
+        let mut original = HeaderMap::new();
+        original.insert("Wakebus-Delegation-Id", "d1");
+        let body = bytes::Bytes::from_static(b"{}");
+        let (headers, payload) =
+            dead_letter_parts(Some(&original), &body, "bad\nthing", "dlq.1", 1 << 20);
+        assert_eq!(payload, body);
+        assert_eq!(headers.get("Wakebus-Delegation-Id").unwrap().as_str(), "d1");
+        assert_eq!(
+            headers.get(HEADER_DEAD_LETTER_REASON).unwrap().as_str(),
+            "bad thing"
+        );
+        assert_eq!(headers.get(HEADER_MSG_ID).unwrap().as_str(), "dlq.1");
+    }
+
+    #[test]
+    fn a_dead_letter_too_large_to_store_again_leaves_the_body_out_and_says_so() {
+        let body = bytes::Bytes::from(vec![b'x'; 1 << 20]);
+        let (headers, payload) = dead_letter_parts(None, &body, "too big", "dlq.2", 1 << 20);
+        assert!(payload.is_empty());
+        let reason = headers.get(HEADER_DEAD_LETTER_REASON).unwrap().as_str();
+        assert!(
+            reason.starts_with("too big (body of 1048576 bytes left out"),
+            "{reason}"
+        );
+
+        let mut huge = HeaderMap::new();
+        huge.insert("X-Big", "y".repeat(1 << 20).as_str());
+        let (headers, _) = dead_letter_parts(Some(&huge), &body, "too big", "dlq.3", 1 << 20);
+        assert!(headers.get("X-Big").is_none());
+        assert_eq!(headers.get(HEADER_MSG_ID).unwrap().as_str(), "dlq.3");
+    }
 }

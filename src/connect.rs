@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use async_nats::{Client, ConnectOptions, Event};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 /// How to reach and authenticate to NATS. Secrets are read from files so that
 /// they never appear in process listings or logs.
@@ -31,6 +31,11 @@ pub struct NatsConfig {
     pub tls_cert: Option<PathBuf>,
     /// Client key for mutual TLS.
     pub tls_key: Option<PathBuf>,
+    /// Subject prefix of this client's reply inboxes (default `_INBOX`).
+    /// With NATS permissions, each role subscribes only to its own prefix,
+    /// so no role can read replies meant for another (tasks pulled by
+    /// workers, say).
+    pub inbox_prefix: Option<String>,
 }
 
 /// Why a connection could not be set up.
@@ -110,6 +115,9 @@ impl NatsConfig {
         if let Some(name) = &self.name {
             options = options.name(name);
         }
+        if let Some(prefix) = &self.inbox_prefix {
+            options = options.custom_inbox_prefix(prefix);
+        }
         Ok(options
             .retry_on_initial_connect()
             .max_reconnects(None)
@@ -118,6 +126,11 @@ impl NatsConfig {
                 match event {
                     Event::Connected => info!("Connected to NATS."),
                     Event::Disconnected => warn!("Disconnected from NATS, reconnecting."),
+                    // Needs an operator: retrying will not help.
+                    other if is_refusal(&other) => error!(
+                        event = %other,
+                        "NATS refused this client: check the credentials (--user/--password-file, --nkey-file, --creds, --token-file) and TLS client certificate, or this user's permissions."
+                    ),
                     other => info!(event = %other, "NATS client event."),
                 }
             }))
@@ -138,4 +151,13 @@ impl NatsConfig {
                 source,
             })
     }
+}
+
+/// Whether a client event means the server refused the credentials or a
+/// permission (as opposed to a network hiccup).
+fn is_refusal(event: &Event) -> bool {
+    let text = event.to_string().to_ascii_lowercase();
+    text.contains("authorization violation")
+        || text.contains("authentication")
+        || text.contains("permissions violation")
 }

@@ -16,8 +16,8 @@ use time::OffsetDateTime;
 
 use crate::bus::{Bus, PublishError};
 use crate::protocol::{
-    CompletionEvent, DEFAULT_MAX_DEPTH, EventHeaders, IdError, Role, TaskRequest, TraceParent,
-    WakeMode, new_delegation_id, validate_pool, validate_session_id,
+    CompletionEvent, DEFAULT_MAX_DEPTH, EventHeaders, IdError, Limits, Role, TaskRequest, TooLarge,
+    TraceParent, WakeMode, new_delegation_id, validate_pool, validate_session_id,
 };
 
 /// The largest batch accepted by default.
@@ -213,6 +213,10 @@ pub enum DelegateError {
     /// An id or pool name is malformed.
     #[error(transparent)]
     InvalidId(#[from] IdError),
+    /// The goal, context or whole request is larger than workers accept or
+    /// the NATS server carries.
+    #[error("delegation refused: {0}")]
+    TooLarge(#[from] TooLarge),
     /// JetStream did not confirm a request.
     #[error("the request was not accepted by JetStream: {0}")]
     Publish(#[from] PublishError),
@@ -235,6 +239,9 @@ pub struct Delegator {
     max_depth: u32,
     /// Largest batch accepted.
     max_batch: usize,
+    /// Size limits checked before publishing, so an oversized delegation is
+    /// refused here with a clear error rather than by a worker later.
+    limits: Limits,
 }
 
 impl Delegator {
@@ -245,7 +252,14 @@ impl Delegator {
             wait_timeout: None,
             max_depth: DEFAULT_MAX_DEPTH,
             max_batch: DEFAULT_MAX_BATCH,
+            limits: Limits::default(),
         }
+    }
+
+    /// Sets the size limits (use the workers' limits).
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// Limits how long sync mode waits.
@@ -332,6 +346,9 @@ impl Delegator {
         {
             return Err(DelegateError::EmptyGoal(index));
         }
+        for task in &delegation.tasks {
+            self.limits.check_fields(&task.goal, &task.context)?;
+        }
         validate_pool(&delegation.pool)?;
         if let Some(schema) = &delegation.output_schema
             && let Err(error) = jsonschema::validator_for(schema)
@@ -378,13 +395,31 @@ impl Delegator {
             .collect())
     }
 
+    /// Checks the encoded request against the limits and the server's max payload.
+    fn check_size(&self, len: usize, request: &TaskRequest) -> Result<(), TooLarge> {
+        self.limits.check_body(len)?;
+        // Headers count against max_payload too: ours take well under 1 KiB
+        // plus the session id.
+        let headers = 1024 + request.origin_session_id.as_ref().map_or(0, String::len);
+        // Zero until the client has connected: the server then has the last word.
+        let max_payload = self.bus.client.server_info().max_payload;
+        if max_payload > 0 && len + headers > max_payload {
+            return Err(TooLarge {
+                what: "request with its headers (the NATS server's max_payload)",
+                len: len + headers,
+                max: max_payload,
+            });
+        }
+        Ok(())
+    }
+
     /// Publishes every request, then waits for all acks (pipelined).
     async fn publish_all(
         &self,
         pool: &str,
         requests: &[TaskRequest],
         trace: TraceParent,
-    ) -> Result<(), PublishError> {
+    ) -> Result<(), DelegateError> {
         let subject = self.bus.subjects.task(pool);
         let mut pending = Vec::with_capacity(requests.len());
         for request in requests {
@@ -399,7 +434,8 @@ impl Delegator {
                 traceparent: trace,
             }
             .to_header_map();
-            let payload = Bytes::from(serde_json::to_vec(request)?);
+            let payload = Bytes::from(serde_json::to_vec(request).map_err(PublishError::from)?);
+            self.check_size(payload.len(), request)?;
             pending.push((subject.clone(), headers, payload));
         }
         // A lost ack is retried with the same id: JetStream drops duplicates.
@@ -429,7 +465,7 @@ impl Delegator {
                 return Ok(());
             }
         }
-        Err(PublishError::Publish(last_error.expect("a publish failed")))
+        Err(PublishError::Publish(last_error.expect("a publish failed")).into())
     }
 
     /// Reads the delegation's completions from the events stream (stored or
@@ -455,6 +491,14 @@ impl Delegator {
                 .map_err(|e| failed(&e))?;
             let consumer = stream
                 .create_consumer(OrderedConfig {
+                    // Named, so that the name and filter are in the API
+                    // subject and NATS permissions can check them; unique,
+                    // so that two waiters never share one.
+                    name: Some(format!(
+                        "wait-{}-{}",
+                        first.delegation_id,
+                        ulid::Ulid::new()
+                    )),
                     filter_subject: subject,
                     deliver_policy: DeliverPolicy::All,
                     ..Default::default()

@@ -29,6 +29,7 @@
 //! - [`replay`]: re-driving wakes and dead-lettered tasks; copying history.
 //! - [`status`]: a one-screen snapshot of a deployment.
 //! - [`ops`]: metrics, health endpoints and micro-service registration.
+//! - [`quarantine`]: removing messages the NATS client cannot read.
 //!
 //! The `wakebus` binary (`src/main.rs`, `src/cli/`) only parses arguments and
 //! calls `run(config, shutdown)` functions from here.
@@ -42,6 +43,7 @@ pub mod history;
 pub mod ops;
 pub mod outcome;
 pub mod protocol;
+pub mod quarantine;
 pub mod replay;
 pub mod status;
 mod tls;

@@ -505,6 +505,16 @@ fn schema_and_library_reject_the_same_broken_bodies() {
             with(&request, "version", json!(2)),
         ),
         (
+            "request with a session id ending in a space",
+            REQUEST,
+            with(&request, "origin_session_id", json!("sess.42 ")),
+        ),
+        (
+            "request with a session id starting with an ideographic space",
+            REQUEST,
+            with(&request, "origin_session_id", json!("\u{3000}sess")),
+        ),
+        (
             "request of version 0",
             REQUEST,
             with(&request, "version", json!(0)),

@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// Durable background delegation for AI-agent gateways, on NATS JetStream.
 #[derive(Debug, Parser)]
-#[command(name = "wakebus", version, about)]
+#[command(name = "wakebus", version, about, args_override_self = true)]
 pub(crate) struct Cli {
     /// Options every command takes.
     #[command(flatten)]
@@ -21,6 +21,10 @@ pub(crate) struct Cli {
 /// Options every command takes.
 #[derive(Debug, Args)]
 pub(crate) struct Global {
+    /// File of global options (`nats-url = ...`, `nkey-file = ...`), one
+    /// `name = value` per line; flags and environment variables win over it.
+    #[arg(long, env = "WAKEBUS_CONFIG", global = true)]
+    pub(crate) config: Option<PathBuf>,
     /// NATS server URL(s), comma-separated.
     #[arg(
         long,
@@ -56,6 +60,10 @@ pub(crate) struct Global {
     /// Client key for mutual TLS.
     #[arg(long, env = "NATS_KEY", global = true)]
     pub(crate) tls_key: Option<PathBuf>,
+    /// Subject prefix of reply inboxes (each role's NATS user may subscribe
+    /// only to its own, e.g. _INBOX_worker; see deploy/nats/).
+    #[arg(long, env = "NATS_INBOX_PREFIX", global = true)]
+    pub(crate) inbox_prefix: Option<String>,
     /// Log format.
     #[arg(long, env = "WAKEBUS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub(crate) log_format: LogFormat,
@@ -167,6 +175,35 @@ pub(crate) struct DelegateArgs {
     /// Give up waiting (sync mode or --wait) after this long, e.g. 10m.
     #[arg(long, value_parser = humantime::parse_duration)]
     pub(crate) wait_timeout: Option<Duration>,
+    /// Size limits checked before publishing.
+    #[command(flatten)]
+    pub(crate) limits: LimitArgs,
+}
+
+/// Size limits on requests (the worker refuses larger ones with an `error`
+/// completion; the delegate command refuses to send them).
+#[derive(Debug, Args)]
+pub(crate) struct LimitArgs {
+    /// Largest request body, in bytes.
+    #[arg(long, env = "WAKEBUS_MAX_REQUEST_BYTES", default_value_t = wakebus::protocol::DEFAULT_MAX_REQUEST_BYTES)]
+    pub(crate) max_request_bytes: usize,
+    /// Largest goal, in bytes.
+    #[arg(long, env = "WAKEBUS_MAX_GOAL_BYTES", default_value_t = wakebus::protocol::DEFAULT_MAX_GOAL_BYTES)]
+    pub(crate) max_goal_bytes: usize,
+    /// Largest context, in bytes.
+    #[arg(long, env = "WAKEBUS_MAX_CONTEXT_BYTES", default_value_t = wakebus::protocol::DEFAULT_MAX_CONTEXT_BYTES)]
+    pub(crate) max_context_bytes: usize,
+}
+
+impl LimitArgs {
+    /// The library's limits.
+    pub(crate) fn limits(&self) -> wakebus::protocol::Limits {
+        wakebus::protocol::Limits {
+            max_request_bytes: self.max_request_bytes,
+            max_goal_bytes: self.max_goal_bytes,
+            max_context_bytes: self.max_context_bytes,
+        }
+    }
 }
 
 /// `wakebus cancel`.
@@ -222,6 +259,9 @@ pub(crate) struct WorkerArgs {
     /// LLM executor: limit for one model call.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
     pub(crate) llm_timeout: Duration,
+    /// Size limits on requests.
+    #[command(flatten)]
+    pub(crate) limits: LimitArgs,
     /// Working directory of the command executor.
     #[arg(long)]
     pub(crate) workdir: Option<PathBuf>,
@@ -257,8 +297,35 @@ pub(crate) enum ExecutorKind {
 #[derive(Debug, Args)]
 pub(crate) struct WakeArgs {
     /// Base URL of the session API (Hermes: http://127.0.0.1:8642).
-    #[arg(long, env = "WAKEBUS_API_URL")]
-    pub(crate) api_url: String,
+    #[arg(
+        long,
+        env = "WAKEBUS_API_URL",
+        required_unless_present = "webhook_url",
+        conflicts_with = "webhook_url"
+    )]
+    pub(crate) api_url: Option<String>,
+    /// Instead of Hermes: post each wake to this URL as a signed webhook
+    /// (Standard Webhooks).
+    #[arg(long, env = "WAKEBUS_WEBHOOK_URL")]
+    pub(crate) webhook_url: Option<String>,
+    /// File holding webhook signing secrets (`whsec_...`), one per line;
+    /// repeat the flag or add lines during a key rotation: each secret
+    /// signs every post.
+    #[arg(
+        long = "webhook-secret-file",
+        env = "WAKEBUS_WEBHOOK_SECRET_FILE",
+        value_delimiter = ',',
+        requires = "webhook_url"
+    )]
+    pub(crate) webhook_secret_files: Vec<PathBuf>,
+    /// Allow plain http:// to hosts other than this machine (turns, API
+    /// keys and signatures then cross the network unencrypted).
+    #[arg(long, env = "WAKEBUS_ALLOW_INSECURE_HTTP")]
+    pub(crate) allow_insecure_http: bool,
+    /// A CA certificate (PEM) to trust besides the system's, for a session
+    /// API or webhook endpoint whose certificate a private CA signed.
+    #[arg(long, env = "WAKEBUS_API_CA")]
+    pub(crate) api_ca: Option<PathBuf>,
     /// File holding the API key (sent as a bearer token).
     #[arg(long, env = "WAKEBUS_API_KEY_FILE")]
     pub(crate) api_key_file: Option<PathBuf>,

@@ -8,7 +8,8 @@ use wakebus::connect::NatsConfig;
 use wakebus::delegate::{Delegation, Delegator};
 use wakebus::ops::http::Probe;
 use wakebus::protocol::Subjects;
-use wakebus::wake::session_api::SessionApiConfig;
+use wakebus::wake::session_api::{HttpSecurity, PostShape, SessionApiConfig};
+use wakebus::wake::webhook::WebhookSecret;
 use wakebus::wake::{self, WakeConfig};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, EchoExecutor, Executor, TaskEnv};
 use wakebus::worker::{self, WorkerConfig};
@@ -67,7 +68,8 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let delegator = Delegator::new(bus)
                 .with_wait_timeout(args.wait_timeout)
                 .with_max_depth(args.max_depth)
-                .with_max_batch(args.max_batch);
+                .with_max_batch(args.max_batch)
+                .with_limits(args.limits.limits());
             delegation.origin_session_id = args.session;
             delegation.model = args.model.clone();
             delegation.role = match args.role {
@@ -120,6 +122,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.default_timeout = args.task_timeout;
             config.shutdown_grace = args.shutdown_grace;
             config.max_depth = args.max_depth;
+            config.limits = args.limits.limits();
             let env = TaskEnv {
                 nats_url: global.nats_url.clone(),
                 prefix: global.prefix.clone(),
@@ -150,14 +153,29 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 ),
                 None => None,
             };
+            let (base_url, shape) = match (args.api_url, args.webhook_url) {
+                (_, Some(url)) => (
+                    url,
+                    PostShape::Webhook {
+                        secrets: webhook_secrets(&args.webhook_secret_files)?,
+                    },
+                ),
+                (Some(url), None) => (url, PostShape::Hermes),
+                (None, None) => bail!("either --api-url or --webhook-url is needed"),
+            };
             let bus = connect(&global, "wakebus-wake").await?;
             let _ops = super::ops::start(&args.ops, Probe::wake(&bus)).await?;
             let mut config = WakeConfig::new(SessionApiConfig {
-                base_url: args.api_url,
+                base_url,
                 api_key,
                 model: args.model,
                 request_timeout: args.request_timeout,
             });
+            config.shape = shape;
+            config.http = HttpSecurity {
+                allow_insecure_http: args.allow_insecure_http,
+                extra_ca: args.api_ca,
+            };
             config.coalesce_window = args.coalesce_window;
             config.ack_wait = args.ack_wait;
             config.retry_min = args.retry_min;
@@ -285,9 +303,35 @@ pub(crate) async fn connect(global: &Global, name: &str) -> anyhow::Result<Bus> 
         tls_ca: global.tls_ca.clone(),
         tls_cert: global.tls_cert.clone(),
         tls_key: global.tls_key.clone(),
+        inbox_prefix: global.inbox_prefix.clone(),
     };
     let client = config.connect().await?;
     Ok(Bus::new(client, subjects))
+}
+
+/// Reads webhook secrets, one per non-empty line of each file. Errors name
+/// the file and line, never the secret.
+fn webhook_secrets(files: &[std::path::PathBuf]) -> anyhow::Result<Vec<WebhookSecret>> {
+    let mut secrets = Vec::new();
+    for path in files {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading webhook secrets from {}", path.display()))?;
+        for (number, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let secret = line
+                .parse()
+                .with_context(|| format!("{} line {}", path.display(), number + 1))?;
+            secrets.push(secret);
+        }
+    }
+    if secrets.is_empty() {
+        bail!(
+            "--webhook-url needs at least one secret: --webhook-secret-file FILE (whsec_... per line)"
+        );
+    }
+    Ok(secrets)
 }
 
 /// Inside a `command` executor (WAKEBUS_DEPTH is set), a delegation nests

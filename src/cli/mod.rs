@@ -2,6 +2,7 @@
 
 mod args;
 mod commands;
+mod config_file;
 mod events;
 mod filters;
 mod ops;
@@ -16,7 +17,13 @@ pub(crate) use args::Cli;
 
 /// Entry point: parse, set up logging, run the subcommand on a Tokio runtime.
 pub(crate) fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            return ExitCode::FAILURE;
+        }
+    };
     // Tools an operator runs by hand log only problems; services log progress.
     let tool = matches!(
         cli.command,
@@ -36,6 +43,17 @@ pub(crate) fn main() -> ExitCode {
             eprintln!("error: {error:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Parses the command line, with `--config FILE` (or `WAKEBUS_CONFIG`)
+/// supplying global options not given otherwise.
+fn parse() -> anyhow::Result<Cli> {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cli = Cli::parse_from(&args);
+    match &cli.global.config {
+        Some(path) => Ok(Cli::parse_from(config_file::with_config_file(args, path)?)),
+        None => Ok(cli),
     }
 }
 

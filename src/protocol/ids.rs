@@ -45,6 +45,12 @@ pub enum IdError {
         /// A description of the allowed characters.
         allowed: &'static str,
     },
+    /// The identifier starts or ends with whitespace, which headers do not keep.
+    #[error("{what} must not start or end with whitespace (NATS and HTTP headers trim it)")]
+    SurroundingWhitespace {
+        /// Which identifier.
+        what: &'static str,
+    },
 }
 
 /// Creates a new delegation id: a ULID, sortable by creation time.
@@ -103,11 +109,13 @@ pub fn validate_pool(pool: &str) -> Result<(), IdError> {
     validate_token("pool", pool)
 }
 
-/// Checks an origin session id: any UTF-8 without control characters, at most
-/// [`MAX_SESSION_ID_BYTES`].
+/// Checks an origin session id: any UTF-8 without control characters and
+/// without whitespace at either end, at most [`MAX_SESSION_ID_BYTES`].
 ///
 /// Control characters (CR and LF above all) would break the NATS and HTTP
-/// headers the id travels in.
+/// headers the id travels in. Whitespace at either end would not survive
+/// them: NATS clients and HTTP servers trim header values, so the session
+/// woken would not be the one named.
 pub fn validate_session_id(id: &str) -> Result<(), IdError> {
     const WHAT: &str = "origin session id";
     if id.is_empty() {
@@ -126,6 +134,9 @@ pub fn validate_session_id(id: &str) -> Result<(), IdError> {
             found,
             allowed: "any character but control characters",
         });
+    }
+    if id.starts_with(char::is_whitespace) || id.ends_with(char::is_whitespace) {
+        return Err(IdError::SurroundingWhitespace { what: WHAT });
     }
     Ok(())
 }
@@ -150,6 +161,20 @@ mod tests {
             Err(IdError::BadCharacter { found: '\r', .. })
         ));
         assert!(validate_session_id("sess.with.dots *> and spaces ✓").is_ok());
+    }
+
+    #[test]
+    fn session_ids_with_whitespace_at_either_end_are_refused() {
+        for bad in [" lead", "trail ", "\u{3000}ideographic", "nbsp\u{a0}"] {
+            assert!(
+                matches!(
+                    validate_session_id(bad),
+                    Err(IdError::SurroundingWhitespace { .. })
+                ),
+                "{bad:?} accepted"
+            );
+        }
+        assert!(validate_session_id("inner  spaces are fine").is_ok());
     }
 
     #[test]

@@ -7,6 +7,7 @@
 mod event;
 mod headers;
 mod ids;
+mod limits;
 mod request;
 mod subjects;
 
@@ -20,6 +21,10 @@ pub use headers::{
 pub use ids::{
     IdError, MAX_SESSION_ID_BYTES, SYNC_SESSION_TOKEN, new_delegation_id, session_token,
     validate_delegation_id, validate_pool, validate_session_id,
+};
+pub use limits::{
+    DEFAULT_MAX_CONTEXT_BYTES, DEFAULT_MAX_GOAL_BYTES, DEFAULT_MAX_REQUEST_BYTES, Limits, TooLarge,
+    bounded,
 };
 pub use request::{DEFAULT_MAX_DEPTH, DecodeError, PROTOCOL_VERSION, Role, TaskRequest, WakeMode};
 pub use subjects::{PrefixError, Subjects};

@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
 use super::ids::{IdError, validate_delegation_id, validate_session_id};
+use super::limits::{Limits, TooLarge};
 
 /// The request body version this build writes and the highest it reads.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -111,6 +112,9 @@ pub enum DecodeError {
     /// The body is not JSON of the request shape (including a missing goal).
     #[error("request body is not a valid task request: {0}")]
     Json(#[from] serde_json::Error),
+    /// The body is not UTF-8 (so not JSON either).
+    #[error("request body is not valid UTF-8: {0}")]
+    NotUtf8(#[from] std::str::Utf8Error),
     /// The body declares a version this build does not understand.
     #[error(
         "request version {found} is not supported (this worker reads up to {PROTOCOL_VERSION})"
@@ -136,6 +140,9 @@ pub enum DecodeError {
         /// The count.
         count: u32,
     },
+    /// The body, goal or context is larger than the worker accepts.
+    #[error("request is too large: {0}")]
+    TooLarge(#[from] TooLarge),
     /// The origin session header disagrees with the body.
     #[error("the Wakebus-Origin-Session header does not match origin_session_id in the body")]
     OriginMismatch,
@@ -165,10 +172,19 @@ impl TaskRequest {
         }
     }
 
-    /// Decodes and validates a request body.
+    /// Decodes and validates a request body within the default [`Limits`].
     pub fn decode(body: &[u8]) -> Result<Self, DecodeError> {
-        let request: Self = serde_json::from_slice(body)?;
+        Self::decode_within(body, &Limits::default())
+    }
+
+    /// Decodes and validates a request body within `limits`. The body's size
+    /// is checked before it is parsed.
+    pub fn decode_within(body: &[u8], limits: &Limits) -> Result<Self, DecodeError> {
+        limits.check_body(body.len())?;
+        let text = std::str::from_utf8(body)?;
+        let request: Self = serde_json::from_str(text)?;
         request.validate()?;
+        limits.check_fields(&request.goal, &request.context)?;
         Ok(request)
     }
 
@@ -251,6 +267,44 @@ mod tests {
                 br#"{"version":1,"delegation_id":"d1","goal":"g","output_schema":{"type":"object"}}"#
             )
             .is_ok()
+        );
+    }
+
+    #[test]
+    fn oversized_bodies_goals_and_contexts_are_refused_with_their_sizes() {
+        let limits = Limits {
+            max_request_bytes: 200,
+            max_goal_bytes: 5,
+            max_context_bytes: 8,
+        };
+        let err = TaskRequest::decode_within(&[b' '; 201], &limits).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "request is too large: request body is 201 bytes; the limit is 200 bytes"
+        );
+        let body = br#"{"version":1,"delegation_id":"d1","goal":"123456"}"#;
+        let err = TaskRequest::decode_within(body, &limits).unwrap_err();
+        assert!(matches!(
+            err,
+            DecodeError::TooLarge(TooLarge {
+                what: "goal",
+                len: 6,
+                max: 5
+            })
+        ));
+        let body = br#"{"version":1,"delegation_id":"d1","goal":"g","context":"123456789"}"#;
+        let err = TaskRequest::decode_within(body, &limits).unwrap_err();
+        assert!(err.to_string().contains("context is 9 bytes"), "{err}");
+    }
+
+    #[test]
+    fn invalid_utf8_is_a_clear_error() {
+        let err =
+            TaskRequest::decode(b"{\"version\":1,\"delegation_id\":\"d1\",\"goal\":\"\xff\xfe\"}")
+                .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "request body is not valid UTF-8: invalid utf-8 sequence of 1 bytes from index 42"
         );
     }
 

@@ -10,6 +10,7 @@ pub mod lock;
 mod session;
 pub mod session_api;
 pub mod turn;
+pub mod webhook;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -25,13 +26,14 @@ use crate::bus::{Bus, BusSettings, ProvisionError};
 use crate::ops::service::{Registration, register};
 use crate::outcome::Outcome;
 use crate::protocol::{
-    CompletionEvent, HEADER_DEAD_LETTER_REASON, HEADER_ORIGIN_SESSION, HEADER_TRACEPARENT,
-    TraceParent, header_safe, validate_delegation_id, validate_session_id,
+    CompletionEvent, HEADER_ORIGIN_SESSION, HEADER_TRACEPARENT, TraceParent, bounded,
+    validate_delegation_id, validate_session_id,
 };
+use crate::quarantine::{ReconnectWatch, sweep_after_reconnect};
 use ledger::WakeLedger;
 use lock::SessionLocks;
 use session::{Pending, Router};
-use session_api::{SessionApi, SessionApiConfig, SessionApiError};
+use session_api::{HttpSecurity, PostShape, SessionApi, SessionApiConfig, SessionApiError};
 
 /// How the wake service behaves.
 #[derive(Debug, Clone)]
@@ -50,6 +52,10 @@ pub struct WakeConfig {
     pub retry_max: Duration,
     /// This instance's name, in lock values and logs.
     pub instance: String,
+    /// Hermes chat completions, or a signed webhook.
+    pub shape: PostShape,
+    /// Plain-HTTP policy and extra CA for the HTTP client.
+    pub http: HttpSecurity,
 }
 
 impl WakeConfig {
@@ -63,6 +69,8 @@ impl WakeConfig {
             retry_min: Duration::from_millis(500),
             retry_max: Duration::from_secs(30),
             instance: crate::worker::default_instance_name("wake"),
+            shape: PostShape::Hermes,
+            http: HttpSecurity::default(),
         }
     }
 
@@ -109,13 +117,13 @@ pub async fn run(
     config: WakeConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), WakeError> {
-    let api = SessionApi::new(&config.api)?;
+    let api = SessionApi::new(&config.api, &config.shape, &config.http)?;
     let streams = bus.provision(&settings).await?;
     let provisioned = bus.provision_wake_state(&settings).await?;
     let consumer = bus
         .wake_consumer(config.ack_wait, config.max_in_flight)
         .await?;
-    info!(api = %config.api.base_url, instance = %config.instance, "Wake service started.");
+    info!(api = %session_api::redacted_url(&config.api.base_url), instance = %config.instance, "Wake service started.");
     let shared = Arc::new(Shared {
         api,
         ledger: WakeLedger::new(provisioned.wake_ledger),
@@ -140,6 +148,13 @@ pub async fn run(
     let router = Router::new(shared.clone(), tracker.clone(), stopping.clone());
     tokio::pin!(shutdown);
 
+    let mut reconnects = ReconnectWatch::new(&bus.client);
+    let mut sweep_check = tokio::time::interval(Duration::from_secs(2));
+    let (events_stream, poison) = (
+        bus.subjects.events_stream(),
+        bus.subjects.dead_letter_wake("poison"),
+    );
+
     'consume: loop {
         let mut messages = match consumer
             .stream()
@@ -162,6 +177,12 @@ pub async fn run(
             let next = tokio::select! {
                 () = &mut shutdown => break 'consume,
                 next = messages.next() => next,
+                _ = sweep_check.tick() => {
+                    // An unreadable message drops the connection; find and remove it.
+                    let wake = bus.subjects.wake_consumer();
+                    sweep_after_reconnect(&mut reconnects, &bus, &events_stream, wake, &poison);
+                    continue;
+                }
             };
             match next {
                 Some(Ok(message)) => {
@@ -202,16 +223,36 @@ pub enum Admission {
 
 /// Decides what to do with one completion message.
 fn admit(message: jetstream::Message) -> Result<Pending, Admission> {
-    let event = CompletionEvent::decode(&message.payload)
-        .map_err(|err| Admission::Poison(format!("completion is not valid: {err}")))?;
-    let header = message
-        .headers
-        .as_ref()
+    let headers = message.headers.as_ref();
+    let origin = headers
         .and_then(|h| h.get(HEADER_ORIGIN_SESSION))
-        .map(|v| v.as_str().to_owned());
-    let session = match (event.origin_session_id.clone(), header) {
+        .map(|v| v.as_str());
+    let (event, session) = check_completion(&message.payload, origin)?;
+    let traceparent = headers
+        .and_then(|h| h.get(HEADER_TRACEPARENT))
+        .and_then(|v| TraceParent::parse(v.as_str()))
+        .map(|tp| tp.child().to_string());
+    Ok(Pending {
+        message,
+        event,
+        session,
+        traceparent,
+    })
+}
+
+/// Decides, from a completion's body and its `Wakebus-Origin-Session`
+/// header, which session it wakes. Returns the decoded event (with its
+/// `event_id` filled in) and the session.
+pub fn check_completion(
+    payload: &[u8],
+    origin_header: Option<&str>,
+) -> Result<(CompletionEvent, String), Admission> {
+    let mut event = CompletionEvent::decode(payload).map_err(|err| {
+        Admission::Poison(bounded(&format!("completion is not valid: {err}"), 1024))
+    })?;
+    let session = match (event.origin_session_id.as_deref(), origin_header) {
         (None, None) => return Err(Admission::NothingToWake),
-        (Some(body), Some(header)) if body == header => body,
+        (Some(body), Some(header)) if body == header => body.to_owned(),
         (Some(_), None) => {
             return Err(Admission::Poison(
                 "completion has an origin session but no Wakebus-Origin-Session header".to_owned(),
@@ -231,18 +272,17 @@ fn admit(message: jetstream::Message) -> Result<Pending, Admission> {
     validate_delegation_id(&event.delegation_id).map_err(|err| {
         Admission::Poison(format!("completion has an invalid delegation id: {err}"))
     })?;
-    let traceparent = message
-        .headers
-        .as_ref()
-        .and_then(|h| h.get(HEADER_TRACEPARENT))
-        .and_then(|v| TraceParent::parse(v.as_str()))
-        .map(|tp| tp.child().to_string());
-    Ok(Pending {
-        message,
-        event,
-        session,
-        traceparent,
-    })
+    // The event id becomes the Idempotency-Key header: only the documented
+    // value is accepted (or filled in when absent).
+    let event_id = CompletionEvent::id_for(&event.delegation_id, event.task_index);
+    if event.event_id.is_empty() {
+        event.event_id = event_id;
+    } else if event.event_id != event_id {
+        return Err(Admission::Poison(format!(
+            "completion's event_id is not {event_id:?}, as its delegation_id and task_index require"
+        )));
+    }
+    Ok((event, session))
 }
 
 async fn outcome_for(shared: &Shared, message: &jetstream::Message, admission: Admission) {
@@ -251,25 +291,16 @@ async fn outcome_for(shared: &Shared, message: &jetstream::Message, admission: A
         Admission::Poison(reason) => {
             warn!(subject = %message.subject, %reason, "Dead-lettering an unusable completion.");
             let bus = &shared.bus;
-            let mut headers = message.headers.clone().unwrap_or_default();
-            headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(&reason).as_str());
             let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
-            headers.insert(
-                crate::protocol::HEADER_MSG_ID,
-                format!("dlq.wake.poison.{seq}").as_str(),
-            );
-            let published = match bus
-                .js
-                .publish_with_headers(
+            let published = bus
+                .dead_letter(
                     bus.subjects.dead_letter_wake("poison"),
-                    headers,
-                    message.payload.clone(),
+                    message,
+                    &reason,
+                    &format!("dlq.wake.poison.{seq}"),
                 )
                 .await
-            {
-                Ok(ack) => ack.await.is_ok(),
-                Err(_) => false,
-            };
+                .is_ok();
             if published {
                 crate::ops::metrics::dead_lettered("poison");
                 Outcome::Term(reason).apply(message).await;

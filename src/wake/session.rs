@@ -21,14 +21,11 @@ use tracing::{Instrument, error, info, info_span, warn};
 use super::Shared;
 use super::ledger::{Intent, LedgerError, LedgerState, WakeLedger};
 use super::lock::LockGuard;
-use super::session_api::PostResult;
+use super::session_api::{Post, PostResult};
 use super::turn;
 use crate::ops::metrics as m;
 use crate::outcome::Outcome;
-use crate::protocol::{
-    CompletionEvent, EventKind, HEADER_DEAD_LETTER_REASON, Status, WakeMode, header_safe,
-    session_token,
-};
+use crate::protocol::{CompletionEvent, EventKind, Status, WakeMode, session_token};
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use std::collections::BTreeMap;
 
@@ -73,6 +70,28 @@ struct Turn {
 }
 
 impl Turn {
+    /// The completion events in hand, once each.
+    fn events(&self) -> Vec<&CompletionEvent> {
+        let mut events: Vec<&CompletionEvent> = Vec::new();
+        for pending in &self.messages {
+            if !events.iter().any(|e| e.event_id == pending.event.event_id) {
+                events.push(&pending.event);
+            }
+        }
+        events
+    }
+
+    /// The post for this turn.
+    fn post<'a>(&'a self, session: &'a str, events: &'a [&'a CompletionEvent]) -> Post<'a> {
+        Post {
+            session,
+            text: &self.text,
+            idempotency_key: &self.key,
+            traceparent: self.traceparent.as_deref(),
+            covers: &self.covers,
+            events,
+        }
+    }
     /// The span of a turn's logs: the delegations it reports and its trace.
     fn span(&self) -> tracing::Span {
         let mut ids: Vec<&str> = self
@@ -537,6 +556,7 @@ impl Router {
             .with_jitter()
             .without_max_times()
             .build();
+        let events = turn.events();
         let mut attempt = 0u32;
         loop {
             attempt += 1;
@@ -551,9 +571,7 @@ impl Router {
                 *refresh_at = guard.written_at() + shared.locks.refresh_interval();
             }
             let posting = m::InFlight::wake_post(&shared.posting);
-            let post = shared
-                .api
-                .post(session, &turn.text, &turn.key, turn.traceparent.as_deref());
+            let post = shared.api.post(turn.post(session, &events));
             tokio::pin!(post);
             let mut lock_lost = false;
             let result = loop {
@@ -649,20 +667,16 @@ impl Router {
         reason: &str,
     ) -> Result<(), crate::bus::PublishError> {
         let bus = &self.shared.bus;
-        let mut headers = pending.message.headers.clone().unwrap_or_default();
-        headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(reason).as_str());
-        headers.insert(
-            crate::protocol::HEADER_MSG_ID,
-            format!("dlq.wake.{}", pending.event_key()).as_str(),
-        );
         let subject = bus
             .subjects
             .dead_letter_wake(&session_token(&pending.session));
-        bus.js
-            .publish_with_headers(subject, headers, pending.message.payload.clone())
-            .await?
-            .await?;
-        Ok(())
+        bus.dead_letter(
+            subject,
+            &pending.message,
+            reason,
+            &format!("dlq.wake.{}", pending.event.event_id),
+        )
+        .await
     }
 
     /// Shutdown: hand every held message back at once so another instance takes it.

@@ -1,16 +1,27 @@
-//! Posting a continuation turn to the session API (Hermes's OpenAI-compatible
-//! `POST /v1/chat/completions`).
+//! Posting a continuation turn: to the session API (Hermes's OpenAI-compatible
+//! `POST /v1/chat/completions`), or to a generic endpoint as a signed
+//! webhook ([`PostShape`]). Both go through the same ledger, locks and retries.
 
 use std::time::Duration;
 
 use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use serde_json::json;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
 
-/// Where and how to post turns.
-#[derive(Debug, Clone)]
+use super::webhook::{
+    HEADER_WEBHOOK_ID, HEADER_WEBHOOK_SIGNATURE, HEADER_WEBHOOK_TIMESTAMP, WEBHOOK_EVENT_TYPE,
+    WebhookBody, WebhookData, WebhookSecret, signature_header,
+};
+use crate::protocol::CompletionEvent;
+
+/// Where and how to post turns. Its `Debug` output leaves out the API key
+/// and any password in the URL.
+#[derive(Clone)]
 pub struct SessionApiConfig {
-    /// Base URL, e.g. `http://127.0.0.1:8642`; `/v1/chat/completions` is appended.
+    /// Base URL, e.g. `http://127.0.0.1:8642`; `/v1/chat/completions` is
+    /// appended. With [`PostShape::Webhook`], the endpoint's full URL.
     pub base_url: String,
     /// Bearer token, if the API needs one.
     pub api_key: Option<String>,
@@ -18,6 +29,30 @@ pub struct SessionApiConfig {
     pub model: String,
     /// Limit for one request, connect to last byte.
     pub request_timeout: Duration,
+}
+
+impl std::fmt::Debug for SessionApiConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionApiConfig")
+            .field("base_url", &redacted_url(&self.base_url))
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("model", &self.model)
+            .field("request_timeout", &self.request_timeout)
+            .finish()
+    }
+}
+
+/// `url` without its user name and password, for logs.
+pub fn redacted_url(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut parsed) if parsed.password().is_some() || !parsed.username().is_empty() => {
+            let _ = parsed.set_username("");
+            let _ = parsed.set_password(None);
+            parsed.to_string()
+        }
+        Ok(_) => url.to_owned(),
+        Err(_) => "<not a URL>".to_owned(),
+    }
 }
 
 /// How one post went.
@@ -42,6 +77,48 @@ pub enum PostResult {
     },
 }
 
+/// What a post looks like.
+#[derive(Debug, Clone, Default)]
+pub enum PostShape {
+    /// Hermes: `POST <base>/v1/chat/completions` with the turn as a user
+    /// message and the session in `X-Hermes-Session-Id`.
+    #[default]
+    Hermes,
+    /// A generic endpoint: `POST <url>` with a JSON body describing the wake,
+    /// signed per Standard Webhooks with each secret.
+    Webhook {
+        /// Signing secrets (several during a key rotation).
+        secrets: Vec<WebhookSecret>,
+    },
+}
+
+/// How the HTTP client may reach the endpoint.
+#[derive(Debug, Clone, Default)]
+pub struct HttpSecurity {
+    /// Allow plain `http://` to hosts other than this machine.
+    pub allow_insecure_http: bool,
+    /// A CA certificate (PEM) to trust besides the system's, for an endpoint
+    /// whose certificate a private CA signed.
+    pub extra_ca: Option<std::path::PathBuf>,
+}
+
+/// One turn to post.
+#[derive(Debug, Clone, Copy)]
+pub struct Post<'a> {
+    /// The session to continue.
+    pub session: &'a str,
+    /// The rendered turn.
+    pub text: &'a str,
+    /// `Idempotency-Key` (and `webhook-id`).
+    pub idempotency_key: &'a str,
+    /// Trace context, if the completion had one.
+    pub traceparent: Option<&'a str>,
+    /// Ledger keys of the completions the turn reports.
+    pub covers: &'a [String],
+    /// The completion events in hand.
+    pub events: &'a [&'a CompletionEvent],
+}
+
 /// Header carrying the session to continue.
 pub const SESSION_HEADER: &str = "X-Hermes-Session-Id";
 
@@ -56,6 +133,8 @@ pub struct SessionApi {
     authorization: Option<HeaderValue>,
     /// The model name for request bodies.
     model: String,
+    /// Hermes or signed webhook.
+    shape: PostShape,
 }
 
 /// Why the client could not be built.
@@ -67,13 +146,59 @@ pub enum SessionApiError {
     /// The API key has characters a header cannot carry.
     #[error("the API key contains characters not allowed in an HTTP header")]
     BadApiKey,
+    /// The URL cannot be parsed or is not http(s).
+    #[error("{url:?} is not an http:// or https:// URL")]
+    BadUrl {
+        /// The URL.
+        url: String,
+    },
+    /// Plain HTTP to another machine, which would expose the turn, the API
+    /// key and the signatures on the network.
+    #[error(
+        "{url:?} uses plain http:// to a host other than this machine; use https://, or allow it explicitly (--allow-insecure-http)"
+    )]
+    InsecureUrl {
+        /// The URL.
+        url: String,
+    },
+    /// The extra CA certificate could not be read or parsed.
+    #[error("cannot use {path} as a CA certificate: {reason}")]
+    CaFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A webhook shape without any signing secret.
+    #[error("a webhook needs at least one signing secret")]
+    NoWebhookSecret,
 }
 
 impl SessionApi {
-    /// Builds a client.
-    pub fn new(config: &SessionApiConfig) -> Result<Self, SessionApiError> {
+    /// Builds a client. Plain `http://` is refused unless it goes to this
+    /// machine (loopback) or `allow_insecure_http` is set; `https://`
+    /// certificates are always verified.
+    pub fn new(
+        config: &SessionApiConfig,
+        shape: &PostShape,
+        security: &HttpSecurity,
+    ) -> Result<Self, SessionApiError> {
+        check_url(&config.base_url, security.allow_insecure_http)?;
+        if matches!(shape, PostShape::Webhook { secrets } if secrets.is_empty()) {
+            return Err(SessionApiError::NoWebhookSecret);
+        }
         crate::tls::install_crypto_provider();
-        let http = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder();
+        if let Some(path) = &security.extra_ca {
+            let ca_error = |reason: String| SessionApiError::CaFile {
+                path: path.clone(),
+                reason,
+            };
+            let pem = std::fs::read(path).map_err(|e| ca_error(e.to_string()))?;
+            let ca = reqwest::Certificate::from_pem(&pem).map_err(|e| ca_error(e.to_string()))?;
+            builder = builder.tls_certs_merge([ca]);
+        }
+        let http = builder
             .timeout(config.request_timeout)
             .connect_timeout(config.request_timeout.min(Duration::from_secs(10)))
             .pool_idle_timeout(Duration::from_secs(90))
@@ -87,49 +212,33 @@ impl SessionApi {
             }
             None => None,
         };
-        Ok(Self {
-            http,
-            url: format!(
+        let url = match shape {
+            PostShape::Hermes => format!(
                 "{}/v1/chat/completions",
                 config.base_url.trim_end_matches('/')
             ),
+            PostShape::Webhook { .. } => config.base_url.clone(),
+        };
+        Ok(Self {
+            http,
+            url,
             authorization,
             model: config.model.clone(),
+            shape: shape.clone(),
         })
     }
 
-    /// Posts one turn to `session`.
-    pub async fn post(
-        &self,
-        session: &str,
-        text: &str,
-        idempotency_key: &str,
-        traceparent: Option<&str>,
-    ) -> PostResult {
-        let Ok(session_value) = HeaderValue::from_bytes(session.as_bytes()) else {
-            return PostResult::Rejected {
-                status: 0,
-                body: "origin session id cannot be sent in an HTTP header".to_owned(),
-            };
+    /// Posts one turn.
+    pub async fn post(&self, post: Post<'_>) -> PostResult {
+        let request = match self.request(post) {
+            Ok(request) => request,
+            Err(reason) => {
+                return PostResult::Rejected {
+                    status: 0,
+                    body: reason.to_owned(),
+                };
+            }
         };
-        let body = json!({
-            "model": self.model,
-            "messages": [{"role": "user", "content": text}],
-            "stream": false,
-        });
-        let mut request = self
-            .http
-            .post(&self.url)
-            .header(CONTENT_TYPE, "application/json")
-            .header(SESSION_HEADER, session_value)
-            .header("Idempotency-Key", idempotency_key)
-            .json(&body);
-        if let Some(auth) = &self.authorization {
-            request = request.header(AUTHORIZATION, auth.clone());
-        }
-        if let Some(tp) = traceparent {
-            request = request.header("traceparent", tp);
-        }
         let response = match request.send().await {
             Ok(response) => response,
             Err(error) => {
@@ -163,6 +272,86 @@ impl SessionApi {
                 body,
             }
         }
+    }
+}
+
+impl SessionApi {
+    /// The HTTP request for `post`, in this client's shape.
+    fn request(&self, post: Post<'_>) -> Result<reqwest::RequestBuilder, &'static str> {
+        let mut request = self
+            .http
+            .post(&self.url)
+            .header(CONTENT_TYPE, "application/json")
+            .header("Idempotency-Key", post.idempotency_key);
+        match &self.shape {
+            PostShape::Hermes => {
+                let session = HeaderValue::from_bytes(post.session.as_bytes())
+                    .map_err(|_| "origin session id cannot be sent in an HTTP header")?;
+                let body = json!({
+                    "model": self.model,
+                    "messages": [{"role": "user", "content": post.text}],
+                    "stream": false,
+                });
+                request = request.header(SESSION_HEADER, session).json(&body);
+            }
+            PostShape::Webhook { secrets } => {
+                let now = OffsetDateTime::now_utc();
+                let body = WebhookBody {
+                    event_type: WEBHOOK_EVENT_TYPE,
+                    timestamp: now.format(&Rfc3339).unwrap_or_default(),
+                    data: WebhookData {
+                        session_id: post.session,
+                        idempotency_key: post.idempotency_key,
+                        text: post.text,
+                        completions: post.covers,
+                        events: post.events.to_vec(),
+                    },
+                };
+                let body =
+                    serde_json::to_vec(&body).map_err(|_| "cannot encode the webhook body")?;
+                let timestamp = now.unix_timestamp();
+                let signature = signature_header(secrets, post.idempotency_key, timestamp, &body);
+                request = request
+                    .header(HEADER_WEBHOOK_ID, post.idempotency_key)
+                    .header(HEADER_WEBHOOK_TIMESTAMP, timestamp.to_string())
+                    .header(HEADER_WEBHOOK_SIGNATURE, signature)
+                    .body(body);
+            }
+        }
+        if let Some(auth) = &self.authorization {
+            request = request.header(AUTHORIZATION, auth.clone());
+        }
+        if let Some(tp) = post.traceparent {
+            request = request.header("traceparent", tp);
+        }
+        Ok(request)
+    }
+}
+
+/// Refuses URLs that are not http(s), and plain http to anything but loopback.
+fn check_url(url: &str, allow_insecure_http: bool) -> Result<(), SessionApiError> {
+    let bad = || SessionApiError::BadUrl {
+        url: redacted_url(url),
+    };
+    let parsed = reqwest::Url::parse(url).map_err(|_| bad())?;
+    match parsed.scheme() {
+        "https" => Ok(()),
+        "http" if allow_insecure_http || is_loopback(&parsed) => Ok(()),
+        "http" => Err(SessionApiError::InsecureUrl {
+            url: redacted_url(url),
+        }),
+        _ => Err(bad()),
+    }
+}
+
+fn is_loopback(url: &reqwest::Url) -> bool {
+    let Some(host) = url.host_str() else {
+        return false;
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => host.eq_ignore_ascii_case("localhost"),
     }
 }
 
@@ -202,6 +391,59 @@ mod tests {
         for code in [400, 401, 403, 404, 409, 422] {
             assert!(!is_retryable(StatusCode::from_u16(code).unwrap()), "{code}");
         }
+    }
+
+    #[test]
+    fn plain_http_is_only_for_this_machine_unless_allowed() {
+        for ok in [
+            "https://hermes.example.com",
+            "http://127.0.0.1:8642",
+            "http://127.8.9.1/x",
+            "http://[::1]:80",
+            "http://localhost:8642",
+        ] {
+            assert!(check_url(ok, false).is_ok(), "{ok}");
+        }
+        for insecure in [
+            "http://10.0.0.5:8642",
+            "http://hermes.internal",
+            "http://localhost.evil.com",
+        ] {
+            assert!(
+                matches!(
+                    check_url(insecure, false),
+                    Err(SessionApiError::InsecureUrl { .. })
+                ),
+                "{insecure}"
+            );
+            assert!(check_url(insecure, true).is_ok(), "{insecure}");
+        }
+        for bad in ["ftp://host/x", "not a url", "file:///etc/passwd"] {
+            assert!(
+                matches!(check_url(bad, true), Err(SessionApiError::BadUrl { .. })),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn debug_output_and_logged_urls_hide_secrets() {
+        let config = SessionApiConfig {
+            base_url: "https://user:hunter2@hermes.example.com/".to_owned(),
+            api_key: Some("sk-secret".to_owned()),
+            model: "m".to_owned(),
+            request_timeout: Duration::from_secs(1),
+        };
+        let debug = format!("{config:?}");
+        assert!(
+            !debug.contains("hunter2") && !debug.contains("sk-secret"),
+            "{debug}"
+        );
+        assert!(!debug.contains("user"), "{debug}");
+        assert_eq!(
+            redacted_url("http://127.0.0.1:8642"),
+            "http://127.0.0.1:8642"
+        );
     }
 
     #[test]

@@ -18,10 +18,10 @@ use crate::bus::{Bus, PublishError};
 use crate::ops::metrics as m;
 use crate::outcome::Outcome;
 use crate::protocol::{
-    CompletionEvent, EventHeaders, EventKind, HEADER_DEAD_LETTER_REASON, HEADER_DELEGATION_ID,
-    HEADER_MSG_ID, HEADER_ORIGIN_SESSION, HEADER_TASK_INDEX, HEADER_TRACEPARENT, ProgressEvent,
-    SYNC_SESSION_TOKEN, StartedEvent, Status, TaskRequest, TraceParent, header, header_safe,
-    session_token, validate_delegation_id, validate_session_id,
+    CompletionEvent, EventHeaders, EventKind, HEADER_DELEGATION_ID, HEADER_ORIGIN_SESSION,
+    HEADER_TASK_INDEX, HEADER_TRACEPARENT, Limits, ProgressEvent, SYNC_SESSION_TOKEN, StartedEvent,
+    Status, TaskRequest, TraceParent, bounded, header, session_token, validate_delegation_id,
+    validate_session_id,
 };
 
 /// Everything needed to run one task; shared by all of a worker's tasks.
@@ -43,19 +43,21 @@ pub(crate) struct TaskHandler {
     cancels: Arc<CancelRegistry>,
 }
 
-/// Why a request could not be used, with whatever identity could be salvaged.
-struct Rejected {
+/// Why a request could not be used, with whatever identity could be salvaged
+/// for its `error` completion.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejected {
     /// The reason, for the `error` completion and the dead letter.
-    reason: String,
+    pub reason: String,
     /// The delegation id from the body or headers, if valid.
-    delegation_id: Option<String>,
+    pub delegation_id: Option<String>,
     /// The task index from the body or headers.
-    task_index: u32,
+    pub task_index: u32,
     /// The origin session from the body or headers, if valid.
-    origin_session: Option<String>,
+    pub origin_session: Option<String>,
     /// The batch the task belongs to, as far as the body says, so that an
     /// unusable member still completes its batch.
-    batch: Option<(u32, crate::protocol::WakeMode, bool)>,
+    pub batch: Option<(u32, crate::protocol::WakeMode, bool)>,
 }
 
 impl TaskHandler {
@@ -98,7 +100,7 @@ impl TaskHandler {
             m::task_redelivered(&self.config.pool);
         }
         let headers = message.headers.as_ref();
-        let request = match decode(&message.payload, headers) {
+        let request = match decode_request(&message.payload, headers, &self.config.limits) {
             Ok(request) => request,
             Err(rejected) => return self.reject(message, rejected).await,
         };
@@ -255,7 +257,7 @@ impl TaskHandler {
         done.duration_seconds = duration.as_secs_f64();
         done.suppress_wake = suppress_wake;
         done.truncated = output.truncated;
-        fit_to_payload(&mut done, self.bus.client.server_info().max_payload);
+        fit_to_payload(&mut done, self.bus.max_payload());
         info!(status = %done.status, duration_ms = duration.as_millis() as u64, "Task done.");
         self.finish(&request, trace, done).await
     }
@@ -510,17 +512,11 @@ impl TaskHandler {
         message: &jetstream::Message,
         reason: &str,
     ) -> Result<(), PublishError> {
-        let mut headers = message.headers.clone().unwrap_or_default();
         let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
-        headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(reason).as_str());
-        headers.insert(HEADER_MSG_ID, format!("dlq.task.{seq}").as_str());
         let subject = self.bus.subjects.dead_letter_task(&self.config.pool);
         self.bus
-            .js
-            .publish_with_headers(subject, headers, message.payload.clone())
-            .await?
-            .await?;
-        Ok(())
+            .dead_letter(subject, message, reason, &format!("dlq.task.{seq}"))
+            .await
     }
 }
 
@@ -530,27 +526,48 @@ const PROGRESS_INTERVAL: Duration = Duration::from_secs(1);
 /// Room left for headers and JSON overhead below the server's max payload.
 const PAYLOAD_MARGIN: usize = 16 * 1024;
 
-/// Cuts `summary` and `error` so the completion fits in one NATS message: a
-/// completion that cannot be published would make the task run again.
+/// Cuts `context`, `summary`, `error` and, last, `goal` so the completion
+/// fits in one NATS message: a completion that cannot be published would make
+/// the task run again, forever. The context goes first because the wake's
+/// turn text does not show it.
 fn fit_to_payload(done: &mut CompletionEvent, max_payload: usize) {
     let budget = max_payload.saturating_sub(PAYLOAD_MARGIN).max(1024);
     let size = |d: &CompletionEvent| serde_json::to_vec(d).map(|v| v.len()).unwrap_or(0);
     let mut excess = size(done).saturating_sub(budget);
-    for field in [&mut done.summary, &mut done.error] {
+    let CompletionEvent {
+        context,
+        summary,
+        error,
+        goal,
+        ..
+    } = done;
+    for text in [Some(context), summary.as_mut(), error.as_mut(), Some(goal)]
+        .into_iter()
+        .flatten()
+    {
         if excess == 0 {
             break;
         }
-        if let Some(text) = field.as_mut() {
-            let keep = text.len().saturating_sub(excess + 64);
-            let mut cut = keep;
-            while !text.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            excess = excess.saturating_sub(text.len() - cut);
-            text.truncate(cut);
-            text.push_str("\n[truncated to fit the NATS max payload]");
+        if text.is_empty() {
+            continue;
         }
+        // JSON escaping may make a byte of text cost up to 6 bytes of body.
+        let keep = text.len().saturating_sub(excess + 64);
+        let mut cut = keep;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let before = size_of_json_string(text);
+        text.truncate(cut);
+        text.push_str("\n[truncated to fit the NATS max payload]");
+        excess = excess.saturating_sub(before.saturating_sub(size_of_json_string(text)));
     }
+}
+
+fn size_of_json_string(text: &str) -> usize {
+    serde_json::to_vec(text)
+        .map(|v| v.len())
+        .unwrap_or(text.len())
 }
 
 /// The subject token for an optional origin session.
@@ -558,10 +575,18 @@ pub(crate) fn token_for(session: Option<&str>) -> String {
     session.map_or_else(|| SYNC_SESSION_TOKEN.to_owned(), session_token)
 }
 
-/// Decodes a request, salvaging its identity from body or headers when it is unusable.
-fn decode(payload: &[u8], headers: Option<&HeaderMap>) -> Result<TaskRequest, Rejected> {
+/// Longest rejection reason kept: serde errors may quote the offending input.
+const MAX_REASON_BYTES: usize = 1024;
+
+/// Decodes a request as a worker does, salvaging its identity from body or
+/// headers when it is unusable.
+pub fn decode_request(
+    payload: &[u8],
+    headers: Option<&HeaderMap>,
+    limits: &Limits,
+) -> Result<TaskRequest, Rejected> {
     let origin_header = header(headers, HEADER_ORIGIN_SESSION);
-    let result = TaskRequest::decode(payload)
+    let result = TaskRequest::decode_within(payload, limits)
         .and_then(|request| request.check_origin_header(origin_header).map(|()| request));
     result.map_err(|err| {
         let loose: serde_json::Value = serde_json::from_slice(payload).unwrap_or_default();
@@ -603,7 +628,7 @@ fn decode(payload: &[u8], headers: Option<&HeaderMap>) -> Result<TaskRequest, Re
                 (count, mode, notify)
             });
         Rejected {
-            reason: err.to_string(),
+            reason: bounded(&err.to_string(), MAX_REASON_BYTES),
             delegation_id,
             task_index,
             origin_session,
@@ -628,6 +653,23 @@ mod tests {
         assert!(
             done.summary
                 .unwrap()
+                .ends_with("[truncated to fit the NATS max payload]")
+        );
+    }
+
+    #[test]
+    fn a_huge_context_and_goal_are_cut_too_so_the_completion_always_fits() {
+        let request =
+            TaskRequest::decode(br#"{"version":1,"delegation_id":"d","goal":"g"}"#).unwrap();
+        let mut done = CompletionEvent::for_request(&request, Status::Error, "invalid_request");
+        done.context = "\"".repeat(700_000);
+        done.goal = "\u{1}".repeat(300_000);
+        done.error = Some("e".repeat(10));
+        fit_to_payload(&mut done, 1024 * 1024);
+        let size = serde_json::to_vec(&done).unwrap().len();
+        assert!(size <= 1024 * 1024 - PAYLOAD_MARGIN, "{size}");
+        assert!(
+            done.context
                 .ends_with("[truncated to fit the NATS max payload]")
         );
     }

@@ -21,10 +21,13 @@ use tracing::{info, warn};
 
 use handler::TaskHandler;
 pub(crate) use handler::token_for;
+pub use handler::{Rejected, decode_request};
 
 use crate::bus::{Bus, BusSettings, ProvisionError};
 use crate::ops::service::{Registration, register};
 use crate::outcome::Outcome;
+use crate::protocol::Limits;
+use crate::quarantine::{ReconnectWatch, sweep_after_reconnect};
 use executor::{Executor, TaskEnv};
 
 /// How a worker behaves.
@@ -50,6 +53,9 @@ pub struct WorkerConfig {
     pub instance: String,
     /// Deepest subagent nesting this worker runs; deeper requests end in `error`.
     pub max_depth: u32,
+    /// Largest request, goal and context accepted; larger ones end with an
+    /// `error` completion.
+    pub limits: Limits,
 }
 
 impl WorkerConfig {
@@ -66,6 +72,7 @@ impl WorkerConfig {
             shutdown_grace: Duration::from_secs(30),
             instance: default_instance_name("worker"),
             max_depth: crate::protocol::DEFAULT_MAX_DEPTH,
+            limits: Limits::default(),
         }
     }
 
@@ -125,6 +132,7 @@ pub async fn run(
         .await
         .map_err(WorkerError::Cancels)?;
     let concurrency = config.concurrency.max(1);
+    let pool = config.pool.clone();
     let grace = config.shutdown_grace;
     let tracker = TaskTracker::new();
     let registration = Registration::worker(
@@ -148,7 +156,22 @@ pub async fn run(
     let stopping = CancellationToken::new();
     tokio::pin!(shutdown);
 
+    let mut reconnects = ReconnectWatch::new(&bus.client);
+    let (tasks_stream, consumer_name, dead_letters) = (
+        bus.subjects.tasks_stream(),
+        bus.subjects.worker_consumer(&pool),
+        bus.subjects.dead_letter_task(&pool),
+    );
+
     'pull: loop {
+        // An unreadable message drops the connection; find and remove it.
+        sweep_after_reconnect(
+            &mut reconnects,
+            &bus,
+            &tasks_stream,
+            &consumer_name,
+            &dead_letters,
+        );
         let first = tokio::select! {
             () = &mut shutdown => break 'pull,
             permit = slots.clone().acquire_owned() => permit.expect("semaphore is never closed"),

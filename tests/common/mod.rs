@@ -1,10 +1,12 @@
 //! Test harness: real nats-server processes, a real HTTP session API, and
 //! helpers to run the services in-process or as `wakebus` processes.
-#![allow(dead_code, unreachable_pub, missing_docs)]
+#![allow(dead_code, unreachable_pub, missing_docs, unused_imports)]
 
 pub mod cli;
 pub mod nats;
+pub mod pki;
 pub mod process;
+pub mod raw;
 pub mod session_api;
 
 use std::future::Future;

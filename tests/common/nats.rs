@@ -30,6 +30,11 @@ pub struct NatsServer {
     pub extra_args: Vec<String>,
     /// The JetStream store; removed on drop.
     pub store: TempDir,
+    /// Environment of the server process (a config file may read it).
+    pub env: Vec<(String, String)>,
+    /// Whether clients need credentials or TLS: readiness is then probed by
+    /// the server's INFO line instead of a JetStream request.
+    pub secured: bool,
     child: Option<Child>,
 }
 
@@ -50,6 +55,24 @@ impl NatsServer {
             port,
             extra_args,
             store: tempfile::tempdir().expect("tempdir"),
+            env: Vec::new(),
+            secured: false,
+            child: None,
+        };
+        server.spawn();
+        server.wait_ready().await;
+        server
+    }
+
+    /// Starts a server that requires credentials or TLS, with a config
+    /// file reading `env`.
+    pub async fn start_secured(extra_args: Vec<String>, env: Vec<(String, String)>) -> Self {
+        let mut server = Self {
+            port: free_port(),
+            extra_args,
+            store: tempfile::tempdir().expect("tempdir"),
+            env,
+            secured: true,
             child: None,
         };
         server.spawn();
@@ -73,8 +96,13 @@ impl NatsServer {
             ])
             .arg(self.store.path())
             .args(&self.extra_args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(
+                std::fs::File::create(self.store.path().join("server.stderr"))
+                    .map(Stdio::from)
+                    .unwrap_or_else(|_| Stdio::null()),
+            )
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", server_binary().display()));
         self.child = Some(child);
@@ -87,9 +115,15 @@ impl NatsServer {
             if let Some(child) = self.child.as_mut()
                 && let Ok(Some(status)) = child.try_wait()
             {
-                panic!("nats-server exited during start: {status}");
+                let stderr = std::fs::read_to_string(self.store.path().join("server.stderr"))
+                    .unwrap_or_default();
+                panic!("nats-server exited during start: {status}\n{stderr}");
             }
-            if let Ok(client) = async_nats::ConnectOptions::new()
+            if self.secured {
+                if self.info_line().await {
+                    return;
+                }
+            } else if let Ok(client) = async_nats::ConnectOptions::new()
                 .connection_timeout(Duration::from_millis(500))
                 .connect(self.url())
                 .await
@@ -111,6 +145,26 @@ impl NatsServer {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Whether the server accepts TCP connections and greets with INFO (it
+    /// starts JetStream before it listens).
+    async fn info_line(&self) -> bool {
+        use tokio::io::AsyncBufReadExt;
+        let Ok(Ok(stream)) = tokio::time::timeout(
+            Duration::from_millis(500),
+            tokio::net::TcpStream::connect(("127.0.0.1", self.port)),
+        )
+        .await
+        else {
+            return false;
+        };
+        let mut line = String::new();
+        let mut reader = tokio::io::BufReader::new(stream);
+        matches!(
+            tokio::time::timeout(Duration::from_millis(500), reader.read_line(&mut line)).await,
+            Ok(Ok(_)) if line.starts_with("INFO ")
+        )
     }
 
     /// SIGKILL (a crash).

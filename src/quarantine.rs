@@ -1,0 +1,338 @@
+//! Messages the NATS client cannot read at all.
+//!
+//! nats-server stores a message whose headers are not UTF-8 (or otherwise
+//! malformed) without complaint, but async-nats treats such headers as a
+//! protocol error and drops the connection whenever one is delivered. On a
+//! durable consumer the message comes back after every AckWait, and the
+//! connection with it: the service stalls. No handler ever sees the message,
+//! so it cannot be terminated the usual way.
+//!
+//! After a reconnect, [`sweep`] reads the consumer's unacknowledged messages
+//! through the JetStream API (whose JSON answer the client can parse), copies
+//! each unreadable one to a dead-letter subject with the reason, and deletes
+//! it from the stream. Deleting needs `$JS.API.STREAM.MSG.DELETE.<stream>`;
+//! a NATS user without it (the least-privileged roles) logs at ERROR the
+//! command an operator can run instead.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use bytes::Bytes;
+use serde::Deserialize;
+use tracing::{error, info, warn};
+
+use crate::bus::Bus;
+use crate::protocol::{HEADER_DEAD_LETTER_REASON, HEADER_MSG_ID, header_safe};
+
+/// Most unacknowledged messages looked at in one sweep.
+const MAX_SCAN: u64 = 512;
+/// Limit for each JetStream API request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why a header block cannot be read by async-nats, mirroring its parser.
+pub fn unreadable_headers(block: &[u8]) -> Option<&'static str> {
+    let Ok(text) = std::str::from_utf8(block) else {
+        return Some("its NATS headers are not valid UTF-8");
+    };
+    let mut lines = text.lines().peekable();
+    let Some(version) = lines.next() else {
+        return Some("its NATS headers have no version line");
+    };
+    let Some(suffix) = version.strip_prefix("NATS/1.0").map(str::trim) else {
+        return Some("its NATS header block does not start with NATS/1.0");
+    };
+    let status = suffix.split_once(' ').map_or(suffix, |(s, _)| s.trim());
+    if !status.is_empty() && async_nats::StatusCode::from_str(status).is_err() {
+        return Some("its NATS header status is not a number");
+    }
+    while let Some(line) = lines.next() {
+        if line.is_empty() {
+            continue;
+        }
+        let Some((name, _)) = line.split_once(':') else {
+            return Some("a NATS header line has no ':'");
+        };
+        if async_nats::HeaderName::from_str(name).is_err() {
+            return Some("a NATS header name is invalid");
+        }
+        while lines
+            .next_if(|l| l.starts_with(char::is_whitespace))
+            .is_some()
+        {}
+    }
+    None
+}
+
+#[derive(Deserialize)]
+struct ConsumerInfo {
+    ack_floor: SequencePair,
+    delivered: SequencePair,
+    #[serde(default)]
+    num_ack_pending: u64,
+}
+
+#[derive(Deserialize)]
+struct SequencePair {
+    stream_seq: u64,
+}
+
+#[derive(Deserialize)]
+struct MsgGet {
+    message: Option<StoredMessage>,
+}
+
+#[derive(Deserialize)]
+struct StoredMessage {
+    #[serde(default)]
+    hdrs: Option<String>,
+    #[serde(default)]
+    data: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Deleted {
+    #[serde(default)]
+    success: bool,
+}
+
+/// Notices reconnects of a client (an unreadable message drops the
+/// connection), so that a sweep runs only after one, and never two at once.
+#[derive(Debug)]
+pub struct ReconnectWatch {
+    /// The client's connect count at the last check.
+    seen: u64,
+    /// Set while a sweep runs.
+    sweeping: Arc<AtomicBool>,
+}
+
+impl ReconnectWatch {
+    /// Starts watching `client`.
+    pub fn new(client: &async_nats::Client) -> Self {
+        Self {
+            seen: Self::connects(client),
+            sweeping: Arc::default(),
+        }
+    }
+
+    fn connects(client: &async_nats::Client) -> u64 {
+        client.statistics().connects.load(Ordering::Relaxed)
+    }
+
+    /// Whether the client connected again since the last call.
+    pub fn reconnected(&mut self, client: &async_nats::Client) -> bool {
+        let now = Self::connects(client);
+        std::mem::replace(&mut self.seen, now) != now
+    }
+}
+
+/// After a reconnect, sweeps in the background (so a slow or refused API
+/// request never holds up the consumer loop), logging instead of failing.
+pub fn sweep_after_reconnect(
+    watch: &mut ReconnectWatch,
+    bus: &Bus,
+    stream: &str,
+    consumer: &str,
+    dead_letter_subject: &str,
+) {
+    if !watch.reconnected(&bus.client) || watch.sweeping.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let sweeping = watch.sweeping.clone();
+    let (bus, stream, consumer, dead_letter_subject) = (
+        bus.clone(),
+        stream.to_owned(),
+        consumer.to_owned(),
+        dead_letter_subject.to_owned(),
+    );
+    tokio::spawn(async move {
+        if let Err(error) = sweep(&bus, &stream, &consumer, &dead_letter_subject).await {
+            warn!(%error, stream, consumer, "Could not look for unreadable messages after a reconnect; if the connection keeps dropping, an operator should look for one (see docs/OPERATIONS.md, \"Poison messages\").");
+        }
+        sweeping.store(false, Ordering::Release);
+    });
+}
+
+/// Why a sweep could not finish (it is retried after the next reconnect).
+#[derive(Debug, thiserror::Error)]
+pub enum SweepError {
+    /// A JetStream API request failed or timed out.
+    #[error("JetStream API request {subject} failed: {reason}")]
+    Request {
+        /// The API subject.
+        subject: String,
+        /// What happened.
+        reason: String,
+    },
+}
+
+impl Bus {
+    async fn api<T: for<'de> Deserialize<'de>>(
+        &self,
+        subject: String,
+        body: String,
+    ) -> Result<T, SweepError> {
+        let failed = |reason: String| SweepError::Request {
+            subject: subject.clone(),
+            reason,
+        };
+        let reply = tokio::time::timeout(
+            REQUEST_TIMEOUT,
+            self.client.request(subject.clone(), body.into()),
+        )
+        .await
+        .map_err(|_| failed("timed out (is it allowed for this NATS user?)".to_owned()))?
+        .map_err(|e| failed(e.to_string()))?;
+        serde_json::from_slice(&reply.payload).map_err(|e| failed(e.to_string()))
+    }
+}
+
+/// Moves the messages of `consumer` on `stream` that the client cannot read
+/// to `dead_letter_subject` and deletes them from the stream. Returns how
+/// many were removed.
+pub async fn sweep(
+    bus: &Bus,
+    stream: &str,
+    consumer: &str,
+    dead_letter_subject: &str,
+) -> Result<usize, SweepError> {
+    let info: ConsumerInfo = bus
+        .api(
+            format!("$JS.API.CONSUMER.INFO.{stream}.{consumer}"),
+            String::new(),
+        )
+        .await?;
+    if info.num_ack_pending == 0 {
+        return Ok(0);
+    }
+    let first = info.ack_floor.stream_seq + 1;
+    let last = info.delivered.stream_seq.min(first + MAX_SCAN - 1);
+    let mut removed = 0;
+    for seq in first..=last {
+        let got: MsgGet = bus
+            .api(
+                format!("$JS.API.STREAM.MSG.GET.{stream}"),
+                format!(r#"{{"seq":{seq}}}"#),
+            )
+            .await?;
+        let Some(message) = got.message else {
+            continue;
+        };
+        let headers = message
+            .hdrs
+            .as_deref()
+            .and_then(|h| BASE64.decode(h).ok())
+            .unwrap_or_default();
+        if headers.is_empty() {
+            continue;
+        }
+        let Some(reason) = unreadable_headers(&headers) else {
+            continue;
+        };
+        let reason = format!(
+            "{reason}, so no NATS client library can read it; headers: {}",
+            String::from_utf8_lossy(&headers)
+        );
+        let body = message
+            .data
+            .as_deref()
+            .and_then(|d| BASE64.decode(d).ok())
+            .unwrap_or_default();
+        if quarantine(bus, stream, seq, dead_letter_subject, &reason, body).await? {
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
+/// Dead-letters and deletes one message; false if this user may not delete.
+async fn quarantine(
+    bus: &Bus,
+    stream: &str,
+    seq: u64,
+    dead_letter_subject: &str,
+    reason: &str,
+    body: Vec<u8>,
+) -> Result<bool, SweepError> {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(reason).as_str());
+    headers.insert(
+        HEADER_MSG_ID,
+        format!("dlq.unreadable.{stream}.{seq}").as_str(),
+    );
+    let stored = async {
+        bus.js
+            .publish_with_headers(dead_letter_subject.to_owned(), headers, Bytes::from(body))
+            .await?
+            .await
+    }
+    .await;
+    if let Err(error) = stored {
+        warn!(%error, stream, seq, "Could not dead-letter an unreadable message; will retry after the next reconnect.");
+        return Ok(false);
+    }
+    let deleted: Result<Deleted, SweepError> = bus
+        .api(
+            format!("$JS.API.STREAM.MSG.DELETE.{stream}"),
+            format!(r#"{{"seq":{seq},"no_erase":true}}"#),
+        )
+        .await;
+    match deleted {
+        Ok(Deleted { success: true }) => {
+            info!(
+                stream,
+                seq,
+                dead_letter = dead_letter_subject,
+                "Removed a message the NATS client cannot read; a copy is in the dead letters."
+            );
+            Ok(true)
+        }
+        other => {
+            let why = match other {
+                Err(error) => error.to_string(),
+                Ok(_) => "the server refused".to_owned(),
+            };
+            error!(stream, seq, %why, "A message the NATS client cannot read blocks this consumer and could not be deleted by this NATS user; an operator must remove it: nats stream rmm {stream} {seq}");
+            Ok(false)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readable_header_blocks_pass_like_async_nats_parses_them() {
+        for ok in [
+            &b"NATS/1.0\r\n\r\n"[..],
+            b"NATS/1.0\r\nA: b\r\nC:d\r\n\r\n",
+            b"NATS/1.0 503\r\n\r\n",
+            b"NATS/1.0\r\nA: b\r\n  continued\r\n\r\n",
+            "NATS/1.0\r\nWakebus-Origin-Session: ünïcode\r\n\r\n".as_bytes(),
+        ] {
+            assert_eq!(
+                unreadable_headers(ok),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(ok)
+            );
+        }
+        for bad in [
+            &b"NATS/1.0\r\nA: \xff\xfe\r\n\r\n"[..],
+            b"HTTP/1.1\r\n\r\n",
+            b"NATS/1.0\r\nno colon here\r\n\r\n",
+            b"NATS/1.0 abc\r\n\r\n",
+            b"NATS/1.0\r\nbad name: x\r\n\r\n",
+        ] {
+            assert!(
+                unreadable_headers(bad).is_some(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+}

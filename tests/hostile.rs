@@ -1,0 +1,571 @@
+//! Hostile input: oversized requests, bodies that are not UTF-8, session ids
+//! of every shape, forged completions and headers no client library would
+//! write. Each ends once with a recorded reason and the services go on.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use common::*;
+use wakebus::bus::Bus;
+use wakebus::delegate::{DelegateError, Delegation, Delegator, TaskSpec};
+use wakebus::protocol::{CompletionEvent, Limits, Status, session_token};
+use wakebus::worker::executor::{EchoExecutor, Executor};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Publishes a raw request body with only an origin session and a delegation id header.
+async fn publish_raw(bus: &Bus, session: &str, delegation_id: &str, body: Vec<u8>) {
+    let mut headers = HeaderMap::new();
+    headers.insert("Wakebus-Origin-Session", session);
+    headers.insert("Wakebus-Delegation-Id", delegation_id);
+    bus.js
+        .publish_with_headers(bus.subjects.task("default"), headers, body.into())
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+}
+
+fn request_body(delegation_id: &str, session: &str, goal: &str, context: &str) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "version": 1,
+        "delegation_id": delegation_id,
+        "origin_session_id": session,
+        "goal": goal,
+        "context": context,
+        "a_field_from_the_future": {"nested": [1, 2, 3]},
+    }))
+    .unwrap()
+}
+
+/// Waits until the consumer `name` on `stream` has nothing pending or
+/// unacknowledged, and returns how many deliveries were redeliveries.
+async fn drained(bus: &Bus, stream: &str, name: &str) -> u64 {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if let Ok(mut consumer) = bus
+            .js
+            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                name, stream,
+            )
+            .await
+            && let Ok(info) = consumer.info().await
+            && info.num_ack_pending == 0
+            && info.num_pending == 0
+        {
+            return info.num_redelivered as u64;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "consumer {name} did not finish within {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn dead_letter_reasons(messages: &[async_nats::jetstream::message::StreamMessage]) -> Vec<String> {
+    messages
+        .iter()
+        .map(|m| {
+            m.headers
+                .get("Wakebus-Dead-Letter-Reason")
+                .map(|v| v.to_string())
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn oversized_and_non_utf8_requests_end_once_in_clear_error_wakes_and_the_worker_goes_on() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    let mut config = test_worker_config("default");
+    config.limits = Limits {
+        max_request_bytes: 4096,
+        max_goal_bytes: 100,
+        max_context_bytes: 1000,
+    };
+    services.worker(&bus, Executor::Echo(EchoExecutor), config);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    let cases = [
+        (
+            "big-goal",
+            request_body("big-goal", "s.goal", &"g".repeat(101), ""),
+        ),
+        (
+            "big-context",
+            request_body("big-context", "s.context", "ok", &"c".repeat(1001)),
+        ),
+        (
+            "big-body",
+            request_body("big-body", "s.body", "ok", &"x".repeat(999)).repeat(5),
+        ),
+        (
+            "not-utf8",
+            b"{\"version\":1,\"delegation_id\":\"not-utf8\",\"goal\":\"\xff\xfe\"}".to_vec(),
+        ),
+        (
+            "wrong-type",
+            br#"{"version":1,"delegation_id":"wrong-type","goal":"g","task_index":"zero"}"#
+                .to_vec(),
+        ),
+    ];
+    let sessions: HashMap<&str, &str> = [
+        ("big-goal", "s.goal"),
+        ("big-context", "s.context"),
+        ("big-body", "s.body"),
+        ("not-utf8", "s.utf8"),
+        ("wrong-type", "s.type"),
+    ]
+    .into();
+    for (id, body) in &cases {
+        publish_raw(&bus, sessions[id], id, body.clone()).await;
+    }
+    // A request exactly at the limits still runs, and unknown fields are fine.
+    publish_raw(
+        &bus,
+        "s.fine",
+        "fine",
+        request_body("fine", "s.fine", &"g".repeat(100), &"c".repeat(1000)),
+    )
+    .await;
+
+    wait_until(WAIT, "six wakes", || async { api.accepted().len() >= 6 }).await;
+    let redelivered = drained(&bus, &bus.subjects.tasks_stream(), "worker-default").await;
+    services.stop().await;
+
+    let texts: HashMap<String, String> = api
+        .accepted()
+        .iter()
+        .map(|p| (p.session(), p.text()))
+        .collect();
+    let expect = [
+        ("s.goal", "goal is 101 bytes; the limit is 100 bytes"),
+        (
+            "s.context",
+            "context is 1001 bytes; the limit is 1000 bytes",
+        ),
+        ("s.body", "bytes; the limit is 4096 bytes"),
+        ("s.utf8", "request body is not valid UTF-8"),
+        ("s.type", "invalid type: string \"zero\", expected u32"),
+    ];
+    assert!(texts["s.body"].contains("request body is "));
+    for (session, reason) in expect {
+        let text = &texts[session];
+        assert!(text.contains("Status: error"), "{session}: {text}");
+        assert!(text.contains(reason), "{session}: {text}");
+    }
+    assert!(texts["s.fine"].contains("Status: completed"), "{texts:?}");
+    assert_eq!(redelivered, 0, "each poison request is handled once");
+
+    let dead = all_messages(&bus, &bus.subjects.dead_letter_stream()).await;
+    assert_eq!(dead.len(), 5, "one dead letter per unusable request");
+    for (message, reason) in dead.iter().zip(dead_letter_reasons(&dead)) {
+        assert!(!reason.is_empty());
+        assert!(
+            !message.payload.is_empty(),
+            "small bodies are kept for replay"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_request_at_the_servers_max_payload_completes_with_its_context_cut_to_fit() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let max_payload = bus.client.server_info().max_payload;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    // The completion repeats goal and context; with a context this large it
+    // would not fit in one message unless the worker cuts it.
+    let context = "\"".repeat(max_payload / 2 - 1000);
+    let body = request_body("near-max", "s.max", "summarise", &context);
+    assert!(body.len() < max_payload && body.len() > max_payload - 4096);
+    publish_raw(&bus, "s.max", "near-max", body).await;
+
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    services.stop().await;
+    let text = api.accepted()[0].text();
+    assert!(text.contains("Status: completed"), "{text}");
+    let done = all_messages(&bus, &bus.subjects.events_stream())
+        .await
+        .into_iter()
+        .find(|m| m.subject.ends_with(".done"))
+        .expect("completion");
+    let done = CompletionEvent::decode(&done.payload).unwrap();
+    assert_eq!(done.status, Status::Completed);
+    assert!(
+        done.context
+            .ends_with("[truncated to fit the NATS max payload]"),
+        "context not cut"
+    );
+}
+
+#[tokio::test]
+async fn a_rejected_request_too_large_to_store_again_is_dead_lettered_without_its_body() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let max_payload = bus.client.server_info().max_payload;
+    let mut services = Services::new();
+    let mut config = test_worker_config("default");
+    config.limits.max_request_bytes = 1024;
+    services.worker(&bus, Executor::Echo(EchoExecutor), config);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    let body = request_body("huge", "s.huge", "g", &"x".repeat(max_payload - 2000));
+    publish_raw(&bus, "s.huge", "huge", body.clone()).await;
+    wait_until(WAIT, "the error wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    let redelivered = drained(&bus, &bus.subjects.tasks_stream(), "worker-default").await;
+    services.stop().await;
+
+    assert!(api.accepted()[0].text().contains("Status: error"));
+    assert_eq!(redelivered, 0);
+    let dead = all_messages(&bus, &bus.subjects.dead_letter_stream()).await;
+    assert_eq!(dead.len(), 1);
+    assert!(dead[0].payload.is_empty());
+    let reason = &dead_letter_reasons(&dead)[0];
+    assert!(reason.contains("the limit is 1024 bytes"), "{reason}");
+    assert!(
+        reason.contains(&format!("body of {} bytes left out", body.len())),
+        "{reason}"
+    );
+}
+
+#[tokio::test]
+async fn session_ids_of_any_shape_reach_the_session_api_unchanged() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    let ten_kb: String = "sess.*.>. ünï会话 \"quoted\" {{x}} \\ ;,: "
+        .chars()
+        .cycle()
+        .take(9000)
+        .collect::<String>()
+        .trim()
+        .to_owned();
+    assert!(ten_kb.len() >= 10 * 1024, "{}", ten_kb.len());
+    let sessions = [
+        "a.b.c".to_owned(),
+        "*".to_owned(),
+        ">".to_owned(),
+        "wakebus.evt.*.*.*.done".to_owned(),
+        "with  inner   spaces".to_owned(),
+        "ünïcödé 会话 🦀".to_owned(),
+        "Idempotency-Key: forged".to_owned(),
+        ten_kb,
+    ];
+    let delegator = Delegator::new(bus.clone());
+    for session in &sessions {
+        delegator
+            .delegate(Delegation::new("shape test").session(session.clone()))
+            .await
+            .expect("delegate");
+    }
+    wait_until(WAIT, "one wake per session", || async {
+        api.accepted().len() >= sessions.len()
+    })
+    .await;
+    services.stop().await;
+    let mut woken: Vec<String> = api.accepted().iter().map(|p| p.session()).collect();
+    woken.sort();
+    let mut expected = sessions.to_vec();
+    expected.sort();
+    assert_eq!(woken, expected);
+    for post in api.accepted() {
+        assert!(post.text().contains("Status: completed"));
+    }
+}
+
+#[tokio::test]
+async fn the_delegator_refuses_oversized_or_unsafe_input_before_publishing() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let max_payload = bus.client.server_info().max_payload;
+    let delegator = Delegator::new(bus.clone()).with_limits(Limits {
+        max_request_bytes: 10 * 1024 * 1024,
+        max_goal_bytes: 10,
+        max_context_bytes: 10 * 1024 * 1024,
+    });
+    let cases: Vec<(Delegation, &str)> = vec![
+        (
+            Delegation::new("x".repeat(11)).session("s"),
+            "goal is 11 bytes; the limit is 10 bytes",
+        ),
+        (
+            Delegation::new("g")
+                .session("s")
+                .context("c".repeat(max_payload)),
+            "max_payload",
+        ),
+        (
+            Delegation::new("g").session("s\r\nX-Injected: 1"),
+            "origin session id contains '\\r'",
+        ),
+        (
+            Delegation::new("g").session(" padded "),
+            "must not start or end with whitespace",
+        ),
+        (
+            Delegation::new("g").session("x".repeat(16 * 1024 + 1)),
+            "origin session id is 16385 bytes long; the limit is 16384",
+        ),
+        (
+            Delegation::new("g").session("s").pool("a.b"),
+            "pool contains '.'",
+        ),
+        (
+            Delegation::new("   ").session("s"),
+            "goal of task 0 must not be empty",
+        ),
+        // A batch is refused whole: the first task is fine, but nothing of
+        // it is published (checked below) because the second has no goal.
+        (
+            {
+                let mut batch = Delegation::new("fine").session("s");
+                batch.tasks.push(TaskSpec {
+                    goal: "\t\n".to_owned(),
+                    context: String::new(),
+                });
+                batch
+            },
+            "goal of task 1 must not be empty",
+        ),
+    ];
+    for (delegation, expected) in cases {
+        let err = delegator.delegate(delegation).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                DelegateError::TooLarge(_)
+                    | DelegateError::InvalidId(_)
+                    | DelegateError::EmptyGoal(_)
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains(expected), "{err}");
+    }
+    let mut stream = bus
+        .js
+        .get_stream(bus.subjects.tasks_stream())
+        .await
+        .unwrap();
+    assert_eq!(
+        stream.info().await.unwrap().state.messages,
+        0,
+        "nothing was published"
+    );
+}
+
+#[tokio::test]
+async fn forged_and_inconsistent_completions_are_dead_lettered_once_and_real_wakes_go_on() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let max_payload = bus.client.server_info().max_payload;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    let victim = "s.victim";
+    let token = session_token(victim);
+    let completion = |id: &str, extra: serde_json::Value| {
+        let mut body = serde_json::json!({
+            "type": "async_delegation",
+            "delegation_id": id,
+            "origin_session_id": victim,
+            "status": "completed",
+            "completed_at": "2026-01-01T00:00:00Z",
+            "exit_reason": "completed",
+        });
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        serde_json::to_vec(&body).unwrap()
+    };
+    let with_origin = |value: &str| {
+        let mut headers = HeaderMap::new();
+        headers.insert("Wakebus-Origin-Session", value);
+        headers
+    };
+    let poison: Vec<(&str, HeaderMap, Vec<u8>)> = vec![
+        // An event id that would become a forged Idempotency-Key header.
+        (
+            "evid",
+            with_origin(victim),
+            completion(
+                "evid",
+                serde_json::json!({"event_id": "evid.0.done\r\nX-Evil: 1"}),
+            ),
+        ),
+        // The origin header names another session than the body.
+        (
+            "forged",
+            with_origin("s.other"),
+            completion("forged", serde_json::json!({})),
+        ),
+        // No origin header at all.
+        (
+            "noheader",
+            HeaderMap::new(),
+            completion("noheader", serde_json::json!({})),
+        ),
+        // Not UTF-8.
+        ("utf8", with_origin(victim), b"{\"type\":\"\xff\"}".to_vec()),
+        // A wrong type.
+        (
+            "wrongtype",
+            with_origin(victim),
+            completion("wrongtype", serde_json::json!({"task_index": "zero"})),
+        ),
+        // So large that its dead letter cannot carry the body.
+        (
+            "huge",
+            with_origin(victim),
+            completion(
+                "huge",
+                serde_json::json!({"status": "bogus", "summary": "y".repeat(max_payload - 3000)}),
+            ),
+        ),
+    ];
+    for (id, headers, body) in &poison {
+        bus.js
+            .publish_with_headers(
+                format!("{}.evt.{token}.{id}.0.done", bus.subjects.prefix()),
+                headers.clone(),
+                body.clone().into(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("after the poison").session(victim))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the real wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    let dlq = bus.subjects.dead_letter_stream();
+    wait_until(WAIT, "one dead letter per poison completion", || async {
+        all_messages(&bus, &dlq).await.len() >= poison.len()
+    })
+    .await;
+    let redelivered = drained(&bus, &bus.subjects.events_stream(), "wake").await;
+    services.stop().await;
+
+    assert_eq!(
+        api.all_posts().len(),
+        1,
+        "only the real completion is woken"
+    );
+    assert_eq!(redelivered, 0, "each poison completion is handled once");
+    let dead = all_messages(&bus, &dlq).await;
+    assert_eq!(dead.len(), poison.len());
+    let reasons = dead_letter_reasons(&dead).join("\n");
+    for expected in [
+        "event_id is not \"evid.0.done\"",
+        "does not match",
+        "no Wakebus-Origin-Session header",
+        "completion is not valid",
+        "invalid type: string \"zero\"",
+        "left out: too large to store again",
+    ] {
+        assert!(
+            reasons.contains(expected),
+            "{expected:?} not in:\n{reasons}"
+        );
+    }
+}
+
+/// async-nats drops the connection whenever it receives a message whose
+/// headers are not UTF-8 (nats-server stores them without checking), so no
+/// handler ever sees it. After the reconnect the service finds it through the
+/// JetStream API, dead-letters and deletes it, and goes on.
+#[tokio::test]
+async fn a_message_whose_headers_the_client_cannot_read_is_removed_and_the_services_go_on() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    let unreadable = b"NATS/1.0\r\nWakebus-Origin-Session: \xff\xfe\r\n\r\n";
+    let refused = raw::hpub(
+        nats.port,
+        &bus.subjects.task("default"),
+        unreadable,
+        &request_body("rawhdr", "s.raw", "g", ""),
+    )
+    .await;
+    assert_eq!(refused, None, "nats-server stores it without complaint");
+    // And a completion the wake service cannot read.
+    let token = session_token("s.raw");
+    let refused = raw::hpub(
+        nats.port,
+        &format!("{}.evt.{token}.rawdone.0.done", bus.subjects.prefix()),
+        unreadable,
+        b"{}",
+    )
+    .await;
+    assert_eq!(refused, None);
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("after").session("s.after"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the wake of the good request", || async {
+        api.accepted().iter().any(|p| p.session() == "s.after")
+    })
+    .await;
+    let dlq = bus.subjects.dead_letter_stream();
+    wait_until(WAIT, "both unreadable messages dead-lettered", || async {
+        all_messages(&bus, &dlq).await.len() >= 2
+    })
+    .await;
+    services.stop().await;
+
+    let dead = all_messages(&bus, &dlq).await;
+    let subjects: Vec<&str> = dead.iter().map(|m| m.subject.as_str()).collect();
+    assert!(
+        subjects.contains(&bus.subjects.dead_letter_task("default").as_str()),
+        "{subjects:?}"
+    );
+    assert!(
+        subjects.contains(&bus.subjects.dead_letter_wake("poison").as_str()),
+        "{subjects:?}"
+    );
+    for reason in dead_letter_reasons(&dead) {
+        assert!(reason.contains("headers are not valid UTF-8"), "{reason}");
+    }
+    assert!(api.accepted().iter().all(|p| p.session() != "s.raw"));
+    assert_eq!(
+        all_messages(&bus, &bus.subjects.tasks_stream()).await.len(),
+        0,
+        "the unreadable request is gone from the work queue"
+    );
+}

@@ -1,0 +1,324 @@
+//! The production NATS configuration (`deploy/nats-prod.conf`): mutual TLS
+//! with a private CA, one NKey user per role. The pipeline runs against it
+//! with every service authenticated as its role, in-process and as
+//! `wakebus` processes configured through flags and environment variables.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tokio::process::Command;
+
+use common::pki::{Pki, pki, write};
+use common::*;
+use wakebus::bus::{Bus, BusSettings};
+use wakebus::connect::NatsConfig;
+use wakebus::delegate::{DelegateResult, Delegation, Delegator};
+use wakebus::protocol::Subjects;
+use wakebus::worker::executor::{EchoExecutor, Executor};
+
+const WAIT: Duration = Duration::from_secs(30);
+const ROLES: [&str; 4] = ["operator", "delegator", "worker", "wake"];
+
+struct Deployment {
+    nats: NatsServer,
+    pki: Pki,
+    dir: tempfile::TempDir,
+}
+
+impl Deployment {
+    async fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = pki(dir.path());
+        let mut env = vec![
+            (
+                "WAKEBUS_TLS_CERT".to_owned(),
+                pki.server_cert.display().to_string(),
+            ),
+            (
+                "WAKEBUS_TLS_KEY".to_owned(),
+                pki.server_key.display().to_string(),
+            ),
+            ("WAKEBUS_TLS_CA".to_owned(), pki.ca.display().to_string()),
+        ];
+        for role in ROLES {
+            let pair = nkeys::KeyPair::new_user();
+            write(dir.path(), &format!("{role}.nk"), &pair.seed().unwrap());
+            env.push((
+                format!("WAKEBUS_{}_NKEY", role.to_ascii_uppercase()),
+                pair.public_key(),
+            ));
+        }
+        let conf = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/nats-prod.conf");
+        let nats =
+            NatsServer::start_secured(vec!["-c".into(), conf.display().to_string()], env).await;
+        Self { nats, pki, dir }
+    }
+
+    fn seed_file(&self, role: &str) -> PathBuf {
+        self.dir.path().join(format!("{role}.nk"))
+    }
+
+    fn config(&self, role: &str) -> NatsConfig {
+        NatsConfig {
+            nkey_file: Some(self.seed_file(role)),
+            tls_ca: Some(self.pki.ca.clone()),
+            tls_cert: Some(self.pki.client_cert.clone()),
+            tls_key: Some(self.pki.client_key.clone()),
+            inbox_prefix: (role != "operator").then(|| format!("_INBOX_{role}")),
+            ..NatsConfig::new(self.nats.url())
+        }
+    }
+
+    async fn bus(&self, role: &str) -> Bus {
+        let client = self.config(role).connect().await.expect("connect");
+        Bus::new(client, Subjects::new("wakebus").unwrap())
+    }
+
+    /// `wakebus` with a role's credentials in environment variables.
+    fn command(&self, role: &str) -> Command {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_wakebus"));
+        command
+            .env_clear()
+            .env("NATS_URL", self.nats.url())
+            .env("NATS_NKEY_FILE", self.seed_file(role))
+            .env("NATS_CA", &self.pki.ca)
+            .env("NATS_CERT", &self.pki.client_cert)
+            .env("NATS_KEY", &self.pki.client_key)
+            .env("NATS_INBOX_PREFIX", format!("_INBOX_{role}"))
+            .env("RUST_LOG", "wakebus=info");
+        command
+    }
+}
+
+#[tokio::test]
+async fn the_pipeline_runs_over_mutual_tls_with_an_nkey_per_role() {
+    init_logs();
+    let deployment = Deployment::start().await;
+    let api = SessionApiServer::start().await;
+
+    // `wakebus init` as the operator, configured by flags.
+    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .env_clear()
+        .args(["--nats-url", &deployment.nats.url(), "--nkey-file"])
+        .arg(deployment.seed_file("operator"))
+        .arg("--tls-ca")
+        .arg(&deployment.pki.ca)
+        .arg("--tls-cert")
+        .arg(&deployment.pki.client_cert)
+        .arg("--tls-key")
+        .arg(&deployment.pki.client_key)
+        .arg("init")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(String::from_utf8_lossy(&output.stdout).contains(r#""status":"ok""#));
+
+    let mut services = Services::new();
+    services.worker(
+        &deployment.bus("worker").await,
+        Executor::Echo(EchoExecutor),
+        test_worker_config("default"),
+    );
+    services.wake(&deployment.bus("wake").await, test_wake_config(&api.url()));
+
+    // A delegation from the library and one from the CLI (environment).
+    let result = Delegator::new(deployment.bus("delegator").await)
+        .delegate(Delegation::new("over TLS").session("sess.tls"))
+        .await
+        .expect("delegate");
+    let DelegateResult::Dispatched { delegation_id, .. } = result else {
+        panic!("expected a dispatched delegation");
+    };
+    let output = deployment
+        .command("delegator")
+        .args([
+            "delegate",
+            "--goal",
+            "sync over TLS",
+            "--wait-timeout",
+            "30s",
+        ])
+        .output()
+        .await
+        .unwrap();
+
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains(r#""mode":"sync""#), "{stdout}");
+    assert!(stdout.contains("echo: sync over TLS"), "{stdout}");
+
+    wait_until(WAIT, "the background wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(api.accepted()[0].delegation_ids(), vec![delegation_id]);
+}
+
+#[tokio::test]
+async fn a_client_without_the_right_key_or_certificate_is_refused_and_no_secret_is_printed() {
+    init_logs();
+    let deployment = Deployment::start().await;
+    let stranger = nkeys::KeyPair::new_user();
+    let stranger_seed = stranger.seed().unwrap();
+    let seed_file = write(deployment.dir.path(), "stranger.nk", &stranger_seed);
+
+    let output = deployment
+        .command("delegator")
+        .env("NATS_NKEY_FILE", &seed_file)
+        .args([
+            "delegate",
+            "--goal",
+            "g",
+            "--session",
+            "s",
+            "--wait-timeout",
+            "5s",
+        ])
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr
+            .to_ascii_lowercase()
+            .contains("authorization violation"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains(&stranger_seed), "the seed was printed");
+
+    // The right key without a client certificate: the server ends the TLS
+    // handshake, and the client gets nowhere.
+    let mut config = deployment.config("delegator");
+    config.tls_cert = None;
+    config.tls_key = None;
+    let client = config.connect().await.expect("client");
+    let bus = Bus::new(client, Subjects::new("wakebus").unwrap());
+    let attempt = tokio::spawn(async move { bus.provision(&BusSettings::default()).await });
+    let log = deployment.nats.store.path().join("server.stderr");
+    wait_until(
+        WAIT,
+        "the server to refuse the certificate-less client",
+        || async {
+            std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .contains("didn't provide a certificate")
+        },
+    )
+    .await;
+    if attempt.is_finished() {
+        let result = attempt.await.unwrap();
+        assert!(
+            result.is_err(),
+            "a client without a certificate got through"
+        );
+    } else {
+        attempt.abort();
+    }
+}
+
+#[tokio::test]
+async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environment_or_config_file()
+{
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let token = "s3cret-token-value";
+    let token_file = write(dir.path(), "token", &format!("{token}\n"));
+    let nats = NatsServer::start_secured(vec!["--auth".into(), token.into()], Vec::new()).await;
+    let init = |args: &[&str]| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_wakebus"));
+        command
+            .env_clear()
+            .args(["--nats-url", &nats.url()])
+            .args(args)
+            .arg("init");
+        command
+    };
+    let output = init(&["--token-file", token_file.to_str().unwrap()])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+
+    // A user and password file from the environment, against nats.conf.
+    let conf = Path::new(env!("CARGO_MANIFEST_DIR")).join("nats.conf");
+    let roles = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let password_file = write(dir.path(), "password", "operator-dev-only\n");
+    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .env_clear()
+        .env("NATS_URL", roles.url())
+        .env("NATS_USER", "operator")
+        .env("NATS_PASSWORD_FILE", &password_file)
+        .arg("init")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+
+    // The same from a config file (WAKEBUS_CONFIG), with a comment.
+    let config = write(
+        dir.path(),
+        "wakebus.conf",
+        &format!(
+            "# connection\nnats-url = \"{}\"\ntoken-file = {}\n",
+            nats.url(),
+            token_file.display()
+        ),
+    );
+    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .env_clear()
+        .env("WAKEBUS_CONFIG", &config)
+        .arg("init")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let bad = write(dir.path(), "bad.conf", "nats-ur1 = x\n");
+    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .env_clear()
+        .args(["--config", bad.to_str().unwrap(), "init"])
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("line 1: unknown option \"nats-ur1\""),
+        "{stderr}"
+    );
+
+    // A missing secret file is a clear error naming the file.
+    let output = init(&["--token-file", "/nonexistent/token"])
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("cannot read token from /nonexistent/token"),
+        "{stderr}"
+    );
+}

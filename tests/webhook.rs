@@ -1,0 +1,373 @@
+//! Wakes delivered as signed webhooks (Standard Webhooks), verified by a real
+//! receiver that checks the signatures itself, with its own HMAC code.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use common::pki::{Pki, pki};
+use common::*;
+use hmac::{Hmac, Mac};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use sha2::Sha256;
+use wakebus::delegate::{DelegateResult, Delegation, Delegator};
+use wakebus::wake::session_api::{HttpSecurity, PostShape};
+use wakebus::wake::webhook::WebhookSecret;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A webhook endpoint as a third party would write it from the spec.
+#[derive(Clone)]
+struct Receiver {
+    url: String,
+    /// The keys (decoded `whsec_` secrets) it accepts.
+    keys: Arc<Vec<Vec<u8>>>,
+    /// Posts it verified.
+    verified: Arc<Mutex<Vec<(HeaderMap, Bytes)>>>,
+    /// Posts whose signature did not verify.
+    refused: Arc<Mutex<usize>>,
+}
+
+impl Receiver {
+    fn new(url: String, secrets: &[&str]) -> Self {
+        let keys = secrets
+            .iter()
+            .map(|s| BASE64.decode(s.strip_prefix("whsec_").unwrap()).unwrap())
+            .collect();
+        Self {
+            url,
+            keys: Arc::new(keys),
+            verified: Arc::default(),
+            refused: Arc::default(),
+        }
+    }
+
+    fn app(&self) -> axum::Router {
+        axum::Router::new()
+            .route("/hooks/wakebus", post(receive))
+            .with_state(self.clone())
+    }
+
+    async fn start(secrets: &[&str]) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/hooks/wakebus", listener.local_addr().unwrap());
+        let receiver = Self::new(url, secrets);
+        let app = receiver.app();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        receiver
+    }
+
+    /// The same receiver over HTTPS, with a certificate from `pki`'s CA.
+    /// Returns it and the count of failed TLS handshakes.
+    async fn start_https(secrets: &[&str], pki: &Pki) -> (Self, Arc<AtomicUsize>) {
+        let cert = CertificateDer::from_pem_file(&pki.server_cert).unwrap();
+        let key = PrivateKeyDer::from_pem_file(&pki.server_key).unwrap();
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![cert], key)
+        .unwrap();
+        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}/hooks/wakebus", tcp.local_addr().unwrap());
+        let receiver = Self::new(url, secrets);
+        let failures = Arc::new(AtomicUsize::new(0));
+        let listener = TlsListener {
+            tcp,
+            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),
+            failures: failures.clone(),
+        };
+        let app = receiver.app();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        (receiver, failures)
+    }
+
+    fn verified(&self) -> Vec<(HeaderMap, Bytes)> {
+        self.verified.lock().unwrap().clone()
+    }
+}
+
+/// A TLS listener for axum that counts failed handshakes.
+struct TlsListener {
+    tcp: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    failures: Arc<AtomicUsize>,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let Ok((tcp, addr)) = self.tcp.accept().await else {
+                continue;
+            };
+            match self.acceptor.accept(tcp).await {
+                Ok(tls) => return (tls, addr),
+                Err(_) => {
+                    self.failures.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.tcp.local_addr()
+    }
+}
+
+/// Verifies per the spec: `v1,` signatures over `id.timestamp.body`, any of
+/// them by any known key, and a timestamp within five minutes.
+fn verify(keys: &[Vec<u8>], headers: &HeaderMap, body: &[u8]) -> Result<(), &'static str> {
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .ok_or("missing header")
+    };
+    let id = header("webhook-id")?;
+    let timestamp = header("webhook-timestamp")?;
+    let signatures = header("webhook-signature")?;
+    let sent: i64 = timestamp.parse().map_err(|_| "bad timestamp")?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    if (now - sent).abs() > 300 {
+        return Err("timestamp outside the tolerance");
+    }
+    for key in keys {
+        for signature in signatures.split(' ') {
+            let Some(encoded) = signature.strip_prefix("v1,") else {
+                continue;
+            };
+            let Ok(expected) = BASE64.decode(encoded) else {
+                continue;
+            };
+            let mut mac = Hmac::<Sha256>::new_from_slice(key).unwrap();
+            mac.update(format!("{id}.{timestamp}.").as_bytes());
+            mac.update(body);
+            if mac.verify_slice(&expected).is_ok() {
+                return Ok(());
+            }
+        }
+    }
+    Err("no valid signature")
+}
+
+async fn receive(State(receiver): State<Receiver>, headers: HeaderMap, body: Bytes) -> StatusCode {
+    match verify(&receiver.keys, &headers, &body) {
+        Ok(()) => {
+            receiver.verified.lock().unwrap().push((headers, body));
+            StatusCode::NO_CONTENT
+        }
+        Err(_) => {
+            *receiver.refused.lock().unwrap() += 1;
+            StatusCode::UNAUTHORIZED
+        }
+    }
+}
+
+const OLD: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+const NEW: &str = "whsec_c2VjcmV0LWtleS1mb3ItdGhlLW5ldy1yb3RhdGlvbg==";
+
+fn webhook_wake_config(url: &str, secrets: &[&str]) -> wakebus::wake::WakeConfig {
+    let mut config = test_wake_config(url);
+    config.shape = PostShape::Webhook {
+        secrets: secrets
+            .iter()
+            .map(|s| s.parse::<WebhookSecret>().unwrap())
+            .collect(),
+    };
+    config
+}
+
+#[tokio::test]
+async fn a_wake_posted_as_a_webhook_carries_signatures_a_receiver_verifies() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let receiver = Receiver::start(&[NEW]).await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    // Mid-rotation: the wake signs with both secrets; this receiver already
+    // knows only the new one.
+    services.wake(&bus, webhook_wake_config(&receiver.url, &[OLD, NEW]));
+
+    let result = Delegator::new(bus.clone())
+        .delegate(Delegation::new("Summarise the logs").session("sess.hook *>"))
+        .await
+        .unwrap();
+    let DelegateResult::Dispatched { delegation_id, .. } = result else {
+        panic!("expected a dispatched delegation");
+    };
+    wait_until(WAIT, "a verified webhook", || async {
+        !receiver.verified().is_empty()
+    })
+    .await;
+    services.stop().await;
+
+    let (headers, raw) = &receiver.verified()[0];
+    // A receiver still on the old secret accepts the same post too.
+    let old_key = BASE64.decode(OLD.strip_prefix("whsec_").unwrap()).unwrap();
+    assert_eq!(verify(&[old_key], headers, raw), Ok(()));
+    assert_eq!(
+        verify(&[b"another key".to_vec()], headers, raw),
+        Err("no valid signature")
+    );
+    let body: serde_json::Value = serde_json::from_slice(raw).unwrap();
+    let id = format!("{delegation_id}.0.done");
+    assert_eq!(headers["webhook-id"], id.as_str());
+    assert_eq!(headers["idempotency-key"], id.as_str());
+    assert_eq!(headers["content-type"], "application/json");
+    let signatures: Vec<&str> = headers["webhook-signature"]
+        .to_str()
+        .unwrap()
+        .split(' ')
+        .collect();
+    assert_eq!(signatures.len(), 2, "one signature per secret");
+    assert_eq!(body["type"], "wakebus.wake");
+    let data = &body["data"];
+    assert_eq!(data["session_id"], "sess.hook *>");
+    assert_eq!(data["idempotency_key"], id.as_str());
+    assert_eq!(
+        data["completions"],
+        serde_json::json!([format!("{delegation_id}.0")])
+    );
+    assert_eq!(data["events"][0]["delegation_id"], delegation_id.as_str());
+    assert_eq!(data["events"][0]["summary"], "echo: Summarise the logs");
+    let text = data["text"].as_str().unwrap();
+    assert!(
+        text.starts_with(&format!("[ASYNC DELEGATION COMPLETE — {delegation_id}]")),
+        "{text}"
+    );
+    assert_eq!(*receiver.refused.lock().unwrap(), 0);
+}
+
+#[tokio::test]
+async fn https_certificates_are_verified_and_a_private_ca_can_be_trusted() {
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let pki = pki(dir.path());
+    let nats = NatsServer::start().await;
+    let (receiver, failed_handshakes) = Receiver::start_https(&[NEW], &pki).await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+
+    // Without the private CA, the wake refuses the receiver's certificate and
+    // keeps the wake for later.
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, webhook_wake_config(&receiver.url, &[NEW]));
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("over https").session("sess.tls"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "refused TLS handshakes", || async {
+        failed_handshakes.load(Ordering::SeqCst) >= 2
+    })
+    .await;
+    services.stop().await;
+    assert!(receiver.verified().is_empty());
+
+    // Trusting the CA, the held wake is delivered.
+    let mut services = Services::new();
+    let mut config = webhook_wake_config(&receiver.url, &[NEW]);
+    config.http = HttpSecurity {
+        extra_ca: Some(pki.ca.clone()),
+        ..HttpSecurity::default()
+    };
+    services.wake(&bus, config);
+    wait_until(WAIT, "the wake over verified https", || async {
+        !receiver.verified().is_empty()
+    })
+    .await;
+    services.stop().await;
+    let (_, raw) = &receiver.verified()[0];
+    let body: serde_json::Value = serde_json::from_slice(raw).unwrap();
+    assert_eq!(body["data"]["session_id"], "sess.tls");
+}
+
+#[tokio::test]
+async fn a_receiver_that_refuses_the_signature_gets_the_wake_dead_lettered_once() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let receiver = Receiver::start(&[NEW]).await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    // Signs with the old secret only: the receiver refuses with 401.
+    services.wake(&bus, webhook_wake_config(&receiver.url, &[OLD]));
+
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("g").session("sess.hook"))
+        .await
+        .unwrap();
+    let dlq = bus.subjects.dead_letter_stream();
+    wait_until(WAIT, "the wake dead letter", || async {
+        !all_messages(&bus, &dlq).await.is_empty()
+    })
+    .await;
+    services.stop().await;
+    assert!(receiver.verified().is_empty());
+    assert_eq!(*receiver.refused.lock().unwrap(), 1, "a 401 is not retried");
+    let dead = all_messages(&bus, &dlq).await;
+    let reason = dead[0].headers.get("Wakebus-Dead-Letter-Reason").unwrap();
+    assert!(reason.as_str().contains("401"), "{reason}");
+}
+
+#[tokio::test]
+async fn the_wake_command_refuses_plain_http_to_another_host_and_bad_secrets_without_showing_them()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good");
+    std::fs::write(&good, format!("{OLD}\n{NEW}\n")).unwrap();
+    let bad = dir.path().join("bad");
+    let leaked = "whsec_this is not base64 and must not be printed";
+    std::fs::write(&bad, leaked).unwrap();
+    let wake = |url: &str, secrets: &std::path::Path, extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+            .env_clear()
+            // Nothing listens there: the command must fail before using NATS.
+            .args([
+                "--nats-url",
+                "nats://127.0.0.1:1",
+                "wake",
+                "--webhook-url",
+                url,
+            ])
+            .arg("--webhook-secret-file")
+            .arg(secrets)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+
+    let output = wake("http://10.255.255.1:9000/hook", &good, &[]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("plain http://"), "{stderr}");
+    assert!(stderr.contains("--allow-insecure-http"), "{stderr}");
+
+    let output = wake("https://hooks.example.com/x", &bad, &[]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("line 1"), "{stderr}");
+    assert!(stderr.contains("not base64"), "{stderr}");
+    assert!(!stderr.contains("must not be printed"), "{stderr}");
+}
