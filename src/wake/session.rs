@@ -447,7 +447,16 @@ impl Router {
                             messages: vec![pending],
                         });
                     } else {
-                        fresh.push(pending);
+                        // A single post in doubt (singles record no
+                        // intent): repeat it alone, under the same key.
+                        warn!(idempotency_key = %idempotency_key, "An earlier post ended in doubt; re-sending it with the same Idempotency-Key.");
+                        recovering.push(Turn {
+                            traceparent: pending.traceparent.clone(),
+                            text: turn::render(&[&pending.event]),
+                            covers: vec![pending.ledger_key()],
+                            key: idempotency_key,
+                            messages: vec![pending],
+                        });
                     }
                 }
                 None => fresh.push(pending),
@@ -511,7 +520,15 @@ impl Router {
         }
         let text = turn::render(&events);
         let key = match events.as_slice() {
-            [_] => messages[0].event_key(),
+            [_] => {
+                // Recorded before the post: if the post's outcome is lost
+                // (ledger write failed, ack lost, even a redelivery count
+                // lost in a failover), the completion is re-sent alone under
+                // this key and never joins a new combined turn.
+                let key = messages[0].event_key();
+                self.shared.ledger.mark_posting(&covers[0], &key).await?;
+                key
+            }
             _ => {
                 let key = format!("wake.{}", ulid::Ulid::new());
                 let ledger = &self.shared.ledger;
