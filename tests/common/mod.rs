@@ -2,6 +2,7 @@
 //! helpers to run the services in-process or as `wakebus` processes.
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod cluster;
 pub mod nats;
 pub mod process;
 pub mod session_api;
@@ -122,9 +123,14 @@ impl Services {
 
     /// Starts the wake service posting to `api_url`.
     pub fn wake(&mut self, bus: &Bus, config: WakeConfig) {
+        self.wake_with(bus, BusSettings::default(), config);
+    }
+
+    /// Starts the wake service with bus `settings` (e.g. a short lock TTL).
+    pub fn wake_with(&mut self, bus: &Bus, settings: BusSettings, config: WakeConfig) {
         let run = wake::run(
             bus.clone(),
-            BusSettings::default(),
+            settings,
             config,
             self.stop.clone().cancelled_owned(),
         );
