@@ -246,7 +246,9 @@ impl Bus {
                 history: 1,
                 max_age: settings.history_max_age,
                 storage: stream::StorageType::File,
-                num_replicas: settings.replicas,
+                num_replicas: self
+                    .replicas_for(settings, &format!("KV_{}", s.cancel_bucket()))
+                    .await?,
                 ..Default::default()
             })
             .await?;

@@ -11,7 +11,7 @@ use common::cluster::NatsCluster;
 use common::*;
 use wakebus::bus::{Bus, BusSettings};
 use wakebus::connect::NatsConfig;
-use wakebus::protocol::{EventHeaders, PROTOCOL_VERSION, Subjects, TaskRequest, TraceParent};
+use wakebus::protocol::{EventHeaders, Subjects, TaskRequest, TraceParent, new_delegation_id};
 use wakebus::worker::executor::{EchoExecutor, Executor};
 
 /// Delegations per run: a few thousand, within a minute on two cores.
@@ -25,21 +25,9 @@ async fn connect(urls: &str, prefix: &str) -> Bus {
 }
 
 fn request(i: usize) -> TaskRequest {
-    TaskRequest {
-        version: PROTOCOL_VERSION,
-        delegation_id: wakebus::protocol::new_delegation_id(),
-        task_index: 0,
-        origin_session_id: Some(format!("session.{}", i % SESSIONS)),
-        goal: format!("task {i}"),
-        context: String::new(),
-        role: Default::default(),
-        model: None,
-        toolsets: Vec::new(),
-        timeout_seconds: None,
-        depth: 0,
-        parent_session_id: None,
-        created_at: None,
-    }
+    let mut request = TaskRequest::new(new_delegation_id(), format!("task {i}"));
+    request.origin_session_id = Some(format!("session.{}", i % SESSIONS));
+    request
 }
 
 /// Publishes until JetStream acknowledges, with the same `Nats-Msg-Id` each
@@ -67,10 +55,10 @@ async fn publish_until_stored(bus: &Bus, request: &TaskRequest) {
                 payload.clone(),
             )
             .await;
-        if let Ok(ack) = sent {
-            if ack.await.is_ok() {
-                return;
-            }
+        if let Ok(ack) = sent
+            && ack.await.is_ok()
+        {
+            return;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
@@ -100,6 +88,7 @@ async fn streams_and_buckets_get_three_replicas_on_a_three_node_cluster_by_defau
         s.tasks_stream(),
         s.events_stream(),
         s.dead_letter_stream(),
+        format!("KV_{}", s.cancel_bucket()),
         format!("KV_{}", s.wake_ledger_bucket()),
         format!("KV_{}", s.session_lock_bucket()),
     ];
@@ -188,7 +177,12 @@ async fn every_delegation_wakes_exactly_once_when_the_events_stream_leader_crash
     };
 
     let woken = |api: &SessionApiServer| -> usize {
-        api.turns().iter().map(|t| t.delegation_ids().len()).sum()
+        let ids: HashSet<String> = api
+            .turns()
+            .iter()
+            .flat_map(|t| t.delegation_ids())
+            .collect();
+        ids.len()
     };
     let events = publisher.subjects.events_stream();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
@@ -233,7 +227,28 @@ async fn every_delegation_wakes_exactly_once_when_the_events_stream_leader_crash
         .iter()
         .filter(|(_, n)| **n > 1)
         .collect();
-    assert!(doubled.is_empty(), "woken more than once: {doubled:?}");
+    if !doubled.is_empty() {
+        let mut report = String::new();
+        for (id, _) in &doubled {
+            for post in api.accepted() {
+                let ids = post.delegation_ids();
+                if ids.contains(id) {
+                    report.push_str(&format!(
+                        "\n{id}: key {:?} with {} completion(s)",
+                        post.header("idempotency-key"),
+                        ids.len()
+                    ));
+                }
+            }
+            let copies = all_messages(&publisher, &events)
+                .await
+                .into_iter()
+                .filter(|m| m.subject.contains(id.as_str()) && m.subject.ends_with(".done"))
+                .count();
+            report.push_str(&format!("\n{id}: {copies} done event(s) in the stream"));
+        }
+        panic!("woken more than once:{report}");
+    }
     // A repeated post only ever repeats an earlier key (a post in doubt).
     let mut keys_by_delegation: HashMap<String, HashSet<String>> = HashMap::new();
     for post in api.accepted() {

@@ -65,12 +65,11 @@ impl NatsCluster {
         let js = async_nats::jetstream::new(client.clone());
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            if let Ok(mut handle) = js.get_stream(stream).await {
-                if let Ok(info) = handle.info().await {
-                    if let Some(leader) = info.cluster.as_ref().and_then(|c| c.leader.clone()) {
-                        return self.index_of(&leader);
-                    }
-                }
+            if let Ok(mut handle) = js.get_stream(stream).await
+                && let Ok(info) = handle.info().await
+                && let Some(leader) = info.cluster.as_ref().and_then(|c| c.leader.clone())
+            {
+                return self.index_of(&leader);
             }
             assert!(
                 Instant::now() < deadline,

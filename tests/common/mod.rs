@@ -1,6 +1,6 @@
 //! Test harness: real nats-server processes, a real HTTP session API, and
 //! helpers to run the services in-process or as `wakebus` processes.
-#![allow(dead_code, unreachable_pub, missing_docs)]
+#![allow(dead_code, unused_imports, unreachable_pub, missing_docs)]
 
 pub mod cluster;
 pub mod nats;
