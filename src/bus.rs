@@ -296,13 +296,19 @@ impl Bus {
         config: stream::Config,
     ) -> Result<stream::Stream, ProvisionError> {
         let name = config.name.clone();
-        self.js
-            .create_or_update_stream(config)
-            .await
-            .map_err(|source| ProvisionError::Stream {
-                name: name.clone(),
-                source,
-            })?;
+        let created = match self.js.create_or_update_stream(config.clone()).await {
+            // On a cluster, a stream another service has just created may
+            // not be visible yet: creating it again then fails as a name or
+            // subject clash. Once it is visible, updating it is what we want.
+            Err(error) if is_creation_clash(&error) && self.js.get_stream(&name).await.is_ok() => {
+                self.js.create_or_update_stream(config).await
+            }
+            other => other,
+        };
+        created.map_err(|source| ProvisionError::Stream {
+            name: name.clone(),
+            source,
+        })?;
         self.js
             .get_stream(&name)
             .await
@@ -440,6 +446,18 @@ fn replicas_for_cluster(cluster: Option<&str>, connect_urls: &[String]) -> usize
     match servers.len() {
         0 => 3,
         n => n.min(3),
+    }
+}
+
+/// Whether creating a stream failed because one with that name or those
+/// subjects already exists.
+fn is_creation_clash(error: &jetstream::context::CreateStreamError) -> bool {
+    match error.kind() {
+        jetstream::context::CreateStreamErrorKind::JetStream(error) => matches!(
+            error.error_code(),
+            jetstream::ErrorCode::STREAM_NAME_EXIST | jetstream::ErrorCode::STREAM_SUBJECT_OVERLAP
+        ),
+        _ => false,
     }
 }
 
