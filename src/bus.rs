@@ -19,8 +19,10 @@ pub struct BusSettings {
     pub dead_letter_max_age: Duration,
     /// JetStream dedupe window for `Nats-Msg-Id`.
     pub duplicate_window: Duration,
-    /// Stream and bucket replicas (1 for a single server, 3 for a 3-node cluster).
-    pub replicas: usize,
+    /// Replicas of new streams and buckets; `None` takes them from the
+    /// server (1 on a single server, the cluster size up to 3 on a cluster)
+    /// and leaves existing streams at the replicas they have.
+    pub replicas: Option<usize>,
     /// Time-to-live of a session lock that its holder stops refreshing.
     pub session_lock_ttl: Duration,
 }
@@ -31,7 +33,7 @@ impl Default for BusSettings {
             history_max_age: default_history_max_age(),
             dead_letter_max_age: Duration::from_secs(30 * 24 * 3600),
             duplicate_window: Duration::from_secs(120),
-            replicas: 1,
+            replicas: None,
             session_lock_ttl: Duration::from_secs(30),
         }
     }
@@ -121,6 +123,49 @@ impl Bus {
         }
     }
 
+    /// Replicas for new streams and buckets when none are configured: 1 on a
+    /// single server; on a cluster, the number of servers it advertises to
+    /// clients, at most 3 (3 when it advertises none).
+    pub async fn default_replicas(&self) -> usize {
+        // The client may still be connecting (it retries its first
+        // connect); the server's INFO is only known once it is connected.
+        if let Err(error) = self.client.flush().await {
+            warn!(%error, "Could not reach NATS to read its cluster size.");
+        }
+        let info = self.client.server_info();
+        replicas_for_cluster(info.cluster.as_deref(), &info.connect_urls)
+    }
+
+    /// The replicas `name` gets: the configured number, else those it
+    /// already has (so a node being down at start never scales a stream
+    /// down), else [`Self::default_replicas`].
+    async fn replicas_for(
+        &self,
+        settings: &BusSettings,
+        name: &str,
+    ) -> Result<usize, ProvisionError> {
+        if let Some(replicas) = settings.replicas {
+            return Ok(replicas);
+        }
+        let get_error = |source| ProvisionError::GetStream {
+            name: name.to_owned(),
+            source,
+        };
+        match self.js.get_stream(name).await {
+            Ok(mut stream) => {
+                let info = stream.info().await.map_err(|error| {
+                    get_error(jetstream::context::GetStreamError::with_source(
+                        jetstream::context::GetStreamErrorKind::Request,
+                        error,
+                    ))
+                })?;
+                Ok(info.config.num_replicas.max(1))
+            }
+            Err(error) if is_stream_not_found(&error) => Ok(self.default_replicas().await),
+            Err(error) => Err(get_error(error)),
+        }
+    }
+
     /// Creates or updates the three streams, retrying while NATS is
     /// unreachable (services may start before the server).
     pub async fn provision(&self, settings: &BusSettings) -> Result<Streams, ProvisionError> {
@@ -161,35 +206,35 @@ impl Bus {
     async fn provision_streams(&self, settings: &BusSettings) -> Result<Streams, ProvisionError> {
         let s = &self.subjects;
         self.ensure_stream(stream::Config {
+            num_replicas: self.replicas_for(settings, &s.tasks_stream()).await?,
             name: s.tasks_stream(),
             subjects: vec![s.tasks_all()],
             retention: stream::RetentionPolicy::WorkQueue,
             storage: stream::StorageType::File,
             duplicate_window: settings.duplicate_window,
-            num_replicas: settings.replicas,
             ..Default::default()
         })
         .await?;
         let events = self
             .ensure_stream(stream::Config {
+                num_replicas: self.replicas_for(settings, &s.events_stream()).await?,
                 name: s.events_stream(),
                 subjects: vec![s.events_all()],
                 retention: stream::RetentionPolicy::Limits,
                 storage: stream::StorageType::File,
                 max_age: settings.history_max_age,
                 duplicate_window: settings.duplicate_window.min(settings.history_max_age),
-                num_replicas: settings.replicas,
                 ..Default::default()
             })
             .await?;
         self.ensure_stream(stream::Config {
+            num_replicas: self.replicas_for(settings, &s.dead_letter_stream()).await?,
             name: s.dead_letter_stream(),
             subjects: vec![s.dead_letters_all()],
             retention: stream::RetentionPolicy::Limits,
             storage: stream::StorageType::File,
             max_age: settings.dead_letter_max_age,
             duplicate_window: settings.duplicate_window,
-            num_replicas: settings.replicas,
             ..Default::default()
         })
         .await?;
@@ -201,7 +246,9 @@ impl Bus {
                 history: 1,
                 max_age: settings.history_max_age,
                 storage: stream::StorageType::File,
-                num_replicas: settings.replicas,
+                num_replicas: self
+                    .replicas_for(settings, &format!("KV_{}", s.cancel_bucket()))
+                    .await?,
                 ..Default::default()
             })
             .await?;
@@ -218,7 +265,9 @@ impl Bus {
                 history: 1,
                 max_age: settings.history_max_age,
                 storage: stream::StorageType::File,
-                num_replicas: settings.replicas,
+                num_replicas: self
+                    .replicas_for(settings, &format!("KV_{}", s.wake_ledger_bucket()))
+                    .await?,
                 ..Default::default()
             })
             .await?;
@@ -230,7 +279,9 @@ impl Bus {
                 history: 1,
                 max_age: settings.session_lock_ttl,
                 storage: stream::StorageType::File,
-                num_replicas: settings.replicas,
+                num_replicas: self
+                    .replicas_for(settings, &format!("KV_{}", s.session_lock_bucket()))
+                    .await?,
                 ..Default::default()
             })
             .await?;
@@ -265,13 +316,17 @@ impl Bus {
                 }
             }
             Err(error) if is_not_found(&error) => {
-                self.js
-                    .create_stream(config)
-                    .await
-                    .map_err(|source| ProvisionError::Stream {
-                        name: name.clone(),
-                        source,
-                    })?;
+                match self.js.create_stream(config).await {
+                    Ok(_) => {}
+                    // On a cluster, another service may just have created it.
+                    Err(error) if is_creation_clash(&error) => {}
+                    Err(source) => {
+                        return Err(ProvisionError::Stream {
+                            name: name.clone(),
+                            source,
+                        });
+                    }
+                }
             }
             Err(source) => return Err(ProvisionError::GetStream { name, source }),
         }
@@ -518,6 +573,43 @@ fn unlimited_as_minus_one(limit: i64) -> i64 {
     if limit <= 0 { -1 } else { limit }
 }
 
+/// Replicas for a server in `cluster` advertising `connect_urls` (its own
+/// client URL and its peers'); see [`Bus::default_replicas`].
+fn replicas_for_cluster(cluster: Option<&str>, connect_urls: &[String]) -> usize {
+    if cluster.is_none() {
+        return 1;
+    }
+    let mut servers: Vec<&str> = connect_urls.iter().map(String::as_str).collect();
+    servers.sort_unstable();
+    servers.dedup();
+    match servers.len() {
+        0 => 3,
+        n => n.min(3),
+    }
+}
+
+/// Whether creating a stream failed because one with that name or those
+/// subjects already exists.
+fn is_creation_clash(error: &jetstream::context::CreateStreamError) -> bool {
+    match error.kind() {
+        jetstream::context::CreateStreamErrorKind::JetStream(error) => matches!(
+            error.error_code(),
+            jetstream::ErrorCode::STREAM_NAME_EXIST | jetstream::ErrorCode::STREAM_SUBJECT_OVERLAP
+        ),
+        _ => false,
+    }
+}
+
+/// Whether a stream lookup failed only because the stream does not exist yet.
+fn is_stream_not_found(error: &jetstream::context::GetStreamError) -> bool {
+    match error.kind() {
+        jetstream::context::GetStreamErrorKind::JetStream(error) => {
+            error.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+        }
+        _ => false,
+    }
+}
+
 /// Whether an error may go away by itself (server not up, leader election,
 /// timeouts) as opposed to a configuration conflict an operator must fix.
 fn is_transient(err: &ProvisionError) -> bool {
@@ -584,5 +676,33 @@ mod tests {
         let (headers, _) = dead_letter_parts(Some(&huge), &body, "too big", "dlq.3", 1 << 20);
         assert!(headers.get("X-Big").is_none());
         assert_eq!(headers.get(HEADER_MSG_ID).unwrap().as_str(), "dlq.3");
+    }
+
+    fn urls(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("10.0.0.{i}:4222")).collect()
+    }
+
+    #[test]
+    fn a_single_server_gets_one_replica() {
+        assert_eq!(replicas_for_cluster(None, &[]), 1);
+        assert_eq!(replicas_for_cluster(None, &urls(1)), 1);
+    }
+
+    #[test]
+    fn a_cluster_gets_its_size_in_replicas_at_most_three() {
+        assert_eq!(replicas_for_cluster(Some("c"), &urls(2)), 2);
+        assert_eq!(replicas_for_cluster(Some("c"), &urls(3)), 3);
+        assert_eq!(replicas_for_cluster(Some("c"), &urls(5)), 3);
+    }
+
+    #[test]
+    fn a_cluster_that_advertises_no_urls_gets_three_replicas() {
+        assert_eq!(replicas_for_cluster(Some("c"), &[]), 3);
+    }
+
+    #[test]
+    fn a_url_advertised_twice_counts_once() {
+        let twice = vec!["10.0.0.1:4222".to_owned(), "10.0.0.1:4222".to_owned()];
+        assert_eq!(replicas_for_cluster(Some("c"), &twice), 1);
     }
 }

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use async_nats::{Client, ConnectOptions, Event};
+use async_nats::{Client, ConnectOptions, Event, ServerAddr};
 use tracing::{error, info, warn};
 
 /// How to reach and authenticate to NATS. Secrets are read from files so that
@@ -54,6 +54,14 @@ pub enum ConnectError {
     /// `user` was given without a password file, or the other way round.
     #[error("user/password authentication needs both a user and a password file")]
     IncompleteUserPassword,
+    /// A server URL cannot be parsed.
+    #[error("invalid NATS server URL {url:?}: {source}")]
+    InvalidUrl {
+        /// The URL.
+        url: String,
+        /// Why it is invalid.
+        source: std::io::Error,
+    },
     /// The NATS client refused the options or could not connect.
     #[error("cannot connect to NATS at {url}: {source}")]
     Connect {
@@ -136,15 +144,33 @@ impl NatsConfig {
             }))
     }
 
+    /// The server addresses in `url`: one URL, or several separated by
+    /// commas (the nodes of a cluster; the client fails over between them).
+    pub fn servers(&self) -> Result<Vec<ServerAddr>, ConnectError> {
+        self.url
+            .split(',')
+            .map(str::trim)
+            .filter(|url| !url.is_empty())
+            .map(|url| {
+                url.parse::<ServerAddr>()
+                    .map_err(|source| ConnectError::InvalidUrl {
+                        url: url.to_owned(),
+                        source,
+                    })
+            })
+            .collect()
+    }
+
     /// Connects, waiting for the server if it is not up yet.
     ///
     /// The client reconnects by itself forever after a disconnect; requests
     /// made while it is disconnected fail with timeouts and are retried by
     /// their callers.
     pub async fn connect(&self) -> Result<Client, ConnectError> {
+        let servers = self.servers()?;
         let options = self.options().await?;
         options
-            .connect(self.url.as_str())
+            .connect(servers)
             .await
             .map_err(|source| ConnectError::Connect {
                 url: self.url.clone(),
@@ -160,4 +186,28 @@ fn is_refusal(event: &Event) -> bool {
     text.contains("authorization violation")
         || text.contains("authentication")
         || text.contains("permissions violation")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn comma_separated_urls_are_every_node_of_a_cluster() {
+        let config = NatsConfig::new("nats://10.0.0.1:4222, nats://10.0.0.2:4223,");
+        let servers = config.servers().expect("valid");
+        let ports: Vec<u16> = servers.iter().map(ServerAddr::port).collect();
+        assert_eq!(ports, vec![4222, 4223]);
+    }
+
+    #[test]
+    fn a_malformed_url_is_a_clear_error() {
+        let error = NatsConfig::new("nats://10.0.0.1:4222,nats://host:notaport")
+            .servers()
+            .expect_err("invalid");
+        assert!(
+            error.to_string().contains("nats://host:notaport"),
+            "{error}"
+        );
+    }
 }

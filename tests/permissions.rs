@@ -267,6 +267,26 @@ async fn the_server_refuses_what_each_role_must_not_do() {
             "purge the events",
             "$JS.API.STREAM.PURGE.WAKEBUS_EVENTS".into(),
         ),
+        (
+            "worker",
+            "record a cancel",
+            "$KV.WAKEBUS_CANCELS.dlg.forged".into(),
+        ),
+        (
+            "worker",
+            "broadcast a cancel",
+            "wakebus.ctl.cancel.ses.forged".into(),
+        ),
+        (
+            "wake",
+            "record a cancel",
+            "$KV.WAKEBUS_CANCELS.ses.forged".into(),
+        ),
+        (
+            "delegator",
+            "publish a progress event",
+            format!("wakebus.evt.{victim}.forged.0.progress"),
+        ),
         ("wake", "publish a completion", done_subject.clone()),
         ("wake", "submit a delegation", "wakebus.task.default".into()),
         (
@@ -293,6 +313,8 @@ async fn the_server_refuses_what_each_role_must_not_do() {
         ("delegator", "wakebus.task.>"),
         ("delegator", "_INBOX.>"),
         ("delegator", "_INBOX_worker.>"),
+        ("delegator", "wakebus.ctl.cancel.>"),
+        ("worker", "wakebus.ctl.>"),
         ("worker", "wakebus.task.>"),
         ("worker", "_INBOX_wake.>"),
         ("worker", "$KV.WAKEBUS_WAKES.>"),
@@ -416,14 +438,14 @@ fn reporting_shell() -> Executor {
     )))
 }
 
-/// How many events of `kind` (`started`, `progress`, `done`) are stored.
-async fn events_of(operator: &Bus, kind: &str) -> Vec<CompletionEvent> {
+/// The subjects of the stored events of `kind` (`started`, `progress`, `done`).
+async fn subjects_of(operator: &Bus, kind: &str) -> Vec<String> {
     let suffix = format!(".{kind}");
     all_messages(operator, "WAKEBUS_EVENTS")
         .await
         .iter()
-        .filter(|m| m.subject.ends_with(&suffix))
-        .filter_map(|m| CompletionEvent::decode(&m.payload).ok())
+        .map(|m| m.subject.to_string())
+        .filter(|subject| subject.ends_with(&suffix))
         .collect()
 }
 
@@ -455,11 +477,7 @@ async fn batches_progress_cancels_and_status_work_under_the_least_privileged_rol
     };
     let summaries: Vec<_> = results.iter().map(|r| r.summary.as_deref()).collect();
     assert_eq!(summaries, [Some("fine"), Some("fine")]);
-    let progress = all_messages(&operator, "WAKEBUS_EVENTS")
-        .await
-        .iter()
-        .filter(|m| m.subject.ends_with(".progress"))
-        .count();
+    let progress = subjects_of(&operator, "progress").await.len();
     assert!(progress >= 2, "each task reported progress ({progress})");
 
     // A background batch whose completions the wake reads back by subject.
@@ -482,7 +500,10 @@ async fn batches_progress_cancels_and_status_work_under_the_least_privileged_rol
         .expect("long delegation");
     let long_id = long.delegation_id().to_owned();
     wait_until(WAIT, "the long task to start", || async {
-        events_of(&operator, "started").await.len() >= 5
+        subjects_of(&operator, "started")
+            .await
+            .iter()
+            .any(|subject| subject.contains(&long_id))
     })
     .await;
     let canceller = Canceller::new(delegator_bus.clone());
@@ -498,9 +519,11 @@ async fn batches_progress_cancels_and_status_work_under_the_least_privileged_rol
         api.accepted().iter().any(|p| p.text().contains(&long_id))
     })
     .await;
-    let interrupted = events_of(&operator, "done")
+    let interrupted = all_messages(&operator, "WAKEBUS_EVENTS")
         .await
-        .into_iter()
+        .iter()
+        .filter(|m| m.subject.ends_with(".done"))
+        .filter_map(|m| CompletionEvent::decode(&m.payload).ok())
         .find(|e| e.delegation_id == long_id)
         .expect("the long task's completion");
     assert_eq!(interrupted.status, Status::Interrupted);

@@ -73,9 +73,10 @@ pub(crate) struct Global {
     /// A wake lock whose holder died expires after this long.
     #[arg(long, env = "WAKEBUS_SESSION_LOCK_TTL", value_parser = humantime::parse_duration, default_value = "30s", global = true)]
     pub(crate) session_lock_ttl: Duration,
-    /// Stream and bucket replicas (3 on a 3-node cluster).
-    #[arg(long, env = "WAKEBUS_REPLICAS", default_value_t = 1, global = true)]
-    pub(crate) replicas: usize,
+    /// Replicas of new streams and buckets [default: 1 on a single server,
+    /// the cluster size (at most 3) on a cluster; existing ones keep theirs].
+    #[arg(long, env = "WAKEBUS_REPLICAS", global = true)]
+    pub(crate) replicas: Option<usize>,
 }
 
 /// Log output format.

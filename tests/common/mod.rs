@@ -3,6 +3,7 @@
 #![allow(dead_code, unreachable_pub, missing_docs, unused_imports)]
 
 pub mod cli;
+pub mod cluster;
 pub mod nats;
 pub mod pki;
 pub mod process;
@@ -125,9 +126,14 @@ impl Services {
 
     /// Starts the wake service posting to `api_url`.
     pub fn wake(&mut self, bus: &Bus, config: WakeConfig) {
+        self.wake_with(bus, BusSettings::default(), config);
+    }
+
+    /// Starts the wake service with bus `settings` (e.g. a short lock TTL).
+    pub fn wake_with(&mut self, bus: &Bus, settings: BusSettings, config: WakeConfig) {
         let run = wake::run(
             bus.clone(),
-            BusSettings::default(),
+            settings,
             config,
             self.stop.clone().cancelled_owned(),
         );

@@ -51,6 +51,14 @@ impl NatsServer {
 
     /// Starts a server on `port` (for tests whose clients start first).
     pub async fn start_on(port: u16, extra_args: Vec<String>) -> Self {
+        let mut server = Self::launch(port, extra_args);
+        server.wait_ready().await;
+        server
+    }
+
+    /// Starts a server on `port` without waiting for it (a cluster node is
+    /// only ready once its peers are up).
+    pub fn launch(port: u16, extra_args: Vec<String>) -> Self {
         let mut server = Self {
             port,
             extra_args,
@@ -60,7 +68,6 @@ impl NatsServer {
             child: None,
         };
         server.spawn();
-        server.wait_ready().await;
         server
     }
 
@@ -76,7 +83,6 @@ impl NatsServer {
             child: None,
         };
         server.spawn();
-        server.wait_ready().await;
         server
     }
 
@@ -84,7 +90,8 @@ impl NatsServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
-    fn spawn(&mut self) {
+    /// Starts the process (again) with the same port, store and arguments.
+    pub fn spawn(&mut self) {
         let child = Command::new(server_binary())
             .args([
                 "-a",
@@ -165,6 +172,13 @@ impl NatsServer {
             tokio::time::timeout(Duration::from_millis(500), reader.read_line(&mut line)).await,
             Ok(Ok(_)) if line.starts_with("INFO ")
         )
+    }
+
+    /// Whether the process is running.
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|child| matches!(child.try_wait(), Ok(None)))
     }
 
     /// SIGKILL (a crash).

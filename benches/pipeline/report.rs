@@ -1,0 +1,196 @@
+//! The results: JSON shape and the printed table.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// Where the run happened.
+#[derive(Debug, Serialize)]
+pub(crate) struct Machine {
+    /// Logical CPUs.
+    pub(crate) cpus: usize,
+    /// From /proc/cpuinfo.
+    pub(crate) cpu_model: String,
+    /// `nats-server --version`.
+    pub(crate) nats_server: String,
+}
+
+impl Machine {
+    /// This machine, with the server's version string.
+    pub(crate) fn detect(nats_server: &str) -> Self {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu_model = cpuinfo
+            .lines()
+            .find_map(|l| l.strip_prefix("model name"))
+            .map(|rest| rest.trim_start_matches([' ', '\t', ':']).to_owned())
+            .unwrap_or_else(|| "unknown".to_owned());
+        Self {
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cpu_model,
+            nats_server: nats_server.to_owned(),
+        }
+    }
+}
+
+/// Latency percentiles, milliseconds.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Latency {
+    /// Median.
+    pub(crate) p50_ms: f64,
+    /// 90th percentile.
+    pub(crate) p90_ms: f64,
+    /// 99th percentile.
+    pub(crate) p99_ms: f64,
+    /// Worst.
+    pub(crate) max_ms: f64,
+}
+
+impl Latency {
+    /// Percentiles of `samples` (nearest rank).
+    pub(crate) fn of(mut samples: Vec<Duration>) -> Self {
+        samples.sort_unstable();
+        let at = |q: f64| {
+            let i = ((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1;
+            samples[i].as_secs_f64() * 1e3
+        };
+        Self {
+            p50_ms: at(0.50),
+            p90_ms: at(0.90),
+            p99_ms: at(0.99),
+            max_ms: at(1.0),
+        }
+    }
+}
+
+/// One measured run.
+#[derive(Debug, Serialize)]
+pub(crate) struct Run {
+    /// Worker processes.
+    pub(crate) workers: usize,
+    /// Delegations measured.
+    pub(crate) delegations: usize,
+    /// Delegations per second, submit of the first to wake of the last.
+    pub(crate) throughput: f64,
+    /// Submit to continuation.
+    pub(crate) latency: Latency,
+    /// Posts the endpoint received.
+    pub(crate) posts: usize,
+    /// Peak RSS of the biggest worker.
+    pub(crate) worker_peak_rss_mib: f64,
+    /// Peak RSS of the wake service.
+    pub(crate) wake_peak_rss_mib: f64,
+}
+
+/// Draining a queue.
+#[derive(Debug, Serialize)]
+pub(crate) struct BacklogRun {
+    /// Requests queued before workers started.
+    pub(crate) queued: usize,
+    /// Delegations per second, first wake to last.
+    pub(crate) throughput: f64,
+    /// Peak RSS of the worker.
+    pub(crate) worker_peak_rss_mib: f64,
+    /// Peak RSS of the wake service.
+    pub(crate) wake_peak_rss_mib: f64,
+}
+
+/// Everything, as written to JSON.
+#[derive(Debug, Serialize)]
+pub(crate) struct Report {
+    /// How to reproduce.
+    pub(crate) command: String,
+    /// Where.
+    pub(crate) machine: Machine,
+    /// `--concurrency` of each worker.
+    pub(crate) worker_concurrency: usize,
+    /// Distinct origin sessions.
+    pub(crate) sessions: usize,
+    /// Raw JetStream, two hops, messages per second.
+    pub(crate) ceiling_msgs_per_s: f64,
+    /// As fast as it goes, one worker.
+    pub(crate) saturation: Run,
+    /// Saturation / ceiling.
+    pub(crate) ratio_to_ceiling: f64,
+    /// Offered load of the open-loop run.
+    pub(crate) open_loop_offered_per_s: usize,
+    /// At that load.
+    pub(crate) open_loop: Run,
+    /// 1, 2, 4 workers.
+    pub(crate) scaling: Vec<Run>,
+    /// 10k, 100k queued.
+    pub(crate) backlog: Vec<BacklogRun>,
+    /// The server's own peak RSS over the whole run.
+    pub(crate) nats_server_peak_rss_mib: f64,
+}
+
+impl Report {
+    /// The human-readable table.
+    pub(crate) fn table(&self) -> String {
+        let mut t = String::new();
+        let m = &self.machine;
+        let _ = writeln!(
+            t,
+            "\nwakebus pipeline benchmark — {} CPUs, {}, {}",
+            m.cpus, m.cpu_model, m.nats_server
+        );
+        let _ = writeln!(
+            t,
+            "{:<44} {:>12} {:>8} {:>8} {:>8} {:>8}",
+            "run", "per second", "p50 ms", "p90 ms", "p99 ms", "max ms"
+        );
+        let _ = writeln!(
+            t,
+            "{:<44} {:>12.0}",
+            "raw JetStream ceiling (2 hops, 512 B)", self.ceiling_msgs_per_s
+        );
+        let mut row = |name: String, r: &Run| {
+            let l = &r.latency;
+            let _ = writeln!(
+                t,
+                "{name:<44} {:>12.0} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
+                r.throughput, l.p50_ms, l.p90_ms, l.p99_ms, l.max_ms
+            );
+        };
+        row(
+            format!("end-to-end, saturation, {} worker", self.saturation.workers),
+            &self.saturation,
+        );
+        row(
+            format!(
+                "end-to-end, open loop {}/s offered",
+                self.open_loop_offered_per_s
+            ),
+            &self.open_loop,
+        );
+        for r in &self.scaling {
+            row(format!("scaling, {} worker process(es)", r.workers), r);
+        }
+        let _ = writeln!(
+            t,
+            "{:<44} {:>12.2}",
+            "end-to-end / ceiling", self.ratio_to_ceiling
+        );
+        let _ = writeln!(
+            t,
+            "{:<44} {:>12} {:>14} {:>14}",
+            "backlog drain (1 worker)", "per second", "worker RSS MiB", "wake RSS MiB"
+        );
+        for b in &self.backlog {
+            let _ = writeln!(
+                t,
+                "{:<44} {:>12.0} {:>14.1} {:>14.1}",
+                format!("{} queued", b.queued),
+                b.throughput,
+                b.worker_peak_rss_mib,
+                b.wake_peak_rss_mib
+            );
+        }
+        let _ = writeln!(
+            t,
+            "{:<44} {:>12.1}",
+            "nats-server peak RSS MiB", self.nats_server_peak_rss_mib
+        );
+        t
+    }
+}

@@ -1,0 +1,277 @@
+//! A 3-node JetStream cluster: streams and buckets get 3 replicas by
+//! default, and delegations survive the crash and restart of the node that
+//! leads the events stream, each woken exactly once.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use common::cluster::NatsCluster;
+use common::*;
+use wakebus::bus::{Bus, BusSettings};
+use wakebus::connect::NatsConfig;
+use wakebus::protocol::{EventHeaders, Subjects, TaskRequest, TraceParent, new_delegation_id};
+use wakebus::worker::executor::{EchoExecutor, Executor};
+
+/// Delegations per run: a few thousand, within a minute on two cores.
+const N: usize = 2_000;
+/// Sessions they come from.
+const SESSIONS: usize = 50;
+
+async fn connect(urls: &str, prefix: &str) -> Bus {
+    let client = NatsConfig::new(urls).connect().await.expect("connect");
+    Bus::new(client, Subjects::new(prefix).expect("prefix"))
+}
+
+fn request(i: usize) -> TaskRequest {
+    let mut request = TaskRequest::new(new_delegation_id(), format!("task {i}"));
+    request.origin_session_id = Some(format!("session.{}", i % SESSIONS));
+    request
+}
+
+/// Publishes until JetStream acknowledges, with the same `Nats-Msg-Id` each
+/// time, so a publish whose ack was lost in a failover is not stored twice.
+async fn publish_until_stored(bus: &Bus, request: &TaskRequest) {
+    let msg_id = format!("{}.0", request.delegation_id);
+    let headers = EventHeaders {
+        id: &msg_id,
+        ce_type: "io.wakebus.task.requested",
+        source: "cluster-test",
+        origin_session: request.origin_session_id.as_deref(),
+        delegation_id: &request.delegation_id,
+        task_index: 0,
+        traceparent: TraceParent::new_root(),
+    }
+    .to_header_map();
+    let payload: bytes::Bytes = serde_json::to_vec(request).unwrap().into();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let sent = bus
+            .js
+            .publish_with_headers(
+                bus.subjects.task("default"),
+                headers.clone(),
+                payload.clone(),
+            )
+            .await;
+        if let Ok(ack) = sent
+            && ack.await.is_ok()
+        {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "request never stored"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn replicas(bus: &Bus, stream: &str) -> usize {
+    let mut handle = bus.js.get_stream(stream).await.expect("stream");
+    handle.info().await.expect("info").config.num_replicas
+}
+
+#[tokio::test]
+async fn streams_and_buckets_get_three_replicas_on_a_three_node_cluster_by_default() {
+    init_logs();
+    let cluster = NatsCluster::start(3).await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = connect(&cluster.urls(), &prefix).await;
+    assert_eq!(bus.default_replicas().await, 3);
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    let s = &bus.subjects;
+    let names = [
+        s.tasks_stream(),
+        s.events_stream(),
+        s.dead_letter_stream(),
+        format!("KV_{}", s.cancel_bucket()),
+        format!("KV_{}", s.wake_ledger_bucket()),
+        format!("KV_{}", s.session_lock_bucket()),
+    ];
+    wait_until(
+        Duration::from_secs(20),
+        "the wake service to provision",
+        || async {
+            let mut ready = true;
+            for name in &names {
+                ready &= bus.js.get_stream(name).await.is_ok();
+            }
+            ready
+        },
+    )
+    .await;
+    for name in &names {
+        assert_eq!(replicas(&bus, name).await, 3, "{name}");
+    }
+    services.stop().await;
+
+    // An explicit setting wins; without one, existing streams keep what
+    // they have, so a node being down at start never rescales them.
+    let other = connect(&cluster.urls(), &unique_prefix()).await;
+    let one = BusSettings {
+        replicas: Some(1),
+        ..BusSettings::default()
+    };
+    other.provision(&one).await.expect("provision");
+    assert_eq!(replicas(&other, &other.subjects.events_stream()).await, 1);
+    other
+        .provision(&BusSettings::default())
+        .await
+        .expect("provision");
+    assert_eq!(replicas(&other, &other.subjects.events_stream()).await, 1);
+}
+
+#[tokio::test]
+async fn every_delegation_wakes_exactly_once_when_the_events_stream_leader_crashes_and_returns() {
+    init_logs();
+    let mut cluster = NatsCluster::start(3).await;
+    let urls = cluster.urls();
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    // Each party has its own connection to the cluster, as separate
+    // processes would.
+    let publisher = connect(&urls, &prefix).await;
+    publisher
+        .provision(&BusSettings::default())
+        .await
+        .expect("provision");
+    let worker_bus = connect(&urls, &prefix).await;
+    let wake_bus = connect(&urls, &prefix).await;
+    let mut services = Services::new();
+    for _ in 0..2 {
+        services.worker(
+            &worker_bus,
+            Executor::Echo(EchoExecutor),
+            test_worker_config("default"),
+        );
+    }
+    // A lock whose holder lost the answer to its own create in the failover
+    // expires soon.
+    let settings = BusSettings {
+        session_lock_ttl: Duration::from_secs(3),
+        ..BusSettings::default()
+    };
+    services.wake_with(&wake_bus, settings, test_wake_config(&api.url()));
+
+    let requests: Vec<TaskRequest> = (0..N).map(request).collect();
+    let expected: HashMap<String, String> = requests
+        .iter()
+        .map(|r| {
+            (
+                r.delegation_id.clone(),
+                r.origin_session_id.clone().unwrap(),
+            )
+        })
+        .collect();
+    let publishing = {
+        let bus = publisher.clone();
+        tokio::spawn(async move {
+            for request in &requests {
+                publish_until_stored(&bus, request).await;
+            }
+        })
+    };
+
+    let woken = |api: &SessionApiServer| -> usize {
+        let ids: HashSet<String> = api
+            .turns()
+            .iter()
+            .flat_map(|t| t.delegation_ids())
+            .collect();
+        ids.len()
+    };
+    let events = publisher.subjects.events_stream();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    let mut phase = 0;
+    let mut victim = usize::MAX;
+    loop {
+        let n = woken(&api);
+        match phase {
+            0 if n >= N / 4 => {
+                victim = cluster.stream_leader(&publisher.client, &events).await;
+                cluster.kill(victim);
+                phase += 1;
+            }
+            1 if n >= N / 2 => {
+                let leader = cluster.stream_leader(&publisher.client, &events).await;
+                assert_ne!(leader, victim, "a surviving node took over the stream");
+                cluster.restart(victim).await;
+                phase += 1;
+            }
+            2 if n >= N => break,
+            _ => {}
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "stuck in phase {phase} with {n} of {N} woken"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    publishing.await.unwrap();
+    services.stop().await;
+
+    // Each delegation in exactly one turn, of its own session.
+    let mut turns_per_delegation: HashMap<String, usize> = HashMap::new();
+    for turn in api.turns() {
+        for id in turn.delegation_ids() {
+            assert_eq!(expected[&id], turn.session(), "{id} woke the wrong session");
+            *turns_per_delegation.entry(id).or_default() += 1;
+        }
+    }
+    assert_eq!(turns_per_delegation.len(), N, "some delegation never woke");
+    let doubled: Vec<_> = turns_per_delegation
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .collect();
+    if !doubled.is_empty() {
+        let mut report = String::new();
+        for (id, _) in &doubled {
+            for post in api.accepted() {
+                let ids = post.delegation_ids();
+                if ids.contains(id) {
+                    report.push_str(&format!(
+                        "\n{id}: key {:?} with {} completion(s)",
+                        post.header("idempotency-key"),
+                        ids.len()
+                    ));
+                }
+            }
+            let copies = all_messages(&publisher, &events)
+                .await
+                .into_iter()
+                .filter(|m| m.subject.contains(id.as_str()) && m.subject.ends_with(".done"))
+                .count();
+            report.push_str(&format!("\n{id}: {copies} done event(s) in the stream"));
+        }
+        panic!("woken more than once:{report}");
+    }
+    // A repeated post only ever repeats an earlier key (a post in doubt).
+    let mut keys_by_delegation: HashMap<String, HashSet<String>> = HashMap::new();
+    for post in api.accepted() {
+        for id in post.delegation_ids() {
+            keys_by_delegation
+                .entry(id)
+                .or_default()
+                .insert(post.header("idempotency-key").unwrap());
+        }
+    }
+    assert!(keys_by_delegation.values().all(|keys| keys.len() == 1));
+    // The restarted node is back in the stream's replica set.
+    let mut stream = publisher.js.get_stream(&events).await.expect("stream");
+    let info = stream.info().await.expect("info");
+    let cluster_info = info.cluster.as_ref().expect("clustered stream");
+    let members: HashSet<String> = cluster_info
+        .leader
+        .iter()
+        .cloned()
+        .chain(cluster_info.replicas.iter().map(|r| r.name.clone()))
+        .collect();
+    assert!(
+        members.contains(&format!("n{victim}")),
+        "n{victim} is not back among {members:?}"
+    );
+}

@@ -1,0 +1,146 @@
+//! A JetStream cluster of real nats-server processes: each node has its own
+//! client port, cluster port, store directory and server name, and routes to
+//! every node. Nodes can be killed and restarted with the same settings.
+
+use std::time::{Duration, Instant};
+
+use super::nats::{NatsServer, free_port};
+
+pub struct NatsCluster {
+    /// The nodes; node `i` is named `n{i}`.
+    pub nodes: Vec<NatsServer>,
+}
+
+impl NatsCluster {
+    /// Starts `size` nodes and waits until every one answers, sees all its
+    /// peers and a JetStream meta leader is elected.
+    pub async fn start(size: usize) -> Self {
+        let client_ports: Vec<u16> = (0..size).map(|_| free_port()).collect();
+        let cluster_ports: Vec<u16> = (0..size).map(|_| free_port()).collect();
+        let routes = cluster_ports
+            .iter()
+            .map(|port| format!("nats://127.0.0.1:{port}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let nodes = (0..size)
+            .map(|i| {
+                let args = vec![
+                    "--server_name".to_owned(),
+                    format!("n{i}"),
+                    "--cluster_name".to_owned(),
+                    "wakebus-test".to_owned(),
+                    "--cluster".to_owned(),
+                    format!("nats://127.0.0.1:{}", cluster_ports[i]),
+                    "--routes".to_owned(),
+                    routes.clone(),
+                ];
+                NatsServer::launch(client_ports[i], args)
+            })
+            .collect();
+        let mut cluster = Self { nodes };
+        cluster.wait_ready().await;
+        cluster
+    }
+
+    /// Every node's client URL, comma-separated (how clients should connect).
+    pub fn urls(&self) -> String {
+        self.nodes
+            .iter()
+            .map(NatsServer::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The index of the node named `server_name`.
+    pub fn index_of(&self, server_name: &str) -> usize {
+        server_name
+            .strip_prefix('n')
+            .and_then(|i| i.parse().ok())
+            .filter(|i| *i < self.nodes.len())
+            .unwrap_or_else(|| panic!("no node named {server_name}"))
+    }
+
+    /// The node currently leading `stream` (from its stream info).
+    pub async fn stream_leader(&self, client: &async_nats::Client, stream: &str) -> usize {
+        let js = async_nats::jetstream::new(client.clone());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(mut handle) = js.get_stream(stream).await
+                && let Ok(info) = handle.info().await
+                && let Some(leader) = info.cluster.as_ref().and_then(|c| c.leader.clone())
+            {
+                return self.index_of(&leader);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "stream {stream} has no leader after 20s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// SIGKILLs node `i` (a crash); its store stays.
+    pub fn kill(&mut self, i: usize) {
+        self.nodes[i].kill();
+    }
+
+    /// Starts node `i` again with its port, store and cluster settings, and
+    /// waits until the whole cluster is ready again.
+    pub async fn restart(&mut self, i: usize) {
+        self.nodes[i].kill();
+        self.nodes[i].spawn();
+        self.wait_ready().await;
+    }
+
+    /// Waits until every running node answers a JetStream request that needs
+    /// the meta leader and advertises every running node as a peer.
+    pub async fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let running: Vec<usize> = (0..self.nodes.len())
+                .filter(|&i| self.nodes[i].is_running())
+                .collect();
+            assert_eq!(
+                running.len(),
+                self.nodes.len(),
+                "a nats-server node exited during start"
+            );
+            let mut ready = true;
+            for &i in &running {
+                if !node_ready(&self.nodes[i].url(), running.len()).await {
+                    ready = false;
+                    break;
+                }
+            }
+            if ready {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nats cluster not ready within 30s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// Whether the node at `url` sees `peers` servers (itself included) and
+/// answers `$JS.API.STREAM.NAMES`, which only the meta leader can serve.
+async fn node_ready(url: &str, peers: usize) -> bool {
+    let Ok(client) = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_millis(500))
+        .connect(url)
+        .await
+    else {
+        return false;
+    };
+    if client.server_info().connect_urls.len() < peers {
+        return false;
+    }
+    let reply = tokio::time::timeout(
+        Duration::from_secs(1),
+        client.request("$JS.API.STREAM.NAMES", "{}".into()),
+    )
+    .await;
+    matches!(reply, Ok(Ok(reply)) if !String::from_utf8_lossy(&reply.payload).contains("\"error\""))
+}
