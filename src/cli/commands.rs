@@ -47,8 +47,11 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 bus.worker_consumer(pool, std::time::Duration::from_secs(30))
                     .await?;
             }
-            bus.wake_consumer(std::time::Duration::from_secs(30), 10_000)
-                .await?;
+            bus.wake_consumer(
+                std::time::Duration::from_secs(30),
+                wakebus::wake::DEFAULT_MAX_IN_FLIGHT,
+            )
+            .await?;
             println!(
                 "{}",
                 serde_json::json!({"status": "ok", "prefix": global.prefix})

@@ -65,7 +65,7 @@ impl WakeConfig {
             api,
             coalesce_window: Duration::from_millis(100),
             ack_wait: Duration::from_secs(30),
-            max_in_flight: 10_000,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             retry_min: Duration::from_millis(500),
             retry_max: Duration::from_secs(30),
             instance: crate::worker::default_instance_name("wake"),
@@ -78,6 +78,11 @@ impl WakeConfig {
         (self.ack_wait / 3).max(Duration::from_millis(100))
     }
 }
+
+/// Completions held unacknowledged at once by default, across all wake
+/// instances: enough to keep every session busy, small enough that a large
+/// backlog stays in JetStream rather than in the wake service's memory.
+pub const DEFAULT_MAX_IN_FLIGHT: i64 = 1_000;
 
 /// Why the wake service stopped with an error.
 #[derive(Debug, thiserror::Error)]
