@@ -11,7 +11,7 @@ use common::cluster::NatsCluster;
 use common::*;
 use wakebus::bus::{Bus, BusSettings};
 use wakebus::connect::NatsConfig;
-use wakebus::protocol::{EventHeaders, Subjects, TaskRequest, TraceParent, new_delegation_id};
+use wakebus::protocol::{Subjects, TaskRequest, new_delegation_id};
 use wakebus::worker::executor::{EchoExecutor, Executor};
 
 /// Delegations per run: a few thousand, within a minute on two cores.
@@ -28,44 +28,6 @@ fn request(i: usize) -> TaskRequest {
     let mut request = TaskRequest::new(new_delegation_id(), format!("task {i}"));
     request.origin_session_id = Some(format!("session.{}", i % SESSIONS));
     request
-}
-
-/// Publishes until JetStream acknowledges, with the same `Nats-Msg-Id` each
-/// time, so a publish whose ack was lost in a failover is not stored twice.
-async fn publish_until_stored(bus: &Bus, request: &TaskRequest) {
-    let msg_id = format!("{}.0", request.delegation_id);
-    let headers = EventHeaders {
-        id: &msg_id,
-        ce_type: "io.wakebus.task.requested",
-        source: "cluster-test",
-        origin_session: request.origin_session_id.as_deref(),
-        delegation_id: &request.delegation_id,
-        task_index: 0,
-        traceparent: TraceParent::new_root(),
-    }
-    .to_header_map();
-    let payload: bytes::Bytes = serde_json::to_vec(request).unwrap().into();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let sent = bus
-            .js
-            .publish_with_headers(
-                bus.subjects.task("default"),
-                headers.clone(),
-                payload.clone(),
-            )
-            .await;
-        if let Ok(ack) = sent
-            && ack.await.is_ok()
-        {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "request never stored"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 async fn replicas(bus: &Bus, stream: &str) -> usize {

@@ -12,52 +12,7 @@ use common::process::{Service, wake_args, worker_args};
 use common::*;
 use nix::sys::signal::Signal;
 use wakebus::bus::Bus;
-use wakebus::protocol::{
-    CompletionEvent, EventHeaders, StartedEvent, TaskRequest, TraceParent, new_delegation_id,
-};
-
-fn request(session: &str, goal: &str) -> TaskRequest {
-    let mut request = TaskRequest::new(new_delegation_id(), goal);
-    request.origin_session_id = Some(session.to_owned());
-    request
-}
-
-/// Publishes until JetStream acknowledges (the server may be restarting).
-async fn publish_until_stored(bus: &Bus, request: &TaskRequest) {
-    let msg_id = format!("{}.0", request.delegation_id);
-    let headers = EventHeaders {
-        id: &msg_id,
-        ce_type: "io.wakebus.task.requested",
-        source: "faults-test",
-        origin_session: request.origin_session_id.as_deref(),
-        delegation_id: &request.delegation_id,
-        task_index: 0,
-        traceparent: TraceParent::new_root(),
-    }
-    .to_header_map();
-    let payload: bytes::Bytes = serde_json::to_vec(request).unwrap().into();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let sent = bus
-            .js
-            .publish_with_headers(
-                bus.subjects.task("default"),
-                headers.clone(),
-                payload.clone(),
-            )
-            .await;
-        if let Ok(ack) = sent
-            && ack.await.is_ok()
-        {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "request never stored"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
+use wakebus::protocol::{CompletionEvent, StartedEvent, TaskRequest};
 
 async fn events(bus: &Bus, suffix: &str) -> Vec<async_nats::jetstream::message::StreamMessage> {
     all_messages(bus, &bus.subjects.events_stream())

@@ -9,9 +9,7 @@ use std::time::Duration;
 use common::*;
 use wakebus::bus::Bus;
 use wakebus::delegate::{DelegateResult, Delegation, Delegator};
-use wakebus::protocol::{
-    CompletionEvent, EventHeaders, Status, TaskRequest, TraceParent, new_delegation_id,
-};
+use wakebus::protocol::{CompletionEvent, Status, TaskRequest};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -28,36 +26,6 @@ fn shell(script: &str) -> Executor {
         "sh",
         vec!["-c".into(), script.into()],
     )))
-}
-
-fn request(session: &str, goal: &str) -> TaskRequest {
-    let mut request = TaskRequest::new(new_delegation_id(), goal);
-    request.origin_session_id = Some(session.to_owned());
-    request
-}
-
-/// Publishes `request` the way any client would, with the given dedupe id.
-async fn publish_request(bus: &Bus, request: &TaskRequest, msg_id: &str) {
-    let headers = EventHeaders {
-        id: msg_id,
-        ce_type: "io.wakebus.task.requested",
-        source: "test",
-        origin_session: request.origin_session_id.as_deref(),
-        delegation_id: &request.delegation_id,
-        task_index: request.task_index,
-        traceparent: TraceParent::new_root(),
-    }
-    .to_header_map();
-    bus.js
-        .publish_with_headers(
-            bus.subjects.task("default"),
-            headers,
-            serde_json::to_vec(request).unwrap().into(),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
 }
 
 /// Completions in the history, by delegation id.
@@ -203,15 +171,14 @@ async fn a_request_published_twice_runs_once_and_wakes_once() {
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let req = request("s.twice", "only once");
-    let msg_id = format!("{}.0", req.delegation_id);
-    publish_request(&bus, &req, &msg_id).await;
-    publish_request(&bus, &req, &msg_id).await;
+    publish_until_stored(&bus, &req).await;
+    publish_until_stored(&bus, &req).await;
     let mut services = Services::new();
     services.echo_worker(&bus);
     services.wake(&bus, test_wake_config(&api.url()));
     wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
     // Published again after it ran: still inside the dedupe window.
-    publish_request(&bus, &req, &msg_id).await;
+    publish_until_stored(&bus, &req).await;
     wake_consumer_settled(&bus).await;
     services.stop().await;
     assert_eq!(started_count(&bus, &req.delegation_id).await, 1);

@@ -226,3 +226,50 @@ pub async fn wake_consumer_settled(bus: &Bus) {
     )
     .await;
 }
+
+/// A one-task request for `session`, as any publisher would build it.
+pub fn request(session: &str, goal: &str) -> wakebus::protocol::TaskRequest {
+    let mut request =
+        wakebus::protocol::TaskRequest::new(wakebus::protocol::new_delegation_id(), goal);
+    request.origin_session_id = Some(session.to_owned());
+    request
+}
+
+/// Publishes `request` to the default pool until JetStream acknowledges it,
+/// always with the same `Nats-Msg-Id`, so a publish whose ack was lost (a
+/// restart, a failover) is stored once.
+pub async fn publish_until_stored(bus: &Bus, request: &wakebus::protocol::TaskRequest) {
+    let msg_id = format!("{}.{}", request.delegation_id, request.task_index);
+    let headers = wakebus::protocol::EventHeaders {
+        id: &msg_id,
+        ce_type: "io.wakebus.task.requested",
+        source: "test",
+        origin_session: request.origin_session_id.as_deref(),
+        delegation_id: &request.delegation_id,
+        task_index: request.task_index,
+        traceparent: wakebus::protocol::TraceParent::new_root(),
+    }
+    .to_header_map();
+    let payload: bytes::Bytes = serde_json::to_vec(request).expect("encode").into();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let sent = bus
+            .js
+            .publish_with_headers(
+                bus.subjects.task("default"),
+                headers.clone(),
+                payload.clone(),
+            )
+            .await;
+        if let Ok(ack) = sent
+            && ack.await.is_ok()
+        {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "request never stored"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
