@@ -44,6 +44,15 @@ pub fn default_history_max_age() -> Duration {
     Duration::from_secs(7 * 24 * 3600)
 }
 
+/// Where a KV bucket's reads may be served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direct {
+    /// Any replica (fast, possibly a little behind).
+    AnyReplica,
+    /// The stream leader only (sees every acknowledged write).
+    LeaderOnly,
+}
+
 /// Why provisioning failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ProvisionError {
@@ -239,18 +248,22 @@ impl Bus {
         })
         .await?;
         let cancels = self
-            .ensure_bucket(kv::Config {
-                bucket: s.cancel_bucket(),
-                description: "Cancel records: delegations and sessions whose tasks must not run"
-                    .to_owned(),
-                history: 1,
-                max_age: settings.history_max_age,
-                storage: stream::StorageType::File,
-                num_replicas: self
-                    .replicas_for(settings, &format!("KV_{}", s.cancel_bucket()))
-                    .await?,
-                ..Default::default()
-            })
+            .ensure_bucket(
+                kv::Config {
+                    bucket: s.cancel_bucket(),
+                    description:
+                        "Cancel records: delegations and sessions whose tasks must not run"
+                            .to_owned(),
+                    history: 1,
+                    max_age: settings.history_max_age,
+                    storage: stream::StorageType::File,
+                    num_replicas: self
+                        .replicas_for(settings, &format!("KV_{}", s.cancel_bucket()))
+                        .await?,
+                    ..Default::default()
+                },
+                Direct::AnyReplica,
+            )
             .await?;
         Ok(Streams { events, cancels })
     }
@@ -258,32 +271,39 @@ impl Bus {
     async fn provision_buckets(&self, settings: &BusSettings) -> Result<WakeState, ProvisionError> {
         let s = &self.subjects;
         let wake_ledger = self
-            .ensure_bucket(kv::Config {
-                bucket: s.wake_ledger_bucket(),
-                description: "Completions already woken (the wake service's idempotency record)"
-                    .to_owned(),
-                history: 1,
-                max_age: settings.history_max_age,
-                storage: stream::StorageType::File,
-                num_replicas: self
-                    .replicas_for(settings, &format!("KV_{}", s.wake_ledger_bucket()))
-                    .await?,
-                ..Default::default()
-            })
+            .ensure_bucket(
+                kv::Config {
+                    bucket: s.wake_ledger_bucket(),
+                    description:
+                        "Completions already woken (the wake service's idempotency record)"
+                            .to_owned(),
+                    history: 1,
+                    max_age: settings.history_max_age,
+                    storage: stream::StorageType::File,
+                    num_replicas: self
+                        .replicas_for(settings, &format!("KV_{}", s.wake_ledger_bucket()))
+                        .await?,
+                    ..Default::default()
+                },
+                Direct::LeaderOnly,
+            )
             .await?;
         let session_locks = self
-            .ensure_bucket(kv::Config {
-                bucket: s.session_lock_bucket(),
-                description: "Per-session wake locks: one wake post in flight per session"
-                    .to_owned(),
-                history: 1,
-                max_age: settings.session_lock_ttl,
-                storage: stream::StorageType::File,
-                num_replicas: self
-                    .replicas_for(settings, &format!("KV_{}", s.session_lock_bucket()))
-                    .await?,
-                ..Default::default()
-            })
+            .ensure_bucket(
+                kv::Config {
+                    bucket: s.session_lock_bucket(),
+                    description: "Per-session wake locks: one wake post in flight per session"
+                        .to_owned(),
+                    history: 1,
+                    max_age: settings.session_lock_ttl,
+                    storage: stream::StorageType::File,
+                    num_replicas: self
+                        .replicas_for(settings, &format!("KV_{}", s.session_lock_bucket()))
+                        .await?,
+                    ..Default::default()
+                },
+                Direct::LeaderOnly,
+            )
             .await?;
         Ok(WakeState {
             wake_ledger,
@@ -341,7 +361,15 @@ impl Bus {
     /// async-nats's own `create_or_update_key_value` first reads the account
     /// info, which it cannot parse from nats-server 2.9; the stream settings
     /// below are the standard KV layout, so any KV client can use the bucket.
-    async fn ensure_bucket(&self, config: kv::Config) -> Result<kv::Store, ProvisionError> {
+    ///
+    /// `direct` allows reads from any replica. The wake ledger and the
+    /// session locks refuse it: their check-then-act logic needs to read the
+    /// latest write, which only the stream leader is sure to have.
+    async fn ensure_bucket(
+        &self,
+        config: kv::Config,
+        direct: Direct,
+    ) -> Result<kv::Store, ProvisionError> {
         let name = config.bucket.clone();
         self.ensure_stream(stream::Config {
             name: format!("KV_{name}"),
@@ -353,7 +381,7 @@ impl Bus {
             allow_rollup: true,
             deny_delete: true,
             deny_purge: false,
-            allow_direct: true,
+            allow_direct: direct == Direct::AnyReplica,
             num_replicas: config.num_replicas.max(1),
             discard: stream::DiscardPolicy::New,
             ..Default::default()
@@ -624,6 +652,9 @@ fn is_transient(err: &ProvisionError) -> bool {
         "leader",
         "unavailable",
         "temporarily",
+        // A cluster still forming: not every peer is known yet.
+        "peers",
+        "insufficient resources",
     ]
     .iter()
     .any(|needle| lower.contains(needle))
