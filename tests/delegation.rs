@@ -90,35 +90,12 @@ async fn a_subagent_delegating_through_the_cli_nests_one_level_and_is_refused_pa
     assert_eq!(dones[0].status, Status::Completed);
 }
 
-fn shell(script: &str) -> Executor {
-    Executor::Command(CommandExecutor::new(CommandConfig::new(
-        "sh",
-        vec!["-c".into(), script.into()],
-    )))
-}
-
-async fn dones(bus: &wakebus::bus::Bus) -> Vec<CompletionEvent> {
-    all_messages(bus, &bus.subjects.events_stream())
-        .await
-        .iter()
-        .filter(|m| m.subject.ends_with(".done"))
-        .map(|m| CompletionEvent::decode(&m.payload).unwrap())
-        .collect()
-}
-
 async fn started(bus: &wakebus::bus::Bus) -> usize {
     all_messages(bus, &bus.subjects.events_stream())
         .await
         .iter()
         .filter(|m| m.subject.ends_with(".started"))
         .count()
-}
-
-fn id_of(result: &wakebus::delegate::DelegateResult) -> String {
-    serde_json::to_value(result).unwrap()["delegation_id"]
-        .as_str()
-        .unwrap()
-        .to_owned()
 }
 
 #[tokio::test]
@@ -148,7 +125,7 @@ async fn a_queued_task_that_is_cancelled_never_runs_and_wakes_its_session_as_int
     wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
     services.stop().await;
     assert_eq!(started(&bus).await, 0, "a cancelled task must not start");
-    let done = &dones(&bus).await[0];
+    let done = &done_events(&bus).await[0];
     assert_eq!(
         (done.status, done.exit_reason.as_str()),
         (Status::Interrupted, "cancelled")
@@ -186,7 +163,7 @@ async fn a_running_task_is_interrupted_with_its_partial_output() {
     assert_eq!(report.state, Some(DelegationState::Running));
     wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
     services.stop().await;
-    let done = &dones(&bus).await[0];
+    let done = &done_events(&bus).await[0];
     assert_eq!(done.status, Status::Interrupted);
     assert_eq!(done.summary.as_deref(), Some("partial"));
     assert!(
@@ -224,10 +201,10 @@ async fn a_silent_cancel_records_the_interruption_but_wakes_nobody() {
         .await
         .unwrap();
     wait_until(WAIT, "the interrupted completion", || async {
-        !dones(&bus).await.is_empty()
+        !done_events(&bus).await.is_empty()
     })
     .await;
-    let done = &dones(&bus).await[0];
+    let done = &done_events(&bus).await[0];
     assert_eq!(done.status, Status::Interrupted);
     assert!(done.suppress_wake);
     // The wake service has seen it and acked it without posting.
@@ -271,11 +248,11 @@ async fn cancelling_a_session_stops_its_delegations_and_no_others() {
         .unwrap();
     assert_eq!((report.status, report.scope), ("cancelled", "session"));
     wait_until(WAIT, "five completions", || async {
-        dones(&bus).await.len() == 5
+        done_events(&bus).await.len() == 5
     })
     .await;
     services.stop().await;
-    for done in dones(&bus).await {
+    for done in done_events(&bus).await {
         if done.delegation_id == other {
             assert_eq!(done.status, Status::Completed);
         } else {
@@ -347,7 +324,7 @@ async fn a_batch_wakes_its_session_once_when_every_task_has_ended() {
     .await;
     // Every completion has been handled by the wake service by now.
     wait_until(WAIT, "three completions", || async {
-        dones(&bus).await.len() == 3
+        done_events(&bus).await.len() == 3
     })
     .await;
     services.stop().await;
@@ -539,7 +516,7 @@ async fn batches_wake_exactly_once_with_two_wake_instances_racing_for_the_last_c
     })
     .await;
     wait_until(WAIT, "60 completions", || async {
-        dones(&bus).await.len() == 60
+        done_events(&bus).await.len() == 60
     })
     .await;
     wake_consumer_settled(&bus).await;

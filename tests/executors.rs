@@ -104,15 +104,6 @@ async fn answer(
     }
 }
 
-async fn completions(bus: &wakebus::bus::Bus) -> Vec<CompletionEvent> {
-    all_messages(bus, &bus.subjects.events_stream())
-        .await
-        .iter()
-        .filter(|m| m.subject.ends_with(".done"))
-        .map(|m| CompletionEvent::decode(&m.payload).unwrap())
-        .collect()
-}
-
 async fn run_one(
     executor: Executor,
     delegation: Delegation,
@@ -247,11 +238,11 @@ async fn cancelling_a_running_llm_task_aborts_the_model_call() {
         .await
         .unwrap();
     wait_until(WAIT, "the interrupted completion", || async {
-        !completions(&bus).await.is_empty()
+        !done_events(&bus).await.is_empty()
     })
     .await;
     services.stop().await;
-    let done = &completions(&bus).await[0];
+    let done = &done_events(&bus).await[0];
     assert_eq!(
         (done.status, done.exit_reason.as_str()),
         (Status::Interrupted, "cancelled")

@@ -10,7 +10,7 @@ use common::cli::{field, publish_task, wakebus};
 use common::*;
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
-use wakebus::delegate::{DelegateResult, Delegation, Delegator};
+use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::{HEADER_REPLAY, Status, session_token};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
@@ -32,13 +32,6 @@ where
             "timed out after {timeout:?} waiting for: {what}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-fn id_of(result: &DelegateResult) -> String {
-    match result {
-        DelegateResult::Dispatched { delegation_id, .. }
-        | DelegateResult::Completed { delegation_id, .. } => delegation_id.clone(),
     }
 }
 

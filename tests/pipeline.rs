@@ -12,13 +12,6 @@ use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
 
-fn delegation_id(result: &DelegateResult) -> String {
-    match result {
-        DelegateResult::Dispatched { delegation_id, .. }
-        | DelegateResult::Completed { delegation_id, .. } => delegation_id.clone(),
-    }
-}
-
 #[tokio::test]
 async fn background_delegation_wakes_the_right_session_with_the_exact_headers_and_body() {
     init_logs();
@@ -41,7 +34,7 @@ async fn background_delegation_wakes_the_right_session_with_the_exact_headers_an
     let json = serde_json::to_value(&result).unwrap();
     assert_eq!(json["status"], "dispatched");
     assert_eq!(json["mode"], "background");
-    let id = delegation_id(&result);
+    let id = id_of(&result);
     assert_eq!(json["delegation_id"], id.as_str());
 
     wait_until(WAIT, "one wake", || async { !api.accepted().is_empty() }).await;
@@ -135,7 +128,7 @@ async fn two_hundred_delegations_from_twenty_sessions_each_wake_only_their_own_s
                 .delegate(Delegation::new(format!("task {i}")).session(session.clone()))
                 .await
                 .expect("delegate");
-            (session, delegation_id(&result))
+            (session, id_of(&result))
         }
     });
     let submitted = futures::future::join_all(submissions).await;
@@ -332,7 +325,7 @@ async fn wake_arrives_once_the_session_api_is_back() {
     services.stop().await;
     let accepted = api.accepted();
     assert_eq!(accepted.len(), 1);
-    assert_eq!(accepted[0].delegation_ids(), vec![delegation_id(&result)]);
+    assert_eq!(accepted[0].delegation_ids(), vec![id_of(&result)]);
     assert_eq!(accepted[0].session(), "s.down");
 }
 

@@ -8,25 +8,11 @@ use std::time::Duration;
 
 use common::*;
 use wakebus::bus::Bus;
-use wakebus::delegate::{DelegateResult, Delegation, Delegator};
+use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::{CompletionEvent, Status, TaskRequest};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
-
-fn id_of(result: &DelegateResult) -> String {
-    match result {
-        DelegateResult::Dispatched { delegation_id, .. }
-        | DelegateResult::Completed { delegation_id, .. } => delegation_id.clone(),
-    }
-}
-
-fn shell(script: &str) -> Executor {
-    Executor::Command(CommandExecutor::new(CommandConfig::new(
-        "sh",
-        vec!["-c".into(), script.into()],
-    )))
-}
 
 /// Completions in the history, by delegation id.
 async fn completions(bus: &Bus) -> HashMap<String, Vec<CompletionEvent>> {

@@ -273,3 +273,25 @@ pub async fn publish_until_stored(bus: &Bus, request: &wakebus::protocol::TaskRe
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// The delegation id of a delegate result.
+pub fn id_of(result: &wakebus::delegate::DelegateResult) -> String {
+    result.delegation_id().to_owned()
+}
+
+/// An executor running `script` with `sh -c`.
+pub fn shell(script: &str) -> Executor {
+    Executor::Command(wakebus::worker::executor::CommandExecutor::new(
+        wakebus::worker::executor::CommandConfig::new("sh", vec!["-c".into(), script.into()]),
+    ))
+}
+
+/// Every completion in the history, in stream order.
+pub async fn done_events(bus: &Bus) -> Vec<wakebus::protocol::CompletionEvent> {
+    all_messages(bus, &bus.subjects.events_stream())
+        .await
+        .iter()
+        .filter(|m| m.subject.ends_with(".done"))
+        .map(|m| wakebus::protocol::CompletionEvent::decode(&m.payload).expect("completion"))
+        .collect()
+}
