@@ -190,13 +190,8 @@ impl TaskHandler {
         };
 
         let started = StartedEvent::for_request(&request, &self.config.instance, attempt);
-        if let Err(error) = self
-            .publish(&request, EventKind::Started, trace, &started)
-            .await
-        {
-            // Only history is missing; the run itself can go on.
-            warn!(%error, "Could not publish the started event.");
-        }
+        self.publish_history(&request, EventKind::Started, trace, &started)
+            .await;
         m::task_started(&self.config.pool);
 
         let begun = Instant::now();
@@ -344,12 +339,8 @@ impl TaskHandler {
             return;
         };
         let event = ProgressEvent::for_request(request, &self.config.instance, message);
-        if let Err(error) = self
-            .publish(request, EventKind::Progress, trace, &event)
-            .await
-        {
-            warn!(%error, "Could not publish a progress event.");
-        }
+        self.publish_history(request, EventKind::Progress, trace, &event)
+            .await;
     }
 
     /// Publishes the completion; acks the request only once it is stored.
@@ -472,6 +463,47 @@ impl TaskHandler {
         trace: TraceParent,
         body: &impl serde::Serialize,
     ) -> Result<(), PublishError> {
+        self.send(request, kind, trace, body).await?.await?;
+        Ok(())
+    }
+
+    /// Publishes a history-only event (started, progress) without waiting
+    /// for JetStream's ack on the task's path: nothing depends on it being
+    /// stored, and waiting would add a round trip to every task. The ack is
+    /// awaited in the background, so a failure is still logged.
+    async fn publish_history(
+        &self,
+        request: &TaskRequest,
+        kind: EventKind,
+        trace: TraceParent,
+        body: &impl serde::Serialize,
+    ) {
+        match self.send(request, kind, trace, body).await {
+            Ok(ack) => {
+                tokio::spawn(
+                    async move {
+                        if let Err(error) = ack.await {
+                            warn!(%error, kind = kind.as_str(), "History event was not stored.");
+                        }
+                    }
+                    .in_current_span(),
+                );
+            }
+            Err(error) => {
+                // Only history is missing; the run itself can go on.
+                warn!(%error, kind = kind.as_str(), "Could not publish a history event.");
+            }
+        }
+    }
+
+    /// Sends an event; the returned future resolves when JetStream stored it.
+    async fn send(
+        &self,
+        request: &TaskRequest,
+        kind: EventKind,
+        trace: TraceParent,
+        body: &impl serde::Serialize,
+    ) -> Result<async_nats::jetstream::context::PublishAckFuture, PublishError> {
         let token = token_for(request.origin_session_id.as_deref());
         let subject =
             self.bus
@@ -498,12 +530,11 @@ impl TaskHandler {
         }
         .to_header_map();
         let payload = Bytes::from(serde_json::to_vec(body)?);
-        self.bus
+        Ok(self
+            .bus
             .js
             .publish_with_headers(subject, headers, payload)
-            .await?
-            .await?;
-        Ok(())
+            .await?)
     }
 
     /// Copies the request, with the reason, to the dead-letter stream.
