@@ -314,6 +314,45 @@ async fn two_wake_instances_never_post_to_one_session_at_the_same_time() {
 }
 
 #[tokio::test]
+async fn a_busy_session_keeps_its_lock_between_consecutive_turns_then_releases_it() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    let mut config = test_wake_config(&api.url());
+    config.coalesce_window = Duration::ZERO;
+    config.lock_linger = Duration::from_secs(3);
+    services.wake(&bus, config);
+    let delegator = Delegator::new(bus.clone());
+    // One at a time, each woken before the next is submitted: five turns.
+    for i in 1..=5 {
+        delegator
+            .delegate(Delegation::new(format!("step {i}")).session("s.busy"))
+            .await
+            .unwrap();
+        wait_until(WAIT, "the step woken", || async {
+            api.accepted().len() == i
+        })
+        .await;
+    }
+    let locks = bus.subjects.session_lock_bucket();
+    let lock_stream = format!("KV_{locks}");
+    // Five turns, one lock taken (a single write), not five takes and releases.
+    assert_eq!(all_messages(&bus, &lock_stream).await.len(), 1);
+    // Once the session is idle for the linger, the lock is given back.
+    let kv = bus.js.get_key_value(&locks).await.unwrap();
+    let token = wakebus::protocol::session_token("s.busy");
+    wait_until(WAIT, "the lock released", || async {
+        kv.get(&token).await.unwrap().is_none()
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(api.accepted().len(), 5);
+}
+
+#[tokio::test]
 async fn retry_after_from_the_session_api_is_honoured() {
     init_logs();
     let nats = NatsServer::start().await;

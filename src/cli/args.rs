@@ -339,6 +339,10 @@ pub(crate) struct WakeArgs {
     /// Completions for one session within this window become one turn.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "100ms")]
     pub(crate) coalesce_window: Duration,
+    /// How long a session's lock is kept after its turn for the session's
+    /// next completion (0s: release at once).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "250ms")]
+    pub(crate) lock_linger: Duration,
     /// AckWait of the wake consumer.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub(crate) ack_wait: Duration,

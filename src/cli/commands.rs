@@ -180,6 +180,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 extra_ca: args.api_ca,
             };
             config.coalesce_window = args.coalesce_window;
+            config.lock_linger = args.lock_linger;
             config.ack_wait = args.ack_wait;
             config.retry_min = args.retry_min;
             config.retry_max = args.retry_max;

@@ -40,12 +40,20 @@ pub struct LockGuard {
     revision: u64,
     /// When this holder last wrote it (the lock expires a TTL later).
     written_at: tokio::time::Instant,
+    /// A refresh failed: the lock may be someone else's now, so this guard
+    /// must not be used again (nor released: its revision is stale).
+    lost: bool,
 }
 
 impl LockGuard {
     /// When the lock was last written by its holder.
     pub fn written_at(&self) -> tokio::time::Instant {
         self.written_at
+    }
+
+    /// Whether a refresh failed, so the lock must be taken anew.
+    pub fn is_lost(&self) -> bool {
+        self.lost
     }
 }
 
@@ -71,6 +79,7 @@ impl SessionLocks {
                 key: session_token.to_owned(),
                 revision,
                 written_at: tokio::time::Instant::now(),
+                lost: false,
             })),
             Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
             Err(err) => Err(err.into()),
@@ -80,16 +89,28 @@ impl SessionLocks {
     /// Extends the lock's life.
     pub async fn refresh(&self, guard: &mut LockGuard) -> Result<(), LockError> {
         let started = tokio::time::Instant::now();
-        guard.revision = self
+        match self
             .kv
             .update(&guard.key, self.owner.clone(), guard.revision)
-            .await?;
-        guard.written_at = started;
-        Ok(())
+            .await
+        {
+            Ok(revision) => {
+                guard.revision = revision;
+                guard.written_at = started;
+                Ok(())
+            }
+            Err(error) => {
+                guard.lost = true;
+                Err(error.into())
+            }
+        }
     }
 
     /// Releases the lock, unless it already expired and was taken by someone else.
     pub async fn release(&self, guard: LockGuard) {
+        if guard.lost {
+            return;
+        }
         // Failure leaves the lock to expire by itself.
         let _ = self
             .kv

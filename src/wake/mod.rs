@@ -42,6 +42,11 @@ pub struct WakeConfig {
     pub api: SessionApiConfig,
     /// Completions for one session arriving within this window are combined.
     pub coalesce_window: Duration,
+    /// How long a session's lock is kept after its turn, waiting for the
+    /// session's next completion: consecutive turns of a busy session then
+    /// skip a lock release and a lock take (two KV writes each). Another
+    /// wake instance wanting the session waits at most this long more.
+    pub lock_linger: Duration,
     /// The consumer's AckWait.
     pub ack_wait: Duration,
     /// Most completions held unacknowledged at once (across all instances).
@@ -64,6 +69,7 @@ impl WakeConfig {
         Self {
             api,
             coalesce_window: Duration::from_millis(100),
+            lock_linger: DEFAULT_LOCK_LINGER,
             ack_wait: Duration::from_secs(30),
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             retry_min: Duration::from_millis(500),
@@ -78,6 +84,11 @@ impl WakeConfig {
         (self.ack_wait / 3).max(Duration::from_millis(100))
     }
 }
+
+/// How long a session lock is kept after a turn by default: longer than the
+/// gap between a busy session's completions, short enough that another
+/// instance taking over the session barely notices.
+pub const DEFAULT_LOCK_LINGER: Duration = Duration::from_millis(250);
 
 /// Completions held unacknowledged at once by default, across all wake
 /// instances: enough to keep every session busy, small enough that a large

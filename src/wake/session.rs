@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use backon::{BackoffBuilder, ExponentialBuilder};
+use futures::future::join_all;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -194,18 +195,30 @@ impl Router {
     async fn actor(self: Arc<Self>, session: String, mut rx: UnboundedReceiver<Pending>) {
         let config = &self.shared.config;
         let mut held: Vec<Pending> = Vec::new();
+        // The session lock, kept for `lock_linger` after a turn so that the
+        // session's next completion does not pay for a release and a take.
+        let mut lock: Option<LockGuard> = None;
         loop {
             if held.is_empty() {
+                let idle = match lock {
+                    Some(_) => config.lock_linger.min(self.shared.locks.refresh_interval()),
+                    None => Duration::from_secs(30),
+                };
                 tokio::select! {
                     next = rx.recv() => match next {
                         Some(p) => held.push(p),
-                        None => return,
+                        None => return self.release(lock).await,
                     },
-                    () = tokio::time::sleep(Duration::from_secs(30)) => {
-                        if self.retire(&session, &rx) { return; }
+                    () = tokio::time::sleep(idle) => {
+                        if lock.is_some() {
+                            self.release(lock.take()).await;
+                        } else if self.retire(&session, &rx) {
+                            return;
+                        }
                         continue;
                     }
                     () = self.shutdown.cancelled() => {
+                        self.release(lock.take()).await;
                         if self.retire(&session, &rx) { return; }
                         continue;
                     }
@@ -214,16 +227,30 @@ impl Router {
             // Combine whatever arrives within the window.
             let window_end = Instant::now() + config.coalesce_window;
             if !self.wait(window_end, &mut held, &mut rx).await {
+                self.release(lock).await;
                 return self.hand_back(held, &mut rx).await;
             }
-            let Some(mut guard) = self.acquire_lock(&mut held, &mut rx).await else {
-                return self.hand_back(held, &mut rx).await;
+            let mut guard = match lock.take() {
+                Some(guard) => guard,
+                None => match self.acquire_lock(&mut held, &mut rx).await {
+                    Some(guard) => guard,
+                    None => return self.hand_back(held, &mut rx).await,
+                },
             };
-            let delivered = self.deliver(&session, &mut held, &mut rx, &mut guard).await;
-            self.shared.locks.release(guard).await;
-            if !delivered {
+            if !self.deliver(&session, &mut held, &mut rx, &mut guard).await {
+                self.release(Some(guard)).await;
                 return self.hand_back(held, &mut rx).await;
             }
+            // A lock whose refresh failed is never reused: the next turn
+            // takes the lock anew.
+            lock = (!guard.is_lost()).then_some(guard);
+        }
+    }
+
+    /// Gives the session lock back, if held.
+    async fn release(&self, lock: Option<LockGuard>) {
+        if let Some(guard) = lock {
+            self.shared.locks.release(guard).await;
         }
     }
 
@@ -422,10 +449,13 @@ impl Router {
 
     async fn plan_singles(&self, held: &mut Vec<Pending>) -> Result<Vec<Turn>, PlanError> {
         let ledger = &self.shared.ledger;
-        let mut states = Vec::with_capacity(held.len());
-        for pending in held.iter() {
-            states.push(ledger.get(&pending.ledger_key()).await?);
-        }
+        let states = join_all(
+            held.iter()
+                .map(|p| async move { ledger.get(&p.ledger_key()).await }),
+        )
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
         let mut recovering: Vec<Turn> = Vec::new();
         let mut fresh: Vec<Pending> = Vec::new();
         for (pending, state) in std::mem::take(held).into_iter().zip(states) {
@@ -610,13 +640,24 @@ impl Router {
             match result {
                 PostResult::Delivered => {
                     m::wake_posted("delivered");
-                    for covered in &turn.covers {
-                        if let Err(error) = shared.ledger.mark_delivered(covered, &turn.key).await {
-                            warn!(%error, "Could not record the delivery; a redelivery will re-send with the same Idempotency-Key.");
-                        }
-                    }
-                    for pending in &turn.messages {
-                        Outcome::Ack.apply(&pending.message).await;
+                    // The records and the acks go out together: an ack does
+                    // not depend on its record (a failed record only leaves
+                    // the entry at `posting`), and the session lock, which
+                    // another copy of a completion would need, is released
+                    // only after both.
+                    let records = join_all(
+                        turn.covers
+                            .iter()
+                            .map(|covered| shared.ledger.mark_delivered(covered, &turn.key)),
+                    );
+                    let acks = join_all(
+                        turn.messages
+                            .iter()
+                            .map(|pending| Outcome::Ack.apply(&pending.message)),
+                    );
+                    let (records, _) = tokio::join!(records, acks);
+                    if let Some(Err(error)) = records.into_iter().find(Result::is_err) {
+                        warn!(%error, "Could not record the delivery; a redelivery will re-send with the same Idempotency-Key.");
                     }
                     info!(completions = turn.covers.len(), attempt, idempotency_key = %turn.key, "Wake delivered.");
                     return Posted::Done;
