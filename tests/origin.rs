@@ -35,25 +35,31 @@ async fn two_tenants() -> RoleServer {
         .replace("WAKEBUS_", "ACME_")
         .replace("_INBOX_", "_INBOX_acme-");
     std::fs::write(dir.path().join("acme-permissions.conf"), acme).unwrap();
+    // `include` paths are relative to the including file.
+    std::fs::write(dir.path().join("wakebus-permissions.conf"), &wakebus).unwrap();
     let conf = dir.path().join("nats.conf");
     std::fs::write(
         &conf,
         format!(
             r#"
 listen: 127.0.0.1:4222
-include "{wakebus}"
+include "wakebus-permissions.conf"
 include "acme-permissions.conf"
 authorization {{
   users: [
     {{ user: dev, password: "dev-only", permissions: $WAKEBUS_OPERATOR }}
     {{ user: operator, password: "operator-dev-only", permissions: $WAKEBUS_OPERATOR }}
+    {{ user: delegator, password: "delegator-dev-only", permissions: $WAKEBUS_DELEGATOR }}
     {{ user: worker, password: "worker-dev-only", permissions: $WAKEBUS_WORKER_DEFAULT }}
+    {{ user: wake, password: "wake-dev-only", permissions: $WAKEBUS_WAKE }}
+    {{ user: acme-operator, password: "acme-operator-dev-only", permissions: $ACME_OPERATOR }}
+    {{ user: acme-delegator, password: "acme-delegator-dev-only", permissions: $ACME_DELEGATOR }}
     {{ user: acme-worker, password: "acme-worker-dev-only", permissions: $ACME_WORKER_DEFAULT }}
+    {{ user: acme-wake, password: "acme-wake-dev-only", permissions: $ACME_WAKE }}
   ]
 }}
 no_auth_user: dev
-"#,
-            wakebus = permissions.display()
+"#
         ),
     )
     .unwrap();
