@@ -825,7 +825,10 @@ fn submitted_record_built_by_the_delegator_matches_its_schema() {
             let body = serde_json::to_value(&record).unwrap();
             assert_valid(SUBMITTED, &body);
             assert!(body["submitted_at"].as_str().unwrap().ends_with('Z'));
-            assert_eq!(SubmittedRecord::decode(body.to_string().as_bytes()).unwrap(), record);
+            assert_eq!(
+                SubmittedRecord::decode(body.to_string().as_bytes()).unwrap(),
+                record
+            );
         }
     }
 }
