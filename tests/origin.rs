@@ -40,27 +40,25 @@ async fn two_tenants() -> RoleServer {
     let conf = dir.path().join("nats.conf");
     std::fs::write(
         &conf,
-        format!(
-            r#"
+        r#"
 listen: 127.0.0.1:4222
 include "wakebus-permissions.conf"
 include "acme-permissions.conf"
-authorization {{
+authorization {
   users: [
-    {{ user: dev, password: "dev-only", permissions: $WAKEBUS_OPERATOR }}
-    {{ user: operator, password: "operator-dev-only", permissions: $WAKEBUS_OPERATOR }}
-    {{ user: delegator, password: "delegator-dev-only", permissions: $WAKEBUS_DELEGATOR }}
-    {{ user: worker, password: "worker-dev-only", permissions: $WAKEBUS_WORKER_DEFAULT }}
-    {{ user: wake, password: "wake-dev-only", permissions: $WAKEBUS_WAKE }}
-    {{ user: acme-operator, password: "acme-operator-dev-only", permissions: $ACME_OPERATOR }}
-    {{ user: acme-delegator, password: "acme-delegator-dev-only", permissions: $ACME_DELEGATOR }}
-    {{ user: acme-worker, password: "acme-worker-dev-only", permissions: $ACME_WORKER_DEFAULT }}
-    {{ user: acme-wake, password: "acme-wake-dev-only", permissions: $ACME_WAKE }}
+    { user: dev, password: "dev-only", permissions: $WAKEBUS_OPERATOR }
+    { user: operator, password: "operator-dev-only", permissions: $WAKEBUS_OPERATOR }
+    { user: delegator, password: "delegator-dev-only", permissions: $WAKEBUS_DELEGATOR }
+    { user: worker, password: "worker-dev-only", permissions: $WAKEBUS_WORKER_DEFAULT }
+    { user: wake, password: "wake-dev-only", permissions: $WAKEBUS_WAKE }
+    { user: acme-operator, password: "acme-operator-dev-only", permissions: $ACME_OPERATOR }
+    { user: acme-delegator, password: "acme-delegator-dev-only", permissions: $ACME_DELEGATOR }
+    { user: acme-worker, password: "acme-worker-dev-only", permissions: $ACME_WORKER_DEFAULT }
+    { user: acme-wake, password: "acme-wake-dev-only", permissions: $ACME_WAKE }
   ]
-}}
+}
 no_auth_user: dev
-"#
-        ),
+"#,
     )
     .unwrap();
     RoleServer::start_with_conf(dir, &conf).await
