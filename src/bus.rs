@@ -193,6 +193,34 @@ impl Bus {
         Self::patiently(attempt).await
     }
 
+    /// What a worker provisions: the streams and the cancel bucket, except
+    /// that an existing events stream is left alone. A worker may not read
+    /// the events stream's info (with a subject filter it lists every
+    /// delegation id), so it only checks, by a probe publish, that the
+    /// stream exists; a missing one is created as by [`Bus::provision`].
+    /// Returns the cancel bucket.
+    pub async fn provision_for_worker(
+        &self,
+        settings: &BusSettings,
+    ) -> Result<kv::Store, ProvisionError> {
+        let attempt = || async {
+            let probe = self
+                .subjects
+                .event("probe", "probe", 0, crate::protocol::EventKind::Done);
+            match crate::worker::probe::last_sequence_on(self, &probe).await {
+                Ok(_) => self.provision_worker_streams(settings).await,
+                Err(crate::worker::probe::ProbeError::NoStream) => {
+                    Ok(self.provision_streams(settings).await?.cancels)
+                }
+                Err(error) => {
+                    warn!(%error, "Could not check the events stream; provisioning as usual.");
+                    Ok(self.provision_streams(settings).await?.cancels)
+                }
+            }
+        };
+        Self::patiently(attempt).await
+    }
+
     async fn patiently<T, F, Fut>(attempt: F) -> Result<T, ProvisionError>
     where
         F: FnMut() -> Fut,
@@ -214,16 +242,8 @@ impl Bus {
 
     async fn provision_streams(&self, settings: &BusSettings) -> Result<Streams, ProvisionError> {
         let s = &self.subjects;
-        self.ensure_stream(stream::Config {
-            num_replicas: self.replicas_for(settings, &s.tasks_stream()).await?,
-            name: s.tasks_stream(),
-            subjects: vec![s.tasks_all()],
-            retention: stream::RetentionPolicy::WorkQueue,
-            storage: stream::StorageType::File,
-            duplicate_window: settings.duplicate_window,
-            ..Default::default()
-        })
-        .await?;
+        self.ensure_stream(self.tasks_config(settings).await?)
+            .await?;
         let events = self
             .ensure_stream(stream::Config {
                 num_replicas: self.replicas_for(settings, &s.events_stream()).await?,
@@ -236,7 +256,33 @@ impl Bus {
                 ..Default::default()
             })
             .await?;
-        self.ensure_stream(stream::Config {
+        self.ensure_stream(self.dead_letters_config(settings).await?)
+            .await?;
+        let cancels = self.ensure_cancels(settings).await?;
+        Ok(Streams { events, cancels })
+    }
+
+    /// The requests stream's settings.
+    async fn tasks_config(&self, settings: &BusSettings) -> Result<stream::Config, ProvisionError> {
+        let s = &self.subjects;
+        Ok(stream::Config {
+            num_replicas: self.replicas_for(settings, &s.tasks_stream()).await?,
+            name: s.tasks_stream(),
+            subjects: vec![s.tasks_all()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: stream::StorageType::File,
+            duplicate_window: settings.duplicate_window,
+            ..Default::default()
+        })
+    }
+
+    /// The dead-letter stream's settings.
+    async fn dead_letters_config(
+        &self,
+        settings: &BusSettings,
+    ) -> Result<stream::Config, ProvisionError> {
+        let s = &self.subjects;
+        Ok(stream::Config {
             num_replicas: self.replicas_for(settings, &s.dead_letter_stream()).await?,
             name: s.dead_letter_stream(),
             subjects: vec![s.dead_letters_all()],
@@ -246,26 +292,39 @@ impl Bus {
             duplicate_window: settings.duplicate_window,
             ..Default::default()
         })
-        .await?;
-        let cancels = self
-            .ensure_bucket(
-                kv::Config {
-                    bucket: s.cancel_bucket(),
-                    description:
-                        "Cancel records: delegations and sessions whose tasks must not run"
-                            .to_owned(),
-                    history: 1,
-                    max_age: settings.history_max_age,
-                    storage: stream::StorageType::File,
-                    num_replicas: self
-                        .replicas_for(settings, &format!("KV_{}", s.cancel_bucket()))
-                        .await?,
-                    ..Default::default()
-                },
-                Direct::AnyReplica,
-            )
+    }
+
+    /// The cancel bucket, created or updated.
+    async fn ensure_cancels(&self, settings: &BusSettings) -> Result<kv::Store, ProvisionError> {
+        let s = &self.subjects;
+        self.ensure_bucket(
+            kv::Config {
+                bucket: s.cancel_bucket(),
+                description: "Cancel records: delegations and sessions whose tasks must not run"
+                    .to_owned(),
+                history: 1,
+                max_age: settings.history_max_age,
+                storage: stream::StorageType::File,
+                num_replicas: self
+                    .replicas_for(settings, &format!("KV_{}", s.cancel_bucket()))
+                    .await?,
+                ..Default::default()
+            },
+            Direct::AnyReplica,
+        )
+        .await
+    }
+
+    /// [`Bus::provision_streams`] without the events stream.
+    async fn provision_worker_streams(
+        &self,
+        settings: &BusSettings,
+    ) -> Result<kv::Store, ProvisionError> {
+        self.ensure_stream(self.tasks_config(settings).await?)
             .await?;
-        Ok(Streams { events, cancels })
+        self.ensure_stream(self.dead_letters_config(settings).await?)
+            .await?;
+        self.ensure_cancels(settings).await
     }
 
     async fn provision_buckets(&self, settings: &BusSettings) -> Result<WakeState, ProvisionError> {

@@ -4,6 +4,10 @@
 //! every request (background mode); the wake service later continues that
 //! session. Without one there is nothing to wake, so the call waits for the
 //! completions and returns them inline (sync mode).
+//!
+//! Before a task's request, the delegator writes its `submitted` record to
+//! the events stream (`<prefix>.evt.<token>.<delegation>.<task>.submitted`):
+//! a wake that verifies origins only acts on completions that have one.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -16,8 +20,9 @@ use time::OffsetDateTime;
 
 use crate::bus::{Bus, PublishError};
 use crate::protocol::{
-    CompletionEvent, DEFAULT_MAX_DEPTH, EventHeaders, IdError, Limits, Role, TaskRequest, TooLarge,
-    TraceParent, WakeMode, new_delegation_id, validate_pool, validate_session_id,
+    CompletionEvent, DEFAULT_MAX_DEPTH, EventHeaders, EventKind, IdError, Limits, Role,
+    SubmittedRecord, TaskRequest, TooLarge, TraceParent, WakeMode, new_delegation_id,
+    validate_pool, validate_session_id,
 };
 
 /// The largest batch accepted by default.
@@ -413,7 +418,12 @@ impl Delegator {
         Ok(())
     }
 
-    /// Publishes every request, then waits for all acks (pipelined).
+    /// Writes every task's `submitted` record and waits until JetStream has
+    /// stored them, then publishes every request and waits for all acks
+    /// (each step pipelined: one round trip per step, not per task).
+    ///
+    /// The records go first so that no completion can exist without one: a
+    /// wake that verifies origins would refuse it.
     async fn publish_all(
         &self,
         pool: &str,
@@ -421,28 +431,59 @@ impl Delegator {
         trace: TraceParent,
     ) -> Result<(), DelegateError> {
         let subject = self.bus.subjects.task(pool);
+        let traceparent = trace.to_string();
+        let mut records = Vec::with_capacity(requests.len());
         let mut pending = Vec::with_capacity(requests.len());
         for request in requests {
+            let token = crate::worker::token_for(request.origin_session_id.as_deref());
+            let record_id = SubmittedRecord::id_for(&request.delegation_id, request.task_index);
+            let record = SubmittedRecord::for_request(request, pool, Some(traceparent.clone()));
+            records.push((
+                self.bus
+                    .subjects
+                    .submitted(&token, &request.delegation_id, request.task_index),
+                Self::headers(&record_id, EventKind::Submitted.ce_type(), request, trace),
+                Bytes::from(serde_json::to_vec(&record).map_err(PublishError::from)?),
+            ));
             let id = format!("{}.{}", request.delegation_id, request.task_index);
-            let headers = EventHeaders {
-                id: &id,
-                ce_type: "io.wakebus.task.requested",
-                source: "wakebus/delegate",
-                origin_session: request.origin_session_id.as_deref(),
-                delegation_id: &request.delegation_id,
-                task_index: request.task_index,
-                traceparent: trace,
-            }
-            .to_header_map();
+            let headers = Self::headers(&id, "io.wakebus.task.requested", request, trace);
             let payload = Bytes::from(serde_json::to_vec(request).map_err(PublishError::from)?);
             self.check_size(payload.len(), request)?;
             pending.push((subject.clone(), headers, payload));
         }
+        self.publish_stored(&records).await?;
+        self.publish_stored(&pending).await
+    }
+
+    /// The headers of a delegator's publish.
+    fn headers(
+        id: &str,
+        ce_type: &str,
+        request: &TaskRequest,
+        trace: TraceParent,
+    ) -> async_nats::HeaderMap {
+        EventHeaders {
+            id,
+            ce_type,
+            source: "wakebus/delegate",
+            origin_session: request.origin_session_id.as_deref(),
+            delegation_id: &request.delegation_id,
+            task_index: request.task_index,
+            traceparent: trace,
+        }
+        .to_header_map()
+    }
+
+    /// Publishes every message, then waits for all acks (pipelined).
+    async fn publish_stored(
+        &self,
+        pending: &[(String, async_nats::HeaderMap, Bytes)],
+    ) -> Result<(), DelegateError> {
         // A lost ack is retried with the same id: JetStream drops duplicates.
         let mut last_error = None;
         for _ in 0..3 {
             let mut acks = Vec::with_capacity(pending.len());
-            for (subject, headers, payload) in &pending {
+            for (subject, headers, payload) in pending {
                 acks.push(
                     self.bus
                         .js

@@ -444,6 +444,8 @@ impl Replayer {
         headers.insert(HEADER_MSG_ID, msg_id.as_str());
         headers.insert(HEADER_CE_ID, msg_id.as_str());
         headers.insert(HEADER_DELEGATION_ID, new_id.as_str());
+        self.publish_submitted(&request, &new_id, &pool, &headers)
+            .await?;
         self.publish(subject, headers, payload).await?;
         item.action = Action::Replayed;
         Ok(item)
@@ -495,6 +497,40 @@ impl Replayer {
             .await?;
         item.action = Action::Replayed;
         Ok(item)
+    }
+
+    /// Writes the re-queued task's `submitted` record, which a wake that
+    /// verifies origins requires of its completion (docs/PROTOCOL.md, 5.6).
+    async fn publish_submitted(
+        &self,
+        request: &TaskRequest,
+        new_id: &str,
+        pool: &str,
+        request_headers: &HeaderMap,
+    ) -> Result<(), ReplayError> {
+        let mut requeued = request.clone();
+        requeued.delegation_id = new_id.to_owned();
+        let token = crate::worker::token_for(request.origin_session_id.as_deref());
+        let subject = self
+            .bus
+            .subjects
+            .submitted(&token, new_id, request.task_index);
+        let body = crate::protocol::SubmittedRecord::for_request(&requeued, pool, None);
+        let payload = serde_json::to_vec(&body)
+            .map_err(|error| ReplayError::Publish {
+                subject: subject.clone(),
+                source: PublishError::Encode(error),
+            })?
+            .into();
+        let mut headers = request_headers.clone();
+        let id = crate::protocol::SubmittedRecord::id_for(new_id, request.task_index);
+        headers.insert(HEADER_MSG_ID, id.as_str());
+        headers.insert(HEADER_CE_ID, id.as_str());
+        headers.insert(
+            crate::protocol::HEADER_CE_TYPE,
+            crate::protocol::EventKind::Submitted.ce_type(),
+        );
+        self.publish(subject, headers, payload).await
     }
 
     async fn publish(

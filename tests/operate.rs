@@ -916,11 +916,12 @@ async fn status_json_reports_streams_consumers_dead_letters_instances_and_waitin
     }
     // The unusable request only after both completions, so that its
     // session's wake is the younger one.
+    // Each delegation: submitted, started and done.
     wait_until(WAIT, "both completions", || async {
         all_messages(&bus, &bus.subjects.events_stream())
             .await
             .len()
-            == 4
+            == 6
     })
     .await;
     let ack = bus
@@ -963,7 +964,10 @@ async fn status_json_reports_streams_consumers_dead_letters_instances_and_waitin
     };
     let events = stream(bus.subjects.events_stream());
     assert_eq!(events["present"], true);
-    assert_eq!(events["messages"], 5, "two started, three done");
+    assert_eq!(
+        events["messages"], 7,
+        "two submitted, two started, three done"
+    );
     assert!(events["bytes"].as_u64().unwrap() > 0);
     assert!(events["first_time"].is_string() && events["last_time"].is_string());
     assert_eq!(stream(bus.subjects.tasks_stream())["messages"], 0);

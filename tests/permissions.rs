@@ -5,85 +5,18 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use common::roles::{RoleServer, init};
 use common::*;
-use wakebus::bus::{Bus, BusSettings};
+use wakebus::bus::Bus;
 use wakebus::cancel::{Canceller, DelegationState};
-use wakebus::connect::NatsConfig;
 use wakebus::delegate::{DelegateResult, Delegation, Delegator};
-use wakebus::protocol::{CompletionEvent, Status, Subjects, session_token};
+use wakebus::protocol::{CompletionEvent, Status, session_token};
 use wakebus::status::StatusOptions;
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, EchoExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
-
-/// A NATS server with the repository's `nats.conf` (roles, `no_auth_user`),
-/// logging to a file so tests can read its permission violations.
-struct RoleServer {
-    nats: NatsServer,
-    log: PathBuf,
-    /// Holds the password files.
-    dir: tempfile::TempDir,
-}
-
-impl RoleServer {
-    async fn start() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let log = dir.path().join("nats-server.log");
-        let conf = Path::new(env!("CARGO_MANIFEST_DIR")).join("nats.conf");
-        let nats = NatsServer::start_with(vec![
-            "-c".into(),
-            conf.display().to_string(),
-            "-l".into(),
-            log.display().to_string(),
-        ])
-        .await;
-        Self { nats, log, dir }
-    }
-
-    /// Connection settings for `user` of `nats.conf`, as a service would use them.
-    fn config(&self, user: &str) -> NatsConfig {
-        let password = self.dir.path().join(format!("{user}.password"));
-        std::fs::write(&password, format!("{user}-dev-only\n")).unwrap();
-        NatsConfig {
-            user: Some(user.to_owned()),
-            password_file: Some(password),
-            inbox_prefix: (user != "operator").then(|| format!("_INBOX_{user}")),
-            ..NatsConfig::new(self.nats.url())
-        }
-    }
-
-    async fn bus(&self, user: &str) -> Bus {
-        let client = self.config(user).connect().await.expect("connect");
-        Bus::new(client, Subjects::new("wakebus").unwrap())
-    }
-
-    /// Permission violations the server logged so far.
-    fn violations(&self) -> Vec<String> {
-        std::fs::read_to_string(&self.log)
-            .unwrap_or_default()
-            .lines()
-            .filter(|line| line.contains("Violation"))
-            .map(str::to_owned)
-            .collect()
-    }
-}
-
-/// What `wakebus init` does, as the operator.
-async fn init(server: &RoleServer) {
-    let bus = server.bus("operator").await;
-    let settings = BusSettings::default();
-    bus.provision(&settings).await.expect("streams");
-    bus.provision_wake_state(&settings).await.expect("buckets");
-    bus.worker_consumer("default", Duration::from_secs(5))
-        .await
-        .expect("worker consumer");
-    bus.wake_consumer(Duration::from_secs(5), 10_000)
-        .await
-        .expect("wake consumer");
-}
 
 #[tokio::test]
 async fn the_pipeline_runs_end_to_end_with_each_service_in_its_least_privileged_role() {
@@ -288,6 +221,54 @@ async fn the_server_refuses_what_each_role_must_not_do() {
             format!("wakebus.evt.{victim}.forged.0.progress"),
         ),
         ("wake", "publish a completion", done_subject.clone()),
+        (
+            "wake",
+            "write a submitted record",
+            format!("wakebus.evt.{victim}.forged.0.submitted"),
+        ),
+        // A worker can only name delegations it was given: it cannot write
+        // the records a verifying wake requires, nor list the events stream
+        // to learn other delegations' ids.
+        (
+            "worker",
+            "write a submitted record",
+            format!("wakebus.evt.{victim}.forged.0.submitted"),
+        ),
+        (
+            "worker",
+            "read the events by sequence",
+            "$JS.API.STREAM.MSG.GET.WAKEBUS_EVENTS".into(),
+        ),
+        (
+            "worker",
+            "read the events directly by sequence",
+            "$JS.API.DIRECT.GET.WAKEBUS_EVENTS".into(),
+        ),
+        (
+            "worker",
+            "read the newest completion of any session",
+            "$JS.API.DIRECT.GET.WAKEBUS_EVENTS.wakebus.evt.*.*.*.done".into(),
+        ),
+        (
+            "worker",
+            "list the events' subjects",
+            "$JS.API.STREAM.INFO.WAKEBUS_EVENTS".into(),
+        ),
+        (
+            "worker",
+            "create a consumer on the events",
+            "$JS.API.CONSUMER.CREATE.WAKEBUS_EVENTS".into(),
+        ),
+        (
+            "worker",
+            "create a named consumer on the events",
+            "$JS.API.CONSUMER.CREATE.WAKEBUS_EVENTS.spy.wakebus.evt.>".into(),
+        ),
+        (
+            "worker",
+            "create a durable consumer on the events",
+            "$JS.API.CONSUMER.DURABLE.CREATE.WAKEBUS_EVENTS.spy".into(),
+        ),
         ("wake", "submit a delegation", "wakebus.task.default".into()),
         (
             "wake",
@@ -317,6 +298,8 @@ async fn the_server_refuses_what_each_role_must_not_do() {
         ("worker", "wakebus.ctl.>"),
         ("worker", "wakebus.task.>"),
         ("worker", "_INBOX_wake.>"),
+        ("worker", "wakebus.evt.>"),
+        ("worker", "wakebus.evt.*.*.*.submitted"),
         ("worker", "$KV.WAKEBUS_WAKES.>"),
         ("wake", "_INBOX_worker.>"),
         ("wake", ">"),
@@ -450,7 +433,8 @@ async fn subjects_of(operator: &Bus, kind: &str) -> Vec<String> {
 }
 
 #[tokio::test]
-async fn batches_progress_cancels_and_status_work_under_the_least_privileged_roles() {
+async fn batches_progress_cancels_and_status_work_under_the_least_privileged_roles_with_verified_origins()
+ {
     init_logs();
     let server = RoleServer::start().await;
     let api = SessionApiServer::start().await;
@@ -462,7 +446,11 @@ async fn batches_progress_cancels_and_status_work_under_the_least_privileged_rol
         reporting_shell(),
         test_worker_config("default"),
     );
-    services.wake(&server.bus("wake").await, test_wake_config(&api.url()));
+    // Every completion below comes from a delegator that wrote its
+    // `submitted` record, so a wake verifying origins acts on all of them.
+    let mut wake_config = test_wake_config(&api.url());
+    wake_config.verify_origin = true;
+    services.wake(&server.bus("wake").await, wake_config);
     let delegator_bus = server.bus("delegator").await;
     let delegator = Delegator::new(delegator_bus.clone()).with_wait_timeout(Some(WAIT));
 
@@ -553,6 +541,11 @@ async fn batches_progress_cancels_and_status_work_under_the_least_privileged_rol
     assert_eq!(kinds, ["wake", "worker"], "{:#?}", report.services);
 
     services.stop().await;
+    assert_eq!(
+        all_messages(&operator, "WAKEBUS_DLQ").await.len(),
+        0,
+        "no completion was refused as forged"
+    );
     assert_eq!(
         server.violations(),
         Vec::<String>::new(),

@@ -14,7 +14,7 @@ use wakebus::cancel::{CancelRecord, CancelReport, CancelTarget, DelegationState}
 use wakebus::delegate::DelegateResult;
 use wakebus::protocol::{
     CompletionEvent, PROTOCOL_VERSION, ProgressEvent, Role, StartedEvent, Status, Subjects,
-    TaskRequest, WakeMode, session_token,
+    SubmittedRecord, TaskRequest, WakeMode, session_token,
 };
 use wakebus::wake::turn;
 
@@ -22,7 +22,8 @@ const REQUEST: &str = "task-request";
 const STARTED: &str = "started-event";
 const PROGRESS: &str = "progress-event";
 const COMPLETION: &str = "completion-event";
-const SCHEMAS: [&str; 4] = [REQUEST, STARTED, PROGRESS, COMPLETION];
+const SUBMITTED: &str = "submitted-record";
+const SCHEMAS: [&str; 5] = [REQUEST, STARTED, PROGRESS, COMPLETION, SUBMITTED];
 
 /// Completion fields the library leaves out when they are false or unknown;
 /// every other field is always written.
@@ -88,6 +89,9 @@ fn library_accepts(stem: &str, body: &Value) -> Result<(), String> {
         COMPLETION => CompletionEvent::decode(&bytes)
             .map(drop)
             .map_err(|e| e.to_string()),
+        SUBMITTED => SubmittedRecord::decode(&bytes)
+            .map(drop)
+            .map_err(|e| e.to_string()),
         other => panic!("no decoder for {other}"),
     }
 }
@@ -144,6 +148,11 @@ fn full_body(stem: &str) -> Value {
             "model call 2".to_owned(),
         )),
         COMPLETION => serde_json::to_value(full_completion()),
+        SUBMITTED => serde_json::to_value(SubmittedRecord::for_request(
+            &full_request(),
+            "gpu",
+            Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".to_owned()),
+        )),
         other => panic!("no body for {other}"),
     };
     value.expect("library bodies serialize")
@@ -807,6 +816,33 @@ fn documented_started_and_progress_events_are_what_the_library_writes() {
     assert_eq!(serde_json::to_value(&decoded).unwrap(), progress);
     assert_eq!(decoded.event_type, "delegation_progress");
 }
+
+#[test]
+fn submitted_record_built_by_the_delegator_matches_its_schema() {
+    for request in [full_request(), minimal_request()] {
+        for trace in [None, Some(TRACE.to_owned())] {
+            let record = SubmittedRecord::for_request(&request, "default", trace);
+            let body = serde_json::to_value(&record).unwrap();
+            assert_valid(SUBMITTED, &body);
+            assert!(body["submitted_at"].as_str().unwrap().ends_with('Z'));
+            assert_eq!(
+                SubmittedRecord::decode(body.to_string().as_bytes()).unwrap(),
+                record
+            );
+        }
+    }
+}
+
+#[test]
+fn documented_submitted_record_is_what_the_library_writes() {
+    let documented = example_json("submitted");
+    let decoded = SubmittedRecord::decode(documented.to_string().as_bytes()).unwrap();
+    assert_eq!(serde_json::to_value(&decoded).unwrap(), documented);
+    assert_eq!(decoded.event_type, "delegation_submitted");
+}
+
+/// A trace context as the delegator writes it.
+const TRACE: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
 
 /// A documented completion, decoded.
 fn documented_completion(name: &str) -> CompletionEvent {

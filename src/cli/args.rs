@@ -352,6 +352,12 @@ pub(crate) struct WakeArgs {
     /// Longest delay between wake posts (a Retry-After may ask for longer).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub(crate) retry_max: Duration,
+    /// Act on a completion only if its delegator's `submitted` record exists
+    /// and names the same origin session; dead-letter it otherwise (a
+    /// forged completion). Needs every publisher of tasks to write the
+    /// records (`wakebus delegate` and the library do).
+    #[arg(long, env = "WAKEBUS_VERIFY_ORIGIN")]
+    pub(crate) verify_origin: bool,
     /// Metrics and health endpoints.
     #[command(flatten)]
     pub(crate) ops: super::ops::OpsArgs,

@@ -184,6 +184,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.ack_wait = args.ack_wait;
             config.retry_min = args.retry_min;
             config.retry_max = args.retry_max;
+            config.verify_origin = args.verify_origin;
             let client = bus.client.clone();
             wake::run(bus, settings(&global), config, shutdown_signal()).await?;
             client

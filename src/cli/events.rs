@@ -113,6 +113,14 @@ fn row(record: &Record) -> String {
     let body: serde_json::Value = serde_json::from_slice(&record.payload).unwrap_or_default();
     let text = |field: &str| body.get(field).and_then(|v| v.as_str()).unwrap_or("");
     let (status, mut detail) = match record.kind() {
+        RecordKind::Submitted => (
+            format!(
+                "task {}/{}",
+                body["task_index"].as_u64().unwrap_or(0) + 1,
+                body["task_count"].as_u64().unwrap_or(1)
+            ),
+            format!("pool {}", text("pool")),
+        ),
         RecordKind::Started => (
             format!("attempt {}", body["attempt"].as_u64().unwrap_or(0)),
             text("worker").to_owned(),

@@ -41,6 +41,8 @@ pub(crate) struct FilterArgs {
 /// Event kinds.
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub(crate) enum KindArg {
+    /// The delegator recorded the task before publishing it.
+    Submitted,
     /// A worker started the task.
     Started,
     /// The running task reported progress.
@@ -101,6 +103,7 @@ impl FilterArgs {
             session: self.session.clone(),
             delegation: self.delegation.clone(),
             kind: self.kind.map(|kind| match kind {
+                KindArg::Submitted => EventKind::Submitted,
                 KindArg::Started => EventKind::Started,
                 KindArg::Progress => EventKind::Progress,
                 KindArg::Done => EventKind::Done,

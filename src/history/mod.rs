@@ -155,9 +155,12 @@ impl Selection {
             ));
         }
         if self.status.is_some() {
-            if matches!(self.kind, Some(EventKind::Started | EventKind::Progress)) {
+            if matches!(
+                self.kind,
+                Some(EventKind::Submitted | EventKind::Started | EventKind::Progress)
+            ) {
                 return Err(HistoryError::Selection(
-                    "--status selects completions; started and progress events have none"
+                    "--status selects completions; submitted, started and progress events have none"
                         .to_owned(),
                 ));
             }

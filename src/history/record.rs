@@ -14,6 +14,8 @@ use crate::protocol::{
 /// What a history message is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecordKind {
+    /// A delegator's `submitted` record.
+    Submitted,
     /// A started event.
     Started,
     /// A progress event.
@@ -31,6 +33,7 @@ pub enum RecordKind {
 impl From<EventKind> for RecordKind {
     fn from(kind: EventKind) -> Self {
         match kind {
+            EventKind::Submitted => Self::Submitted,
             EventKind::Started => Self::Started,
             EventKind::Progress => Self::Progress,
             EventKind::Done => Self::Done,
@@ -42,6 +45,7 @@ impl RecordKind {
     /// A short name for output.
     pub fn as_str(self) -> &'static str {
         match self {
+            Self::Submitted => "submitted",
             Self::Started => "started",
             Self::Progress => "progress",
             Self::Done => "done",
@@ -126,6 +130,7 @@ impl Record {
     /// What this message is, from its subject.
     pub fn kind(&self) -> RecordKind {
         match self.tokens().as_slice() {
+            ["evt", _, _, _, "submitted"] => RecordKind::Submitted,
             ["evt", _, _, _, "started"] => RecordKind::Started,
             ["evt", _, _, _, "progress"] => RecordKind::Progress,
             ["evt", _, _, _, "done"] => RecordKind::Done,

@@ -38,7 +38,9 @@ impl Probe {
         let s = &bus.subjects;
         Self {
             bus: bus.clone(),
-            streams: vec![s.tasks_stream(), s.events_stream(), s.dead_letter_stream()],
+            // Not the events stream: a worker may not read its info (with a
+            // subject filter it would list every delegation id).
+            streams: vec![s.tasks_stream(), s.dead_letter_stream()],
             consumers: vec![(s.tasks_stream(), s.worker_consumer(pool))],
         }
     }

@@ -121,7 +121,8 @@ pub fn task_completed(pool: &str, status: Status, duration: Duration) {
     metrics::histogram!(TASK_DURATION, &labels).record(duration.as_secs_f64());
 }
 
-/// A message was dead-lettered: `task`, `wake` or `poison`.
+/// A message was dead-lettered: `task`, `wake`, `poison` or `origin` (a
+/// completion whose origin the wake could not verify).
 pub fn dead_lettered(kind: &'static str) {
     metrics::counter!(DEAD_LETTERS, "kind" => kind).increment(1);
 }

@@ -8,6 +8,9 @@ use super::{PROTOCOL_VERSION, Role, TaskRequest, WakeMode};
 /// The last token of an event subject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EventKind {
+    /// The delegator recorded the task before publishing its request: the
+    /// record a completion must match when the wake verifies origins.
+    Submitted,
     /// A worker took the task and started running it.
     Started,
     /// The running task reported progress.
@@ -20,6 +23,7 @@ impl EventKind {
     /// The subject token.
     pub fn as_str(self) -> &'static str {
         match self {
+            Self::Submitted => "submitted",
             Self::Started => "started",
             Self::Progress => "progress",
             Self::Done => "done",
@@ -29,6 +33,7 @@ impl EventKind {
     /// The CloudEvents type.
     pub fn ce_type(self) -> &'static str {
         match self {
+            Self::Submitted => "io.wakebus.task.submitted",
             Self::Started => "io.wakebus.task.started",
             Self::Progress => "io.wakebus.task.progress",
             Self::Done => "io.wakebus.task.done",
@@ -68,6 +73,64 @@ impl Status {
 impl std::fmt::Display for Status {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+/// The `submitted` record body: written by the delegator, before the task's
+/// request is published, on a subject only delegators may publish to. With
+/// `verify_origin` on, the wake acts on a completion only if this record
+/// exists and names the same origin session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SubmittedRecord {
+    /// Always `delegation_submitted`.
+    #[serde(rename = "type")]
+    pub event_type: String,
+    /// Body version.
+    pub version: u32,
+    /// The delegation id.
+    pub delegation_id: String,
+    /// The task index.
+    pub task_index: u32,
+    /// How many tasks the delegation has.
+    pub task_count: u32,
+    /// The session the delegation wakes; `None` in sync mode.
+    #[serde(default)]
+    pub origin_session_id: Option<String>,
+    /// The pool the request was published to.
+    pub pool: String,
+    /// When the delegator wrote the record.
+    #[serde(with = "super::rfc3339")]
+    pub submitted_at: OffsetDateTime,
+    /// The delegation's W3C trace context, also in the `traceparent` header.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+}
+
+impl SubmittedRecord {
+    /// The record of `request`, submitted to `pool`.
+    pub fn for_request(request: &TaskRequest, pool: &str, traceparent: Option<String>) -> Self {
+        Self {
+            event_type: "delegation_submitted".to_owned(),
+            version: PROTOCOL_VERSION,
+            delegation_id: request.delegation_id.clone(),
+            task_index: request.task_index,
+            task_count: request.task_count,
+            origin_session_id: request.origin_session_id.clone(),
+            pool: pool.to_owned(),
+            submitted_at: OffsetDateTime::now_utc(),
+            traceparent,
+        }
+    }
+
+    /// The deterministic record id (`Nats-Msg-Id`, `ce-id`): a retried
+    /// write is dropped by JetStream as a duplicate.
+    pub fn id_for(delegation_id: &str, task_index: u32) -> String {
+        format!("{delegation_id}.{task_index}.submitted")
+    }
+
+    /// Decodes a record body.
+    pub fn decode(body: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(body)
     }
 }
 

@@ -11,7 +11,7 @@ mod limits;
 mod request;
 mod subjects;
 
-pub use event::{CompletionEvent, EventKind, ProgressEvent, StartedEvent, Status};
+pub use event::{CompletionEvent, EventKind, ProgressEvent, StartedEvent, Status, SubmittedRecord};
 pub use headers::{
     CE_SPECVERSION, EventHeaders, HEADER_CE_ID, HEADER_CE_SOURCE, HEADER_CE_SPECVERSION,
     HEADER_CE_TIME, HEADER_CE_TYPE, HEADER_CONTENT_TYPE, HEADER_DEAD_LETTER_REASON,

@@ -85,6 +85,17 @@ impl Subjects {
         format!("{}.evt.*.*.*.{}", self.prefix, EventKind::Done.as_str())
     }
 
+    /// The `submitted` record of a delegation's task:
+    /// `<prefix>.evt.<session-token>.<delegation-id>.<task-index>.submitted`.
+    pub fn submitted(&self, session_token: &str, delegation_id: &str, task_index: u32) -> String {
+        self.event(
+            session_token,
+            delegation_id,
+            task_index,
+            EventKind::Submitted,
+        )
+    }
+
     /// Where requests that could not be run are dead-lettered: `<prefix>.dlq.task.<pool>`.
     pub fn dead_letter_task(&self, pool: &str) -> String {
         format!("{}.dlq.task.{pool}", self.prefix)

@@ -7,6 +7,7 @@
 
 pub mod ledger;
 pub mod lock;
+mod origin;
 mod session;
 pub mod session_api;
 pub mod turn;
@@ -32,6 +33,7 @@ use crate::protocol::{
 use crate::quarantine::{ReconnectWatch, sweep_after_reconnect};
 use ledger::WakeLedger;
 use lock::SessionLocks;
+use origin::OriginGate;
 use session::{Pending, Router};
 use session_api::{HttpSecurity, PostShape, SessionApi, SessionApiConfig, SessionApiError};
 
@@ -61,6 +63,11 @@ pub struct WakeConfig {
     pub shape: PostShape,
     /// Plain-HTTP policy and extra CA for the HTTP client.
     pub http: HttpSecurity,
+    /// Act on a completion only if the delegator's `submitted` record for
+    /// its task exists and names the same origin session; otherwise
+    /// dead-letter it. Off by default: publishers in other languages that
+    /// write no records would have every wake refused.
+    pub verify_origin: bool,
 }
 
 impl WakeConfig {
@@ -77,6 +84,7 @@ impl WakeConfig {
             instance: crate::worker::default_instance_name("wake"),
             shape: PostShape::Hermes,
             http: HttpSecurity::default(),
+            verify_origin: false,
         }
     }
 
@@ -139,7 +147,7 @@ pub async fn run(
     let consumer = bus
         .wake_consumer(config.ack_wait, config.max_in_flight)
         .await?;
-    info!(api = %session_api::redacted_url(&config.api.base_url), instance = %config.instance, "Wake service started.");
+    info!(api = %session_api::redacted_url(&config.api.base_url), instance = %config.instance, verify_origin = config.verify_origin, "Wake service started.");
     let shared = Arc::new(Shared {
         api,
         ledger: WakeLedger::new(provisioned.wake_ledger),
@@ -162,6 +170,7 @@ pub async fn run(
     let tracker = TaskTracker::new();
     let stopping = CancellationToken::new();
     let router = Router::new(shared.clone(), tracker.clone(), stopping.clone());
+    let gate = OriginGate::new(shared.config.verify_origin, shared.clone(), tracker.clone());
     tokio::pin!(shutdown);
 
     let mut reconnects = ReconnectWatch::new(&bus.client);
@@ -202,7 +211,7 @@ pub async fn run(
             };
             match next {
                 Some(Ok(message)) => {
-                    if let Err(outcome) = admit(message.clone()).map(|p| router.route(p)) {
+                    if let Err(outcome) = admit(message.clone()).map(|p| gate.route(p, &router)) {
                         outcome_for(&shared, &message, outcome).await;
                     }
                 }

@@ -29,8 +29,6 @@ use crate::protocol::{
 pub(crate) struct TaskHandler {
     /// Where to publish events.
     bus: Bus,
-    /// The events stream, to look for an existing completion on redelivery.
-    events: jetstream::stream::Stream,
     /// What runs the tasks.
     executor: Executor,
     /// Limits and timings.
@@ -64,7 +62,6 @@ impl TaskHandler {
     /// A handler publishing through `bus`.
     pub(crate) fn new(
         bus: Bus,
-        events: jetstream::stream::Stream,
         executor: Executor,
         config: WorkerConfig,
         env: TaskEnv,
@@ -73,7 +70,6 @@ impl TaskHandler {
         let source = format!("wakebus/worker/{}", config.instance);
         Self {
             bus,
-            events,
             executor,
             config,
             env,
@@ -436,8 +432,9 @@ impl TaskHandler {
     /// Whether a completion for this task is already in the history.
     async fn already_done(&self, request: &TaskRequest) -> bool {
         let subject = self.done_subject(request);
-        match self.events.get_last_raw_message_by_subject(&subject).await {
-            Ok(_) => true,
+        // Asked by a probe publish: workers may not read the events stream.
+        match super::probe::last_sequence_on(&self.bus, &subject).await {
+            Ok(last) => last > 0,
             Err(error) => {
                 debug!(%error, "No earlier completion found.");
                 false
@@ -511,7 +508,7 @@ impl TaskHandler {
                 .event(&token, &request.delegation_id, request.task_index, kind);
         let id = match kind {
             EventKind::Done => CompletionEvent::id_for(&request.delegation_id, request.task_index),
-            EventKind::Started | EventKind::Progress => format!(
+            EventKind::Submitted | EventKind::Started | EventKind::Progress => format!(
                 "{}.{}.{}.{}",
                 request.delegation_id,
                 request.task_index,

@@ -8,6 +8,7 @@
 mod cancel;
 pub mod executor;
 mod handler;
+pub mod probe;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -120,7 +121,7 @@ pub async fn run(
     config: WorkerConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), WorkerError> {
-    let provisioned = bus.provision(&settings).await?;
+    let cancels_store = bus.provision_for_worker(&settings).await?;
     let consumer = bus.worker_consumer(&config.pool, config.ack_wait).await?;
     info!(pool = %config.pool, concurrency = config.concurrency, executor = executor.name(), instance = %config.instance, "Worker started.");
 
@@ -128,7 +129,7 @@ pub async fn run(
     let stop_following = CancellationToken::new();
     let _stop_following_on_exit = stop_following.clone().drop_guard();
     cancels
-        .follow(&bus, provisioned.cancels.clone(), stop_following)
+        .follow(&bus, cancels_store, stop_following)
         .await
         .map_err(WorkerError::Cancels)?;
     let concurrency = config.concurrency.max(1);
@@ -145,7 +146,6 @@ pub async fn run(
     let registered = register(&bus.client, registration, move || running.len()).await;
     let handler = Arc::new(TaskHandler::new(
         bus.clone(),
-        provisioned.events,
         executor,
         config,
         env,

@@ -8,6 +8,7 @@ pub mod nats;
 pub mod pki;
 pub mod process;
 pub mod raw;
+pub mod roles;
 pub mod session_api;
 
 use std::future::Future;

@@ -1,0 +1,279 @@
+//! Forged completions: a worker credential may publish a completion for any
+//! session of its prefix, but the server refuses it another prefix's
+//! subjects, and a wake that verifies origins refuses completions without
+//! a matching `submitted` record from a delegator.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::roles::{RoleServer, init, init_prefix};
+use common::*;
+use wakebus::bus::Bus;
+use wakebus::delegate::{Delegation, Delegator};
+use wakebus::protocol::{
+    CompletionEvent, EventHeaders, EventKind, HEADER_DEAD_LETTER_REASON, Status, TraceParent,
+    new_delegation_id, session_token,
+};
+use wakebus::worker::executor::{EchoExecutor, Executor};
+use wakebus::worker::probe::last_sequence_on;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A server with two tenants: the repository's roles for the prefix
+/// `wakebus`, and the same roles for the prefix `acme`, derived from the
+/// permissions file by the substitutions docs/OPERATIONS.md gives.
+async fn two_tenants() -> RoleServer {
+    let dir = tempfile::tempdir().unwrap();
+    // The store directory and port come from the harness's flags.
+    let permissions =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/nats/wakebus-permissions.conf");
+    let wakebus = std::fs::read_to_string(&permissions).unwrap();
+    let acme = wakebus
+        .replace("wakebus.", "acme.")
+        .replace("WAKEBUS_", "ACME_")
+        .replace("_INBOX_", "_INBOX_acme-");
+    std::fs::write(dir.path().join("acme-permissions.conf"), acme).unwrap();
+    // `include` paths are relative to the including file.
+    std::fs::write(dir.path().join("wakebus-permissions.conf"), &wakebus).unwrap();
+    let conf = dir.path().join("nats.conf");
+    std::fs::write(
+        &conf,
+        r#"
+listen: 127.0.0.1:4222
+include "wakebus-permissions.conf"
+include "acme-permissions.conf"
+authorization {
+  users: [
+    { user: dev, password: "dev-only", permissions: $WAKEBUS_OPERATOR }
+    { user: operator, password: "operator-dev-only", permissions: $WAKEBUS_OPERATOR }
+    { user: delegator, password: "delegator-dev-only", permissions: $WAKEBUS_DELEGATOR }
+    { user: worker, password: "worker-dev-only", permissions: $WAKEBUS_WORKER_DEFAULT }
+    { user: wake, password: "wake-dev-only", permissions: $WAKEBUS_WAKE }
+    { user: acme-operator, password: "acme-operator-dev-only", permissions: $ACME_OPERATOR }
+    { user: acme-delegator, password: "acme-delegator-dev-only", permissions: $ACME_DELEGATOR }
+    { user: acme-worker, password: "acme-worker-dev-only", permissions: $ACME_WORKER_DEFAULT }
+    { user: acme-wake, password: "acme-wake-dev-only", permissions: $ACME_WAKE }
+  ]
+}
+no_auth_user: dev
+"#,
+    )
+    .unwrap();
+    RoleServer::start_with_conf(dir, &conf).await
+}
+
+/// A completion body and headers for `session`, as a forger would write them.
+fn forged(delegation_id: &str, session: &str, summary: &str) -> (Vec<u8>, Vec<u8>) {
+    let body = serde_json::json!({
+        "type": "async_delegation", "delegation_id": delegation_id,
+        "origin_session_id": session, "status": "completed",
+        "completed_at": "2026-01-01T00:00:00Z", "exit_reason": "completed",
+        "summary": summary,
+    });
+    let headers = format!("NATS/1.0\r\nWakebus-Origin-Session: {session}\r\n\r\n");
+    (serde_json::to_vec(&body).unwrap(), headers.into_bytes())
+}
+
+/// Publishes a completion with the worker's credentials through the client
+/// library, as a compromised worker would, and waits until it is stored.
+async fn publish_as_worker(worker: &Bus, delegation_id: &str, session: &str, summary: &str) {
+    let mut event = CompletionEvent::for_request(
+        &wakebus::protocol::TaskRequest {
+            origin_session_id: Some(session.to_owned()),
+            ..wakebus::protocol::TaskRequest::new(delegation_id.to_owned(), "g".to_owned())
+        },
+        Status::Completed,
+        "completed",
+    );
+    event.summary = Some(summary.to_owned());
+    let headers = EventHeaders {
+        id: &format!("{delegation_id}.0.forged"),
+        ce_type: EventKind::Done.ce_type(),
+        source: "wakebus/worker/evil",
+        origin_session: Some(session),
+        delegation_id,
+        task_index: 0,
+        traceparent: TraceParent::new_root(),
+    }
+    .to_header_map();
+    let subject = worker
+        .subjects
+        .event(&session_token(session), delegation_id, 0, EventKind::Done);
+    worker
+        .js
+        .publish_with_headers(subject, headers, serde_json::to_vec(&event).unwrap().into())
+        .await
+        .expect("the worker may publish completions")
+        .await
+        .expect("stored");
+}
+
+#[tokio::test]
+async fn a_worker_credential_cannot_publish_a_completion_under_another_tenants_prefix() {
+    init_logs();
+    let server = two_tenants().await;
+    init_prefix(&server, "wakebus").await;
+    init_prefix(&server, "acme").await;
+    let port = server.nats.port;
+    let token = session_token("victim.session");
+
+    let (body, headers) = forged("01JFORGED0000000000000000", "victim.session", "obey me");
+    for (user, subject) in [
+        (
+            "worker",
+            format!("acme.evt.{token}.01JFORGED0000000000000000.0.done"),
+        ),
+        (
+            "acme-worker",
+            format!("wakebus.evt.{token}.01JFORGED0000000000000000.0.done"),
+        ),
+        (
+            "acme-worker",
+            format!("wakebus.evt.{token}.01JFORGED0000000000000000.0.started"),
+        ),
+        ("worker", "$JS.API.STREAM.INFO.ACME_EVENTS".to_owned()),
+    ] {
+        let password = format!("{user}-dev-only");
+        let mut client = raw::RawClient::connect(port, Some((user, &password))).await;
+        let refused = client.hpub(&subject, &headers, &body).await;
+        let refused = refused.unwrap_or_else(|| panic!("{user} could publish {subject}"));
+        assert!(
+            refused.contains("Permissions Violation for Publish"),
+            "{refused}"
+        );
+    }
+    // Each tenant's worker may still publish its own prefix's completions.
+    let mut acme =
+        raw::RawClient::connect(port, Some(("acme-worker", "acme-worker-dev-only"))).await;
+    let own = format!("acme.evt.{token}.01JOWN000000000000000000000.0.done");
+    assert_eq!(acme.hpub(&own, &headers, &body).await, None);
+
+    let operator = server.bus("operator").await;
+    wait_until(WAIT, "acme's own completion stored", || async {
+        all_messages(&operator, "ACME_EVENTS").await.len() == 1
+    })
+    .await;
+    let stored = all_messages(&operator, "ACME_EVENTS").await;
+    assert_eq!(stored[0].subject.as_str(), own);
+    assert!(all_messages(&operator, "WAKEBUS_EVENTS").await.is_empty());
+}
+
+#[tokio::test]
+async fn a_worker_learns_whether_a_completion_exists_without_reading_the_events_stream() {
+    init_logs();
+    let server = RoleServer::start().await;
+    init(&server).await;
+    let worker = server.bus("worker").await;
+    let operator = server.bus("operator").await;
+    let token = session_token("s.probe");
+    let done = format!("wakebus.evt.{token}.01JPROBE0000000000000000000.0.done");
+
+    assert_eq!(last_sequence_on(&worker, &done).await.expect("probe"), 0);
+    operator
+        .js
+        .publish(done.clone(), "{}".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let last = last_sequence_on(&worker, &done).await.expect("probe");
+    assert_eq!(last, 1);
+    // A wildcard probe answers a sequence number, never a message.
+    let any = last_sequence_on(&worker, "wakebus.evt.*.*.*.done")
+        .await
+        .expect("probe");
+    assert_eq!(any, 1);
+    assert_eq!(
+        all_messages(&operator, "WAKEBUS_EVENTS").await.len(),
+        1,
+        "probes store nothing"
+    );
+    assert_eq!(server.violations(), Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn a_verifying_wake_dead_letters_forged_completions_and_wakes_the_genuine_one_once() {
+    init_logs();
+    let server = RoleServer::start().await;
+    let api = SessionApiServer::start().await;
+    init(&server).await;
+    let operator = server.bus("operator").await;
+    let worker_bus = server.bus("worker").await;
+    let mut services = Services::new();
+    services.worker(
+        &worker_bus,
+        Executor::Echo(EchoExecutor),
+        test_worker_config("default"),
+    );
+    let mut wake_config = test_wake_config(&api.url());
+    wake_config.verify_origin = true;
+    services.wake(&server.bus("wake").await, wake_config);
+
+    let delegator = Delegator::new(server.bus("delegator").await);
+    let genuine = delegator
+        .delegate(Delegation::new("genuine work").session("s.real"))
+        .await
+        .expect("delegation");
+    let genuine_id = genuine.delegation_id().to_owned();
+    // A delegation nobody submitted, for a session the worker never served.
+    let invented = new_delegation_id();
+    publish_as_worker(&worker_bus, &invented, "s.victim", "FORGED-INVENTED").await;
+    // A real delegation the worker was given, claimed for another session.
+    publish_as_worker(&worker_bus, &genuine_id, "s.victim", "FORGED-REDIRECTED").await;
+
+    wait_until(WAIT, "two forged completions dead-lettered", || async {
+        all_messages(&operator, "WAKEBUS_DLQ").await.len() >= 2
+    })
+    .await;
+    wait_until(WAIT, "the genuine wake", || async {
+        api.accepted()
+            .iter()
+            .any(|p| p.delegation_ids().contains(&genuine_id))
+    })
+    .await;
+    wake_consumer_settled(&operator).await;
+    services.stop().await;
+
+    let posted = api.accepted();
+    assert_eq!(posted.len(), 1, "only the genuine wake was posted");
+    assert_eq!(posted[0].delegation_ids(), vec![genuine_id.clone()]);
+    assert!(posted.iter().all(|p| !p.text().contains("FORGED")));
+    let dead = all_messages(&operator, "WAKEBUS_DLQ").await;
+    assert_eq!(dead.len(), 2);
+    let victim = format!("wakebus.dlq.wake.{}", session_token("s.victim"));
+    let mut refused = Vec::new();
+    for message in &dead {
+        assert_eq!(message.subject.as_str(), victim);
+        let reason = message
+            .headers
+            .get(HEADER_DEAD_LETTER_REASON)
+            .map(|v| v.as_str().to_owned())
+            .unwrap_or_default();
+        assert!(
+            reason.starts_with("origin not verified: no submitted record"),
+            "{reason}"
+        );
+        refused.push(
+            CompletionEvent::decode(&message.payload)
+                .unwrap()
+                .delegation_id,
+        );
+    }
+    refused.sort();
+    let mut expected = vec![invented, genuine_id];
+    expected.sort();
+    assert_eq!(refused, expected);
+    // The genuine delegation's own records: submitted by the delegator, then
+    // started and done by the worker.
+    let kinds: Vec<String> = all_messages(&operator, "WAKEBUS_EVENTS")
+        .await
+        .iter()
+        .map(|m| m.subject.to_string())
+        .filter(|s| s.starts_with(&format!("wakebus.evt.{}.", session_token("s.real"))))
+        .map(|s| s.rsplit('.').next().unwrap().to_owned())
+        .collect();
+    assert_eq!(kinds, ["submitted", "started", "done"]);
+    assert_eq!(server.violations(), Vec::<String>::new());
+}
