@@ -38,7 +38,7 @@ pub(crate) struct Pending {
     pub(crate) event: CompletionEvent,
     /// The origin session (already validated).
     pub(crate) session: String,
-    /// The trace context to pass on to the session API.
+    /// The trace context the completion arrived with (the worker's hop).
     pub(crate) traceparent: Option<String>,
 }
 
@@ -65,7 +65,8 @@ struct Turn {
     covers: Vec<String>,
     /// Messages to ack once it is delivered.
     messages: Vec<Pending>,
-    /// Trace context for the post.
+    /// Trace context: the completion's until [`Turn::span`] makes the
+    /// turn its own hop, then the post's.
     traceparent: Option<String>,
 }
 
@@ -93,7 +94,9 @@ impl Turn {
         }
     }
     /// The span of a turn's logs: the delegations it reports and its trace.
-    fn span(&self) -> tracing::Span {
+    /// The turn becomes a hop of the trace: its span is a child of the
+    /// completion's, and the post carries the turn's own `traceparent`.
+    fn span(&mut self) -> tracing::Span {
         let mut ids: Vec<&str> = self
             .messages
             .iter()
@@ -102,13 +105,16 @@ impl Turn {
         ids.sort_unstable();
         ids.dedup();
         let delegation_id = ids.join(",");
-        let trace_id = self
+        let parent = self
             .traceparent
             .as_deref()
-            .and_then(crate::protocol::TraceParent::parse)
-            .map(|tp| tp.trace_id_hex())
-            .unwrap_or_default();
-        info_span!("turn", %delegation_id, %trace_id, idempotency_key = %self.key)
+            .and_then(crate::protocol::TraceParent::parse);
+        let trace_id = parent.map(|tp| tp.trace_id_hex()).unwrap_or_default();
+        let span = info_span!("turn", %delegation_id, %trace_id, idempotency_key = %self.key);
+        if parent.is_some() {
+            self.traceparent = Some(crate::telemetry::hop(&span, parent).to_string());
+        }
+        span
     }
 }
 
@@ -289,7 +295,7 @@ impl Router {
         };
         let mut refresh_at = guard.written_at() + self.shared.locks.refresh_interval();
         while !turns.is_empty() {
-            let turn = turns.remove(0);
+            let mut turn = turns.remove(0);
             let span = turn.span();
             match self
                 .post_turn(session, &turn, guard, &mut refresh_at, held, rx)
