@@ -1,0 +1,535 @@
+//! `wakebus replay` against real nats-server processes and the real
+//! `wakebus` binary: re-driven wakes (skipped when delivered, `--force`,
+//! batches, dead letters), re-queued tasks, copies, and a clean stop on
+//! Ctrl-C in the middle of a long replay.
+
+mod common;
+
+use std::time::Duration;
+
+use common::cli::{field, publish_task, wakebus};
+use common::*;
+use wakebus::delegate::{Delegation, Delegator};
+use wakebus::protocol::{HEADER_REPLAY, Status};
+use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Stored messages of the events stream that are replay copies.
+async fn replay_copies(
+    bus: &wakebus::bus::Bus,
+) -> Vec<async_nats::jetstream::message::StreamMessage> {
+    all_messages(bus, &bus.subjects.events_stream())
+        .await
+        .into_iter()
+        .filter(|m| m.headers.get(HEADER_REPLAY).is_some())
+        .collect()
+}
+
+/// A deployment with an echo worker, a wake service and one delivered wake
+/// for `session`; returns the delegation id.
+async fn delivered_wake(
+    bus: &wakebus::bus::Bus,
+    api: &SessionApiServer,
+    services: &mut Services,
+    session: &str,
+) -> String {
+    services.echo_worker(bus);
+    services.wake(bus, test_wake_config(&api.url()));
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::new("first run").session(session))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the first wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    wait_until(WAIT, "the ledger to record the delivery", || async {
+        let entry = ledger.get(format!("{id}.0")).await.ok().flatten();
+        entry.is_some_and(|e| String::from_utf8_lossy(&e).contains("delivered"))
+    })
+    .await;
+    id
+}
+
+#[tokio::test]
+async fn replay_skips_wakes_that_were_already_delivered() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    let session = "s.replay *>";
+    let id = delivered_wake(&bus, &api, &mut services, session).await;
+
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--session", session],
+    )
+    .await
+    .ok_json();
+    let (items, summary) = lines.split_at(lines.len() - 1);
+    assert_eq!(items.len(), 1, "{items:#?}");
+    assert_eq!(items[0]["action"], "skipped");
+    assert_eq!(items[0]["delegation_id"], id.as_str());
+    assert!(
+        items[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("already delivered"),
+        "{items:#?}"
+    );
+    assert_eq!(summary[0]["summary"]["replayed"], 0);
+    assert_eq!(summary[0]["summary"]["skipped"], 1);
+    assert!(replay_copies(&bus).await.is_empty(), "a copy was published");
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 1);
+}
+
+#[tokio::test]
+async fn replay_with_force_posts_a_delivered_wake_again_through_the_wake_service() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    let session = "s.force";
+    let id = delivered_wake(&bus, &api, &mut services, session).await;
+
+    // A dry run changes nothing.
+    let dry = wakebus(
+        &nats.url(),
+        &prefix,
+        &[
+            "replay",
+            "wakes",
+            "--delegation",
+            &id,
+            "--force",
+            "--dry-run",
+        ],
+    )
+    .await
+    .ok_json();
+    assert_eq!(dry[0]["action"], "would_replay");
+    assert_eq!(dry[0]["ledger_cleared"], true);
+    assert!(replay_copies(&bus).await.is_empty());
+
+    let forced = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id, "--force"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
+    assert_eq!(forced[1]["summary"]["replayed"], 1);
+    wait_until(WAIT, "the forced second wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    let again = &api.accepted()[1];
+    assert_eq!(again.session(), session);
+    assert_eq!(again.delegation_ids(), [id.as_str()]);
+    assert_eq!(
+        again.header("idempotency-key"),
+        Some(format!("{id}.0.done"))
+    );
+    let copies = replay_copies(&bus).await;
+    assert_eq!(copies.len(), 1);
+    let original_seq = forced[0]["source"].as_str().unwrap();
+    assert_eq!(
+        copies[0].headers.get(HEADER_REPLAY).unwrap().as_str(),
+        original_seq
+    );
+    assert!(copies[0].headers.get("traceparent").is_some());
+
+    // Delivered again, so a plain replay (which now also sees the copy) skips it.
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id],
+    )
+    .await
+    .ok_json();
+    let actions = field(&lines[..lines.len() - 1], "action");
+    assert_eq!(actions, ["skipped", "skipped"], "{lines:#?}");
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 2);
+}
+
+#[tokio::test]
+async fn replay_treats_a_batch_as_one_wake() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    let goals = ["alpha", "beta", "gamma"].map(String::from);
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::batch(goals).session("s.batch"))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the batch wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    let batch_key = format!("{id}.batch");
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    wait_until(WAIT, "the ledger to record the batch", || async {
+        ledger.get(&batch_key).await.ok().flatten().is_some()
+    })
+    .await;
+
+    let plain = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id],
+    )
+    .await
+    .ok_json();
+    let summary = &plain.last().unwrap()["summary"];
+    assert_eq!(
+        (summary["selected"].as_u64(), summary["skipped"].as_u64()),
+        (Some(3), Some(3))
+    );
+    assert!(
+        plain[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("already delivered")
+    );
+    assert!(plain[1]["reason"].as_str().unwrap().contains("batch"));
+
+    let forced = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id, "--force"],
+    )
+    .await
+    .ok_json();
+    let actions = field(&forced[..3], "action");
+    assert_eq!(actions, ["replayed", "skipped", "skipped"], "{forced:#?}");
+    wait_until(WAIT, "the batch woken again", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    let again = &api.accepted()[1];
+    assert_eq!(again.header("idempotency-key"), Some(batch_key));
+    for goal in ["alpha", "beta", "gamma"] {
+        assert!(again.text().contains(goal), "{}", again.text());
+    }
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 2);
+}
+
+#[tokio::test]
+async fn replay_of_wake_dead_letters_delivers_them_once_the_session_api_recovers() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    api.fail_always(403);
+    let session = "s.refused";
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::new("refused at first").session(session))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the wake dead letter", || async {
+        !all_messages(&bus, &bus.subjects.dead_letter_stream())
+            .await
+            .is_empty()
+    })
+    .await;
+    let listed = wakebus(&nats.url(), &prefix, &["events", "--dead-letters", "wake"])
+        .await
+        .ok_json();
+    assert_eq!(listed.len(), 1);
+    assert!(
+        listed[0]["dead_letter_reason"]
+            .as_str()
+            .unwrap()
+            .contains("403"),
+        "{listed:#?}"
+    );
+    api.recover();
+
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--dead-letters", "--session", session],
+    )
+    .await
+    .ok_json();
+    assert_eq!(lines[0]["action"], "replayed", "{lines:#?}");
+    wait_until(WAIT, "the re-driven wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    assert_eq!(api.accepted()[0].delegation_ids(), [id.as_str()]);
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    wait_until(WAIT, "the ledger to record the delivery", || async {
+        ledger.get(format!("{id}.0")).await.ok().flatten().is_some()
+    })
+    .await;
+    let again = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--dead-letters", "--session", session],
+    )
+    .await
+    .ok_json();
+    assert_eq!(again[0]["action"], "skipped", "{again:#?}");
+    services.stop().await;
+    assert_eq!(api.accepted().len(), 1);
+}
+
+#[tokio::test]
+async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_session() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let session = "s.requeue";
+    // A worker that cannot start its program gives up at once.
+    let mut broken = Services::new();
+    let mut config = test_worker_config("default");
+    config.max_deliver = 1;
+    let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
+    broken.worker(
+        &bus,
+        Executor::Command(CommandExecutor::new(missing)),
+        config,
+    );
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::new("needs a working worker").session(session))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the failure wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    assert!(api.accepted()[0].text().contains("Status: failed"));
+    broken.stop().await;
+    services.echo_worker(&bus);
+
+    let dry = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
+        .await
+        .ok_json();
+    assert_eq!(dry[0]["action"], "would_replay", "{dry:#?}");
+    let derived = dry[0]["new_delegation_id"].as_str().unwrap().to_owned();
+    assert!(derived.starts_with(&format!("{id}-r")), "{derived}");
+
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "tasks", "--session", session],
+    )
+    .await
+    .ok_json();
+    assert_eq!(lines[0]["action"], "replayed", "{lines:#?}");
+    assert_eq!(lines[0]["new_delegation_id"], derived.as_str());
+    assert_eq!(lines[0]["target_subject"], bus.subjects.task("default"));
+    wait_until(WAIT, "the re-run's wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    let rerun = &api.accepted()[1];
+    assert_eq!(rerun.session(), session);
+    assert_eq!(rerun.delegation_ids(), [derived.as_str()]);
+    assert!(
+        rerun.text().contains("Status: completed"),
+        "{}",
+        rerun.text()
+    );
+    assert!(rerun.text().contains("echo: needs a working worker"));
+
+    // Already re-queued: skipped, unless forced (then under a fresh id).
+    let again = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
+        .await
+        .ok_json();
+    assert_eq!(again[0]["action"], "skipped", "{again:#?}");
+    assert!(again[0]["reason"].as_str().unwrap().contains(&derived));
+    let forced = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "tasks", "--force", "--dry-run"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(forced[0]["action"], "would_replay");
+    assert_ne!(forced[0]["new_delegation_id"], derived.as_str());
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 2);
+}
+
+#[tokio::test]
+async fn replay_does_not_requeue_a_request_that_can_never_run() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    let ack = bus
+        .js
+        .publish(
+            bus.subjects.task("default"),
+            r#"{"version":1,"delegation_id":"nogoal"}"#.into(),
+        )
+        .await
+        .unwrap();
+    ack.await.unwrap();
+    wait_until(WAIT, "the dead letter", || async {
+        !all_messages(&bus, &bus.subjects.dead_letter_stream())
+            .await
+            .is_empty()
+    })
+    .await;
+    let lines = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
+        .await
+        .ok_json();
+    assert_eq!(lines[0]["action"], "skipped");
+    assert!(
+        lines[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("missing field `goal`"),
+        "{lines:#?}"
+    );
+    services.stop().await;
+}
+
+#[tokio::test]
+async fn replay_copy_republishes_history_under_another_prefix_with_headers_and_a_replay_mark() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let target_prefix = unique_prefix();
+    let target = common::bus(&nats.url(), &target_prefix).await;
+    let (req, _, done_seq) = publish_task(&bus, Some("s.copy *>"), Status::Failed).await;
+    publish_task(&bus, Some("s.other"), Status::Completed).await;
+
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &[
+            "replay",
+            "copy",
+            "--to-prefix",
+            &target_prefix,
+            "--session",
+            "s.copy *>",
+        ],
+    )
+    .await
+    .ok_json();
+    assert_eq!(
+        lines.last().unwrap()["summary"]["replayed"],
+        2,
+        "{lines:#?}"
+    );
+    let copies = all_messages(&target, &target.subjects.events_stream()).await;
+    assert_eq!(copies.len(), 2);
+    let originals = all_messages(&bus, &bus.subjects.events_stream()).await;
+    let done_copy = copies
+        .iter()
+        .find(|m| m.subject.ends_with(".done"))
+        .unwrap();
+    let done_original = originals.iter().find(|m| m.sequence == done_seq).unwrap();
+    assert_eq!(
+        done_copy.subject.as_str(),
+        done_original
+            .subject
+            .replacen(&prefix, &target_prefix, 1)
+            .as_str()
+    );
+    assert_eq!(done_copy.payload, done_original.payload);
+    for name in [
+        "Nats-Msg-Id",
+        "traceparent",
+        "Wakebus-Origin-Session",
+        "Wakebus-Delegation-Id",
+        "ce-type",
+    ] {
+        assert_eq!(
+            done_copy.headers.get(name).map(|v| v.as_str()),
+            done_original.headers.get(name).map(|v| v.as_str()),
+            "{name}"
+        );
+    }
+    assert_eq!(
+        done_copy.headers.get(HEADER_REPLAY).unwrap().as_str(),
+        format!("{}:{done_seq}", bus.subjects.events_stream())
+    );
+    assert!(done_copy.subject.contains(&req.delegation_id));
+
+    let same = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "copy", "--to-prefix", &prefix],
+    )
+    .await;
+    assert_eq!(same.code(), Some(1));
+    assert!(same.stderr().contains("own prefix"), "{}", same.stderr());
+    let nowhere = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "copy", "--to-prefix", "nostreams"],
+    )
+    .await;
+    assert_eq!(nowhere.code(), Some(1));
+    assert!(
+        nowhere.stderr().contains("cannot publish"),
+        "{}",
+        nowhere.stderr()
+    );
+}
+
+#[tokio::test]
+async fn replay_of_wakes_without_a_wake_ledger_says_so() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    publish_task(&bus, Some("s1"), Status::Completed).await;
+    let run = wakebus(&nats.url(), &prefix, &["replay", "wakes"]).await;
+    assert_eq!(run.code(), Some(1));
+    assert!(run.stderr().contains("wake ledger"), "{}", run.stderr());
+}
+
