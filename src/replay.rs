@@ -573,21 +573,30 @@ pub async fn run(
         total: reader.estimated_total(),
     });
     let mut summary = Summary::default();
-    loop {
-        let next = tokio::select! {
-            biased;
-            () = cancel.cancelled() => {
-                summary.interrupted = true;
-                break;
-            }
-            next = reader.next() => next,
-        };
-        let Some(record) = next else { break };
-        let item = replayer.handle(&record?).await?;
-        summary.count(&item);
-        progress(Progress::Item(&item));
+    let result = async {
+        loop {
+            let next = tokio::select! {
+                biased;
+                () = cancel.cancelled() => {
+                    summary.interrupted = true;
+                    return Ok(());
+                }
+                next = reader.next() => next,
+            };
+            let Some(record) = next else {
+                return Ok(());
+            };
+            // Not raced against `cancel`: a record being handled is
+            // finished (and reported) before the run stops.
+            let item = replayer.handle(&record?).await?;
+            summary.count(&item);
+            progress(Progress::Item(&item));
+        }
     }
-    Ok(summary)
+    .await;
+    // Stopped early or not, leave no consumer behind.
+    reader.close().await;
+    result.map(|()| summary)
 }
 
 #[cfg(test)]

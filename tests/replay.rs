@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use common::cli::{field, publish_task, wakebus};
 use common::*;
+use futures::StreamExt as _;
+use serde_json::Value;
 use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::{HEADER_REPLAY, Status};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
@@ -533,3 +535,162 @@ async fn replay_of_wakes_without_a_wake_ledger_says_so() {
     assert!(run.stderr().contains("wake ledger"), "{}", run.stderr());
 }
 
+// ---------------------------------------------------------------- Ctrl-C
+
+/// Completions of `count` tasks over `sessions` sessions whose wakes were
+/// lost: stored in the history, acknowledged by the wake consumer, never
+/// posted (as after a wake service that acked without delivering).
+async fn lost_wakes(bus: &wakebus::bus::Bus, count: usize, sessions: usize) {
+    use wakebus::protocol::{CompletionEvent, EventKind};
+    for i in 0..count {
+        let request = common::cli::request(Some(&format!("s.lost.{}", i % sessions)), "lost");
+        let mut done = CompletionEvent::for_request(&request, Status::Completed, "completed");
+        done.summary = Some(format!("result {i}"));
+        common::cli::publish_event(bus, &request, EventKind::Done, &done).await;
+    }
+    let consumer = bus
+        .wake_consumer(Duration::from_secs(30), 10_000)
+        .await
+        .expect("wake consumer");
+    let mut acked = 0;
+    while acked < count {
+        let mut batch = consumer
+            .fetch()
+            .max_messages(500)
+            .messages()
+            .await
+            .expect("fetch");
+        while let Some(message) = batch.next().await {
+            message.expect("message").ack().await.expect("ack");
+            acked += 1;
+        }
+    }
+    wait_until(WAIT, "the lost completions to be acknowledged", || async {
+        wake_consumer_info(bus)
+            .await
+            .is_some_and(|info| info.num_pending == 0 && info.num_ack_pending == 0)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn replay_stopped_by_ctrl_c_reports_exactly_the_wakes_it_redrove_and_leaves_no_consumer() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    const LOST: usize = 4_000;
+    lost_wakes(&bus, LOST, 40).await;
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    wait_until(WAIT, "the wake ledger", || async {
+        bus.js
+            .get_key_value(bus.subjects.wake_ledger_bucket())
+            .await
+            .is_ok()
+    })
+    .await;
+
+    let mut replay = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .args(common::cli::tool_args(
+            &nats.url(),
+            &prefix,
+            &["replay", "wakes"],
+        ))
+        .env_remove("NATS_URL")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn wakebus replay");
+    let mut stdout = BufReader::new(replay.stdout.take().unwrap()).lines();
+    let mut lines = Vec::new();
+    // Interrupt once it has made progress, well before the end.
+    while lines.len() < 20 {
+        let line = tokio::time::timeout(WAIT, stdout.next_line())
+            .await
+            .expect("replay progress")
+            .expect("read")
+            .expect("replay ended before it was interrupted");
+        lines.push(line);
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(replay.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    while let Some(line) = tokio::time::timeout(WAIT, stdout.next_line())
+        .await
+        .expect("replay to stop after Ctrl-C")
+        .expect("read")
+    {
+        lines.push(line);
+    }
+    let status = tokio::time::timeout(WAIT, replay.wait())
+        .await
+        .expect("replay to exit")
+        .expect("wait");
+    assert_eq!(status.code(), Some(130), "exit status after Ctrl-C");
+
+    // Right away, the read's consumer is gone: only the wake service's remains.
+    let mut events = bus
+        .js
+        .get_stream(bus.subjects.events_stream())
+        .await
+        .unwrap();
+    let consumers: Vec<String> = events
+        .consumer_names()
+        .map(|name| name.unwrap())
+        .collect::<Vec<_>>()
+        .await;
+    assert_eq!(consumers, [bus.subjects.wake_consumer()], "consumers left");
+    assert_eq!(events.info().await.unwrap().state.consumer_count, 1);
+
+    let json: Vec<Value> = lines
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let (items, summary) = json.split_at(json.len() - 1);
+    let summary = &summary[0]["summary"];
+    assert_eq!(summary["interrupted"], true, "{summary}");
+    let replayed: Vec<String> = items
+        .iter()
+        .filter(|item| item["action"] == "replayed")
+        .map(|item| item["delegation_id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(replayed.len(), items.len(), "nothing here was delivered");
+    assert_eq!(summary["replayed"], replayed.len());
+    assert_eq!(summary["selected"], items.len());
+    assert!(
+        replayed.len() < LOST,
+        "the replay finished before Ctrl-C: the history is too short"
+    );
+
+    // The wake service posts exactly what was reported, once each.
+    wait_until(WAIT, "the re-driven wakes", || async {
+        let received: usize = api
+            .accepted()
+            .iter()
+            .map(|p| p.delegation_ids().len())
+            .sum();
+        received >= replayed.len()
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let mut received: Vec<String> = api
+        .accepted()
+        .iter()
+        .flat_map(|p| p.delegation_ids())
+        .collect();
+    let total = received.len();
+    received.sort();
+    received.dedup();
+    assert_eq!(total, received.len(), "a wake was posted twice");
+    let mut reported = replayed.clone();
+    reported.sort();
+    assert_eq!(received, reported, "posted and reported differ");
+}

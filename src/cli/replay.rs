@@ -145,7 +145,12 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
     let on_signal = cancel.clone();
     tokio::spawn(async move {
         super::shutdown_signal().await;
+        // The record in hand is finished, then the run stops.
         on_signal.cancel();
+        super::shutdown_signal().await;
+        // A second Ctrl-C: the operator will not wait (NATS unreachable?).
+        eprintln!("Interrupted again: exiting now; the last record may not have been handled.");
+        std::process::exit(130);
     });
     let json = common.json || !std::io::stdout().is_terminal();
     let bar = ProgressBar::hidden();
