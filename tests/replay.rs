@@ -13,6 +13,7 @@ use futures::StreamExt as _;
 use serde_json::Value;
 use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::{HEADER_REPLAY, Status};
+use wakebus::replay::HEADER_FORCED_REPLAY;
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -136,6 +137,11 @@ async fn replay_with_force_posts_a_delivered_wake_again_through_the_wake_service
     .ok_json();
     assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
     assert_eq!(forced[1]["summary"]["replayed"], 1);
+    // A new key, derived from the first, so that it is not a repeat.
+    let key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
+    let copy_id = key
+        .strip_prefix(&format!("{id}.0.done.replay."))
+        .unwrap_or_else(|| panic!("{key} is not derived from {id}.0.done"));
     wait_until(WAIT, "the forced second wake", || async {
         api.accepted().len() == 2
     })
@@ -143,10 +149,11 @@ async fn replay_with_force_posts_a_delivered_wake_again_through_the_wake_service
     let again = &api.accepted()[1];
     assert_eq!(again.session(), session);
     assert_eq!(again.delegation_ids(), [id.as_str()]);
-    assert_eq!(
-        again.header("idempotency-key"),
-        Some(format!("{id}.0.done"))
-    );
+    assert_eq!(again.header("idempotency-key"), Some(key.clone()));
+    // A session API that honours Idempotency-Key takes it as a second turn.
+    assert_eq!(api.turns().len(), 2);
+    // The history records that the copy was forced, the ledger under which
+    // key it was delivered.
     let copies = replay_copies(&bus).await;
     assert_eq!(copies.len(), 1);
     let original_seq = forced[0]["source"].as_str().unwrap();
@@ -154,7 +161,27 @@ async fn replay_with_force_posts_a_delivered_wake_again_through_the_wake_service
         copies[0].headers.get(HEADER_REPLAY).unwrap().as_str(),
         original_seq
     );
+    assert_eq!(
+        copies[0]
+            .headers
+            .get(HEADER_FORCED_REPLAY)
+            .map(|v| v.as_str()),
+        Some(copy_id)
+    );
     assert!(copies[0].headers.get("traceparent").is_some());
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    wait_until(WAIT, "the ledger to record the forced key", || async {
+        let entry = ledger.get(format!("{id}.0")).await.ok().flatten();
+        entry.is_some_and(|e| {
+            let text = String::from_utf8_lossy(&e);
+            text.contains("delivered") && text.contains(&key)
+        })
+    })
+    .await;
 
     // Delivered again, so a plain replay (which now also sees the copy) skips it.
     let lines = wakebus(
@@ -231,12 +258,18 @@ async fn replay_treats_a_batch_as_one_wake() {
     .ok_json();
     let actions = field(&forced[..3], "action");
     assert_eq!(actions, ["replayed", "skipped", "skipped"], "{forced:#?}");
+    let key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
+    assert!(
+        key.starts_with(&format!("{batch_key}.replay.")),
+        "{key} is not derived from {batch_key}"
+    );
     wait_until(WAIT, "the batch woken again", || async {
         api.accepted().len() == 2
     })
     .await;
     let again = &api.accepted()[1];
-    assert_eq!(again.header("idempotency-key"), Some(batch_key));
+    assert_eq!(again.header("idempotency-key"), Some(key));
+    assert_eq!(api.turns().len(), 2, "the forced turn is not a repeat");
     for goal in ["alpha", "beta", "gamma"] {
         assert!(again.text().contains(goal), "{}", again.text());
     }
@@ -294,6 +327,12 @@ async fn replay_of_wake_dead_letters_delivers_them_once_the_session_api_recovers
     })
     .await;
     assert_eq!(api.accepted()[0].delegation_ids(), [id.as_str()]);
+    // Never delivered before: a plain replay keeps the usual key.
+    assert_eq!(
+        api.accepted()[0].header("idempotency-key"),
+        Some(format!("{id}.0.done"))
+    );
+    assert!(lines[0].get("idempotency_key").is_none(), "{lines:#?}");
     let ledger = bus
         .js
         .get_key_value(bus.subjects.wake_ledger_bucket())

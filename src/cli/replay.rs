@@ -63,7 +63,9 @@ pub(crate) struct WakesArgs {
     /// instead of the completions in the event history.
     #[arg(long)]
     pub(crate) dead_letters: bool,
-    /// Wake even for completions already delivered (their ledger entry is removed first).
+    /// Wake even for completions already delivered: their ledger entry is
+    /// removed first and the post carries a new Idempotency-Key,
+    /// <usual key>.replay.<ULID>, so that the session API does not drop it.
     #[arg(long)]
     pub(crate) force: bool,
 }
@@ -206,10 +208,10 @@ fn describe(item: &ReplayItem) -> String {
         .as_deref()
         .map(|id| format!(" as delegation {id}"))
         .unwrap_or_default();
-    let cleared = if item.ledger_cleared {
-        " (ledger entry cleared)"
-    } else {
-        ""
+    let cleared = match (&item.idempotency_key, item.ledger_cleared) {
+        (Some(key), _) => format!(" (ledger entry cleared; posted under Idempotency-Key {key})"),
+        (None, true) => " (ledger entry cleared)".to_owned(),
+        (None, false) => String::new(),
     };
     match item.action {
         Action::Replayed => format!("replayed     {what} -> {target}{renamed}{cleared}"),

@@ -48,9 +48,16 @@ impl Pending {
     }
 
     /// The completion's id, derived rather than trusted from the body: the
-    /// `Idempotency-Key` of a single-completion turn.
+    /// `Idempotency-Key` of a single-completion turn (a new one for a
+    /// forced replay copy).
     fn event_key(&self) -> String {
-        CompletionEvent::id_for(&self.event.delegation_id, self.event.task_index)
+        let key = CompletionEvent::id_for(&self.event.delegation_id, self.event.task_index);
+        self.forced_key(&key).unwrap_or(key)
+    }
+
+    /// `<base>.replay.<ULID>` if this is a `replay wakes --force` copy.
+    fn forced_key(&self, base: &str) -> Option<String> {
+        crate::replay::forced_idempotency_key(base, self.message.headers.as_ref())
     }
 }
 
@@ -357,9 +364,10 @@ impl Router {
             }
             if let Some(all) = self.batch_completions(&group[0]).await? {
                 info!(delegation_id = %delegation_id, tasks = all.len(), "Every task of the batch has ended; waking once.");
+                let key = group.iter().find_map(|p| p.forced_key(&batch_key));
                 turns.push(Turn {
                     traceparent: group[0].traceparent.clone(),
-                    key: batch_key.clone(),
+                    key: key.unwrap_or_else(|| batch_key.clone()),
                     text: turn::render_batch(&delegation_id, &all),
                     covers: vec![batch_key],
                     messages: group,
@@ -491,10 +499,11 @@ impl Router {
         }
         let mut first_time = Vec::new();
         for messages in by_task.into_values() {
-            let redelivered = messages
-                .iter()
-                .any(|p| p.message.info().is_ok_and(|info| info.delivered > 1));
-            if redelivered {
+            // A forced replay is posted alone too, under its own key.
+            let alone = messages.iter().any(|p| {
+                p.message.info().is_ok_and(|info| info.delivered > 1) || p.forced_key("").is_some()
+            });
+            if alone {
                 recovering.extend(self.new_turn(messages).await?);
             } else {
                 first_time.extend(messages);
