@@ -29,6 +29,7 @@ pub(crate) fn main() -> ExitCode {
         cli.command,
         args::Command::Events(_) | args::Command::Replay(_) | args::Command::Status(_)
     );
+    #[cfg_attr(not(feature = "otel"), allow(clippy::let_unit_value))]
     let telemetry = init_logging(&cli.global, if tool { "warn" } else { "info" });
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
@@ -46,7 +47,12 @@ pub(crate) fn main() -> ExitCode {
     };
     drop(runtime);
     // Spans still buffered are sent now, outside the runtime (blocking).
-    telemetry.shutdown();
+    #[cfg(feature = "otel")]
+    if let Some(otlp) = telemetry {
+        otlp.shutdown();
+    }
+    #[cfg(not(feature = "otel"))]
+    let () = telemetry;
     code
 }
 
@@ -61,22 +67,13 @@ fn parse() -> anyhow::Result<Cli> {
     }
 }
 
-/// What must outlive the command for its telemetry to be complete.
-struct Telemetry {
-    /// The OTLP exporter, flushed at the end (`otel` feature, endpoint set).
-    #[cfg(feature = "otel")]
-    otlp: Option<wakebus::telemetry::otlp::OtlpGuard>,
-}
-
-impl Telemetry {
-    /// Flushes and stops the exporter, if any.
-    fn shutdown(self) {
-        #[cfg(feature = "otel")]
-        if let Some(otlp) = self.otlp {
-            otlp.shutdown();
-        }
-    }
-}
+/// What must outlive the command for its telemetry to be complete: the OTLP
+/// exporter, flushed at the end (`otel` feature, endpoint set).
+#[cfg(feature = "otel")]
+type Telemetry = Option<wakebus::telemetry::otlp::OtlpGuard>;
+/// Nothing to keep without the `otel` feature.
+#[cfg(not(feature = "otel"))]
+type Telemetry = ();
 
 /// Logs to stderr (text or JSON, filtered by `RUST_LOG`, else
 /// `default_level`) and, with the `otel` feature and an OTLP endpoint,
@@ -107,13 +104,10 @@ fn init_logging(global: &args::Global, default_level: &str) -> Telemetry {
             }
         };
         registry.with(layer).init();
-        Telemetry { otlp }
+        otlp
     }
     #[cfg(not(feature = "otel"))]
-    {
-        registry.init();
-        Telemetry {}
-    }
+    registry.init();
 }
 
 /// Completes on SIGINT or SIGTERM.
