@@ -17,6 +17,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use serde::Serialize;
 use time::OffsetDateTime;
+use tracing::Instrument as _;
 
 use crate::bus::{Bus, PublishError};
 use crate::protocol::{
@@ -289,10 +290,18 @@ impl Delegator {
     /// every completion.
     pub async fn delegate(&self, delegation: Delegation) -> Result<DelegateResult, DelegateError> {
         let requests = self.requests(&delegation)?;
-        let trace = delegation
-            .traceparent
-            .map_or_else(TraceParent::new_root, |t| t.child());
-        self.publish_all(&delegation.pool, &requests, trace).await?;
+        // The delegation's span, parent of its tasks' spans (`otel` feature).
+        let span = tracing::info_span!(
+            "delegate",
+            delegation_id = %requests[0].delegation_id,
+            pool = %delegation.pool,
+            trace_id = tracing::field::Empty,
+        );
+        let trace = crate::telemetry::hop(&span, delegation.traceparent);
+        span.record("trace_id", trace.trace_id_hex());
+        self.publish_all(&delegation.pool, &requests, trace)
+            .instrument(span.clone())
+            .await?;
 
         let delegation_id = requests[0].delegation_id.clone();
         let tasks = requests.len();

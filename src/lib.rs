@@ -30,6 +30,7 @@
 //! - [`status`]: a one-screen snapshot of a deployment.
 //! - [`ops`]: metrics, health endpoints and micro-service registration.
 //! - [`quarantine`]: removing messages the NATS client cannot read.
+//! - [`telemetry`]: trace context across hops; OTLP export (`otel` feature).
 //!
 //! The `wakebus` binary (`src/main.rs`, `src/cli/`) only parses arguments and
 //! calls `run(config, shutdown)` functions from here.
@@ -46,6 +47,7 @@ pub mod protocol;
 pub mod quarantine;
 pub mod replay;
 pub mod status;
+pub mod telemetry;
 mod tls;
 pub mod wake;
 pub mod worker;

@@ -17,6 +17,11 @@
 //!   turn again (it reads the other completions from the history).
 //!   Completions cancelled silently (`suppress_wake`) and sync-mode ones
 //!   are skipped: nobody is to be woken.
+//!   A forced copy of a delivered wake also carries
+//!   [`HEADER_FORCED_REPLAY`]: the wake service then posts it alone under
+//!   the Idempotency-Key `<usual key>.replay.<ULID>` ([`forced_idempotency_key`]),
+//!   since a session API that honours the usual key would drop the post as
+//!   a repeat; the ledger records the key it was delivered under.
 //! * **Tasks** (dead-lettered requests): the request is published again to
 //!   its pool under a **derived delegation id** `<id>-r<dead-letter
 //!   sequence>`. Under its original id the re-run could not wake anyone: its
@@ -49,6 +54,22 @@ use crate::protocol::{
     session_token,
 };
 use crate::wake::ledger::{LedgerError, LedgerState, WakeLedger};
+
+/// On a `replay wakes --force` copy of a delivered completion: the copy's
+/// ULID (the one in its `Nats-Msg-Id`). The wake service posts such a copy
+/// alone, under [`forced_idempotency_key`].
+pub const HEADER_FORCED_REPLAY: &str = "Wakebus-Forced-Replay";
+
+/// The Idempotency-Key of a forced re-post: `<base>.replay.<ULID>`, `base`
+/// being the key the post would otherwise carry (`<delegation_id>.<task_index>.done`,
+/// or `<delegation_id>.batch` for a batch), if `headers` mark a forced copy
+/// with a valid ULID. Only a ULID is taken from the header, so the key can
+/// never be another completion's.
+pub fn forced_idempotency_key(base: &str, headers: Option<&HeaderMap>) -> Option<String> {
+    let value = headers?.get(HEADER_FORCED_REPLAY)?.as_str();
+    let id = ulid::Ulid::from_string(value).ok()?;
+    Some(format!("{base}.replay.{id}"))
+}
 
 /// What to replay.
 #[derive(Debug, Clone)]
@@ -150,6 +171,10 @@ pub struct ReplayItem {
     /// Whether a delivered ledger entry was (or would be) removed (`force`).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub ledger_cleared: bool,
+    /// The Idempotency-Key a forced re-post is delivered under (a new one,
+    /// so that a session API honouring the first does not drop it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
 }
 
 impl ReplayItem {
@@ -165,6 +190,7 @@ impl ReplayItem {
             target_subject: None,
             new_delegation_id: None,
             ledger_cleared: false,
+            idempotency_key: None,
         }
     }
 
@@ -382,8 +408,19 @@ impl Replayer {
         }
         let mut headers = replay_headers(record);
         let event_id = CompletionEvent::id_for(&event.delegation_id, event.task_index);
-        let msg_id = format!("{event_id}.replay.{}", ulid::Ulid::new());
+        let copy = ulid::Ulid::new().to_string();
+        let msg_id = format!("{event_id}.replay.{copy}");
         headers.insert(HEADER_MSG_ID, msg_id.as_str());
+        if item.ledger_cleared {
+            // Posted before: the usual key would be a repeat to the session API.
+            headers.insert(HEADER_FORCED_REPLAY, copy.as_str());
+            let base = if batch {
+                key.as_str()
+            } else {
+                event_id.as_str()
+            };
+            item.idempotency_key = forced_idempotency_key(base, Some(&headers));
+        }
         self.publish(subject, headers, record.payload.clone())
             .await?;
         item.action = Action::Replayed;
@@ -554,13 +591,19 @@ impl Replayer {
     }
 }
 
-/// The original's headers without the dead-letter reason, plus
-/// `Wakebus-Replay: <stream>:<sequence>`.
+/// The original's headers without the dead-letter reason (nor an earlier
+/// replay's marks), plus `Wakebus-Replay: <stream>:<sequence>`.
 fn replay_headers(record: &Record) -> HeaderMap {
     let mut headers = HeaderMap::new();
     for (name, values) in record.headers.iter() {
         let name: &str = name.as_ref();
-        if name == HEADER_DEAD_LETTER_REASON || name == HEADER_REPLAY {
+        if [
+            HEADER_DEAD_LETTER_REASON,
+            HEADER_REPLAY,
+            HEADER_FORCED_REPLAY,
+        ]
+        .contains(&name)
+        {
             continue;
         }
         for value in values {
@@ -609,27 +652,50 @@ pub async fn run(
         total: reader.estimated_total(),
     });
     let mut summary = Summary::default();
-    loop {
-        let next = tokio::select! {
-            biased;
-            () = cancel.cancelled() => {
-                summary.interrupted = true;
-                break;
-            }
-            next = reader.next() => next,
-        };
-        let Some(record) = next else { break };
-        let item = replayer.handle(&record?).await?;
-        summary.count(&item);
-        progress(Progress::Item(&item));
+    let result = async {
+        loop {
+            let next = tokio::select! {
+                biased;
+                () = cancel.cancelled() => {
+                    summary.interrupted = true;
+                    return Ok(());
+                }
+                next = reader.next() => next,
+            };
+            let Some(record) = next else {
+                return Ok(());
+            };
+            // Not raced against `cancel`: a record being handled is
+            // finished (and reported) before the run stops.
+            let item = replayer.handle(&record?).await?;
+            summary.count(&item);
+            progress(Progress::Item(&item));
+        }
     }
-    Ok(summary)
+    .await;
+    // Stopped early or not, leave no consumer behind.
+    reader.close().await;
+    result.map(|()| summary)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::protocol::validate_delegation_id;
+
+    #[test]
+    fn a_forced_key_takes_only_a_ulid_from_the_header() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(forced_idempotency_key("d.0.done", Some(&headers)), None);
+        headers.insert(HEADER_FORCED_REPLAY, "01JV3N4Y8K6D2Q7R9T1W5X0ZAB");
+        assert_eq!(
+            forced_idempotency_key("d.0.done", Some(&headers)).as_deref(),
+            Some("d.0.done.replay.01JV3N4Y8K6D2Q7R9T1W5X0ZAB")
+        );
+        headers.insert(HEADER_FORCED_REPLAY, "other.0.done");
+        assert_eq!(forced_idempotency_key("d.0.done", Some(&headers)), None);
+        assert_eq!(forced_idempotency_key("d.0.done", None), None);
+    }
 
     #[test]
     fn derived_ids_are_valid_deterministic_and_distinct_per_dead_letter() {

@@ -67,6 +67,12 @@ pub(crate) struct Global {
     /// Log format.
     #[arg(long, env = "WAKEBUS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub(crate) log_format: LogFormat,
+    /// Export spans over OTLP/HTTP to this collector base URL (like
+    /// OTEL_EXPORTER_OTLP_ENDPOINT, which is read when this is not given;
+    /// `/v1/traces` is appended).
+    #[cfg(feature = "otel")]
+    #[arg(long, global = true)]
+    pub(crate) otlp_endpoint: Option<String>,
     /// How long events are kept (e.g. 7d, 12h).
     #[arg(long, env = "WAKEBUS_HISTORY", value_parser = humantime::parse_duration, default_value = "7d", global = true)]
     pub(crate) history: Duration,
@@ -173,6 +179,10 @@ pub(crate) struct DelegateArgs {
     /// Also wait for the completion in background mode and print it.
     #[arg(long)]
     pub(crate) wait: bool,
+    /// W3C trace context of the caller: the delegation's spans and events
+    /// join this trace (a new one is started when absent).
+    #[arg(long, env = "TRACEPARENT")]
+    pub(crate) traceparent: Option<String>,
     /// Give up waiting (sync mode or --wait) after this long, e.g. 10m.
     #[arg(long, value_parser = humantime::parse_duration)]
     pub(crate) wait_timeout: Option<Duration>,

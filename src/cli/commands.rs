@@ -86,6 +86,12 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             delegation.timeout_seconds = args.timeout_seconds;
             delegation.wait = args.wait;
+            delegation.traceparent = match args.traceparent.as_deref() {
+                Some(value) => Some(wakebus::protocol::TraceParent::parse(value).with_context(
+                    || format!("--traceparent {value:?} is not a W3C traceparent"),
+                )?),
+                None => None,
+            };
             inherit_from_parent_task(&mut delegation)?;
             let result = delegator.delegate(delegation).await?;
             println!("{}", serde_json::to_string(&result)?);

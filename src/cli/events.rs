@@ -58,6 +58,9 @@ pub(crate) async fn run(global: &Global, args: EventsArgs) -> anyhow::Result<Exi
             break;
         }
     }
+    // Stopped by Ctrl-C or a closed pipe: delete the read's consumer now
+    // rather than leave it to expire.
+    reader.close().await;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -29,7 +29,8 @@ pub(crate) fn main() -> ExitCode {
         cli.command,
         args::Command::Events(_) | args::Command::Replay(_) | args::Command::Status(_)
     );
-    init_logging(&cli.global.log_format, if tool { "warn" } else { "info" });
+    #[cfg_attr(not(feature = "otel"), allow(clippy::let_unit_value))]
+    let telemetry = init_logging(&cli.global, if tool { "warn" } else { "info" });
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -37,13 +38,22 @@ pub(crate) fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(commands::run(cli)) {
+    let code = match runtime.block_on(commands::run(cli)) {
         Ok(code) => code,
         Err(error) => {
             eprintln!("error: {error:#}");
             ExitCode::FAILURE
         }
+    };
+    drop(runtime);
+    // Spans still buffered are sent now, outside the runtime (blocking).
+    #[cfg(feature = "otel")]
+    if let Some(otlp) = telemetry {
+        otlp.shutdown();
     }
+    #[cfg(not(feature = "otel"))]
+    let () = telemetry;
+    code
 }
 
 /// Parses the command line, with `--config FILE` (or `WAKEBUS_CONFIG`)
@@ -57,17 +67,47 @@ fn parse() -> anyhow::Result<Cli> {
     }
 }
 
-fn init_logging(format: &args::LogFormat, default_level: &str) {
-    use tracing_subscriber::EnvFilter;
+/// What must outlive the command for its telemetry to be complete: the OTLP
+/// exporter, flushed at the end (`otel` feature, endpoint set).
+#[cfg(feature = "otel")]
+type Telemetry = Option<wakebus::telemetry::otlp::OtlpGuard>;
+/// Nothing to keep without the `otel` feature.
+#[cfg(not(feature = "otel"))]
+type Telemetry = ();
+
+/// Logs to stderr (text or JSON, filtered by `RUST_LOG`, else
+/// `default_level`) and, with the `otel` feature and an OTLP endpoint,
+/// exports spans as well.
+fn init_logging(global: &args::Global, default_level: &str) -> Telemetry {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    use tracing_subscriber::{EnvFilter, Layer as _};
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        args::LogFormat::Json => builder.json().init(),
-        args::LogFormat::Text => builder.init(),
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let fmt = match global.log_format {
+        args::LogFormat::Json => fmt.json().boxed(),
+        args::LogFormat::Text => fmt.boxed(),
+    };
+    let registry = tracing_subscriber::registry().with(fmt.with_filter(filter));
+    #[cfg(feature = "otel")]
+    {
+        let config = wakebus::telemetry::otlp::OtlpConfig {
+            endpoint: global.otlp_endpoint.clone(),
+        };
+        let (layer, otlp) = match wakebus::telemetry::otlp::layer(&config) {
+            Ok(Some((layer, guard))) => (Some(layer), Some(guard)),
+            Ok(None) => (None, None),
+            Err(error) => {
+                eprintln!("warning: spans are not exported: {error}");
+                (None, None)
+            }
+        };
+        registry.with(layer).init();
+        otlp
     }
+    #[cfg(not(feature = "otel"))]
+    registry.init();
 }
 
 /// Completes on SIGINT or SIGTERM.

@@ -63,7 +63,9 @@ pub(crate) struct WakesArgs {
     /// instead of the completions in the event history.
     #[arg(long)]
     pub(crate) dead_letters: bool,
-    /// Wake even for completions already delivered (their ledger entry is removed first).
+    /// Wake even for completions already delivered: their ledger entry is
+    /// removed first and the post carries a new Idempotency-Key,
+    /// <usual key>.replay.<ULID>, so that the session API does not drop it.
     #[arg(long)]
     pub(crate) force: bool,
 }
@@ -145,7 +147,12 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
     let on_signal = cancel.clone();
     tokio::spawn(async move {
         super::shutdown_signal().await;
+        // The record in hand is finished, then the run stops.
         on_signal.cancel();
+        super::shutdown_signal().await;
+        // A second Ctrl-C: the operator will not wait (NATS unreachable?).
+        eprintln!("Interrupted again: exiting now; the last record may not have been handled.");
+        std::process::exit(130);
     });
     let json = common.json || !std::io::stdout().is_terminal();
     let bar = ProgressBar::hidden();
@@ -201,10 +208,10 @@ fn describe(item: &ReplayItem) -> String {
         .as_deref()
         .map(|id| format!(" as delegation {id}"))
         .unwrap_or_default();
-    let cleared = if item.ledger_cleared {
-        " (ledger entry cleared)"
-    } else {
-        ""
+    let cleared = match (&item.idempotency_key, item.ledger_cleared) {
+        (Some(key), _) => format!(" (ledger entry cleared; posted under Idempotency-Key {key})"),
+        (None, true) => " (ledger entry cleared)".to_owned(),
+        (None, false) => String::new(),
     };
     match item.action {
         Action::Replayed => format!("replayed     {what} -> {target}{renamed}{cleared}"),

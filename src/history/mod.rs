@@ -432,8 +432,9 @@ impl HistoryReader {
     }
 
     /// Deletes the ephemeral consumer (it would otherwise expire by itself
-    /// after 30 seconds of inactivity).
-    async fn close(&mut self) {
+    /// after 30 seconds of inactivity). Done by itself at the end of a
+    /// bounded read; call it when stopping early (Ctrl-C, a closed pipe).
+    pub async fn close(&mut self) {
         if let Some((stream, name)) = self.cleanup.take() {
             let _ = stream.delete_consumer(&name).await;
         }

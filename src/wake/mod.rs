@@ -256,7 +256,7 @@ fn admit(message: jetstream::Message) -> Result<Pending, Admission> {
     let traceparent = headers
         .and_then(|h| h.get(HEADER_TRACEPARENT))
         .and_then(|v| TraceParent::parse(v.as_str()))
-        .map(|tp| tp.child().to_string());
+        .map(|tp| tp.to_string());
     Ok(Pending {
         message,
         event,

@@ -39,7 +39,7 @@ pub(crate) struct Pending {
     pub(crate) event: CompletionEvent,
     /// The origin session (already validated).
     pub(crate) session: String,
-    /// The trace context to pass on to the session API.
+    /// The trace context the completion arrived with (the worker's hop).
     pub(crate) traceparent: Option<String>,
 }
 
@@ -49,9 +49,16 @@ impl Pending {
     }
 
     /// The completion's id, derived rather than trusted from the body: the
-    /// `Idempotency-Key` of a single-completion turn.
+    /// `Idempotency-Key` of a single-completion turn (a new one for a
+    /// forced replay copy).
     fn event_key(&self) -> String {
-        CompletionEvent::id_for(&self.event.delegation_id, self.event.task_index)
+        let key = CompletionEvent::id_for(&self.event.delegation_id, self.event.task_index);
+        self.forced_key(&key).unwrap_or(key)
+    }
+
+    /// `<base>.replay.<ULID>` if this is a `replay wakes --force` copy.
+    fn forced_key(&self, base: &str) -> Option<String> {
+        crate::replay::forced_idempotency_key(base, self.message.headers.as_ref())
     }
 }
 
@@ -66,7 +73,8 @@ struct Turn {
     covers: Vec<String>,
     /// Messages to ack once it is delivered.
     messages: Vec<Pending>,
-    /// Trace context for the post.
+    /// Trace context: the completion's until [`Turn::span`] makes the
+    /// turn its own hop, then the post's.
     traceparent: Option<String>,
 }
 
@@ -94,7 +102,9 @@ impl Turn {
         }
     }
     /// The span of a turn's logs: the delegations it reports and its trace.
-    fn span(&self) -> tracing::Span {
+    /// The turn becomes a hop of the trace: its span is a child of the
+    /// completion's, and the post carries the turn's own `traceparent`.
+    fn span(&mut self) -> tracing::Span {
         let mut ids: Vec<&str> = self
             .messages
             .iter()
@@ -103,13 +113,16 @@ impl Turn {
         ids.sort_unstable();
         ids.dedup();
         let delegation_id = ids.join(",");
-        let trace_id = self
+        let parent = self
             .traceparent
             .as_deref()
-            .and_then(crate::protocol::TraceParent::parse)
-            .map(|tp| tp.trace_id_hex())
-            .unwrap_or_default();
-        info_span!("turn", %delegation_id, %trace_id, idempotency_key = %self.key)
+            .and_then(crate::protocol::TraceParent::parse);
+        let trace_id = parent.map(|tp| tp.trace_id_hex()).unwrap_or_default();
+        let span = info_span!("turn", %delegation_id, %trace_id, idempotency_key = %self.key);
+        if parent.is_some() {
+            self.traceparent = Some(crate::telemetry::hop(&span, parent).to_string());
+        }
+        span
     }
 }
 
@@ -316,7 +329,7 @@ impl Router {
         };
         let mut refresh_at = guard.written_at() + self.shared.locks.refresh_interval();
         while !turns.is_empty() {
-            let turn = turns.remove(0);
+            let mut turn = turns.remove(0);
             let span = turn.span();
             match self
                 .post_turn(session, &turn, guard, &mut refresh_at, held, rx)
@@ -378,9 +391,10 @@ impl Router {
             }
             if let Some(all) = self.batch_completions(&group[0]).await? {
                 info!(delegation_id = %delegation_id, tasks = all.len(), "Every task of the batch has ended; waking once.");
+                let key = group.iter().find_map(|p| p.forced_key(&batch_key));
                 turns.push(Turn {
                     traceparent: group[0].traceparent.clone(),
-                    key: batch_key.clone(),
+                    key: key.unwrap_or_else(|| batch_key.clone()),
                     text: turn::render_batch(&delegation_id, &all),
                     covers: vec![batch_key],
                     messages: group,
@@ -515,10 +529,11 @@ impl Router {
         }
         let mut first_time = Vec::new();
         for messages in by_task.into_values() {
-            let redelivered = messages
-                .iter()
-                .any(|p| p.message.info().is_ok_and(|info| info.delivered > 1));
-            if redelivered {
+            // A forced replay is posted alone too, under its own key.
+            let alone = messages.iter().any(|p| {
+                p.message.info().is_ok_and(|info| info.delivered > 1) || p.forced_key("").is_some()
+            });
+            if alone {
                 recovering.extend(self.new_turn(messages).await?);
             } else {
                 first_time.extend(messages);

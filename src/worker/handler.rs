@@ -110,7 +110,8 @@ impl TaskHandler {
             trace_id = %trace.trace_id_hex(),
             attempt,
         );
-        self.run_request(message, request, trace.child(), attempt, stop)
+        let next = crate::telemetry::hop(&span, Some(trace));
+        self.run_request(message, request, next, attempt, stop)
             .instrument(span)
             .await
     }

@@ -13,15 +13,23 @@ pub struct Service {
     args: Vec<String>,
     /// Where its log goes (appended across restarts).
     pub log: PathBuf,
+    /// Extra environment variables, kept for restarts.
+    env: Vec<(String, String)>,
     child: Option<Child>,
 }
 
 impl Service {
     /// Starts `wakebus <args>`, logging to `log`.
     pub fn spawn(args: Vec<String>, log: PathBuf) -> Self {
+        Self::spawn_with_env(args, log, Vec::new())
+    }
+
+    /// Starts `wakebus <args>` with extra environment variables.
+    pub fn spawn_with_env(args: Vec<String>, log: PathBuf, env: Vec<(String, String)>) -> Self {
         let mut service = Self {
             args,
             log,
+            env,
             child: None,
         };
         service.start();
@@ -37,6 +45,7 @@ impl Service {
         let child = Command::new(env!("CARGO_BIN_EXE_wakebus"))
             .args(&self.args)
             .env("RUST_LOG", "wakebus=info")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env_remove("NATS_URL")
             .stdout(Stdio::null())
             .stderr(log)

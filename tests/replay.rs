@@ -1,0 +1,735 @@
+//! `wakebus replay` against real nats-server processes and the real
+//! `wakebus` binary: re-driven wakes (skipped when delivered, `--force`,
+//! batches, dead letters), re-queued tasks, copies, and a clean stop on
+//! Ctrl-C in the middle of a long replay.
+
+mod common;
+
+use std::time::Duration;
+
+use common::cli::{field, publish_task, wakebus};
+use common::*;
+use futures::StreamExt as _;
+use serde_json::Value;
+use wakebus::delegate::{Delegation, Delegator};
+use wakebus::protocol::{HEADER_REPLAY, Status};
+use wakebus::replay::HEADER_FORCED_REPLAY;
+use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Stored messages of the events stream that are replay copies.
+async fn replay_copies(
+    bus: &wakebus::bus::Bus,
+) -> Vec<async_nats::jetstream::message::StreamMessage> {
+    all_messages(bus, &bus.subjects.events_stream())
+        .await
+        .into_iter()
+        .filter(|m| m.headers.get(HEADER_REPLAY).is_some())
+        .collect()
+}
+
+/// A deployment with an echo worker, a wake service and one delivered wake
+/// for `session`; returns the delegation id.
+async fn delivered_wake(
+    bus: &wakebus::bus::Bus,
+    api: &SessionApiServer,
+    services: &mut Services,
+    session: &str,
+) -> String {
+    services.echo_worker(bus);
+    services.wake(bus, test_wake_config(&api.url()));
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::new("first run").session(session))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the first wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    wait_until(WAIT, "the ledger to record the delivery", || async {
+        let entry = ledger.get(format!("{id}.0")).await.ok().flatten();
+        entry.is_some_and(|e| String::from_utf8_lossy(&e).contains("delivered"))
+    })
+    .await;
+    id
+}
+
+#[tokio::test]
+async fn replay_skips_wakes_that_were_already_delivered() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    let session = "s.replay *>";
+    let id = delivered_wake(&bus, &api, &mut services, session).await;
+
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--session", session],
+    )
+    .await
+    .ok_json();
+    let (items, summary) = lines.split_at(lines.len() - 1);
+    assert_eq!(items.len(), 1, "{items:#?}");
+    assert_eq!(items[0]["action"], "skipped");
+    assert_eq!(items[0]["delegation_id"], id.as_str());
+    assert!(
+        items[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("already delivered"),
+        "{items:#?}"
+    );
+    assert_eq!(summary[0]["summary"]["replayed"], 0);
+    assert_eq!(summary[0]["summary"]["skipped"], 1);
+    assert!(replay_copies(&bus).await.is_empty(), "a copy was published");
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 1);
+}
+
+#[tokio::test]
+async fn replay_with_force_posts_a_delivered_wake_again_through_the_wake_service() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    let session = "s.force";
+    let id = delivered_wake(&bus, &api, &mut services, session).await;
+
+    // A dry run changes nothing.
+    let dry = wakebus(
+        &nats.url(),
+        &prefix,
+        &[
+            "replay",
+            "wakes",
+            "--delegation",
+            &id,
+            "--force",
+            "--dry-run",
+        ],
+    )
+    .await
+    .ok_json();
+    assert_eq!(dry[0]["action"], "would_replay");
+    assert_eq!(dry[0]["ledger_cleared"], true);
+    assert!(replay_copies(&bus).await.is_empty());
+
+    let forced = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id, "--force"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
+    assert_eq!(forced[1]["summary"]["replayed"], 1);
+    // A new key, derived from the first, so that it is not a repeat.
+    let key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
+    let copy_id = key
+        .strip_prefix(&format!("{id}.0.done.replay."))
+        .unwrap_or_else(|| panic!("{key} is not derived from {id}.0.done"));
+    wait_until(WAIT, "the forced second wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    let again = &api.accepted()[1];
+    assert_eq!(again.session(), session);
+    assert_eq!(again.delegation_ids(), [id.as_str()]);
+    assert_eq!(again.header("idempotency-key"), Some(key.clone()));
+    // A session API that honours Idempotency-Key takes it as a second turn.
+    assert_eq!(api.turns().len(), 2);
+    // The history records that the copy was forced, the ledger under which
+    // key it was delivered.
+    let copies = replay_copies(&bus).await;
+    assert_eq!(copies.len(), 1);
+    let original_seq = forced[0]["source"].as_str().unwrap();
+    assert_eq!(
+        copies[0].headers.get(HEADER_REPLAY).unwrap().as_str(),
+        original_seq
+    );
+    assert_eq!(
+        copies[0]
+            .headers
+            .get(HEADER_FORCED_REPLAY)
+            .map(|v| v.as_str()),
+        Some(copy_id)
+    );
+    assert!(copies[0].headers.get("traceparent").is_some());
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    wait_until(WAIT, "the ledger to record the forced key", || async {
+        let entry = ledger.get(format!("{id}.0")).await.ok().flatten();
+        entry.is_some_and(|e| {
+            let text = String::from_utf8_lossy(&e);
+            text.contains("delivered") && text.contains(&key)
+        })
+    })
+    .await;
+
+    // Delivered again, so a plain replay (which now also sees the copy) skips it.
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id],
+    )
+    .await
+    .ok_json();
+    let actions = field(&lines[..lines.len() - 1], "action");
+    assert_eq!(actions, ["skipped", "skipped"], "{lines:#?}");
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 2);
+}
+
+#[tokio::test]
+async fn replay_treats_a_batch_as_one_wake() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    let goals = ["alpha", "beta", "gamma"].map(String::from);
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::batch(goals).session("s.batch"))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the batch wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    let batch_key = format!("{id}.batch");
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    wait_until(WAIT, "the ledger to record the batch", || async {
+        ledger.get(&batch_key).await.ok().flatten().is_some()
+    })
+    .await;
+
+    let plain = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id],
+    )
+    .await
+    .ok_json();
+    let summary = &plain.last().unwrap()["summary"];
+    assert_eq!(
+        (summary["selected"].as_u64(), summary["skipped"].as_u64()),
+        (Some(3), Some(3))
+    );
+    assert!(
+        plain[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("already delivered")
+    );
+    assert!(plain[1]["reason"].as_str().unwrap().contains("batch"));
+
+    let forced = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id, "--force"],
+    )
+    .await
+    .ok_json();
+    let actions = field(&forced[..3], "action");
+    assert_eq!(actions, ["replayed", "skipped", "skipped"], "{forced:#?}");
+    let key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
+    assert!(
+        key.starts_with(&format!("{batch_key}.replay.")),
+        "{key} is not derived from {batch_key}"
+    );
+    wait_until(WAIT, "the batch woken again", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    let again = &api.accepted()[1];
+    assert_eq!(again.header("idempotency-key"), Some(key));
+    assert_eq!(api.turns().len(), 2, "the forced turn is not a repeat");
+    for goal in ["alpha", "beta", "gamma"] {
+        assert!(again.text().contains(goal), "{}", again.text());
+    }
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 2);
+}
+
+#[tokio::test]
+async fn replay_of_wake_dead_letters_delivers_them_once_the_session_api_recovers() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    api.fail_always(403);
+    let session = "s.refused";
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::new("refused at first").session(session))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the wake dead letter", || async {
+        !all_messages(&bus, &bus.subjects.dead_letter_stream())
+            .await
+            .is_empty()
+    })
+    .await;
+    let listed = wakebus(&nats.url(), &prefix, &["events", "--dead-letters", "wake"])
+        .await
+        .ok_json();
+    assert_eq!(listed.len(), 1);
+    assert!(
+        listed[0]["dead_letter_reason"]
+            .as_str()
+            .unwrap()
+            .contains("403"),
+        "{listed:#?}"
+    );
+    api.recover();
+
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--dead-letters", "--session", session],
+    )
+    .await
+    .ok_json();
+    assert_eq!(lines[0]["action"], "replayed", "{lines:#?}");
+    wait_until(WAIT, "the re-driven wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    assert_eq!(api.accepted()[0].delegation_ids(), [id.as_str()]);
+    // Never delivered before: a plain replay keeps the usual key.
+    assert_eq!(
+        api.accepted()[0].header("idempotency-key"),
+        Some(format!("{id}.0.done"))
+    );
+    assert!(lines[0].get("idempotency_key").is_none(), "{lines:#?}");
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    wait_until(WAIT, "the ledger to record the delivery", || async {
+        ledger.get(format!("{id}.0")).await.ok().flatten().is_some()
+    })
+    .await;
+    let again = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--dead-letters", "--session", session],
+    )
+    .await
+    .ok_json();
+    assert_eq!(again[0]["action"], "skipped", "{again:#?}");
+    services.stop().await;
+    assert_eq!(api.accepted().len(), 1);
+}
+
+#[tokio::test]
+async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_session() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let session = "s.requeue";
+    // A worker that cannot start its program gives up at once.
+    let mut broken = Services::new();
+    let mut config = test_worker_config("default");
+    config.max_deliver = 1;
+    let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
+    broken.worker(
+        &bus,
+        Executor::Command(CommandExecutor::new(missing)),
+        config,
+    );
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::new("needs a working worker").session(session))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the failure wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    assert!(api.accepted()[0].text().contains("Status: failed"));
+    broken.stop().await;
+    services.echo_worker(&bus);
+
+    let dry = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
+        .await
+        .ok_json();
+    assert_eq!(dry[0]["action"], "would_replay", "{dry:#?}");
+    let derived = dry[0]["new_delegation_id"].as_str().unwrap().to_owned();
+    assert!(derived.starts_with(&format!("{id}-r")), "{derived}");
+
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "tasks", "--session", session],
+    )
+    .await
+    .ok_json();
+    assert_eq!(lines[0]["action"], "replayed", "{lines:#?}");
+    assert_eq!(lines[0]["new_delegation_id"], derived.as_str());
+    assert_eq!(lines[0]["target_subject"], bus.subjects.task("default"));
+    wait_until(WAIT, "the re-run's wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    let rerun = &api.accepted()[1];
+    assert_eq!(rerun.session(), session);
+    assert_eq!(rerun.delegation_ids(), [derived.as_str()]);
+    assert!(
+        rerun.text().contains("Status: completed"),
+        "{}",
+        rerun.text()
+    );
+    assert!(rerun.text().contains("echo: needs a working worker"));
+
+    // Already re-queued: skipped, unless forced (then under a fresh id).
+    let again = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
+        .await
+        .ok_json();
+    assert_eq!(again[0]["action"], "skipped", "{again:#?}");
+    assert!(again[0]["reason"].as_str().unwrap().contains(&derived));
+    let forced = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "tasks", "--force", "--dry-run"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(forced[0]["action"], "would_replay");
+    assert_ne!(forced[0]["new_delegation_id"], derived.as_str());
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 2);
+}
+
+#[tokio::test]
+async fn replay_does_not_requeue_a_request_that_can_never_run() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    let ack = bus
+        .js
+        .publish(
+            bus.subjects.task("default"),
+            r#"{"version":1,"delegation_id":"nogoal"}"#.into(),
+        )
+        .await
+        .unwrap();
+    ack.await.unwrap();
+    wait_until(WAIT, "the dead letter", || async {
+        !all_messages(&bus, &bus.subjects.dead_letter_stream())
+            .await
+            .is_empty()
+    })
+    .await;
+    let lines = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
+        .await
+        .ok_json();
+    assert_eq!(lines[0]["action"], "skipped");
+    assert!(
+        lines[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("missing field `goal`"),
+        "{lines:#?}"
+    );
+    services.stop().await;
+}
+
+#[tokio::test]
+async fn replay_copy_republishes_history_under_another_prefix_with_headers_and_a_replay_mark() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let target_prefix = unique_prefix();
+    let target = common::bus(&nats.url(), &target_prefix).await;
+    let (req, _, done_seq) = publish_task(&bus, Some("s.copy *>"), Status::Failed).await;
+    publish_task(&bus, Some("s.other"), Status::Completed).await;
+
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &[
+            "replay",
+            "copy",
+            "--to-prefix",
+            &target_prefix,
+            "--session",
+            "s.copy *>",
+        ],
+    )
+    .await
+    .ok_json();
+    assert_eq!(
+        lines.last().unwrap()["summary"]["replayed"],
+        2,
+        "{lines:#?}"
+    );
+    let copies = all_messages(&target, &target.subjects.events_stream()).await;
+    assert_eq!(copies.len(), 2);
+    let originals = all_messages(&bus, &bus.subjects.events_stream()).await;
+    let done_copy = copies
+        .iter()
+        .find(|m| m.subject.ends_with(".done"))
+        .unwrap();
+    let done_original = originals.iter().find(|m| m.sequence == done_seq).unwrap();
+    assert_eq!(
+        done_copy.subject.as_str(),
+        done_original
+            .subject
+            .replacen(&prefix, &target_prefix, 1)
+            .as_str()
+    );
+    assert_eq!(done_copy.payload, done_original.payload);
+    for name in [
+        "Nats-Msg-Id",
+        "traceparent",
+        "Wakebus-Origin-Session",
+        "Wakebus-Delegation-Id",
+        "ce-type",
+    ] {
+        assert_eq!(
+            done_copy.headers.get(name).map(|v| v.as_str()),
+            done_original.headers.get(name).map(|v| v.as_str()),
+            "{name}"
+        );
+    }
+    assert_eq!(
+        done_copy.headers.get(HEADER_REPLAY).unwrap().as_str(),
+        format!("{}:{done_seq}", bus.subjects.events_stream())
+    );
+    assert!(done_copy.subject.contains(&req.delegation_id));
+
+    let same = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "copy", "--to-prefix", &prefix],
+    )
+    .await;
+    assert_eq!(same.code(), Some(1));
+    assert!(same.stderr().contains("own prefix"), "{}", same.stderr());
+    let nowhere = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "copy", "--to-prefix", "nostreams"],
+    )
+    .await;
+    assert_eq!(nowhere.code(), Some(1));
+    assert!(
+        nowhere.stderr().contains("cannot publish"),
+        "{}",
+        nowhere.stderr()
+    );
+}
+
+#[tokio::test]
+async fn replay_of_wakes_without_a_wake_ledger_says_so() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    publish_task(&bus, Some("s1"), Status::Completed).await;
+    let run = wakebus(&nats.url(), &prefix, &["replay", "wakes"]).await;
+    assert_eq!(run.code(), Some(1));
+    assert!(run.stderr().contains("wake ledger"), "{}", run.stderr());
+}
+
+// ---------------------------------------------------------------- Ctrl-C
+
+/// Completions of `count` tasks over `sessions` sessions whose wakes were
+/// lost: stored in the history, acknowledged by the wake consumer, never
+/// posted (as after a wake service that acked without delivering).
+async fn lost_wakes(bus: &wakebus::bus::Bus, count: usize, sessions: usize) {
+    use wakebus::protocol::{CompletionEvent, EventKind};
+    for i in 0..count {
+        let request = common::cli::request(Some(&format!("s.lost.{}", i % sessions)), "lost");
+        let mut done = CompletionEvent::for_request(&request, Status::Completed, "completed");
+        done.summary = Some(format!("result {i}"));
+        common::cli::publish_event(bus, &request, EventKind::Done, &done).await;
+    }
+    let consumer = bus
+        .wake_consumer(Duration::from_secs(30), 10_000)
+        .await
+        .expect("wake consumer");
+    let mut acked = 0;
+    while acked < count {
+        let mut batch = consumer
+            .fetch()
+            .max_messages(500)
+            .messages()
+            .await
+            .expect("fetch");
+        while let Some(message) = batch.next().await {
+            message.expect("message").ack().await.expect("ack");
+            acked += 1;
+        }
+    }
+    wait_until(WAIT, "the lost completions to be acknowledged", || async {
+        wake_consumer_info(bus)
+            .await
+            .is_some_and(|info| info.num_pending == 0 && info.num_ack_pending == 0)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn replay_stopped_by_ctrl_c_reports_exactly_the_wakes_it_redrove_and_leaves_no_consumer() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    const LOST: usize = 4_000;
+    lost_wakes(&bus, LOST, 40).await;
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    wait_until(WAIT, "the wake ledger", || async {
+        bus.js
+            .get_key_value(bus.subjects.wake_ledger_bucket())
+            .await
+            .is_ok()
+    })
+    .await;
+
+    let mut replay = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .args(common::cli::tool_args(
+            &nats.url(),
+            &prefix,
+            &["replay", "wakes"],
+        ))
+        .env_remove("NATS_URL")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn wakebus replay");
+    let mut stdout = BufReader::new(replay.stdout.take().unwrap()).lines();
+    let mut lines = Vec::new();
+    // Interrupt once it has made progress, well before the end.
+    while lines.len() < 20 {
+        let line = tokio::time::timeout(WAIT, stdout.next_line())
+            .await
+            .expect("replay progress")
+            .expect("read")
+            .expect("replay ended before it was interrupted");
+        lines.push(line);
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(replay.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    while let Some(line) = tokio::time::timeout(WAIT, stdout.next_line())
+        .await
+        .expect("replay to stop after Ctrl-C")
+        .expect("read")
+    {
+        lines.push(line);
+    }
+    let status = tokio::time::timeout(WAIT, replay.wait())
+        .await
+        .expect("replay to exit")
+        .expect("wait");
+    assert_eq!(status.code(), Some(130), "exit status after Ctrl-C");
+
+    // Right away, the read's consumer is gone: only the wake service's remains.
+    let mut events = bus
+        .js
+        .get_stream(bus.subjects.events_stream())
+        .await
+        .unwrap();
+    let consumers: Vec<String> = events
+        .consumer_names()
+        .map(|name| name.unwrap())
+        .collect::<Vec<_>>()
+        .await;
+    assert_eq!(consumers, [bus.subjects.wake_consumer()], "consumers left");
+    assert_eq!(events.info().await.unwrap().state.consumer_count, 1);
+
+    let json: Vec<Value> = lines
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let (items, summary) = json.split_at(json.len() - 1);
+    let summary = &summary[0]["summary"];
+    assert_eq!(summary["interrupted"], true, "{summary}");
+    let replayed: Vec<String> = items
+        .iter()
+        .filter(|item| item["action"] == "replayed")
+        .map(|item| item["delegation_id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(replayed.len(), items.len(), "nothing here was delivered");
+    assert_eq!(summary["replayed"], replayed.len());
+    assert_eq!(summary["selected"], items.len());
+    assert!(
+        replayed.len() < LOST,
+        "the replay finished before Ctrl-C: the history is too short"
+    );
+
+    // The wake service posts exactly what was reported, once each.
+    wait_until(WAIT, "the re-driven wakes", || async {
+        let received: usize = api
+            .accepted()
+            .iter()
+            .map(|p| p.delegation_ids().len())
+            .sum();
+        received >= replayed.len()
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let mut received: Vec<String> = api
+        .accepted()
+        .iter()
+        .flat_map(|p| p.delegation_ids())
+        .collect();
+    let total = received.len();
+    received.sort();
+    received.dedup();
+    assert_eq!(total, received.len(), "a wake was posted twice");
+    let mut reported = replayed.clone();
+    reported.sort();
+    assert_eq!(received, reported, "posted and reported differ");
+}
