@@ -1,8 +1,9 @@
 //! The wake ledger: a durable record, per task, of wakes being posted and
 //! delivered. This is the wake service's idempotency mechanism.
 //!
-//! Written around every post: `posting` (with the `Idempotency-Key`) before a
-//! combined post, `delivered` after a 2xx. A completion whose entry says
+//! Written around every post: `posting` (with the `Idempotency-Key`) before
+//! the post (created in one write when the task has no entry yet, the common
+//! case), `delivered` after a 2xx. A completion whose entry says
 //! `delivered` is never posted again; one that says `posting` is re-posted
 //! with the same key, so a session API that honours `Idempotency-Key` sees a
 //! repeat, not a new turn.
@@ -53,6 +54,9 @@ pub enum LedgerError {
     /// Writing failed.
     #[error("cannot write the wake ledger: {0}")]
     Write(#[from] kv::PutError),
+    /// Creating an entry failed for a reason other than "it exists".
+    #[error("cannot write the wake ledger: {0}")]
+    Create(#[from] kv::CreateError),
     /// Deleting failed.
     #[error("cannot delete from the wake ledger: {0}")]
     Delete(#[from] kv::DeleteError),
@@ -101,6 +105,29 @@ impl WakeLedger {
             },
         )
         .await
+    }
+
+    /// Records `posting` for a task that has no entry yet, in one round
+    /// trip; `false` (nothing written) if it has one, which the caller then
+    /// reads. The common case, a completion seen for the first time, so
+    /// costs one write instead of a read and a write.
+    pub async fn mark_posting_if_new(
+        &self,
+        key: &str,
+        idempotency_key: &str,
+    ) -> Result<bool, LedgerError> {
+        let state = LedgerState::Posting {
+            idempotency_key: idempotency_key.to_owned(),
+        };
+        match self
+            .kv
+            .create(key, serde_json::to_vec(&state)?.into())
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(error) if error.kind() == kv::CreateErrorKind::AlreadyExists => Ok(false),
+            Err(error) => Err(error.into()),
+        }
     }
 
     /// Records that the wake was accepted.

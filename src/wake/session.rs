@@ -463,6 +463,23 @@ impl Router {
 
     async fn plan_singles(&self, held: &mut Vec<Pending>) -> Result<Vec<Turn>, PlanError> {
         let ledger = &self.shared.ledger;
+        // The common case: one completion, never seen before. Creating its
+        // `posting` entry both tells that nothing was recorded for it and
+        // records the post, in one write; if an entry exists, nothing is
+        // written and the full plan below reads it.
+        if let [only] = held.as_slice() {
+            let key = only.event_key();
+            if ledger.mark_posting_if_new(&only.ledger_key(), &key).await? {
+                let pending = held.pop().expect("one held");
+                return Ok(vec![Turn {
+                    traceparent: pending.traceparent.clone(),
+                    text: turn::render(&[&pending.event]),
+                    covers: vec![pending.ledger_key()],
+                    key,
+                    messages: vec![pending],
+                }]);
+            }
+        }
         let states = join_all(
             held.iter()
                 .map(|p| async move { ledger.get(&p.ledger_key()).await }),
