@@ -34,7 +34,7 @@ use wakebus::protocol::Subjects;
 
 use nats::NatsServer;
 use procs::{Proc, wake_args, worker_args};
-use report::{BacklogRun, Latency, Machine, Report, Run};
+use report::{BacklogRun, CpuPerDelegation, Latency, Machine, Report, Run};
 use sink::Sink;
 
 /// What to run, from `WAKEBUS_BENCH_*` environment variables.
@@ -117,6 +117,18 @@ struct Measured {
     wake_rss: f64,
     /// Posts received (fewer than delegations when turns were combined).
     posts: usize,
+    /// CPU per delegation over the measured part (zero for a backlog).
+    cpu: CpuPerDelegation,
+}
+
+/// CPU seconds so far of the bench process, the server, the wake and the workers.
+fn cpu_now(server: &NatsServer, wake: &Proc, workers: &[Proc]) -> [f64; 4] {
+    [
+        procs::cpu_seconds(std::process::id()),
+        procs::cpu_seconds(server.pid()),
+        wake.cpu_seconds(),
+        workers.iter().map(Proc::cpu_seconds).sum(),
+    ]
 }
 
 /// Submission times of delegations, by id.
@@ -203,11 +215,11 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
         (wake, workers)
     };
 
-    let (measured, begun, services) = match load {
+    let (measured, begun, services, cpu_at_start) = match load {
         Load::Backlog(n) => {
             submit_window(&delegator, config, 0..n, &submitted).await;
             let services = start_services();
-            (n, None, services)
+            (n, None, services, None)
         }
         Load::Saturation(n) | Load::OpenLoop { n, .. } => {
             let services = start_services();
@@ -220,6 +232,7 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
                 sink.wait_for(warmup, Duration::from_secs(60)).await,
                 "warm-up stalled"
             );
+            let cpu_at_start = cpu_now(server, &services.0, &services.1);
             let begun = Instant::now();
             match load {
                 Load::OpenLoop { rate, .. } => {
@@ -245,7 +258,7 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
                 sink.wait_for(total, Duration::from_secs(600)).await,
                 "run stalled"
             );
-            (n, Some(begun), services)
+            (n, Some(begun), services, Some(cpu_at_start))
         }
     };
     if begun.is_none() {
@@ -255,6 +268,16 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
         );
     }
     let (wake, workers) = services;
+    let cpu = cpu_at_start.map_or_else(CpuPerDelegation::default, |start| {
+        let end = cpu_now(server, &wake, &workers);
+        let us = |i: usize| (end[i] - start[i]) * 1e6 / measured as f64;
+        CpuPerDelegation {
+            delegator_and_endpoint_us: us(0),
+            nats_server_us: us(1),
+            wake_us: us(2),
+            workers_us: us(3),
+        }
+    });
     let worker_rss = workers.iter().map(Proc::peak_rss_mib).fold(0.0, f64::max);
     let wake_rss = wake.peak_rss_mib();
     drop(workers);
@@ -288,6 +311,7 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
         worker_rss,
         wake_rss,
         posts,
+        cpu,
     }
 }
 
@@ -316,7 +340,17 @@ async fn main() {
     );
 
     eprintln!("raw JetStream ceiling, {} messages...", config.n);
+    let cpu_before = [
+        procs::cpu_seconds(std::process::id()),
+        procs::cpu_seconds(server.pid()),
+    ];
     let ceiling = raw::ceiling(&server.url, "RAW", config.n).await;
+    let ceiling_cpu_us = CpuPerDelegation {
+        delegator_and_endpoint_us: (procs::cpu_seconds(std::process::id()) - cpu_before[0]) * 1e6
+            / config.n as f64,
+        nats_server_us: (procs::cpu_seconds(server.pid()) - cpu_before[1]) * 1e6 / config.n as f64,
+        ..CpuPerDelegation::default()
+    };
 
     let single = config.workers.first().copied().unwrap_or(1);
     eprintln!(
@@ -373,6 +407,8 @@ async fn main() {
         open_loop: run_of(single, open_n, &open),
         scaling,
         backlog,
+        saturation_cpu: saturation.cpu.clone(),
+        ceiling_cpu_us,
         nats_server_peak_rss_mib: procs::peak_rss_mib(server.pid()),
     };
     print!("{}", report.table());

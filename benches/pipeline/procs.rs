@@ -30,10 +30,34 @@ impl Proc {
         self.child.id()
     }
 
+    /// CPU seconds used so far.
+    pub(crate) fn cpu_seconds(&self) -> f64 {
+        cpu_seconds(self.pid())
+    }
+
     /// Peak resident set size so far, in MiB (`VmHWM`).
     pub(crate) fn peak_rss_mib(&self) -> f64 {
         peak_rss_mib(self.pid())
     }
+}
+
+/// CPU time (user + system) `pid` has used so far, in seconds (0 if
+/// unreadable). Stable where wall-clock rates are not: a shared 2-core VM
+/// moves throughput by ±20% between runs, CPU per delegation far less.
+pub(crate) fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) in parentheses;
+    // utime and stime are fields 14 and 15 of the whole line.
+    let rest = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // USER_HZ: 100 on every Linux this runs on.
+    (ticks(11) + ticks(12)) / 100.0
 }
 
 /// `VmHWM` of `pid` in MiB (0 if unreadable).

@@ -82,6 +82,27 @@ pub(crate) struct Run {
     pub(crate) wake_peak_rss_mib: f64,
 }
 
+/// CPU time per delegation, microseconds, by process, over a measured run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub(crate) struct CpuPerDelegation {
+    /// All worker processes together.
+    pub(crate) workers_us: f64,
+    /// The wake service.
+    pub(crate) wake_us: f64,
+    /// nats-server.
+    pub(crate) nats_server_us: f64,
+    /// The bench process: the delegator (the library's `Delegator`) and the
+    /// HTTP endpoint the wakes are posted to.
+    pub(crate) delegator_and_endpoint_us: f64,
+}
+
+impl CpuPerDelegation {
+    /// The sum.
+    pub(crate) fn total_us(&self) -> f64 {
+        self.workers_us + self.wake_us + self.nats_server_us + self.delegator_and_endpoint_us
+    }
+}
+
 /// Draining a queue.
 #[derive(Debug, Serialize)]
 pub(crate) struct BacklogRun {
@@ -120,6 +141,11 @@ pub(crate) struct Report {
     pub(crate) scaling: Vec<Run>,
     /// 10k, 100k queued.
     pub(crate) backlog: Vec<BacklogRun>,
+    /// CPU per delegation in the saturation run, by process.
+    pub(crate) saturation_cpu: CpuPerDelegation,
+    /// CPU per message of the raw ceiling (publisher, relay and sink in the
+    /// bench process, plus nats-server), microseconds.
+    pub(crate) ceiling_cpu_us: CpuPerDelegation,
     /// The server's own peak RSS over the whole run.
     pub(crate) nats_server_peak_rss_mib: f64,
 }
@@ -171,6 +197,25 @@ impl Report {
             "{:<44} {:>12.2}",
             "end-to-end / ceiling", self.ratio_to_ceiling
         );
+        let _ = writeln!(
+            t,
+            "{:<44} {:>12} {:>8} {:>8} {:>8} {:>8}",
+            "CPU µs per delegation (saturation)", "total", "workers", "wake", "server", "bench"
+        );
+        for (name, c) in [
+            ("end-to-end", &self.saturation_cpu),
+            ("raw ceiling (per message, both hops)", &self.ceiling_cpu_us),
+        ] {
+            let _ = writeln!(
+                t,
+                "{name:<44} {:>12.0} {:>8.0} {:>8.0} {:>8.0} {:>8.0}",
+                c.total_us(),
+                c.workers_us,
+                c.wake_us,
+                c.nats_server_us,
+                c.delegator_and_endpoint_us
+            );
+        }
         let _ = writeln!(
             t,
             "{:<44} {:>12} {:>14} {:>14}",
