@@ -1,0 +1,364 @@
+//! One actor per origin session with completions in hand: it combines them,
+//! takes the session lock, posts one turn and acks.
+//!
+//! Within an instance the actor serializes a session's wakes; across
+//! instances the KV lock does. While it waits (for the lock, for a retry), it
+//! keeps every message it holds alive with in-progress acks, so nothing is
+//! redelivered elsewhere meanwhile.
+//!
+//! - this file: routing completions to actors, the actor loop, the lock;
+//! - [`plan`]: sorting held completions into turns, with the ledger;
+//! - [`post`]: posting one turn, retrying, recording and acking it.
+
+mod plan;
+mod post;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, info_span, warn};
+
+use super::Shared;
+use super::ledger::WakeLedger;
+use super::lock::LockGuard;
+use super::session_api::Post;
+use crate::outcome::Outcome;
+use crate::protocol::{CompletionEvent, session_token};
+
+/// A completion waiting to be woken, with the message that carries it.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    /// The JetStream message, acked once the wake is delivered.
+    pub(crate) message: jetstream::Message,
+    /// The decoded completion.
+    pub(crate) event: CompletionEvent,
+    /// The origin session (already validated).
+    pub(crate) session: String,
+    /// The trace context the completion arrived with (the worker's hop).
+    pub(crate) traceparent: Option<String>,
+}
+
+impl Pending {
+    fn ledger_key(&self) -> String {
+        WakeLedger::key(&self.event.delegation_id, self.event.task_index)
+    }
+
+    /// The completion's id, derived rather than trusted from the body: the
+    /// `Idempotency-Key` of a single-completion turn (a new one for a
+    /// forced replay copy).
+    fn event_key(&self) -> String {
+        let key = CompletionEvent::id_for(&self.event.delegation_id, self.event.task_index);
+        self.forced_key(&key).unwrap_or(key)
+    }
+
+    /// `<base>.replay.<ULID>` if this is a `replay wakes --force` copy.
+    fn forced_key(&self, base: &str) -> Option<String> {
+        crate::replay::forced_idempotency_key(base, self.message.headers.as_ref())
+    }
+}
+
+/// One continuation turn to post.
+#[derive(Debug)]
+struct Turn {
+    /// The `Idempotency-Key`.
+    key: String,
+    /// The rendered text.
+    text: String,
+    /// Ledger keys of the completions it reports.
+    covers: Vec<String>,
+    /// Messages to ack once it is delivered.
+    messages: Vec<Pending>,
+    /// Trace context: the completion's until [`Turn::span`] makes the
+    /// turn its own hop, then the post's.
+    traceparent: Option<String>,
+}
+
+impl Turn {
+    /// The completion events in hand, once each.
+    fn events(&self) -> Vec<&CompletionEvent> {
+        let mut events: Vec<&CompletionEvent> = Vec::new();
+        for pending in &self.messages {
+            if !events.iter().any(|e| e.event_id == pending.event.event_id) {
+                events.push(&pending.event);
+            }
+        }
+        events
+    }
+
+    /// The post for this turn.
+    fn post<'a>(&'a self, session: &'a str, events: &'a [&'a CompletionEvent]) -> Post<'a> {
+        Post {
+            session,
+            text: &self.text,
+            idempotency_key: &self.key,
+            traceparent: self.traceparent.as_deref(),
+            covers: &self.covers,
+            events,
+        }
+    }
+    /// The span of a turn's logs: the delegations it reports and its trace.
+    /// The turn becomes a hop of the trace: its span is a child of the
+    /// completion's, and the post carries the turn's own `traceparent`.
+    fn span(&mut self) -> tracing::Span {
+        let mut ids: Vec<&str> = self
+            .messages
+            .iter()
+            .map(|p| p.event.delegation_id.as_str())
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let delegation_id = ids.join(",");
+        let parent = self
+            .traceparent
+            .as_deref()
+            .and_then(crate::protocol::TraceParent::parse);
+        let trace_id = parent.map(|tp| tp.trace_id_hex()).unwrap_or_default();
+        let span = info_span!("turn", %delegation_id, %trace_id, idempotency_key = %self.key);
+        if parent.is_some() {
+            self.traceparent = Some(crate::telemetry::hop(&span, parent).to_string());
+        }
+        span
+    }
+}
+
+/// How posting one turn ended.
+enum Posted {
+    /// Delivered or dead-lettered; its messages are acked.
+    Done,
+    /// A NATS write failed; try the whole thing again shortly.
+    Retry,
+    /// Shutting down; hand its messages back.
+    Shutdown,
+}
+
+/// Routes completions to their session's actor, starting actors on demand.
+#[derive(Debug)]
+pub(crate) struct Router {
+    /// Senders to live actors, by raw session id.
+    sessions: Mutex<HashMap<String, UnboundedSender<Pending>>>,
+    /// What actors need.
+    shared: Arc<Shared>,
+    /// Tracks actors so shutdown can wait for them.
+    tracker: TaskTracker,
+    /// Cancelled on shutdown.
+    shutdown: CancellationToken,
+}
+
+impl Router {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        tracker: TaskTracker,
+        shutdown: CancellationToken,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            sessions: Mutex::new(HashMap::new()),
+            shared,
+            tracker,
+            shutdown,
+        })
+    }
+
+    /// Hands `pending` to its session's actor.
+    pub(crate) fn route(self: &Arc<Self>, pending: Pending) {
+        let mut sessions = self.sessions.lock().expect("router lock poisoned");
+        let pending = match sessions.get(&pending.session) {
+            Some(tx) => match tx.send(pending) {
+                Ok(()) => return,
+                Err(returned) => returned.0,
+            },
+            None => pending,
+        };
+        let (tx, rx) = unbounded_channel();
+        let session = pending.session.clone();
+        tx.send(pending).expect("receiver is alive");
+        sessions.insert(session.clone(), tx);
+        let router = self.clone();
+        let span = info_span!("session", session_token = %session_token(&session));
+        self.tracker
+            .spawn(async move { router.actor(session, rx).await }.instrument(span));
+    }
+
+    /// Removes an idle actor, unless something arrived for it meanwhile.
+    fn retire(&self, session: &str, rx: &UnboundedReceiver<Pending>) -> bool {
+        let mut sessions = self.sessions.lock().expect("router lock poisoned");
+        if rx.is_empty() {
+            sessions.remove(session);
+            true
+        } else {
+            false
+        }
+    }
+
+    async fn actor(self: Arc<Self>, session: String, mut rx: UnboundedReceiver<Pending>) {
+        let config = &self.shared.config;
+        let mut held: Vec<Pending> = Vec::new();
+        // The session lock, kept for `lock_linger` after a turn so that the
+        // session's next completion does not pay for a release and a take.
+        let mut lock: Option<LockGuard> = None;
+        loop {
+            if held.is_empty() {
+                let idle = match lock {
+                    Some(_) => config.lock_linger.min(self.shared.locks.refresh_interval()),
+                    None => Duration::from_secs(30),
+                };
+                tokio::select! {
+                    next = rx.recv() => match next {
+                        Some(p) => held.push(p),
+                        None => return self.release(lock).await,
+                    },
+                    () = tokio::time::sleep(idle) => {
+                        if lock.is_some() {
+                            self.release(lock.take()).await;
+                        } else if self.retire(&session, &rx) {
+                            return;
+                        }
+                        continue;
+                    }
+                    () = self.shutdown.cancelled() => {
+                        self.release(lock.take()).await;
+                        if self.retire(&session, &rx) { return; }
+                        continue;
+                    }
+                }
+            }
+            // Combine whatever arrives within the window.
+            let window_end = Instant::now() + config.coalesce_window;
+            if !self.wait(window_end, &mut held, &mut rx).await {
+                self.release(lock).await;
+                return self.hand_back(held, &mut rx).await;
+            }
+            let mut guard = match lock.take() {
+                Some(guard) => guard,
+                None => match self.acquire_lock(&mut held, &mut rx).await {
+                    Some(guard) => guard,
+                    None => return self.hand_back(held, &mut rx).await,
+                },
+            };
+            if !self.deliver(&session, &mut held, &mut rx, &mut guard).await {
+                self.release(Some(guard)).await;
+                return self.hand_back(held, &mut rx).await;
+            }
+            // A lock whose refresh failed is never reused: the next turn
+            // takes the lock anew.
+            lock = (!guard.is_lost()).then_some(guard);
+        }
+    }
+
+    /// Gives the session lock back, if held.
+    async fn release(&self, lock: Option<LockGuard>) {
+        if let Some(guard) = lock {
+            self.shared.locks.release(guard).await;
+        }
+    }
+
+    /// Waits until `until` while keeping `held` alive and collecting arrivals.
+    /// Returns false if the service is shutting down.
+    async fn wait(
+        &self,
+        until: Instant,
+        held: &mut Vec<Pending>,
+        rx: &mut UnboundedReceiver<Pending>,
+    ) -> bool {
+        let mut keepalive = tokio::time::interval_at(
+            Instant::now() + self.shared.config.progress_interval(),
+            self.shared.config.progress_interval(),
+        );
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep_until(until) => return true,
+                Some(p) = rx.recv() => held.push(p),
+                _ = keepalive.tick() => keep_alive(held).await,
+                () = self.shutdown.cancelled() => return false,
+            }
+        }
+    }
+
+    async fn acquire_lock(
+        &self,
+        held: &mut Vec<Pending>,
+        rx: &mut UnboundedReceiver<Pending>,
+    ) -> Option<LockGuard> {
+        let token = session_token(&held[0].session);
+        let mut delay = Duration::from_millis(20);
+        loop {
+            match self.shared.locks.try_acquire(&token).await {
+                Ok(Some(guard)) => return Some(guard),
+                Ok(None) => {}
+                Err(error) => warn!(%error, "Could not take the session lock; will retry."),
+            }
+            if !self.wait(Instant::now() + delay, held, rx).await {
+                return None;
+            }
+            delay = (delay * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    /// Delivers everything in `held`. Returns false if shutdown interrupted
+    /// it; `held` then keeps what is left to hand back.
+    async fn deliver(
+        &self,
+        session: &str,
+        held: &mut Vec<Pending>,
+        rx: &mut UnboundedReceiver<Pending>,
+        guard: &mut LockGuard,
+    ) -> bool {
+        let mut turns = match self.plan(held).await {
+            Ok(turns) => turns,
+            Err(error) => {
+                warn!(%error, "Wake ledger unavailable; will retry.");
+                return self
+                    .wait(Instant::now() + Duration::from_secs(1), held, rx)
+                    .await;
+            }
+        };
+        let mut refresh_at = guard.written_at() + self.shared.locks.refresh_interval();
+        while !turns.is_empty() {
+            let mut turn = turns.remove(0);
+            let span = turn.span();
+            match self
+                .post_turn(session, &turn, guard, &mut refresh_at, held, rx)
+                .instrument(span)
+                .await
+            {
+                Posted::Done => {}
+                Posted::Retry => {
+                    held.extend(turn.messages);
+                    held.extend(turns.into_iter().flat_map(|t| t.messages));
+                    return self
+                        .wait(Instant::now() + Duration::from_secs(1), held, rx)
+                        .await;
+                }
+                Posted::Shutdown => {
+                    held.extend(turn.messages);
+                    held.extend(turns.into_iter().flat_map(|t| t.messages));
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Shutdown: hand every held message back at once so another instance takes it.
+    async fn hand_back(&self, held: Vec<Pending>, rx: &mut UnboundedReceiver<Pending>) {
+        rx.close();
+        let mut all = held;
+        while let Ok(p) = rx.try_recv() {
+            all.push(p);
+        }
+        for p in &all {
+            Outcome::Nak(None).apply(&p.message).await;
+        }
+    }
+}
+
+async fn keep_alive(held: &[Pending]) {
+    for p in held {
+        let _ = p.message.ack_with(AckKind::Progress).await;
+    }
+}
