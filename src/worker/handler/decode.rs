@@ -1,0 +1,88 @@
+//! Decoding a request as a worker receives it; an unusable one keeps
+//! whatever identity its body or headers give, for its `error` completion.
+
+use async_nats::HeaderMap;
+
+use crate::protocol::{
+    HEADER_DELEGATION_ID, HEADER_ORIGIN_SESSION, HEADER_TASK_INDEX, Limits, TaskRequest, bounded,
+    header, validate_delegation_id, validate_session_id,
+};
+
+/// Why a request could not be used, with whatever identity could be salvaged
+/// for its `error` completion.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejected {
+    /// The reason, for the `error` completion and the dead letter.
+    pub reason: String,
+    /// The delegation id from the body or headers, if valid.
+    pub delegation_id: Option<String>,
+    /// The task index from the body or headers.
+    pub task_index: u32,
+    /// The origin session from the body or headers, if valid.
+    pub origin_session: Option<String>,
+    /// The batch the task belongs to, as far as the body says, so that an
+    /// unusable member still completes its batch.
+    pub batch: Option<(u32, crate::protocol::WakeMode, bool)>,
+}
+
+/// Longest rejection reason kept: serde errors may quote the offending input.
+const MAX_REASON_BYTES: usize = 1024;
+
+/// Decodes a request as a worker does, salvaging its identity from body or
+/// headers when it is unusable.
+pub fn decode_request(
+    payload: &[u8],
+    headers: Option<&HeaderMap>,
+    limits: &Limits,
+) -> Result<TaskRequest, Rejected> {
+    let origin_header = header(headers, HEADER_ORIGIN_SESSION);
+    let result = TaskRequest::decode_within(payload, limits)
+        .and_then(|request| request.check_origin_header(origin_header).map(|()| request));
+    result.map_err(|err| {
+        let loose: serde_json::Value = serde_json::from_slice(payload).unwrap_or_default();
+        let delegation_id = loose
+            .get("delegation_id")
+            .and_then(|v| v.as_str())
+            .or_else(|| header(headers, HEADER_DELEGATION_ID))
+            .filter(|id| validate_delegation_id(id).is_ok())
+            .map(str::to_owned);
+        let task_index = loose
+            .get("task_index")
+            .and_then(serde_json::Value::as_u64)
+            .or_else(|| header(headers, HEADER_TASK_INDEX).and_then(|v| v.parse().ok()))
+            .and_then(|v| u32::try_from(v).ok())
+            .unwrap_or(0);
+        // With a forged or mismatched origin, wake nobody: the body's claim
+        // is exactly what cannot be trusted.
+        let origin_session = match err {
+            crate::protocol::DecodeError::OriginMismatch => None,
+            _ => origin_header
+                .or_else(|| loose.get("origin_session_id").and_then(|v| v.as_str()))
+                .filter(|s| validate_session_id(s).is_ok())
+                .map(str::to_owned),
+        };
+        let batch = loose
+            .get("task_count")
+            .and_then(serde_json::Value::as_u64)
+            .and_then(|v| u32::try_from(v).ok())
+            .filter(|count| *count > task_index)
+            .map(|count| {
+                let mode = loose
+                    .get("wake_mode")
+                    .and_then(|v| serde_json::from_value(v.clone()).ok())
+                    .unwrap_or_default();
+                let notify = loose
+                    .get("notify_early_failure")
+                    .and_then(serde_json::Value::as_bool)
+                    .unwrap_or(false);
+                (count, mode, notify)
+            });
+        Rejected {
+            reason: bounded(&err.to_string(), MAX_REASON_BYTES),
+            delegation_id,
+            task_index,
+            origin_session,
+            batch,
+        }
+    })
+}

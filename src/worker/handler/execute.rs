@@ -1,0 +1,106 @@
+//! Running the executor: in-progress acks while it runs, its time limit, and
+//! progress events at most once per interval.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::protocol::{EventKind, ProgressEvent, TaskRequest, TraceParent};
+use crate::worker::cancel::StopReason;
+use crate::worker::executor::{ExecError, ExecOutput, Progress};
+
+use super::TaskHandler;
+
+impl TaskHandler {
+    /// Runs the executor, sending in-progress acks while it runs and stopping
+    /// it when its time limit passes.
+    pub(super) async fn execute(
+        &self,
+        message: &jetstream::Message,
+        request: &TaskRequest,
+        run_stop: &CancellationToken,
+        reason: &OnceLock<StopReason>,
+        trace: TraceParent,
+    ) -> Result<ExecOutput, ExecError> {
+        let timeout = request
+            .timeout_seconds
+            .map(Duration::from_secs)
+            .or(self.config.default_timeout);
+        let (progress, mut reports) = Progress::channel();
+        let run = self.executor.run(request, &self.env, run_stop, &progress);
+        tokio::pin!(run);
+        // Progress is published at most once per interval, newest message first.
+        let throttle = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(throttle);
+        let mut unpublished = false;
+        let mut keepalive = tokio::time::interval(self.config.progress_interval());
+        keepalive.tick().await;
+        let deadline = async {
+            match timeout {
+                Some(limit) => tokio::time::sleep(limit).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(deadline);
+        let mut deadline_passed = false;
+        loop {
+            tokio::select! {
+                result = &mut run => {
+                    // The last report before the end still makes the history.
+                    if unpublished || reports.has_changed().unwrap_or(false) {
+                        self.publish_progress(request, &mut reports, trace).await;
+                    }
+                    return result;
+                }
+                _ = keepalive.tick() => {
+                    // Tell the server we are alive so AckWait does not hand
+                    // the task to another worker.
+                    if let Err(error) = message.ack_with(AckKind::Progress).await {
+                        warn!(%error, "Could not send an in-progress ack.");
+                    }
+                }
+                Ok(()) = reports.changed() => {
+                    unpublished = true;
+                    if throttle.is_elapsed() {
+                        self.publish_progress(request, &mut reports, trace).await;
+                        unpublished = false;
+                        throttle.as_mut().reset(tokio::time::Instant::now() + PROGRESS_INTERVAL);
+                    }
+                }
+                () = &mut throttle, if unpublished => {
+                    self.publish_progress(request, &mut reports, trace).await;
+                    unpublished = false;
+                    throttle.as_mut().reset(tokio::time::Instant::now() + PROGRESS_INTERVAL);
+                }
+                () = &mut deadline, if !deadline_passed => {
+                    deadline_passed = true;
+                    if reason.set(StopReason::Timeout).is_ok() {
+                        warn!(timeout = ?timeout, "Task timed out; stopping it.");
+                        run_stop.cancel();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Publishes the newest progress report (history only: failures are logged).
+    pub(super) async fn publish_progress(
+        &self,
+        request: &TaskRequest,
+        reports: &mut tokio::sync::watch::Receiver<Option<String>>,
+        trace: TraceParent,
+    ) {
+        let Some(message) = reports.borrow_and_update().clone() else {
+            return;
+        };
+        let event = ProgressEvent::for_request(request, &self.config.instance, message);
+        self.publish_history(request, EventKind::Progress, trace, &event)
+            .await;
+    }
+}
+
+/// At most one progress event per task per interval.
+pub(super) const PROGRESS_INTERVAL: Duration = Duration::from_secs(1);

@@ -1,0 +1,341 @@
+//! Handling one task request, start to finish, as a function that returns an [`Outcome`].
+//!
+//! - this file: the handler and its decisions (run, refuse, give up, finish);
+//! - [`execute`]: running the executor with in-progress acks, time limit
+//!   and throttled progress events;
+//! - [`publish`]: events on the bus, the "already done?" probe, dead letters,
+//!   fitting a completion into one message;
+//! - [`decode`]: decoding a request as it arrives, salvaging its identity
+//!   when it is unusable.
+
+mod decode;
+mod execute;
+mod publish;
+
+pub use decode::{Rejected, decode_request};
+use publish::fit_to_payload;
+pub(crate) use publish::token_for;
+
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use time::OffsetDateTime;
+
+use async_nats::jetstream::{self};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, error, info, info_span, warn};
+
+use super::WorkerConfig;
+use super::cancel::{CancelRegistry, StopReason};
+use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
+use crate::bus::Bus;
+use crate::ops::metrics as m;
+use crate::outcome::Outcome;
+use crate::protocol::{
+    CompletionEvent, EventKind, HEADER_TRACEPARENT, StartedEvent, Status, TaskRequest, TraceParent,
+    header,
+};
+
+/// Everything needed to run one task; shared by all of a worker's tasks.
+#[derive(Debug)]
+pub(crate) struct TaskHandler {
+    /// Where to publish events.
+    bus: Bus,
+    /// What runs the tasks.
+    executor: Executor,
+    /// Limits and timings.
+    config: WorkerConfig,
+    /// Passed on to executors.
+    env: TaskEnv,
+    /// `ce-source` of this worker's events.
+    source: String,
+    /// Cancel records and the runs they may stop.
+    cancels: Arc<CancelRegistry>,
+}
+
+impl TaskHandler {
+    /// A handler publishing through `bus`.
+    pub(crate) fn new(
+        bus: Bus,
+        executor: Executor,
+        config: WorkerConfig,
+        env: TaskEnv,
+        cancels: Arc<CancelRegistry>,
+    ) -> Self {
+        let source = format!("wakebus/worker/{}", config.instance);
+        Self {
+            bus,
+            executor,
+            config,
+            env,
+            source,
+            cancels,
+        }
+    }
+
+    /// Handles one delivery of a request. `stop` is cancelled when the worker
+    /// shuts down and its grace period is over: the run is then stopped and
+    /// the request handed back.
+    pub(crate) async fn handle(
+        &self,
+        message: &jetstream::Message,
+        stop: &CancellationToken,
+    ) -> Outcome {
+        let attempt = message
+            .info()
+            .map(|info| info.delivered)
+            .unwrap_or(1)
+            .max(1) as u64;
+        let _in_flight = m::InFlight::task(&self.config.pool);
+        if attempt > 1 {
+            m::task_redelivered(&self.config.pool);
+        }
+        let headers = message.headers.as_ref();
+        let request = match decode_request(&message.payload, headers, &self.config.limits) {
+            Ok(request) => request,
+            Err(rejected) => return self.reject(message, rejected).await,
+        };
+        let trace = header(headers, HEADER_TRACEPARENT)
+            .and_then(TraceParent::parse)
+            .unwrap_or_else(TraceParent::new_root);
+        let span = info_span!(
+            "task",
+            delegation_id = %request.delegation_id,
+            task_index = request.task_index,
+            trace_id = %trace.trace_id_hex(),
+            attempt,
+        );
+        let next = crate::telemetry::hop(&span, Some(trace));
+        self.run_request(message, request, next, attempt, stop)
+            .instrument(span)
+            .await
+    }
+
+    async fn run_request(
+        &self,
+        message: &jetstream::Message,
+        request: TaskRequest,
+        trace: TraceParent,
+        attempt: u64,
+        stop: &CancellationToken,
+    ) -> Outcome {
+        if attempt > 1 && self.already_done(&request).await {
+            info!("Completion already published by an earlier attempt; acking the redelivery.");
+            return Outcome::Ack;
+        }
+        if request.depth > self.config.max_depth {
+            let mut done = CompletionEvent::for_request(&request, Status::Error, "depth_limit");
+            done.error = Some(format!(
+                "Delegation depth limit reached: depth {} is above the maximum of {}",
+                request.depth, self.config.max_depth
+            ));
+            warn!(
+                depth = request.depth,
+                max = self.config.max_depth,
+                "Refusing a request nested too deep."
+            );
+            return match self.publish(&request, EventKind::Done, trace, &done).await {
+                Ok(()) => Outcome::Ack,
+                Err(error) => {
+                    warn!(%error, "Could not publish the error completion; will retry.");
+                    Outcome::Nak(Some(Duration::from_secs(1)))
+                }
+            };
+        }
+        if attempt > self.config.max_deliver {
+            let reason = format!(
+                "gave up after {} deliveries (the worker running it crashed or stalled each time)",
+                attempt - 1
+            );
+            return self
+                .give_up(message, &request, trace, "max_deliveries_exceeded", reason)
+                .await;
+        }
+
+        // Register before looking for a cancel record: a cancel either is
+        // recorded already or finds this run registered when it broadcasts.
+        let run_stop = stop.child_token();
+        let reason = Arc::new(OnceLock::new());
+        let stored_at = message
+            .info()
+            .map(|info| info.published)
+            .unwrap_or_else(|_| OffsetDateTime::now_utc());
+        let _registered = match self.cancels.register(
+            &request.delegation_id,
+            &token_for(request.origin_session_id.as_deref()),
+            stored_at,
+            run_stop.clone(),
+            reason.clone(),
+        ) {
+            Ok(guard) => guard,
+            Err(record) => {
+                info!(
+                    silent = record.silent,
+                    "Task was cancelled before it started; not running it."
+                );
+                let mut done =
+                    CompletionEvent::for_request(&request, Status::Interrupted, "cancelled");
+                done.error = Some("cancelled before it started".to_owned());
+                done.suppress_wake = record.silent;
+                return self.finish(&request, trace, done).await;
+            }
+        };
+
+        let started = StartedEvent::for_request(&request, &self.config.instance, attempt);
+        self.publish_history(&request, EventKind::Started, trace, &started)
+            .await;
+        m::task_started(&self.config.pool);
+
+        let begun = Instant::now();
+        let result = self
+            .execute(message, &request, &run_stop, &reason, trace)
+            .await;
+        let duration = begun.elapsed();
+        let mut suppress_wake = false;
+        let output = match (result, reason.get()) {
+            (Ok(output), _) => output,
+            (Err(ExecError::Stopped { partial }), Some(StopReason::Timeout)) => ExecOutput {
+                status: Status::Timeout,
+                summary: partial,
+                error: Some(format!("timed out after {}s", duration.as_secs())),
+                api_calls: 0,
+                tokens: None,
+                truncated: false,
+                exit_reason: "timeout".to_owned(),
+            },
+            (Err(ExecError::Stopped { partial }), Some(StopReason::Cancelled { silent })) => {
+                suppress_wake = *silent;
+                ExecOutput {
+                    status: Status::Interrupted,
+                    summary: partial,
+                    error: Some("cancelled while running".to_owned()),
+                    api_calls: 0,
+                    tokens: None,
+                    truncated: false,
+                    exit_reason: "cancelled".to_owned(),
+                }
+            }
+            (Err(ExecError::Stopped { .. }), None) => {
+                info!("Worker is shutting down; handing the task back.");
+                return Outcome::Nak(None);
+            }
+            (Err(ExecError::Transient(reason)), _) if attempt < self.config.max_deliver => {
+                let delay = self.config.retry_delay(attempt);
+                warn!(%reason, retry_in = ?delay, "Executor failed transiently; will retry.");
+                m::task_retried(&self.config.pool);
+                return Outcome::Nak(Some(delay));
+            }
+            (Err(ExecError::Transient(reason)), _) => {
+                let reason = format!("failed {attempt} times; last error: {reason}");
+                return self
+                    .give_up(message, &request, trace, "max_attempts_exceeded", reason)
+                    .await;
+            }
+        };
+
+        let mut done = CompletionEvent::for_request(&request, output.status, &output.exit_reason);
+        done.summary = output.summary;
+        done.error = output.error;
+        done.api_calls = output.api_calls;
+        if let Some((prompt, completion)) = output.tokens {
+            done.prompt_tokens = Some(prompt);
+            done.completion_tokens = Some(completion);
+        }
+        done.duration_seconds = duration.as_secs_f64();
+        done.suppress_wake = suppress_wake;
+        done.truncated = output.truncated;
+        fit_to_payload(&mut done, self.bus.max_payload());
+        info!(status = %done.status, duration_ms = duration.as_millis() as u64, "Task done.");
+        self.finish(&request, trace, done).await
+    }
+
+    /// Publishes the completion; acks the request only once it is stored.
+    async fn finish(
+        &self,
+        request: &TaskRequest,
+        trace: TraceParent,
+        done: CompletionEvent,
+    ) -> Outcome {
+        match self.publish(request, EventKind::Done, trace, &done).await {
+            Ok(()) => {
+                let ran = Duration::from_secs_f64(done.duration_seconds);
+                m::task_completed(&self.config.pool, done.status, ran);
+                Outcome::Ack
+            }
+            Err(error) => {
+                warn!(%error, "Could not publish the completion; the task will be redelivered.");
+                Outcome::Nak(Some(Duration::from_secs(1)))
+            }
+        }
+    }
+
+    /// Ends a task for good: a `failed` completion (so the session still
+    /// wakes) and the request in the dead-letter stream.
+    async fn give_up(
+        &self,
+        message: &jetstream::Message,
+        request: &TaskRequest,
+        trace: TraceParent,
+        exit_reason: &str,
+        reason: String,
+    ) -> Outcome {
+        error!(%reason, "Giving up on task; dead-lettering the request.");
+        if let Err(error) = self.dead_letter(message, &reason).await {
+            warn!(%error, "Could not dead-letter the request; will retry.");
+            return Outcome::Nak(Some(Duration::from_secs(1)));
+        }
+        m::dead_lettered("task");
+        let mut done = CompletionEvent::for_request(request, Status::Failed, exit_reason);
+        done.error = Some(reason);
+        match self.publish(request, EventKind::Done, trace, &done).await {
+            Ok(()) => {
+                m::task_completed(&self.config.pool, Status::Failed, Duration::ZERO);
+                Outcome::Ack
+            }
+            Err(error) => {
+                warn!(%error, "Could not publish the failed completion; will retry.");
+                Outcome::Nak(Some(Duration::from_secs(1)))
+            }
+        }
+    }
+
+    /// A request that can never run: an `error` completion (woken when the
+    /// session is known), a dead letter with the reason, then TERM.
+    async fn reject(&self, message: &jetstream::Message, rejected: Rejected) -> Outcome {
+        let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
+        let delegation_id = rejected
+            .delegation_id
+            .unwrap_or_else(|| format!("invalid-{seq}"));
+        warn!(
+            delegation_id = %delegation_id,
+            stream_sequence = seq,
+            reason = %rejected.reason,
+            "Rejecting an unusable request."
+        );
+        if let Err(error) = self.dead_letter(message, &rejected.reason).await {
+            warn!(%error, "Could not dead-letter the request; will retry.");
+            return Outcome::Nak(Some(Duration::from_secs(1)));
+        }
+        m::dead_lettered("task");
+        let mut stand_in = TaskRequest::new(delegation_id, String::new());
+        stand_in.task_index = rejected.task_index;
+        stand_in.origin_session_id = rejected.origin_session;
+        if let Some((count, mode, notify)) = rejected.batch {
+            stand_in.task_count = count;
+            stand_in.wake_mode = mode;
+            stand_in.notify_early_failure = notify;
+        }
+        let mut done = CompletionEvent::for_request(&stand_in, Status::Error, "invalid_request");
+        done.error = Some(rejected.reason.clone());
+        let trace = header(message.headers.as_ref(), HEADER_TRACEPARENT)
+            .and_then(TraceParent::parse)
+            .unwrap_or_else(TraceParent::new_root)
+            .child();
+        if let Err(error) = self.publish(&stand_in, EventKind::Done, trace, &done).await {
+            warn!(%error, "Could not publish the error completion; will retry.");
+            return Outcome::Nak(Some(Duration::from_secs(1)));
+        }
+        m::task_completed(&self.config.pool, Status::Error, Duration::ZERO);
+        Outcome::Term(rejected.reason)
+    }
+}

@@ -1,0 +1,235 @@
+//! Publishing a task's events, the "already done?" probe, dead letters, and
+//! fitting a completion into one NATS message.
+
+use async_nats::jetstream::{self};
+use bytes::Bytes;
+use tracing::{Instrument, debug, warn};
+
+use crate::bus::PublishError;
+use crate::protocol::{
+    CompletionEvent, EventHeaders, EventKind, SYNC_SESSION_TOKEN, TaskRequest, TraceParent,
+    session_token,
+};
+
+use super::TaskHandler;
+
+impl TaskHandler {
+    /// Whether a completion for this task is already in the history.
+    pub(super) async fn already_done(&self, request: &TaskRequest) -> bool {
+        let subject = self.done_subject(request);
+        // Asked by a probe publish: workers may not read the events stream.
+        match crate::worker::probe::last_sequence_on(&self.bus, &subject).await {
+            Ok(last) => last > 0,
+            Err(error) => {
+                debug!(%error, "No earlier completion found.");
+                false
+            }
+        }
+    }
+
+    pub(super) fn done_subject(&self, request: &TaskRequest) -> String {
+        let token = token_for(request.origin_session_id.as_deref());
+        self.bus.subjects.event(
+            &token,
+            &request.delegation_id,
+            request.task_index,
+            EventKind::Done,
+        )
+    }
+
+    /// Publishes an event and waits until JetStream has stored it.
+    pub(super) async fn publish(
+        &self,
+        request: &TaskRequest,
+        kind: EventKind,
+        trace: TraceParent,
+        body: &impl serde::Serialize,
+    ) -> Result<(), PublishError> {
+        self.send(request, kind, trace, body).await?.await?;
+        Ok(())
+    }
+
+    /// Publishes a history-only event (started, progress) without waiting
+    /// for JetStream's ack on the task's path: nothing depends on it being
+    /// stored, and waiting would add a round trip to every task. The ack is
+    /// awaited in the background, so a failure is still logged.
+    pub(super) async fn publish_history(
+        &self,
+        request: &TaskRequest,
+        kind: EventKind,
+        trace: TraceParent,
+        body: &impl serde::Serialize,
+    ) {
+        match self.send(request, kind, trace, body).await {
+            Ok(ack) => {
+                tokio::spawn(
+                    async move {
+                        if let Err(error) = ack.await {
+                            warn!(%error, kind = kind.as_str(), "History event was not stored.");
+                        }
+                    }
+                    .in_current_span(),
+                );
+            }
+            Err(error) => {
+                // Only history is missing; the run itself can go on.
+                warn!(%error, kind = kind.as_str(), "Could not publish a history event.");
+            }
+        }
+    }
+
+    /// Sends an event; the returned future resolves when JetStream stored it.
+    pub(super) async fn send(
+        &self,
+        request: &TaskRequest,
+        kind: EventKind,
+        trace: TraceParent,
+        body: &impl serde::Serialize,
+    ) -> Result<async_nats::jetstream::context::PublishAckFuture, PublishError> {
+        let token = token_for(request.origin_session_id.as_deref());
+        let subject =
+            self.bus
+                .subjects
+                .event(&token, &request.delegation_id, request.task_index, kind);
+        let id = match kind {
+            EventKind::Done => CompletionEvent::id_for(&request.delegation_id, request.task_index),
+            EventKind::Submitted | EventKind::Started | EventKind::Progress => format!(
+                "{}.{}.{}.{}",
+                request.delegation_id,
+                request.task_index,
+                kind.as_str(),
+                ulid::Ulid::new()
+            ),
+        };
+        let headers = EventHeaders {
+            id: &id,
+            ce_type: kind.ce_type(),
+            source: &self.source,
+            origin_session: request.origin_session_id.as_deref(),
+            delegation_id: &request.delegation_id,
+            task_index: request.task_index,
+            traceparent: trace,
+        }
+        .to_header_map();
+        let payload = Bytes::from(serde_json::to_vec(body)?);
+        Ok(self
+            .bus
+            .js
+            .publish_with_headers(subject, headers, payload)
+            .await?)
+    }
+
+    /// Copies the request, with the reason, to the dead-letter stream.
+    pub(super) async fn dead_letter(
+        &self,
+        message: &jetstream::Message,
+        reason: &str,
+    ) -> Result<(), PublishError> {
+        let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
+        let subject = self.bus.subjects.dead_letter_task(&self.config.pool);
+        self.bus
+            .dead_letter(subject, message, reason, &format!("dlq.task.{seq}"))
+            .await
+    }
+}
+
+/// Room left for headers and JSON overhead below the server's max payload.
+const PAYLOAD_MARGIN: usize = 16 * 1024;
+
+/// Cuts `context`, `summary`, `error` and, last, `goal` so the completion
+/// fits in one NATS message: a completion that cannot be published would make
+/// the task run again, forever. The context goes first because the wake's
+/// turn text does not show it.
+pub(super) fn fit_to_payload(done: &mut CompletionEvent, max_payload: usize) {
+    let budget = max_payload.saturating_sub(PAYLOAD_MARGIN).max(1024);
+    let size = |d: &CompletionEvent| serde_json::to_vec(d).map(|v| v.len()).unwrap_or(0);
+    let mut excess = size(done).saturating_sub(budget);
+    let CompletionEvent {
+        context,
+        summary,
+        error,
+        goal,
+        ..
+    } = done;
+    for text in [Some(context), summary.as_mut(), error.as_mut(), Some(goal)]
+        .into_iter()
+        .flatten()
+    {
+        if excess == 0 {
+            break;
+        }
+        if text.is_empty() {
+            continue;
+        }
+        // JSON escaping may make a byte of text cost up to 6 bytes of body.
+        let keep = text.len().saturating_sub(excess + 64);
+        let mut cut = keep;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let before = size_of_json_string(text);
+        text.truncate(cut);
+        text.push_str("\n[truncated to fit the NATS max payload]");
+        excess = excess.saturating_sub(before.saturating_sub(size_of_json_string(text)));
+    }
+}
+
+fn size_of_json_string(text: &str) -> usize {
+    serde_json::to_vec(text)
+        .map(|v| v.len())
+        .unwrap_or(text.len())
+}
+
+/// The subject token for an optional origin session.
+pub(crate) fn token_for(session: Option<&str>) -> String {
+    session.map_or_else(|| SYNC_SESSION_TOKEN.to_owned(), session_token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::Status;
+
+    #[test]
+    fn a_huge_summary_is_cut_to_fit_the_max_payload() {
+        let request =
+            TaskRequest::decode(br#"{"version":1,"delegation_id":"d","goal":"g"}"#).unwrap();
+        let mut done = CompletionEvent::for_request(&request, Status::Completed, "completed");
+        done.summary = Some("é".repeat(600_000));
+        fit_to_payload(&mut done, 1024 * 1024);
+        let size = serde_json::to_vec(&done).unwrap().len();
+        assert!(size <= 1024 * 1024 - PAYLOAD_MARGIN, "{size}");
+        assert!(
+            done.summary
+                .unwrap()
+                .ends_with("[truncated to fit the NATS max payload]")
+        );
+    }
+
+    #[test]
+    fn a_huge_context_and_goal_are_cut_too_so_the_completion_always_fits() {
+        let request =
+            TaskRequest::decode(br#"{"version":1,"delegation_id":"d","goal":"g"}"#).unwrap();
+        let mut done = CompletionEvent::for_request(&request, Status::Error, "invalid_request");
+        done.context = "\"".repeat(700_000);
+        done.goal = "\u{1}".repeat(300_000);
+        done.error = Some("e".repeat(10));
+        fit_to_payload(&mut done, 1024 * 1024);
+        let size = serde_json::to_vec(&done).unwrap().len();
+        assert!(size <= 1024 * 1024 - PAYLOAD_MARGIN, "{size}");
+        assert!(
+            done.context
+                .ends_with("[truncated to fit the NATS max payload]")
+        );
+    }
+
+    #[test]
+    fn a_small_completion_is_left_alone() {
+        let request =
+            TaskRequest::decode(br#"{"version":1,"delegation_id":"d","goal":"g"}"#).unwrap();
+        let mut done = CompletionEvent::for_request(&request, Status::Completed, "completed");
+        done.summary = Some("short".into());
+        fit_to_payload(&mut done, 1024 * 1024);
+        assert_eq!(done.summary.as_deref(), Some("short"));
+    }
+}
