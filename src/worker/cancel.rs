@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use futures::StreamExt;
@@ -43,8 +44,11 @@ struct Running {
 
 #[derive(Debug, Default)]
 struct Inner {
-    /// Every cancel record known.
+    /// Every cancel record known, younger than `keep`.
     records: HashMap<CancelTarget, CancelRecord>,
+    /// How long a record is kept: as long as the cancel bucket keeps it
+    /// (its max age), after which no request it could stop is still queued.
+    keep: Duration,
     /// Runs in progress, by a local id.
     running: HashMap<u64, Running>,
     /// Next local id.
@@ -91,6 +95,18 @@ fn matches(
 }
 
 impl CancelRegistry {
+    /// A registry forgetting records older than `keep` (the cancel bucket's
+    /// max age), so a long-lived worker's memory does not grow with every
+    /// cancel ever issued.
+    pub(crate) fn new(keep: Duration) -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                keep,
+                ..Inner::default()
+            }),
+        }
+    }
+
     /// Records a cancel and stops every matching run.
     pub(crate) fn apply(&self, target: CancelTarget, record: CancelRecord) {
         let mut inner = self.inner.lock().expect("cancel registry");
@@ -110,6 +126,14 @@ impl CancelRegistry {
             }
         }
         inner.records.insert(target, record);
+        let cutoff = OffsetDateTime::now_utc() - inner.keep;
+        inner.records.retain(|_, record| record.at >= cutoff);
+    }
+
+    /// How many cancel records are held.
+    #[cfg(test)]
+    fn records(&self) -> usize {
+        self.inner.lock().expect("cancel registry").records.len()
     }
 
     /// Registers a run about to start, or returns the record that cancels it.
@@ -122,9 +146,15 @@ impl CancelRegistry {
         reason: Arc<OnceLock<StopReason>>,
     ) -> Result<RunGuard, CancelRecord> {
         let mut inner = self.inner.lock().expect("cancel registry");
-        if let Some((_, record)) = inner.records.iter().find(|(target, record)| {
-            matches(target, record, delegation_id, session_token, stored_at)
-        }) {
+        // Two lookups, not a scan of every record: this runs for every task.
+        let by_delegation = inner
+            .records
+            .get(&CancelTarget::Delegation(delegation_id.to_owned()));
+        let by_session = inner
+            .records
+            .get(&CancelTarget::Session(session_token.to_owned()))
+            .filter(|record| stored_at <= record.at);
+        if let Some(record) = by_delegation.or(by_session) {
             return Err(record.clone());
         }
         let id = inner.next_id;
@@ -212,4 +242,60 @@ fn decode(key: &str, body: &[u8]) -> Option<(CancelTarget, CancelRecord)> {
         CancelTarget::from_key(key)?,
         serde_json::from_slice(body).ok()?,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(age: Duration) -> CancelRecord {
+        CancelRecord {
+            at: OffsetDateTime::now_utc() - age,
+            silent: false,
+        }
+    }
+
+    #[test]
+    fn records_older_than_the_bucket_keeps_them_are_forgotten() {
+        let registry = CancelRegistry::new(Duration::from_secs(3600));
+        for i in 0..10 {
+            registry.apply(
+                CancelTarget::Delegation(format!("old{i}")),
+                record(Duration::from_secs(7200)),
+            );
+        }
+        registry.apply(
+            CancelTarget::Delegation("new".to_owned()),
+            record(Duration::from_secs(1)),
+        );
+        assert_eq!(registry.records(), 1);
+    }
+
+    #[test]
+    fn a_run_is_refused_by_its_delegation_or_an_older_session_cancel_only() {
+        let registry = Arc::new(CancelRegistry::new(Duration::from_secs(3600)));
+        registry.apply(
+            CancelTarget::Delegation("d1".to_owned()),
+            record(Duration::ZERO),
+        );
+        registry.apply(
+            CancelTarget::Session("tok".to_owned()),
+            record(Duration::from_secs(60)),
+        );
+        let run = |delegation: &str, token: &str, stored_ago: u64| {
+            registry
+                .register(
+                    delegation,
+                    token,
+                    OffsetDateTime::now_utc() - Duration::from_secs(stored_ago),
+                    CancellationToken::new(),
+                    Arc::new(OnceLock::new()),
+                )
+                .is_err()
+        };
+        assert!(run("d1", "other", 0), "its delegation was cancelled");
+        assert!(run("d2", "tok", 120), "queued before the session cancel");
+        assert!(!run("d3", "tok", 0), "queued after the session cancel");
+        assert!(!run("d4", "other", 0), "nothing cancels it");
+    }
 }

@@ -125,7 +125,7 @@ pub async fn run(
     let consumer = bus.worker_consumer(&config.pool, config.ack_wait).await?;
     info!(pool = %config.pool, concurrency = config.concurrency, executor = executor.name(), instance = %config.instance, "Worker started.");
 
-    let cancels = Arc::new(cancel::CancelRegistry::default());
+    let cancels = Arc::new(cancel::CancelRegistry::new(settings.history_max_age));
     let stop_following = CancellationToken::new();
     let _stop_following_on_exit = stop_following.clone().drop_guard();
     cancels
