@@ -280,7 +280,7 @@ async fn events_of_task_dead_letters_select_by_pool() {
 }
 
 #[tokio::test]
-async fn events_follow_streams_new_events_until_interrupted() {
+async fn events_follow_streams_new_events_until_interrupted_and_leaves_no_consumer() {
     init_logs();
     let nats = NatsServer::start().await;
     let prefix = unique_prefix();
@@ -322,6 +322,17 @@ async fn events_follow_streams_new_events_until_interrupted() {
         .expect("exits after Ctrl-C")
         .unwrap();
     assert!(status.success(), "{status}");
+    // Its ordered consumer is deleted on the way out, not left to expire.
+    let info = bus
+        .js
+        .get_stream(bus.subjects.events_stream())
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .clone();
+    assert_eq!(info.state.consumer_count, 0, "consumers left on EVENTS");
 }
 
 #[tokio::test]
