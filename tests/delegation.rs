@@ -617,13 +617,8 @@ async fn progress_lines_become_throttled_progress_events_and_stay_out_of_the_sum
 
 #[tokio::test]
 async fn an_unusable_member_still_completes_its_batch() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
     // Task 0 is fine; task 1 has no goal. Both claim a batch of two.
     let id = wakebus::protocol::new_delegation_id();
     let bodies = [

@@ -249,13 +249,8 @@ async fn a_rejected_request_too_large_to_store_again_is_dead_lettered_without_it
 
 #[tokio::test]
 async fn session_ids_of_any_shape_reach_the_session_api_unchanged() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
 
     let ten_kb: String = "sess.*.>. ünï会话 \"quoted\" {{x}} \\ ;,: "
         .chars()
@@ -508,13 +503,8 @@ async fn forged_and_inconsistent_completions_are_dead_lettered_once_and_real_wak
 /// JetStream API, dead-letters and deletes it, and goes on.
 #[tokio::test]
 async fn a_message_whose_headers_the_client_cannot_read_is_removed_and_the_services_go_on() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::start().await;
+    let (nats, api, bus, services) = (p.nats, p.api, p.bus, p.services);
     let unreadable = b"NATS/1.0\r\nWakebus-Origin-Session: \xff\xfe\r\n\r\n";
     let refused = raw::hpub(
         nats.port,

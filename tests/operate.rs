@@ -529,14 +529,8 @@ async fn status_json_reports_streams_consumers_dead_letters_instances_and_waitin
 
 #[tokio::test]
 async fn instances_answer_the_standard_micro_service_requests() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::start().await;
+    let (prefix, bus, services) = (p.prefix, p.bus, p.services);
     let request = |subject: &'static str| {
         let client = bus.client.clone();
         async move {

@@ -14,13 +14,8 @@ const WAIT: Duration = Duration::from_secs(30);
 
 #[tokio::test]
 async fn background_delegation_wakes_the_right_session_with_the_exact_headers_and_body() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
 
     let session = "sess.42 *> with spaces";
     let result = Delegator::new(bus.clone())
@@ -70,13 +65,8 @@ async fn background_delegation_wakes_the_right_session_with_the_exact_headers_an
 
 #[tokio::test]
 async fn sync_delegation_returns_the_result_inline_and_posts_nothing() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
 
     let result = Delegator::new(bus.clone())
         .with_wait_timeout(Some(WAIT))
@@ -111,13 +101,8 @@ async fn sync_delegation_returns_the_result_inline_and_posts_nothing() {
 
 #[tokio::test]
 async fn two_hundred_delegations_from_twenty_sessions_each_wake_only_their_own_session() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
 
     let delegator = Delegator::new(bus.clone());
     let submissions = (0..200).map(|i| {
@@ -235,13 +220,8 @@ async fn two_workers_on_one_pool_share_the_work_and_run_nothing_twice() {
 
 #[tokio::test]
 async fn invalid_requests_end_in_error_completions_and_the_worker_goes_on() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
 
     let subject = bus.subjects.task("default");
     // Not JSON at all, with the origin session only in the header.

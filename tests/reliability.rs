@@ -173,13 +173,8 @@ async fn a_request_published_twice_runs_once_and_wakes_once() {
 
 #[tokio::test]
 async fn a_completion_published_again_after_its_wake_does_not_wake_twice() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
     let id = id_of(
         &Delegator::new(bus.clone())
             .delegate(Delegation::new("once").session("s.dup"))
@@ -468,13 +463,8 @@ async fn a_nats_server_crash_mid_run_loses_and_doubles_nothing() {
 
 #[tokio::test]
 async fn malformed_completions_are_dead_lettered_and_the_wake_service_goes_on() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
     let token = wakebus::protocol::session_token("s.victim");
     let poison = [
         // A status with a line break: its error message must not break a header.

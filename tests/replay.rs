@@ -29,16 +29,9 @@ async fn replay_copies(
         .collect()
 }
 
-/// A deployment with an echo worker, a wake service and one delivered wake
-/// for `session`; returns the delegation id.
-async fn delivered_wake(
-    bus: &wakebus::bus::Bus,
-    api: &SessionApiServer,
-    services: &mut Services,
-    session: &str,
-) -> String {
-    services.echo_worker(bus);
-    services.wake(bus, test_wake_config(&api.url()));
+/// One delivered wake for `session` (through a [`Pipeline`]'s worker and
+/// wake service); returns the delegation id.
+async fn delivered_wake(bus: &wakebus::bus::Bus, api: &SessionApiServer, session: &str) -> String {
     let id = id_of(
         &Delegator::new(bus.clone())
             .delegate(Delegation::new("first run").session(session))
@@ -64,14 +57,10 @@ async fn delivered_wake(
 
 #[tokio::test]
 async fn replay_skips_wakes_that_were_already_delivered() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let mut services = Services::new();
+    let p = Pipeline::start().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     let session = "s.replay *>";
-    let id = delivered_wake(&bus, &api, &mut services, session).await;
+    let id = delivered_wake(&bus, &api, session).await;
 
     let lines = wakebus(
         &nats.url(),
@@ -100,14 +89,10 @@ async fn replay_skips_wakes_that_were_already_delivered() {
 
 #[tokio::test]
 async fn replay_with_force_posts_a_delivered_wake_again_through_the_wake_service() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let mut services = Services::new();
+    let p = Pipeline::start().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     let session = "s.force";
-    let id = delivered_wake(&bus, &api, &mut services, session).await;
+    let id = delivered_wake(&bus, &api, session).await;
 
     // A dry run changes nothing.
     let dry = wakebus(
@@ -199,14 +184,8 @@ async fn replay_with_force_posts_a_delivered_wake_again_through_the_wake_service
 
 #[tokio::test]
 async fn replay_treats_a_batch_as_one_wake() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::start().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     let goals = ["alpha", "beta", "gamma"].map(String::from);
     let id = id_of(
         &Delegator::new(bus.clone())
@@ -279,14 +258,8 @@ async fn replay_treats_a_batch_as_one_wake() {
 
 #[tokio::test]
 async fn replay_of_wake_dead_letters_delivers_them_once_the_session_api_recovers() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::start().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     api.fail_always(403);
     let session = "s.refused";
     let id = id_of(

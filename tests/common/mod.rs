@@ -71,6 +71,42 @@ pub async fn bus(url: &str, prefix: &str) -> Bus {
     bus
 }
 
+/// What most pipeline tests start from: a server, a session API, a bus on
+/// a fresh prefix, an echo worker and a wake service posting to the API.
+pub struct Pipeline {
+    /// The test's own nats-server.
+    pub nats: NatsServer,
+    /// The session API the wake posts to.
+    pub api: SessionApiServer,
+    /// The bus's prefix.
+    pub prefix: String,
+    /// Connected and provisioned.
+    pub bus: Bus,
+    /// The echo worker and the wake service, stopped with `services.stop()`.
+    pub services: Services,
+}
+
+impl Pipeline {
+    /// Starts everything, with `test_wake_config`.
+    pub async fn start() -> Self {
+        init_logs();
+        let nats = NatsServer::start().await;
+        let api = SessionApiServer::start().await;
+        let prefix = unique_prefix();
+        let bus = bus(&nats.url(), &prefix).await;
+        let mut services = Services::new();
+        services.echo_worker(&bus);
+        services.wake(&bus, test_wake_config(&api.url()));
+        Self {
+            nats,
+            api,
+            prefix,
+            bus,
+            services,
+        }
+    }
+}
+
 /// Services running in-process, stopped (gracefully) on drop or `stop`.
 pub struct Services {
     pub stop: CancellationToken,
