@@ -345,3 +345,27 @@ async fn a_session_api_that_refuses_with_4xx_gets_the_wake_dead_lettered_not_ret
     assert!(reason.contains("404"), "{reason}");
     assert_eq!(api.all_posts().len(), 1, "a 404 is not retried");
 }
+
+#[tokio::test]
+async fn dev_demo_runs_the_whole_loop_on_a_running_server_and_exits_zero() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    // `dev` uses the server that answers at --nats-url; the demo exits
+    // non-zero unless every demo delegation's wake arrives.
+    let run = common::cli::wakebus(
+        &nats.url(),
+        &unique_prefix(),
+        &["dev", "--demo", "--session-addr", "127.0.0.1:0"],
+    )
+    .await;
+    assert!(
+        run.success(),
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        run.code(),
+        run.stdout(),
+        run.stderr()
+    );
+    let stdout = run.stdout();
+    assert_eq!(stdout.matches("delegate (session").count(), 3, "{stdout}");
+    assert!(stdout.contains("delegate (no session)"), "{stdout}");
+}

@@ -72,6 +72,9 @@ pub enum DevError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// Streams, buckets or consumers could not be set up.
+    #[error(transparent)]
+    Provision(#[from] crate::bus::ProvisionError),
     /// A demo delegation failed.
     #[error("demo delegation failed: {0}")]
     Delegate(#[from] DelegateError),
@@ -108,8 +111,12 @@ pub async fn run(
     let api_url = format!("http://{}", sink.local_addr());
     info!(url = %api_url, "Built-in session endpoint listening; continuation turns are printed below.");
 
-    let stop = CancellationToken::new();
+    // Everything exists before anything uses it: the worker provisions only
+    // what a worker needs, and the demo's first delegation must not race
+    // the wake service creating the events stream.
     let settings = BusSettings::default();
+    bus.provision(&settings).await?;
+    let stop = CancellationToken::new();
     let worker = tokio::spawn(worker::run(
         bus.clone(),
         settings.clone(),
