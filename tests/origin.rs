@@ -41,7 +41,6 @@ async fn two_tenants() -> RoleServer {
     std::fs::write(
         &conf,
         r#"
-listen: 127.0.0.1:4222
 include "wakebus-permissions.conf"
 include "acme-permissions.conf"
 authorization {
