@@ -20,11 +20,12 @@ mod procs;
 mod raw;
 mod report;
 mod sink;
+mod stages;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use futures::StreamExt;
 use wakebus::bus::{Bus, BusSettings};
@@ -36,6 +37,7 @@ use nats::NatsServer;
 use procs::{Proc, wake_args, worker_args};
 use report::{BacklogRun, CpuPerDelegation, Latency, Machine, Report, Run};
 use sink::Sink;
+use stages::Stages;
 
 /// What to run, from `WAKEBUS_BENCH_*` environment variables.
 pub(crate) struct Config {
@@ -119,6 +121,9 @@ struct Measured {
     posts: usize,
     /// CPU per delegation over the measured part (zero for a backlog).
     cpu: CpuPerDelegation,
+    /// Latency by stage, from the history's store times (not for a
+    /// backlog, whose submit times say nothing).
+    stages: Option<Stages>,
 }
 
 /// CPU seconds so far of the bench process, the server, the wake and the workers.
@@ -207,6 +212,7 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
     let delegator = Delegator::new(bus.clone());
     let sink = Sink::start().await;
     let submitted: Submitted = Arc::default();
+    let anchor = (Instant::now(), SystemTime::now());
     let start_services = || {
         let wake = Proc::spawn(&wake_args(&server.url, &prefix, &sink.url()));
         let workers: Vec<Proc> = (0..workers)
@@ -290,6 +296,10 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
     );
     let submitted = submitted.lock().unwrap();
     assert_eq!(submitted.len(), measured);
+    let stages = match begun {
+        Some(_) => Some(stages::measure(&bus, &submitted, &arrivals, |i| wall(anchor, i)).await),
+        None => None,
+    };
     let mut latencies = Vec::with_capacity(measured);
     let mut first = None::<Instant>;
     let mut last = None::<Instant>;
@@ -312,6 +322,15 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
         wake_rss,
         posts,
         cpu,
+        stages,
+    }
+}
+
+/// `instant` as wall-clock time, by its distance from `anchor` (taken together).
+fn wall(anchor: (Instant, SystemTime), instant: Instant) -> SystemTime {
+    match instant.checked_duration_since(anchor.0) {
+        Some(after) => anchor.1 + after,
+        None => anchor.1 - anchor.0.duration_since(instant),
     }
 }
 
@@ -405,6 +424,8 @@ async fn main() {
         ratio_to_ceiling: saturation.throughput / ceiling,
         open_loop_offered_per_s: config.rate,
         open_loop: run_of(single, open_n, &open),
+        saturation_stages: saturation.stages.clone(),
+        open_loop_stages: open.stages.clone(),
         scaling,
         backlog,
         saturation_cpu: saturation.cpu.clone(),

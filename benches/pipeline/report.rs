@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::stages::Stages;
+
 /// Where the run happened.
 #[derive(Debug, Serialize)]
 pub(crate) struct Machine {
@@ -146,6 +148,10 @@ pub(crate) struct Report {
     /// CPU per message of the raw ceiling (publisher, relay and sink in the
     /// bench process, plus nats-server), microseconds.
     pub(crate) ceiling_cpu_us: CpuPerDelegation,
+    /// Where the saturation run's latency went, by stage.
+    pub(crate) saturation_stages: Option<Stages>,
+    /// Where the open-loop run's latency went, by stage.
+    pub(crate) open_loop_stages: Option<Stages>,
     /// The server's own peak RSS over the whole run.
     pub(crate) nats_server_peak_rss_mib: f64,
 }
@@ -197,6 +203,31 @@ impl Report {
             "{:<44} {:>12.2}",
             "end-to-end / ceiling", self.ratio_to_ceiling
         );
+        for (run, stages) in [
+            ("saturation", &self.saturation_stages),
+            ("open loop", &self.open_loop_stages),
+        ] {
+            let Some(stages) = stages else { continue };
+            for (stage, latency) in [
+                ("submit → submitted stored", &stages.record),
+                ("submitted → started stored", &stages.queued),
+                ("started → done stored", &stages.run),
+                ("done stored → continuation", &stages.wake),
+            ] {
+                if let Some(l) = latency {
+                    let _ = writeln!(
+                        t,
+                        "{:<44} {:>12} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
+                        format!("  {run}: {stage}"),
+                        "",
+                        l.p50_ms,
+                        l.p90_ms,
+                        l.p99_ms,
+                        l.max_ms
+                    );
+                }
+            }
+        }
         let _ = writeln!(
             t,
             "{:<44} {:>12} {:>8} {:>8} {:>8} {:>8}",
