@@ -294,7 +294,8 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
         duplicates, 0,
         "a delegation was woken under two idempotency keys"
     );
-    let submitted = submitted.lock().unwrap();
+    // Every submission has finished: take the map out of its lock.
+    let submitted = std::mem::take(&mut *submitted.lock().unwrap());
     assert_eq!(submitted.len(), measured);
     let stages = match begun {
         Some(_) => Some(stages::measure(&bus, &submitted, &arrivals, |i| wall(anchor, i)).await),
