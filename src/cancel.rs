@@ -169,7 +169,9 @@ impl Canceller {
             DelegationState::Running => format!(
                 "Delegation {delegation_id} is being interrupted; queued tasks of it will not run."
             ),
-            _ => format!("Delegation {delegation_id} has not started; it will not run."),
+            _ => format!(
+                "Delegation {delegation_id} is queued; it will not run (a task that has only just started is interrupted)."
+            ),
         };
         Ok(report("cancelled", message))
     }

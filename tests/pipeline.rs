@@ -369,3 +369,91 @@ async fn dev_demo_runs_the_whole_loop_on_a_running_server_and_exits_zero() {
     assert_eq!(stdout.matches("delegate (session").count(), 3, "{stdout}");
     assert!(stdout.contains("delegate (no session)"), "{stdout}");
 }
+
+/// The kinds of `delegation_id`'s stored events, in stream order, with the
+/// messages.
+async fn history_of(
+    bus: &wakebus::bus::Bus,
+    delegation_id: &str,
+) -> Vec<(String, async_nats::jetstream::message::StreamMessage)> {
+    all_messages(bus, &bus.subjects.events_stream())
+        .await
+        .into_iter()
+        .filter(|m| m.subject.contains(&format!(".{delegation_id}.")))
+        .map(|m| (m.subject.rsplit('.').next().unwrap().to_owned(), m))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_task_quicker_than_started_after_writes_no_started_event_and_a_slower_one_writes_it_late()
+{
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    let script = r#"read -r request
+case "$request" in
+  *slow*) sleep 1; echo '{"progress": "halfway"}' ;;
+  *chatty*) echo '{"progress": "at once"}' ;;
+esac
+echo finished"#;
+    let executor = Executor::Command(CommandExecutor::new(CommandConfig::new(
+        "sh",
+        vec!["-c".to_owned(), script.to_owned()],
+    )));
+    let mut config = test_worker_config("default");
+    let started_after = Duration::from_millis(400);
+    config.started_after = started_after;
+    services.worker(&bus, executor, config);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    let delegator = Delegator::new(bus.clone());
+    let mut ids = Vec::new();
+    for goal in ["quick", "slow", "chatty"] {
+        let result = delegator
+            .delegate(Delegation::new(goal).session(format!("s.{goal}")))
+            .await
+            .unwrap();
+        ids.push(id_of(&result));
+    }
+    wait_until(WAIT, "all three delegations woken", || async {
+        api.accepted().len() == 3
+    })
+    .await;
+    let kinds = |history: &[(String, async_nats::jetstream::message::StreamMessage)]| {
+        history
+            .iter()
+            .map(|(kind, _)| kind.clone())
+            .collect::<Vec<_>>()
+    };
+
+    let quick = history_of(&bus, &ids[0]).await;
+    assert_eq!(kinds(&quick), ["submitted", "done"]);
+    assert!(
+        quick[1]
+            .1
+            .headers
+            .get("ce-source")
+            .is_some_and(|s| s.as_str().starts_with("wakebus/worker/")),
+        "the completion names the worker that ran the task"
+    );
+
+    // Written by the timer, `started_after` into the run, with the time
+    // the run began.
+    let slow = history_of(&bus, &ids[1]).await;
+    assert_eq!(kinds(&slow), ["submitted", "started", "progress", "done"]);
+    let started: wakebus::protocol::StartedEvent =
+        serde_json::from_slice(&slow[1].1.payload).unwrap();
+    let written_after = slow[1].1.time - started.started_at;
+    assert!(
+        written_after >= started_after,
+        "started written {written_after} into the run"
+    );
+
+    // A progress report before `started_after` brings `started` forward:
+    // a history never shows progress without a start.
+    let chatty = history_of(&bus, &ids[2]).await;
+    assert_eq!(kinds(&chatty), ["submitted", "started", "progress", "done"]);
+    services.stop().await;
+}

@@ -258,6 +258,11 @@ pub(crate) struct WorkerArgs {
     /// How long running tasks may finish after SIGTERM.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub(crate) shutdown_grace: Duration,
+    /// Write a task's `started` event once it has run this long; quicker
+    /// tasks go from `submitted` to `done` with one write fewer. `0s`
+    /// writes it as every run begins.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "1s")]
+    pub(crate) started_after: Duration,
     /// LLM executor: base URL including the version, e.g. https://api.openai.com/v1.
     #[arg(long, env = "WAKEBUS_LLM_BASE_URL")]
     pub(crate) llm_base_url: Option<String>,

@@ -130,6 +130,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.max_deliver = args.max_deliver;
             config.default_timeout = args.task_timeout;
             config.shutdown_grace = args.shutdown_grace;
+            config.started_after = args.started_after;
             config.max_depth = args.max_depth;
             config.limits = args.limits.limits();
             let env = TaskEnv {

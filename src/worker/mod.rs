@@ -50,6 +50,11 @@ pub struct WorkerConfig {
     pub retry_max: Duration,
     /// How long running tasks may finish after a shutdown signal.
     pub shutdown_grace: Duration,
+    /// How long a task runs before its `started` event is written. A task
+    /// that ends sooner has none: its history is `submitted` then `done`
+    /// (whose `ce-source` names the worker), and it costs one stored write
+    /// fewer. Zero writes it as the run begins.
+    pub started_after: Duration,
     /// This worker's name in events and logs.
     pub instance: String,
     /// Deepest subagent nesting this worker runs; deeper requests end in `error`.
@@ -71,6 +76,7 @@ impl WorkerConfig {
             retry_base: Duration::from_secs(1),
             retry_max: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(30),
+            started_after: DEFAULT_STARTED_AFTER,
             instance: default_instance_name("worker"),
             max_depth: crate::protocol::DEFAULT_MAX_DEPTH,
             limits: Limits::default(),
@@ -90,6 +96,11 @@ impl WorkerConfig {
         self.retry_base.saturating_mul(1 << exp).min(self.retry_max)
     }
 }
+
+/// How long a task runs before its `started` event is written, by default:
+/// real subagents run for seconds or minutes and show as running almost at
+/// once; quick tasks skip a write they do not need.
+pub const DEFAULT_STARTED_AFTER: Duration = Duration::from_secs(1);
 
 /// A name for a service instance: `<kind>-<host>-<pid>`.
 pub fn default_instance_name(kind: &str) -> String {

@@ -194,9 +194,12 @@ impl Drop for Services {
     }
 }
 
-/// Worker settings for tests: short waits, quick retries.
+/// Worker settings for tests: short waits, quick retries, and a `started`
+/// event for every run (many tests count attempts by them; the deferred
+/// default has its own test).
 pub fn test_worker_config(pool: &str) -> WorkerConfig {
     let mut config = WorkerConfig::new(pool);
+    config.started_after = Duration::ZERO;
     config.ack_wait = Duration::from_secs(5);
     config.retry_base = Duration::from_millis(100);
     config.retry_max = Duration::from_millis(500);

@@ -113,6 +113,10 @@ pub fn worker_args(nats_url: &str, prefix: &str, script: &str, extra: &[&str]) -
     if !extra.contains(&"--ack-wait") {
         args.extend(["--ack-wait", "2s"].map(String::from));
     }
+    // A `started` event for every run, as tests count attempts by them.
+    if !extra.contains(&"--started-after") {
+        args.extend(["--started-after", "0s"].map(String::from));
+    }
     args.extend(extra.iter().map(|s| s.to_string()));
     args.extend(["--", "sh", "-c", script].map(String::from));
     args

@@ -1,5 +1,6 @@
-//! Running the executor: in-progress acks while it runs, its time limit, and
-//! progress events at most once per interval.
+//! Running the executor: in-progress acks while it runs, its time limit, the
+//! `started` event once the run has lasted `started_after`, and progress
+//! events at most once per interval.
 
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -8,7 +9,7 @@ use async_nats::jetstream::{self, AckKind};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::protocol::{EventKind, ProgressEvent, TaskRequest, TraceParent};
+use crate::protocol::{EventKind, ProgressEvent, StartedEvent, TaskRequest, TraceParent};
 use crate::worker::cancel::StopReason;
 use crate::worker::executor::{ExecError, ExecOutput, Progress};
 
@@ -16,7 +17,9 @@ use super::TaskHandler;
 
 impl TaskHandler {
     /// Runs the executor, sending in-progress acks while it runs and stopping
-    /// it when its time limit passes.
+    /// it when its time limit passes. `started` is written once the run has
+    /// lasted `started_after` (at once if that is zero), and always before
+    /// the first progress event.
     pub(super) async fn execute(
         &self,
         message: &jetstream::Message,
@@ -24,7 +27,14 @@ impl TaskHandler {
         run_stop: &CancellationToken,
         reason: &OnceLock<StopReason>,
         trace: TraceParent,
+        started: StartedEvent,
     ) -> Result<ExecOutput, ExecError> {
+        let mut started = Some(started);
+        if self.config.started_after.is_zero() {
+            self.announce(request, trace, &mut started).await;
+        }
+        let announce_at = tokio::time::sleep(self.config.started_after);
+        tokio::pin!(announce_at);
         let timeout = request
             .timeout_seconds
             .map(Duration::from_secs)
@@ -51,9 +61,13 @@ impl TaskHandler {
                 result = &mut run => {
                     // The last report before the end still makes the history.
                     if unpublished || reports.has_changed().unwrap_or(false) {
+                        self.announce(request, trace, &mut started).await;
                         self.publish_progress(request, &mut reports, trace).await;
                     }
                     return result;
+                }
+                () = &mut announce_at, if started.is_some() => {
+                    self.announce(request, trace, &mut started).await;
                 }
                 _ = keepalive.tick() => {
                     // Tell the server we are alive so AckWait does not hand
@@ -65,12 +79,14 @@ impl TaskHandler {
                 Ok(()) = reports.changed() => {
                     unpublished = true;
                     if throttle.is_elapsed() {
+                        self.announce(request, trace, &mut started).await;
                         self.publish_progress(request, &mut reports, trace).await;
                         unpublished = false;
                         throttle.as_mut().reset(tokio::time::Instant::now() + PROGRESS_INTERVAL);
                     }
                 }
                 () = &mut throttle, if unpublished => {
+                    self.announce(request, trace, &mut started).await;
                     self.publish_progress(request, &mut reports, trace).await;
                     unpublished = false;
                     throttle.as_mut().reset(tokio::time::Instant::now() + PROGRESS_INTERVAL);
@@ -83,6 +99,20 @@ impl TaskHandler {
                     }
                 }
             }
+        }
+    }
+
+    /// Writes the `started` event, if not written yet (history only:
+    /// failures are logged).
+    async fn announce(
+        &self,
+        request: &TaskRequest,
+        trace: TraceParent,
+        started: &mut Option<StartedEvent>,
+    ) {
+        if let Some(event) = started.take() {
+            self.publish_history(request, EventKind::Started, trace, &event)
+                .await;
         }
     }
 

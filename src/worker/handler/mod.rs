@@ -182,13 +182,11 @@ impl TaskHandler {
         };
 
         let started = StartedEvent::for_request(&request, &self.config.instance, attempt);
-        self.publish_history(&request, EventKind::Started, trace, &started)
-            .await;
         m::task_started(&self.config.pool);
 
         let begun = Instant::now();
         let result = self
-            .execute(message, &request, &run_stop, &reason, trace)
+            .execute(message, &request, &run_stop, &reason, trace, started)
             .await;
         let duration = begun.elapsed();
         let mut suppress_wake = false;
