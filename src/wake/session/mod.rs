@@ -227,9 +227,17 @@ impl Router {
                     }
                 }
             }
-            // Combine whatever arrives within the window.
-            let window_end = Instant::now() + config.coalesce_window;
-            if !self.wait(window_end, &mut held, &mut rx).await {
+            // Combine whatever arrives within the window (with no window,
+            // whatever is already here: a zero-length timer would still
+            // wait for the next tick of the timer wheel).
+            if config.coalesce_window.is_zero() {
+                while let Ok(p) = rx.try_recv() {
+                    held.push(p);
+                }
+            } else if !self
+                .wait(Instant::now() + config.coalesce_window, &mut held, &mut rx)
+                .await
+            {
                 self.release(lock).await;
                 return self.hand_back(held, &mut rx).await;
             }
