@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{DeliverPolicy, pull::OrderedConfig};
+use async_nats::jetstream::context::PublishErrorKind;
 use bytes::Bytes;
 use futures::StreamExt;
 use serde::Serialize;
@@ -226,6 +227,15 @@ pub enum DelegateError {
     /// JetStream did not confirm a request.
     #[error("the request was not accepted by JetStream: {0}")]
     Publish(#[from] PublishError),
+    /// No stream stores the subject: the bus was never provisioned under
+    /// this prefix (or the prefix is wrong).
+    #[error(
+        "no JetStream stream stores {subject}: run `wakebus init` for this prefix, or check --prefix"
+    )]
+    NoStream {
+        /// The subject the publish went to.
+        subject: String,
+    },
     /// Waiting for the completions failed.
     #[error("could not wait for the completion: {0}")]
     Wait(String),
@@ -489,7 +499,7 @@ impl Delegator {
         pending: &[(String, async_nats::HeaderMap, Bytes)],
     ) -> Result<(), DelegateError> {
         // A lost ack is retried with the same id: JetStream drops duplicates.
-        let mut last_error = None;
+        let mut last_error: Option<(&str, _)> = None;
         for _ in 0..3 {
             let mut acks = Vec::with_capacity(pending.len());
             for (subject, headers, payload) in pending {
@@ -501,21 +511,27 @@ impl Delegator {
                 );
             }
             let mut failed = false;
-            for ack in acks {
+            for (ack, (subject, ..)) in acks.into_iter().zip(pending) {
                 let result = match ack {
                     Ok(ack) => ack.await.map(drop),
                     Err(error) => Err(error),
                 };
                 if let Err(error) = result {
                     failed = true;
-                    last_error = Some(error);
+                    last_error = Some((subject.as_str(), error));
                 }
             }
             if !failed {
                 return Ok(());
             }
         }
-        Err(PublishError::Publish(last_error.expect("a publish failed")).into())
+        let (subject, error) = last_error.expect("a publish failed");
+        if error.kind() == PublishErrorKind::StreamNotFound {
+            return Err(DelegateError::NoStream {
+                subject: subject.to_owned(),
+            });
+        }
+        Err(PublishError::Publish(error).into())
     }
 
     /// Reads the delegation's completions from the events stream (stored or

@@ -705,3 +705,24 @@ fn the_protocol_documents_replay_copies_and_the_status_snapshot() {
         serde_json::from_str::<Value>(&block).unwrap()
     );
 }
+
+#[tokio::test]
+async fn delegating_under_a_prefix_nobody_initialised_says_to_run_init() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let run = wakebus(
+        &nats.url(),
+        &prefix,
+        &["delegate", "--goal", "anything", "--session", "s1"],
+    )
+    .await;
+    assert_eq!(run.code(), Some(1), "{}", run.stderr());
+    let stderr = run.stderr();
+    assert!(
+        stderr.contains(&format!("no JetStream stream stores {prefix}.")),
+        "{stderr}"
+    );
+    assert!(stderr.contains("run `wakebus init`"), "{stderr}");
+    assert!(run.stdout().is_empty(), "nothing reported as dispatched");
+}
