@@ -470,16 +470,9 @@ impl Replayer {
             // will never run.
             body["wake_mode"] = serde_json::Value::from("independent");
         }
-        let payload = serde_json::to_vec(&body)
-            .map_err(|error| ReplayError::Publish {
-                subject: subject.clone(),
-                source: PublishError::Encode(error),
-            })?
-            .into();
+        let payload = encode(&subject, &body)?;
         let mut headers = replay_headers(record);
-        let msg_id = format!("{new_id}.{}", request.task_index);
-        headers.insert(HEADER_MSG_ID, msg_id.as_str());
-        headers.insert(HEADER_CE_ID, msg_id.as_str());
+        set_ids(&mut headers, &format!("{new_id}.{}", request.task_index));
         headers.insert(HEADER_DELEGATION_ID, new_id.as_str());
         self.publish_submitted(&request, &new_id, &pool, &headers)
             .await?;
@@ -488,14 +481,16 @@ impl Replayer {
         Ok(item)
     }
 
-    /// Whether the derived delegation already has a started or done event.
+    /// Whether the derived delegation already has events: the `submitted`
+    /// record a re-queue writes before the task, or (re-queued by a version
+    /// that wrote none) a started or done event.
     async fn already_requeued(&self, request: &TaskRequest, new_id: &str) -> bool {
         let events = self
             .events
             .as_ref()
             .expect("task replays open the events stream");
         let token = crate::worker::token_for(request.origin_session_id.as_deref());
-        for kind in [EventKind::Done, EventKind::Started] {
+        for kind in [EventKind::Submitted, EventKind::Done, EventKind::Started] {
             let subject = self
                 .bus
                 .subjects
@@ -553,16 +548,12 @@ impl Replayer {
             .subjects
             .submitted(&token, new_id, request.task_index);
         let body = crate::protocol::SubmittedRecord::for_request(&requeued, pool, None);
-        let payload = serde_json::to_vec(&body)
-            .map_err(|error| ReplayError::Publish {
-                subject: subject.clone(),
-                source: PublishError::Encode(error),
-            })?
-            .into();
+        let payload = encode(&subject, &body)?;
         let mut headers = request_headers.clone();
-        let id = crate::protocol::SubmittedRecord::id_for(new_id, request.task_index);
-        headers.insert(HEADER_MSG_ID, id.as_str());
-        headers.insert(HEADER_CE_ID, id.as_str());
+        set_ids(
+            &mut headers,
+            &crate::protocol::SubmittedRecord::id_for(new_id, request.task_index),
+        );
         headers.insert(
             crate::protocol::HEADER_CE_TYPE,
             crate::protocol::EventKind::Submitted.ce_type(),
@@ -589,6 +580,23 @@ impl Replayer {
             source: PublishError::Publish(source),
         })
     }
+}
+
+/// `body` as JSON, or the error a replay to `subject` reports.
+fn encode(subject: &str, body: &impl serde::Serialize) -> Result<bytes::Bytes, ReplayError> {
+    serde_json::to_vec(body)
+        .map(bytes::Bytes::from)
+        .map_err(|error| ReplayError::Publish {
+            subject: subject.to_owned(),
+            source: PublishError::Encode(error),
+        })
+}
+
+/// Gives a re-queued message its id, as both `Nats-Msg-Id` (deduplication)
+/// and `ce-id`.
+fn set_ids(headers: &mut HeaderMap, id: &str) {
+    headers.insert(HEADER_MSG_ID, id);
+    headers.insert(HEADER_CE_ID, id);
 }
 
 /// The original's headers without the dead-letter reason (nor an earlier

@@ -359,7 +359,6 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
     .await;
     assert!(api.accepted()[0].text().contains("Status: failed"));
     broken.stop().await;
-    services.echo_worker(&bus);
 
     let dry = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
         .await
@@ -378,6 +377,13 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
     assert_eq!(lines[0]["action"], "replayed", "{lines:#?}");
     assert_eq!(lines[0]["new_delegation_id"], derived.as_str());
     assert_eq!(lines[0]["target_subject"], bus.subjects.task("default"));
+    // Queued, not yet run: a second replay already knows it (by the
+    // re-queue's submitted record) and queues no second copy.
+    let queued = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
+        .await
+        .ok_json();
+    assert_eq!(queued[0]["action"], "skipped", "{queued:#?}");
+    services.echo_worker(&bus);
     wait_until(WAIT, "the re-run's wake", || async {
         api.accepted().len() == 2
     })
@@ -408,6 +414,7 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
     assert_eq!(forced[0]["action"], "would_replay");
     assert_ne!(forced[0]["new_delegation_id"], derived.as_str());
     services.stop().await;
+    assert_eq!(api.accepted().len(), 2, "the re-queued task ran once");
     assert_eq!(api.all_posts().len(), 2);
 }
 
