@@ -210,8 +210,7 @@ impl Report {
             let Some(stages) = stages else { continue };
             for (stage, latency) in [
                 ("submit → submitted stored", &stages.record),
-                ("submitted → started stored", &stages.queued),
-                ("started → done stored", &stages.run),
+                ("submitted → done stored", &stages.worker),
                 ("done stored → continuation", &stages.wake),
             ] {
                 if let Some(l) = latency {

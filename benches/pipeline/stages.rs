@@ -1,7 +1,7 @@
 //! Where a delegation's latency goes, stage by stage, read back from the
 //! history after a run: the server's store timestamps of each task's
-//! `submitted`, `started` and `done` events, between the bench's own submit
-//! and arrival times.
+//! `submitted` and `done` events, between the bench's own submit and
+//! arrival times.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
@@ -14,17 +14,16 @@ use wakebus::bus::Bus;
 use crate::report::Latency;
 
 /// The latency of each stage, over the delegations of one run (`None` for
-/// a stage with no events, e.g. `started` events that were not written).
+/// a stage with no samples).
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct Stages {
     /// Submit → `submitted` record stored: the delegator's first write.
     pub(crate) record: Option<Latency>,
-    /// `submitted` stored → `started` stored: the task request's write,
-    /// queueing, the worker's pull and its `started` write.
-    pub(crate) queued: Option<Latency>,
-    /// `started` stored → `done` stored: running the (echo) executor and
-    /// storing the completion.
-    pub(crate) run: Option<Latency>,
+    /// `submitted` stored → `done` stored: the task request's write,
+    /// queueing, the worker's pull, running the (echo) executor and storing
+    /// the completion. (A quick task writes no `started` event to split it
+    /// at.)
+    pub(crate) worker: Option<Latency>,
     /// `done` stored → continuation received: the wake's pull, lock,
     /// ledger and HTTP post.
     pub(crate) wake: Option<Latency>,
@@ -34,7 +33,6 @@ pub(crate) struct Stages {
 #[derive(Default)]
 struct Stored {
     submitted: Option<SystemTime>,
-    started: Option<SystemTime>,
     done: Option<SystemTime>,
 }
 
@@ -79,7 +77,6 @@ pub(crate) async fn measure(
             let entry = stored.entry((*delegation).to_owned()).or_default();
             match *kind {
                 "submitted" => entry.submitted = Some(when),
-                "started" => entry.started = Some(when),
                 "done" => entry.done = Some(when),
                 _ => {}
             }
@@ -89,7 +86,7 @@ pub(crate) async fn measure(
         }
     }
     let gap = |from: SystemTime, to: SystemTime| to.duration_since(from).unwrap_or(Duration::ZERO);
-    let (mut record, mut queued, mut run, mut wake) = (vec![], vec![], vec![], vec![]);
+    let (mut record, mut worker, mut wake) = (vec![], vec![], vec![]);
     for (id, submit) in submitted {
         let (Some(times), Some(arrived)) = (stored.get(id), arrivals.get(id)) else {
             continue;
@@ -97,12 +94,9 @@ pub(crate) async fn measure(
         let (submit, arrived) = (at(*submit), at(*arrived));
         if let Some(s) = times.submitted {
             record.push(gap(submit, s));
-            if let Some(st) = times.started {
-                queued.push(gap(s, st));
-            }
         }
-        if let (Some(st), Some(d)) = (times.started, times.done) {
-            run.push(gap(st, d));
+        if let (Some(s), Some(d)) = (times.submitted, times.done) {
+            worker.push(gap(s, d));
         }
         if let Some(d) = times.done {
             wake.push(gap(d, arrived));
@@ -111,8 +105,7 @@ pub(crate) async fn measure(
     let of = |samples: Vec<Duration>| (!samples.is_empty()).then(|| Latency::of(samples));
     Stages {
         record: of(record),
-        queued: of(queued),
-        run: of(run),
+        worker: of(worker),
         wake: of(wake),
     }
 }
