@@ -571,6 +571,9 @@ async fn instances_answer_the_standard_micro_service_requests() {
 // ---------------------------------------------------------------- metrics
 
 async fn http_get(url: &str) -> Option<(u16, String)> {
+    // reqwest is built without a default TLS provider; plain HTTP still
+    // needs one installed to build a client.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let response = reqwest::get(url).await.ok()?;
     let status = response.status().as_u16();
     Some((status, response.text().await.ok()?))
@@ -671,6 +674,45 @@ async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
         http_get(&format!("{base}/healthz")).await.map(|r| r.0),
         Some(200)
     );
+}
+
+#[tokio::test]
+async fn the_wake_keeps_nothing_per_session_once_its_wakes_are_delivered() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let addr = format!("127.0.0.1:{}", common::nats::free_port());
+    let logs = tempfile::tempdir().unwrap();
+    let mut args = common::process::wake_args(&nats.url(), &prefix, &api.url());
+    args.extend(["--metrics-addr", &addr].map(String::from));
+    let _wake = common::process::Service::spawn(args, logs.path().join("wake.log"));
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+
+    let delegator = Delegator::new(bus.clone());
+    for i in 0..5 {
+        delegator
+            .delegate(Delegation::new("hello").session(format!("s.idle.{i}")))
+            .await
+            .unwrap();
+    }
+    wait_until(WAIT, "five wakes", || async { api.accepted().len() == 5 }).await;
+    // Each session's actor ends once its lock is given back (after the
+    // 250 ms linger), not after a long idle time.
+    let base = format!("http://{addr}");
+    let text = eventually(Duration::from_secs(10), "no session kept", || async {
+        let text = http_get(&format!("{base}/metrics")).await?.1;
+        (sample(&text, "wakebus_wake_sessions_active") == Some(0.0)).then_some(text)
+    })
+    .await;
+    assert_eq!(
+        sample(&text, r#"wakebus_wake_posts_total{result="delivered"}"#),
+        Some(5.0),
+        "{text}"
+    );
+    services.stop().await;
 }
 
 // ---------------------------------------------------------------- docs

@@ -33,6 +33,9 @@ pub const DEAD_LETTERS: &str = "wakebus_dead_letters_total";
 pub const WAKE_POSTS: &str = "wakebus_wake_posts_total";
 /// Wake posts waiting for the session API's answer now.
 pub const WAKE_POSTS_IN_FLIGHT: &str = "wakebus_wake_posts_in_flight";
+/// Sessions the wake service is working on now: completions in hand, or
+/// its lock kept for the session's next completion.
+pub const WAKE_SESSIONS_ACTIVE: &str = "wakebus_wake_sessions_active";
 /// Messages the service's consumer has not yet delivered, by `stream` and `consumer`.
 pub const CONSUMER_PENDING: &str = "wakebus_consumer_pending";
 /// Messages delivered but not yet acknowledged, by `stream` and `consumer`.
@@ -81,6 +84,10 @@ fn describe() {
     describe_gauge!(
         WAKE_POSTS_IN_FLIGHT,
         "Wake posts waiting for the session API's answer."
+    );
+    describe_gauge!(
+        WAKE_SESSIONS_ACTIVE,
+        "Sessions with completions in hand or a lock kept for their next one."
     );
     describe_gauge!(
         CONSUMER_PENDING,
@@ -154,6 +161,11 @@ impl<'a> InFlight<'a> {
     /// A wake post awaiting the session API's answer.
     pub fn wake_post(count: &'a AtomicUsize) -> Self {
         Self::start(metrics::gauge!(WAKE_POSTS_IN_FLIGHT), Some(count))
+    }
+
+    /// A session the wake service is working on.
+    pub fn wake_session() -> Self {
+        Self::start(metrics::gauge!(WAKE_SESSIONS_ACTIVE), None)
     }
 
     fn start(gauge: metrics::Gauge, count: Option<&'a AtomicUsize>) -> Self {

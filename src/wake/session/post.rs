@@ -4,11 +4,10 @@
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use futures::future::join_all;
-use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::Instant;
 use tracing::{error, info, warn};
 
-use super::{Pending, Posted, Router, Turn, keep_alive};
+use super::{Inbox, Pending, Posted, Router, Turn, keep_alive};
 use crate::ops::metrics as m;
 use crate::outcome::Outcome;
 use crate::protocol::session_token;
@@ -24,7 +23,7 @@ impl Router {
         guard: &mut LockGuard,
         refresh_at: &mut Instant,
         held: &mut Vec<Pending>,
-        rx: &mut UnboundedReceiver<Pending>,
+        rx: &mut Inbox,
     ) -> Posted {
         let shared = &self.shared;
         let mut backoff = ExponentialBuilder::default()
@@ -132,14 +131,14 @@ impl Router {
         until: Instant,
         group: &[Pending],
         arrivals: &mut Vec<Pending>,
-        rx: &mut UnboundedReceiver<Pending>,
+        rx: &mut Inbox,
     ) -> bool {
         let interval = self.shared.config.progress_interval();
         let mut keepalive = tokio::time::interval_at(Instant::now() + interval, interval);
         loop {
             tokio::select! {
                 () = tokio::time::sleep_until(until) => return true,
-                Some(p) = rx.recv() => arrivals.push(p),
+                Some(p) = rx.recv() => arrivals.push(*p),
                 _ = keepalive.tick() => {
                     keep_alive(group).await;
                     keep_alive(arrivals).await;
