@@ -128,9 +128,11 @@ impl Turn {
     }
 }
 
-/// An actor's incoming completions. Boxed: the channel keeps its blocks
-/// of 32 slots for reuse, and a thousand idle actors each holding blocks of
-/// 824-byte `Pending`s kept ~50 MiB alive; boxes make a block 256 bytes.
+/// An actor's incoming completions. Boxed: the channel allocates blocks of
+/// 32 slots (and keeps a few for reuse while it lives), and with a
+/// thousand sessions in hand at once, blocks of 824-byte `Pending`s held
+/// tens of MiB; boxes make a block 256 bytes, for one small allocation per
+/// completion.
 pub(super) type Inbox = UnboundedReceiver<Box<Pending>>;
 
 /// How posting one turn ended.
@@ -241,6 +243,10 @@ impl Router {
             // whatever is already here: a zero-length timer would still
             // wait for the next tick of the timer wheel).
             if config.coalesce_window.is_zero() {
+                if self.shutdown.is_cancelled() {
+                    self.release(lock).await;
+                    return self.hand_back(held, &mut rx).await;
+                }
                 while let Ok(p) = rx.try_recv() {
                     held.push(*p);
                 }
