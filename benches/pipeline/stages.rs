@@ -32,7 +32,9 @@ pub(crate) struct Stages {
 /// Store times of one task's events.
 #[derive(Default)]
 struct Stored {
+    /// When the delegator's `submitted` record was stored.
     submitted: Option<SystemTime>,
+    /// When the worker's completion was stored.
     done: Option<SystemTime>,
 }
 

@@ -31,10 +31,10 @@ impl TaskHandler {
     ) -> Result<ExecOutput, ExecError> {
         let mut started = Some(started);
         if self.config.started_after.is_zero() {
-            self.announce(request, trace, &mut started).await;
+            self.publish_started(request, trace, &mut started).await;
         }
-        let announce_at = tokio::time::sleep(self.config.started_after);
-        tokio::pin!(announce_at);
+        let started_due = tokio::time::sleep(self.config.started_after);
+        tokio::pin!(started_due);
         let timeout = request
             .timeout_seconds
             .map(Duration::from_secs)
@@ -61,13 +61,13 @@ impl TaskHandler {
                 result = &mut run => {
                     // The last report before the end still makes the history.
                     if unpublished || reports.has_changed().unwrap_or(false) {
-                        self.announce(request, trace, &mut started).await;
+                        self.publish_started(request, trace, &mut started).await;
                         self.publish_progress(request, &mut reports, trace).await;
                     }
                     return result;
                 }
-                () = &mut announce_at, if started.is_some() => {
-                    self.announce(request, trace, &mut started).await;
+                () = &mut started_due, if started.is_some() => {
+                    self.publish_started(request, trace, &mut started).await;
                 }
                 _ = keepalive.tick() => {
                     // Tell the server we are alive so AckWait does not hand
@@ -79,14 +79,14 @@ impl TaskHandler {
                 Ok(()) = reports.changed() => {
                     unpublished = true;
                     if throttle.is_elapsed() {
-                        self.announce(request, trace, &mut started).await;
+                        self.publish_started(request, trace, &mut started).await;
                         self.publish_progress(request, &mut reports, trace).await;
                         unpublished = false;
                         throttle.as_mut().reset(tokio::time::Instant::now() + PROGRESS_INTERVAL);
                     }
                 }
                 () = &mut throttle, if unpublished => {
-                    self.announce(request, trace, &mut started).await;
+                    self.publish_started(request, trace, &mut started).await;
                     self.publish_progress(request, &mut reports, trace).await;
                     unpublished = false;
                     throttle.as_mut().reset(tokio::time::Instant::now() + PROGRESS_INTERVAL);
@@ -104,7 +104,7 @@ impl TaskHandler {
 
     /// Writes the `started` event, if not written yet (history only:
     /// failures are logged).
-    async fn announce(
+    async fn publish_started(
         &self,
         request: &TaskRequest,
         trace: TraceParent,
