@@ -191,6 +191,7 @@ pub const SYNC_NOTE: &str = "Ran SYNCHRONOUSLY: no origin session id was given, 
 
 /// Why a delegation was not accepted.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DelegateError {
     /// No task was given.
     #[error("a delegation needs at least one task")]
@@ -526,7 +527,18 @@ impl Delegator {
             }
         }
         let (subject, error) = last_error.expect("a publish failed");
-        if error.kind() == PublishErrorKind::StreamNotFound {
+        // "No responders" can also mean a stream between leaders; say to
+        // run `init` only when no stream takes the subject at all.
+        if error.kind() == PublishErrorKind::StreamNotFound
+            && self
+                .bus
+                .js
+                .stream_by_subject(subject)
+                .await
+                .is_err_and(|e| {
+                    e.kind() == async_nats::jetstream::context::GetStreamByNameErrorKind::NotFound
+                })
+        {
             return Err(DelegateError::NoStream {
                 subject: subject.to_owned(),
             });
