@@ -542,7 +542,37 @@ impl Bus {
     }
 }
 
+/// How many queued requests [`Bus::is_queued`] scans before it assumes the
+/// answer is yes.
+const QUEUE_SCAN_LIMIT: u64 = 10_000;
+
 impl Bus {
+    /// Whether a request of `delegation_id` is in the task queue: waiting,
+    /// or running and not yet acknowledged (work-queue retention removes a
+    /// request only when it is acked). Also true when the queue is longer
+    /// than the scan limit: callers use it to avoid a second copy, and
+    /// better a skip too many than a task that runs twice.
+    pub(crate) async fn is_queued(&self, delegation_id: &str) -> Result<bool, async_nats::Error> {
+        let mut tasks = self.js.get_stream(self.subjects.tasks_stream()).await?;
+        let state = tasks.info().await?.state.clone();
+        let first = state.first_sequence.max(1);
+        let last = state
+            .last_sequence
+            .min(first.saturating_add(QUEUE_SCAN_LIMIT));
+        if last < state.last_sequence {
+            return Ok(true);
+        }
+        for seq in first..=last {
+            if let Ok(message) = tasks.get_raw_message(seq).await {
+                let id = message.headers.get(crate::protocol::HEADER_DELEGATION_ID);
+                if id.is_some_and(|id| id.as_str() == delegation_id) {
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    }
+
     /// The server's max payload, or NATS's default (1 MiB) while it is not
     /// known yet (the client connects in the background).
     pub fn max_payload(&self) -> usize {

@@ -114,9 +114,6 @@ pub enum CancelError {
     History(String),
 }
 
-/// How many queued requests `cancel` scans to tell "queued" from "unknown".
-const QUEUE_SCAN_LIMIT: u64 = 10_000;
-
 /// Cancels delegations of one deployment.
 #[derive(Debug, Clone)]
 pub struct Canceller {
@@ -282,41 +279,12 @@ impl Canceller {
         Ok(DelegationState::Unknown)
     }
 
-    /// Whether a request of the delegation waits in the work queue (also
-    /// true when the queue is longer than the scan limit: better a record
-    /// too many than a queued task that runs after all).
+    /// Whether a request of the delegation waits in the work queue (see
+    /// [`Bus::is_queued`]).
     async fn is_queued(&self, delegation_id: &str) -> Result<bool, CancelError> {
-        let mut tasks = self
-            .bus
-            .js
-            .get_stream(self.bus.subjects.tasks_stream())
+        self.bus
+            .is_queued(delegation_id)
             .await
-            .map_err(|e| CancelError::History(e.to_string()))?;
-        let state = tasks
-            .info()
-            .await
-            .map_err(|e| CancelError::History(e.to_string()))?
-            .state
-            .clone();
-        let first = state.first_sequence.max(1);
-        let last = state
-            .last_sequence
-            .min(first.saturating_add(QUEUE_SCAN_LIMIT));
-        if last < state.last_sequence {
-            // A long queue: not scanned to its end, so it may be in there.
-            return Ok(true);
-        }
-        for seq in first..=last {
-            if let Ok(message) = tasks.get_raw_message(seq).await {
-                let id = message
-                    .headers
-                    .get(crate::protocol::HEADER_DELEGATION_ID)
-                    .map(|v| v.to_string());
-                if id.as_deref() == Some(delegation_id) {
-                    return Ok(true);
-                }
-            }
-        }
-        Ok(false)
+            .map_err(|e| CancelError::History(e.to_string()))
     }
 }

@@ -451,10 +451,23 @@ impl Replayer {
         item.new_delegation_id = Some(new_id.clone());
         let subject = self.bus.subjects.task(&pool);
         item.target_subject = Some(subject.clone());
-        if !self.plan.force && self.already_requeued(&request, &new_id).await {
-            return Ok(item.skipped(format!(
-                "already re-queued as delegation {new_id} (use --force to run it once more)"
-            )));
+        let earlier = if self.plan.force {
+            Requeued::No
+        } else {
+            self.requeued(&request, &new_id).await
+        };
+        match earlier {
+            Requeued::No | Requeued::RecordOnly => {}
+            Requeued::Yes => {
+                return Ok(item.skipped(format!(
+                    "already re-queued as delegation {new_id} (use --force to run it once more)"
+                )));
+            }
+            Requeued::Unknown(error) => {
+                return Ok(item.skipped(format!(
+                    "cannot tell whether delegation {new_id} is queued: {error}"
+                )));
+            }
         }
         if self.plan.dry_run {
             item.action = Action::WouldReplay;
@@ -474,36 +487,50 @@ impl Replayer {
         let mut headers = replay_headers(record);
         set_ids(&mut headers, &format!("{new_id}.{}", request.task_index));
         headers.insert(HEADER_DELEGATION_ID, new_id.as_str());
-        self.publish_submitted(&request, &new_id, &pool, &headers)
-            .await?;
+        // After a re-queue whose task write failed, the record is there:
+        // only the task is sent (under the same Nats-Msg-Id).
+        if !matches!(earlier, Requeued::RecordOnly) {
+            self.publish_submitted(&request, &new_id, &pool, &headers)
+                .await?;
+        }
         self.publish(subject, headers, payload).await?;
         item.action = Action::Replayed;
         Ok(item)
     }
 
-    /// Whether the derived delegation already has events: the `submitted`
-    /// record a re-queue writes before the task, or (re-queued by a version
-    /// that wrote none) a started or done event.
-    async fn already_requeued(&self, request: &TaskRequest, new_id: &str) -> bool {
+    /// How far an earlier re-queue of the derived delegation got. Its
+    /// `submitted` record is written before the task, so a record alone
+    /// means either a task still in the queue (or in its first second of
+    /// running, before its started event) or a task write that failed.
+    async fn requeued(&self, request: &TaskRequest, new_id: &str) -> Requeued {
         let events = self
             .events
             .as_ref()
             .expect("task replays open the events stream");
         let token = crate::worker::token_for(request.origin_session_id.as_deref());
-        for kind in [EventKind::Submitted, EventKind::Done, EventKind::Started] {
+        let has = |kind| {
             let subject = self
                 .bus
                 .subjects
                 .event(&token, new_id, request.task_index, kind);
-            if events
-                .get_last_raw_message_by_subject(&subject)
-                .await
-                .is_ok()
-            {
-                return true;
+            async move {
+                events
+                    .get_last_raw_message_by_subject(&subject)
+                    .await
+                    .is_ok()
             }
+        };
+        if has(EventKind::Done).await || has(EventKind::Started).await {
+            return Requeued::Yes;
         }
-        false
+        if !has(EventKind::Submitted).await {
+            return Requeued::No;
+        }
+        match self.bus.is_queued(new_id).await {
+            Ok(true) => Requeued::Yes,
+            Ok(false) => Requeued::RecordOnly,
+            Err(error) => Requeued::Unknown(error.to_string()),
+        }
     }
 
     async fn copy(
@@ -580,6 +607,19 @@ impl Replayer {
             source: PublishError::Publish(source),
         })
     }
+}
+
+/// How far an earlier re-queue of a dead letter got.
+enum Requeued {
+    /// Never re-queued.
+    No,
+    /// Its `submitted` record is stored but its task is neither queued nor
+    /// run: the task write failed.
+    RecordOnly,
+    /// Queued, running or done.
+    Yes,
+    /// The queue could not be read.
+    Unknown(String),
 }
 
 /// `body` as JSON, or the error a replay to `subject` reports.

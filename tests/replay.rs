@@ -12,7 +12,7 @@ use common::*;
 use futures::StreamExt as _;
 use serde_json::Value;
 use wakebus::delegate::{Delegation, Delegator};
-use wakebus::protocol::{HEADER_REPLAY, Status};
+use wakebus::protocol::{HEADER_REPLAY, Status, session_token};
 use wakebus::replay::HEADER_FORCED_REPLAY;
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
@@ -327,26 +327,24 @@ async fn replay_of_wake_dead_letters_delivers_them_once_the_session_api_recovers
     assert_eq!(api.accepted().len(), 1);
 }
 
-#[tokio::test]
-async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_session() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let session = "s.requeue";
-    // A worker that cannot start its program gives up at once.
+/// Delegates one task for `session` to a worker that cannot start its
+/// program and gives up at once; returns the delegation id once the
+/// failure has woken the session (a wake service must be running) and the
+/// request is dead-lettered.
+async fn dead_letter_a_task(
+    bus: &wakebus::bus::Bus,
+    api: &SessionApiServer,
+    session: &str,
+) -> String {
     let mut broken = Services::new();
     let mut config = test_worker_config("default");
     config.max_deliver = 1;
     let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
     broken.worker(
-        &bus,
+        bus,
         Executor::Command(CommandExecutor::new(missing)),
         config,
     );
-    let mut services = Services::new();
-    services.wake(&bus, test_wake_config(&api.url()));
     let id = id_of(
         &Delegator::new(bus.clone())
             .delegate(Delegation::new("needs a working worker").session(session))
@@ -359,6 +357,20 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
     .await;
     assert!(api.accepted()[0].text().contains("Status: failed"));
     broken.stop().await;
+    id
+}
+
+#[tokio::test]
+async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_session() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let session = "s.requeue";
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    let id = dead_letter_a_task(&bus, &api, session).await;
 
     let dry = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
         .await
@@ -712,4 +724,49 @@ async fn replay_stopped_by_ctrl_c_reports_exactly_the_wakes_it_redrove_and_leave
     let mut reported = replayed.clone();
     reported.sort();
     assert_eq!(received, reported, "posted and reported differ");
+}
+
+#[tokio::test]
+async fn replay_sends_the_task_again_when_an_earlier_requeue_stored_only_its_record() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let session = "s.half-requeued";
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    dead_letter_a_task(&bus, &api, session).await;
+    let dry = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
+        .await
+        .ok_json();
+    let derived = dry[0]["new_delegation_id"].as_str().unwrap().to_owned();
+    // An earlier re-queue stored its submitted record, then failed to
+    // store the task.
+    let record = bus.subjects.submitted(&session_token(session), &derived, 0);
+    bus.js
+        .publish(record, r#"{"note": "half a re-queue"}"#.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let lines = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
+        .await
+        .ok_json();
+    assert_eq!(lines[0]["action"], "replayed", "{lines:#?}");
+    assert_eq!(lines[0]["new_delegation_id"], derived.as_str());
+    // Queued now: the next replay leaves it alone.
+    let again = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
+        .await
+        .ok_json();
+    assert_eq!(again[0]["action"], "skipped", "{again:#?}");
+    services.echo_worker(&bus);
+    wait_until(WAIT, "the re-run's wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    assert_eq!(api.accepted()[1].delegation_ids(), [derived.as_str()]);
+    services.stop().await;
+    assert_eq!(api.accepted().len(), 2, "the task ran once");
 }
