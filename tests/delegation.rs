@@ -178,6 +178,52 @@ async fn a_running_task_is_interrupted_with_its_partial_output() {
 }
 
 #[tokio::test]
+async fn a_task_cancelled_before_its_started_event_is_written_is_still_interrupted() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("running");
+    let mut services = Services::new();
+    let mut config = test_worker_config("default");
+    // No started event for an hour: the history shows nothing running.
+    config.started_after = Duration::from_secs(3600);
+    services.worker(
+        &bus,
+        shell(&format!("touch {}; sleep 60", marker.display())),
+        config,
+    );
+    services.wake(&bus, test_wake_config(&api.url()));
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::new("quiet job").session("s.early"))
+            .await
+            .unwrap(),
+    );
+    wait_until(WAIT, "the task to run", || async { marker.exists() }).await;
+    assert_eq!(started(&bus).await, 0);
+    let report = Canceller::new(bus.clone())
+        .cancel_delegation(&id, false)
+        .await
+        .unwrap();
+    // Still in the work queue (unacked), so it reads as queued...
+    assert_eq!(report.state, Some(DelegationState::Queued));
+    assert!(
+        report.message.contains("just started"),
+        "{}",
+        report.message
+    );
+    // ...and the running task is stopped all the same.
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    services.stop().await;
+    let done = &done_events(&bus).await[0];
+    assert_eq!(done.status, Status::Interrupted);
+    assert_eq!(done.error.as_deref(), Some("cancelled while running"));
+    assert!(done.duration_seconds < 30.0, "the process was not stopped");
+}
+
+#[tokio::test]
 async fn a_silent_cancel_records_the_interruption_but_wakes_nobody() {
     init_logs();
     let nats = NatsServer::start().await;
