@@ -250,6 +250,44 @@ async fn cancelling_a_running_llm_task_aborts_the_model_call() {
 }
 
 #[tokio::test]
+async fn a_cancelled_llm_task_reports_the_calls_and_tokens_it_had_used() {
+    init_logs();
+    // The first answer misses the schema; the correction call never returns.
+    let model = ModelServer::start(vec![Reply::Answer("not json"), Reply::Hang]).await;
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.worker(&bus, model.executor(), test_worker_config("default"));
+    let mut delegation = Delegation::new("answer in JSON").session("s.llm.usage");
+    delegation.output_schema = Some(json!({"type": "object"}));
+    let result = Delegator::new(bus.clone())
+        .delegate(delegation)
+        .await
+        .unwrap();
+    wait_until(WAIT, "the correction call", || async {
+        model.requests().len() == 2
+    })
+    .await;
+    Canceller::new(bus.clone())
+        .cancel_delegation(result.delegation_id(), true)
+        .await
+        .unwrap();
+    wait_until(WAIT, "the interrupted completion", || async {
+        !done_events(&bus).await.is_empty()
+    })
+    .await;
+    services.stop().await;
+    let done = &done_events(&bus).await[0];
+    assert_eq!(done.status, Status::Interrupted);
+    assert_eq!(done.api_calls, 2, "both calls were made");
+    assert_eq!(
+        (done.prompt_tokens, done.completion_tokens),
+        (Some(12), Some(3)),
+        "the answered call's usage is kept"
+    );
+}
+
+#[tokio::test]
 async fn a_hermes_agent_runs_as_the_subagent_through_the_command_executor() {
     init_logs();
     let dir = tempfile::tempdir().unwrap();

@@ -138,7 +138,7 @@ impl CommandExecutor {
                 terminate(pid, cfg.kill_grace, &mut child).await;
                 let ((), (out, _), _) = io.await;
                 let partial = String::from_utf8_lossy(&out).trim().to_owned();
-                return Err(ExecError::Stopped { partial: (!partial.is_empty()).then_some(partial) });
+                return Err(ExecError::Stopped { partial: (!partial.is_empty()).then_some(partial), api_calls: 0, tokens: None });
             }
         };
         let exit = tokio::select! {
@@ -146,7 +146,7 @@ impl CommandExecutor {
             () = stop.cancelled() => {
                 terminate(pid, cfg.kill_grace, &mut child).await;
                 let partial = String::from_utf8_lossy(&out).trim().to_owned();
-                return Err(ExecError::Stopped { partial: (!partial.is_empty()).then_some(partial) });
+                return Err(ExecError::Stopped { partial: (!partial.is_empty()).then_some(partial), api_calls: 0, tokens: None });
             }
         }
         .map_err(|err| ExecError::Transient(format!("could not wait for the process: {err}")))?;

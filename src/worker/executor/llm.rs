@@ -160,7 +160,11 @@ impl LlmExecutor {
             progress.report(format!("model call {calls}"));
             let call = tokio::select! {
                 call = self.call(&model, &messages) => call?,
-                () = stop.cancelled() => return Err(ExecError::Stopped { partial: None }),
+                () = stop.cancelled() => return Err(ExecError::Stopped {
+                    partial: None,
+                    api_calls: calls,
+                    tokens: Some(tokens),
+                }),
             };
             let (answer, usage) = match call {
                 Call::Answer(answer, usage) => (answer, usage),

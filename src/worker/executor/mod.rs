@@ -41,11 +41,15 @@ pub enum ExecError {
     #[error("transient executor failure: {0}")]
     Transient(String),
     /// The run was stopped through its cancellation token; whatever it had
-    /// produced so far is kept.
+    /// produced and used so far is kept.
     #[error("run stopped")]
     Stopped {
         /// Partial output.
         partial: Option<String>,
+        /// Model calls made, the one cut short included.
+        api_calls: u64,
+        /// Prompt and completion tokens of the calls that answered.
+        tokens: Option<(u64, u64)>,
     },
 }
 

@@ -192,23 +192,37 @@ impl TaskHandler {
         let mut suppress_wake = false;
         let output = match (result, reason.get()) {
             (Ok(output), _) => output,
-            (Err(ExecError::Stopped { partial }), Some(StopReason::Timeout)) => ExecOutput {
+            (
+                Err(ExecError::Stopped {
+                    partial,
+                    api_calls,
+                    tokens,
+                }),
+                Some(StopReason::Timeout),
+            ) => ExecOutput {
                 status: Status::Timeout,
                 summary: partial,
                 error: Some(format!("timed out after {}s", duration.as_secs())),
-                api_calls: 0,
-                tokens: None,
+                api_calls,
+                tokens,
                 truncated: false,
                 exit_reason: "timeout".to_owned(),
             },
-            (Err(ExecError::Stopped { partial }), Some(StopReason::Cancelled { silent })) => {
+            (
+                Err(ExecError::Stopped {
+                    partial,
+                    api_calls,
+                    tokens,
+                }),
+                Some(StopReason::Cancelled { silent }),
+            ) => {
                 suppress_wake = *silent;
                 ExecOutput {
                     status: Status::Interrupted,
                     summary: partial,
                     error: Some("cancelled while running".to_owned()),
-                    api_calls: 0,
-                    tokens: None,
+                    api_calls,
+                    tokens,
                     truncated: false,
                     exit_reason: "cancelled".to_owned(),
                 }
