@@ -218,7 +218,9 @@ async fn read_stdout(
     let mut line = Vec::new();
     // Inside a line too long to be a progress report: the rest is output.
     let mut long_line = false;
-    let mut chunk = [0u8; 8192];
+    // On the heap: a stack buffer held across `.await` would live in the
+    // future, and every task's future is moved when it is spawned.
+    let mut chunk = vec![0u8; 8192];
     loop {
         let n = match pipe.read(&mut chunk).await {
             Ok(0) | Err(_) => break,
@@ -292,7 +294,9 @@ async fn read_capped(
     };
     let mut kept = Vec::new();
     let mut dropped = false;
-    let mut chunk = [0u8; 8192];
+    // On the heap: a stack buffer held across `.await` would live in the
+    // future, and every task's future is moved when it is spawned.
+    let mut chunk = vec![0u8; 8192];
     loop {
         match pipe.read(&mut chunk).await {
             Ok(0) | Err(_) => break,

@@ -105,10 +105,14 @@ impl Executor {
         stop: &CancellationToken,
         progress: &Progress,
     ) -> Result<ExecOutput, ExecError> {
+        // The command and llm runs are boxed: their futures are tens of KiB
+        // (pipes, an HTTP client call) and would otherwise make every task's
+        // future that large, echo's included, to be copied at each spawn.
+        // A process or a model call costs far more than the allocation.
         match self {
             Self::Echo(echo) => Ok(echo.run(request)),
-            Self::Command(command) => command.run(request, env, stop, progress).await,
-            Self::Llm(llm) => llm.run(request, stop, progress).await,
+            Self::Command(command) => Box::pin(command.run(request, env, stop, progress)).await,
+            Self::Llm(llm) => Box::pin(llm.run(request, stop, progress)).await,
         }
     }
 
