@@ -454,25 +454,32 @@ impl Delegator {
         let traceparent = trace.to_string();
         let mut records = Vec::with_capacity(requests.len());
         let mut pending = Vec::with_capacity(requests.len());
+        let record_headers = |request: &TaskRequest| {
+            let id = SubmittedRecord::id_for(&request.delegation_id, request.task_index);
+            Self::headers(&id, EventKind::Submitted.ce_type(), request, trace)
+        };
+        let task_headers = |request: &TaskRequest| {
+            let id = format!("{}.{}", request.delegation_id, request.task_index);
+            Self::headers(&id, "io.wakebus.task.requested", request, trace)
+        };
         for request in requests {
             let token = crate::worker::token_for(request.origin_session_id.as_deref());
-            let record_id = SubmittedRecord::id_for(&request.delegation_id, request.task_index);
             let record = SubmittedRecord::for_request(request, pool, Some(traceparent.clone()));
             records.push((
                 self.bus
                     .subjects
                     .submitted(&token, &request.delegation_id, request.task_index),
-                Self::headers(&record_id, EventKind::Submitted.ce_type(), request, trace),
+                record_headers(request),
                 Bytes::from(serde_json::to_vec(&record).map_err(PublishError::from)?),
             ));
-            let id = format!("{}.{}", request.delegation_id, request.task_index);
-            let headers = Self::headers(&id, "io.wakebus.task.requested", request, trace);
             let payload = Bytes::from(serde_json::to_vec(request).map_err(PublishError::from)?);
             self.check_size(payload.len(), request)?;
-            pending.push((subject.clone(), headers, payload));
+            pending.push((subject.clone(), task_headers(request), payload));
         }
-        self.publish_stored(&records).await?;
-        self.publish_stored(&pending).await
+        self.publish_stored(records, |i| record_headers(&requests[i]))
+            .await?;
+        self.publish_stored(pending, |i| task_headers(&requests[i]))
+            .await
     }
 
     /// The headers of a delegator's publish.
@@ -495,31 +502,40 @@ impl Delegator {
     }
 
     /// Publishes every message, then waits for all acks (pipelined).
+    ///
+    /// A lost ack is retried with the same id: JetStream drops duplicates.
+    /// The first attempt gives each message's headers away (cloning a
+    /// header map costs more than building it); a retry builds message
+    /// `i`'s again with `headers_again(i)`.
     async fn publish_stored(
         &self,
-        pending: &[(String, async_nats::HeaderMap, Bytes)],
+        mut pending: Vec<(String, async_nats::HeaderMap, Bytes)>,
+        headers_again: impl Fn(usize) -> async_nats::HeaderMap,
     ) -> Result<(), DelegateError> {
-        // A lost ack is retried with the same id: JetStream drops duplicates.
-        let mut last_error: Option<(&str, _)> = None;
-        for _ in 0..3 {
+        let mut last_error: Option<(String, _)> = None;
+        for attempt in 0..3 {
             let mut acks = Vec::with_capacity(pending.len());
-            for (subject, headers, payload) in pending {
+            for (i, (subject, headers, payload)) in pending.iter_mut().enumerate() {
+                let headers = match attempt {
+                    0 => std::mem::take(headers),
+                    _ => headers_again(i),
+                };
                 acks.push(
                     self.bus
                         .js
-                        .publish_with_headers(subject.clone(), headers.clone(), payload.clone())
+                        .publish_with_headers(subject.clone(), headers, payload.clone())
                         .await,
                 );
             }
             let mut failed = false;
-            for (ack, (subject, ..)) in acks.into_iter().zip(pending) {
+            for (ack, (subject, ..)) in acks.into_iter().zip(&pending) {
                 let result = match ack {
                     Ok(ack) => ack.await.map(drop),
                     Err(error) => Err(error),
                 };
                 if let Err(error) = result {
                     failed = true;
-                    last_error = Some((subject.as_str(), error));
+                    last_error = Some((subject.clone(), error));
                 }
             }
             if !failed {
@@ -533,15 +549,13 @@ impl Delegator {
             && self
                 .bus
                 .js
-                .stream_by_subject(subject)
+                .stream_by_subject(&subject)
                 .await
                 .is_err_and(|e| {
                     e.kind() == async_nats::jetstream::context::GetStreamByNameErrorKind::NotFound
                 })
         {
-            return Err(DelegateError::NoStream {
-                subject: subject.to_owned(),
-            });
+            return Err(DelegateError::NoStream { subject });
         }
         Err(PublishError::Publish(error).into())
     }
