@@ -217,20 +217,23 @@ async fn an_llm_endpoint_answering_5xx_is_retried_and_a_4xx_is_not() {
     assert_eq!(refusing.requests().len(), 1);
 }
 
-#[tokio::test]
-async fn cancelling_a_running_llm_task_aborts_the_model_call() {
-    init_logs();
-    let model = ModelServer::start(vec![Reply::Hang]).await;
+/// Delegates `delegation` to an llm worker, cancels it (silently) once the
+/// model has received `calls` requests, and returns its completion.
+async fn cancel_after_model_calls(
+    model: &ModelServer,
+    delegation: Delegation,
+    calls: usize,
+) -> CompletionEvent {
     let nats = NatsServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let mut services = Services::new();
     services.worker(&bus, model.executor(), test_worker_config("default"));
     let result = Delegator::new(bus.clone())
-        .delegate(Delegation::new("think forever").session("s.llm"))
+        .delegate(delegation)
         .await
         .unwrap();
-    wait_until(WAIT, "the model call", || async {
-        !model.requests().is_empty()
+    wait_until(WAIT, "the model calls", || async {
+        model.requests().len() == calls
     })
     .await;
     Canceller::new(bus.clone())
@@ -242,7 +245,15 @@ async fn cancelling_a_running_llm_task_aborts_the_model_call() {
     })
     .await;
     services.stop().await;
-    let done = &done_events(&bus).await[0];
+    done_events(&bus).await.remove(0)
+}
+
+#[tokio::test]
+async fn cancelling_a_running_llm_task_aborts_the_model_call() {
+    init_logs();
+    let model = ModelServer::start(vec![Reply::Hang]).await;
+    let delegation = Delegation::new("think forever").session("s.llm");
+    let done = cancel_after_model_calls(&model, delegation, 1).await;
     assert_eq!(
         (done.status, done.exit_reason.as_str()),
         (Status::Interrupted, "cancelled")
@@ -254,30 +265,9 @@ async fn a_cancelled_llm_task_reports_the_calls_and_tokens_it_had_used() {
     init_logs();
     // The first answer misses the schema; the correction call never returns.
     let model = ModelServer::start(vec![Reply::Answer("not json"), Reply::Hang]).await;
-    let nats = NatsServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let mut services = Services::new();
-    services.worker(&bus, model.executor(), test_worker_config("default"));
     let mut delegation = Delegation::new("answer in JSON").session("s.llm.usage");
     delegation.output_schema = Some(json!({"type": "object"}));
-    let result = Delegator::new(bus.clone())
-        .delegate(delegation)
-        .await
-        .unwrap();
-    wait_until(WAIT, "the correction call", || async {
-        model.requests().len() == 2
-    })
-    .await;
-    Canceller::new(bus.clone())
-        .cancel_delegation(result.delegation_id(), true)
-        .await
-        .unwrap();
-    wait_until(WAIT, "the interrupted completion", || async {
-        !done_events(&bus).await.is_empty()
-    })
-    .await;
-    services.stop().await;
-    let done = &done_events(&bus).await[0];
+    let done = cancel_after_model_calls(&model, delegation, 2).await;
     assert_eq!(done.status, Status::Interrupted);
     assert_eq!(done.api_calls, 2, "both calls were made");
     assert_eq!(
