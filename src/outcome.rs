@@ -18,6 +18,10 @@ pub enum Outcome {
     /// Poison: never deliver it again. The reason has been recorded (a dead
     /// letter and, where possible, an `error` completion) before this is returned.
     Term(String),
+    /// Not this delivery's to settle: an earlier delivery of the same
+    /// message is still being handled here and will settle it. Nothing is
+    /// sent.
+    Leave,
 }
 
 impl Outcome {
@@ -28,6 +32,7 @@ impl Outcome {
             Self::Ack => AckKind::Ack,
             Self::Nak(delay) => AckKind::Nak(*delay),
             Self::Term(_) => AckKind::Term,
+            Self::Leave => return,
         };
         if let Err(error) = message.ack_with(kind).await {
             warn!(%error, subject = %message.subject, "Could not send ack; the message will be redelivered.");

@@ -75,6 +75,93 @@ async fn a_worker_killed_mid_task_is_rerun_by_another_and_wakes_once() {
     assert_eq!(api.accepted()[0].delegation_ids(), vec![req.delegation_id]);
 }
 
+/// The worker consumer's state.
+async fn worker_consumer_info(bus: &Bus) -> async_nats::jetstream::consumer::Info {
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = bus
+        .js
+        .get_consumer_from_stream(
+            bus.subjects.worker_consumer("default"),
+            bus.subjects.tasks_stream(),
+        )
+        .await
+        .expect("the worker consumer");
+    consumer.info().await.expect("consumer info").clone()
+}
+
+#[tokio::test]
+async fn a_worker_frozen_past_its_ack_wait_leaves_the_redelivery_to_its_running_attempt() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let logs = tempfile::tempdir().unwrap();
+    // The task's shell is a child process: it keeps running while the
+    // worker is frozen, as a subagent would.
+    let ack_wait = Duration::from_secs(1);
+    let worker = Service::spawn(
+        worker_args(
+            &nats.url(),
+            &prefix,
+            "sleep 5; echo finished",
+            &["--ack-wait", "1s"],
+        ),
+        logs.path().join("worker.log"),
+    );
+    let _wake = Service::spawn(
+        wake_args(&nats.url(), &prefix, &api.url()),
+        logs.path().join("wake.log"),
+    );
+    let req = request("s.frozen", "outlive a stall");
+    publish_until_stored(&bus, &req).await;
+    wait_until(Duration::from_secs(30), "the task to start", || async {
+        !events(&bus, ".started").await.is_empty()
+    })
+    .await;
+
+    // The fault itself: no in-progress ack for three AckWaits, so the server
+    // hands the task out again, and only this worker is there to take it.
+    worker.signal(Signal::SIGSTOP);
+    tokio::time::sleep(3 * ack_wait).await;
+    worker.signal(Signal::SIGCONT);
+    wait_until(
+        Duration::from_secs(30),
+        "the server to redeliver the task",
+        || async { worker_consumer_info(&bus).await.delivered.consumer_sequence >= 2 },
+    )
+    .await;
+
+    wait_until(Duration::from_secs(30), "the wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    wait_until(
+        Duration::from_secs(30),
+        "the worker consumer to settle",
+        || async { worker_consumer_info(&bus).await.num_ack_pending == 0 },
+    )
+    .await;
+    assert_eq!(
+        events(&bus, ".started").await.len(),
+        1,
+        "the redelivery must not start a second run"
+    );
+    let log = std::fs::read_to_string(&worker.log).unwrap();
+    assert!(
+        log.contains("leaving it to the running attempt"),
+        "the worker says why it did not run the redelivery:\n{log}"
+    );
+    assert!(
+        !log.contains("Completion already published"),
+        "the running attempt's ack settled the message, with no later delivery:\n{log}"
+    );
+    let done = events(&bus, ".done").await;
+    assert_eq!(done.len(), 1);
+    let done = CompletionEvent::decode(&done[0].payload).unwrap();
+    assert_eq!(done.summary.as_deref(), Some("finished"));
+    assert_eq!(api.accepted().len(), 1);
+}
+
 #[tokio::test]
 async fn sigterm_hands_running_work_back_at_once_and_exits_zero() {
     init_logs();

@@ -6,6 +6,7 @@
 //! runs out.
 
 mod cancel;
+mod claims;
 pub mod executor;
 mod handler;
 pub mod probe;

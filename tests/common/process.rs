@@ -72,6 +72,11 @@ impl Service {
         self.start();
     }
 
+    /// Sends `signal` (SIGSTOP and SIGCONT freeze and thaw it).
+    pub fn signal(&self, signal: Signal) {
+        kill(Pid::from_raw(self.pid() as i32), signal).expect("signal wakebus");
+    }
+
     /// Sends `signal` and waits up to `timeout` for the exit status.
     pub fn signal_and_wait(&mut self, signal: Signal, timeout: Duration) -> ExitStatus {
         let mut child = self.child.take().expect("running");

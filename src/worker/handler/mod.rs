@@ -27,6 +27,7 @@ use tracing::{Instrument, error, info, info_span, warn};
 
 use super::WorkerConfig;
 use super::cancel::{CancelRegistry, StopReason};
+use super::claims::Claims;
 use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
 use crate::bus::Bus;
 use crate::ops::metrics as m;
@@ -51,6 +52,9 @@ pub(crate) struct TaskHandler {
     source: String,
     /// Cancel records and the runs they may stop.
     cancels: Arc<CancelRegistry>,
+    /// The tasks being handled here, so a redelivery reaching this worker
+    /// while the first delivery still runs is left to that run.
+    claims: Claims,
 }
 
 impl TaskHandler {
@@ -70,6 +74,7 @@ impl TaskHandler {
             env,
             source,
             cancels,
+            claims: Claims::default(),
         }
     }
 
@@ -81,11 +86,9 @@ impl TaskHandler {
         message: &jetstream::Message,
         stop: &CancellationToken,
     ) -> Outcome {
-        let attempt = message
-            .info()
-            .map(|info| info.delivered)
-            .unwrap_or(1)
-            .max(1) as u64;
+        let info = message.info().ok();
+        let attempt = info.as_ref().map_or(1, |info| info.delivered).max(1) as u64;
+        let sequence = info.as_ref().map(|info| info.stream_sequence);
         let _in_flight = m::InFlight::task(&self.config.pool);
         if attempt > 1 {
             m::task_redelivered(&self.config.pool);
@@ -106,6 +109,20 @@ impl TaskHandler {
             attempt,
         );
         let next = crate::telemetry::hop(&span, Some(trace));
+        let _claim = match sequence.map(|sequence| self.claims.claim(sequence)) {
+            Some(None) => {
+                span.in_scope(|| {
+                    warn!(
+                        stream_sequence = sequence,
+                        "Task redelivered while it still runs here (its in-progress acks were late: \
+                         a stall or an overloaded machine); leaving it to the running attempt."
+                    );
+                });
+                return Outcome::Leave;
+            }
+            Some(Some(claim)) => Some(claim),
+            None => None,
+        };
         self.run_request(message, request, next, attempt, stop)
             .instrument(span)
             .await
