@@ -103,6 +103,17 @@ fn describe() {
     );
 }
 
+/// The wake service started following a session (an actor and its router
+/// entry).
+pub fn wake_session_opened() {
+    metrics::gauge!(WAKE_SESSIONS_ACTIVE).increment(1.0);
+}
+
+/// The wake service stopped following a session.
+pub fn wake_session_closed() {
+    metrics::gauge!(WAKE_SESSIONS_ACTIVE).decrement(1.0);
+}
+
 /// A task started running on a worker of `pool`.
 pub fn task_started(pool: &str) {
     metrics::counter!(TASKS_STARTED, "pool" => pool.to_owned()).increment(1);
@@ -161,11 +172,6 @@ impl<'a> InFlight<'a> {
     /// A wake post awaiting the session API's answer.
     pub fn wake_post(count: &'a AtomicUsize) -> Self {
         Self::start(metrics::gauge!(WAKE_POSTS_IN_FLIGHT), Some(count))
-    }
-
-    /// A session the wake service is working on.
-    pub fn wake_session() -> Self {
-        Self::start(metrics::gauge!(WAKE_SESSIONS_ACTIVE), None)
     }
 
     fn start(gauge: metrics::Gauge, count: Option<&'a AtomicUsize>) -> Self {

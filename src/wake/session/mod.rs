@@ -185,7 +185,9 @@ impl Router {
         let (tx, rx) = unbounded_channel();
         let session = pending.session.clone();
         tx.send(Box::new(pending)).expect("receiver is alive");
-        sessions.insert(session.clone(), tx);
+        if sessions.insert(session.clone(), tx).is_none() {
+            crate::ops::metrics::wake_session_opened();
+        }
         let router = self.clone();
         let span = info_span!("session", session_token = %session_token(&session));
         self.tracker
@@ -196,7 +198,11 @@ impl Router {
     fn retire(&self, session: &str, rx: &Inbox) -> bool {
         let mut sessions = self.sessions.lock().expect("router lock poisoned");
         if rx.is_empty() {
-            sessions.remove(session);
+            // The gauge follows this map, so a test of it also catches an
+            // entry that outlives its actor.
+            if sessions.remove(session).is_some() {
+                crate::ops::metrics::wake_session_closed();
+            }
             true
         } else {
             false
@@ -204,7 +210,6 @@ impl Router {
     }
 
     async fn actor(self: Arc<Self>, session: String, mut rx: Inbox) {
-        let _active = crate::ops::metrics::InFlight::wake_session();
         let config = &self.shared.config;
         let mut held: Vec<Pending> = Vec::new();
         // The session lock, kept for `lock_linger` after a turn so that the
