@@ -770,3 +770,98 @@ async fn replay_sends_the_task_again_when_an_earlier_requeue_stored_only_its_rec
     services.stop().await;
     assert_eq!(api.accepted().len(), 2, "the task ran once");
 }
+
+#[tokio::test]
+async fn replay_skips_a_task_it_cannot_check_against_the_queue_and_can_send_it_later() {
+    init_logs();
+    // A user who may do everything except read the task stream's state, so
+    // `replay tasks` cannot tell whether an earlier re-queue's task waits.
+    let prefix = unique_prefix();
+    let tasks_stream = wakebus::protocol::Subjects::new(&prefix)
+        .unwrap()
+        .tasks_stream();
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("nats.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            r#"authorization {{
+  users: [
+    {{ user: all, password: "all-pw" }}
+    {{ user: blind, password: "blind-pw", permissions: {{
+        publish: {{ allow: [">"], deny: ["$JS.API.STREAM.INFO.{tasks_stream}"] }}
+        subscribe: {{ allow: [">"] }} }} }}
+  ]
+}}
+no_auth_user: all
+"#
+        ),
+    )
+    .unwrap();
+    let password = dir.path().join("blind.password");
+    std::fs::write(&password, "blind-pw").unwrap();
+    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &prefix).await;
+    let session = "s.unreadable-queue";
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    dead_letter_a_task(&bus, &api, session).await;
+    let dry = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
+        .await
+        .ok_json();
+    let derived = dry[0]["new_delegation_id"].as_str().unwrap().to_owned();
+    // An earlier re-queue stored its record; whether its task is queued
+    // can only be told from the task stream.
+    let record = bus.subjects.submitted(&session_token(session), &derived, 0);
+    bus.js
+        .publish(record, r#"{"note": "half a re-queue"}"#.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let password_arg = password.display().to_string();
+    let blind = [
+        "--user",
+        "blind",
+        "--password-file",
+        &password_arg,
+        "replay",
+        "tasks",
+    ];
+    let lines = wakebus(&nats.url(), &prefix, &blind).await.ok_json();
+    assert_eq!(lines[0]["action"], "skipped", "{lines:#?}");
+    let reason = lines[0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains(&format!(
+            "cannot tell whether delegation {derived} is queued"
+        )),
+        "{reason}"
+    );
+    let queued = bus
+        .js
+        .get_stream(bus.subjects.tasks_stream())
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .messages;
+    assert_eq!(queued, 0, "nothing was sent on a guess");
+
+    // The dead letter is still there: with a user who can read the queue,
+    // the replay sends the task.
+    let lines = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
+        .await
+        .ok_json();
+    assert_eq!(lines[0]["action"], "replayed", "{lines:#?}");
+    services.echo_worker(&bus);
+    wait_until(WAIT, "the re-run's wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    assert_eq!(api.accepted()[1].delegation_ids(), [derived.as_str()]);
+    services.stop().await;
+}
