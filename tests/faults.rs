@@ -22,36 +22,75 @@ async fn events(bus: &Bus, suffix: &str) -> Vec<async_nats::jetstream::message::
         .collect()
 }
 
+/// A NATS server, a session API and a prefix, with `wakebus` processes
+/// started against them, each logging to its own file.
+struct Rig {
+    nats: NatsServer,
+    api: SessionApiServer,
+    prefix: String,
+    bus: Bus,
+    logs: tempfile::TempDir,
+}
+
+impl Rig {
+    async fn start() -> Self {
+        init_logs();
+        let nats = NatsServer::start().await;
+        let api = SessionApiServer::start().await;
+        let prefix = unique_prefix();
+        let bus = bus(&nats.url(), &prefix).await;
+        let logs = tempfile::tempdir().unwrap();
+        Self {
+            nats,
+            api,
+            prefix,
+            bus,
+            logs,
+        }
+    }
+
+    /// A `command` worker running `script`, logging to `<name>.log`.
+    fn worker(&self, name: &str, script: &str, extra: &[&str]) -> Service {
+        Service::spawn(
+            worker_args(&self.nats.url(), &self.prefix, script, extra),
+            self.logs.path().join(format!("{name}.log")),
+        )
+    }
+
+    /// A wake service posting to the session API, logging to `<name>.log`.
+    fn wake(&self, name: &str) -> Service {
+        Service::spawn(
+            wake_args(&self.nats.url(), &self.prefix, &self.api.url()),
+            self.logs.path().join(format!("{name}.log")),
+        )
+    }
+
+    /// Publishes a request for `session` and waits until it has started.
+    async fn delegate_and_wait_started(&self, session: &str, goal: &str) -> TaskRequest {
+        let req = request(session, goal);
+        publish_until_stored(&self.bus, &req).await;
+        wait_until(Duration::from_secs(30), "the task to start", || async {
+            !events(&self.bus, ".started").await.is_empty()
+        })
+        .await;
+        req
+    }
+}
+
 #[tokio::test]
 async fn a_worker_killed_mid_task_is_rerun_by_another_and_wakes_once() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let logs = tempfile::tempdir().unwrap();
+    let rig = Rig::start().await;
+    let (bus, api) = (&rig.bus, &rig.api);
     let script = "sleep 2; echo finished";
     let mut workers: Vec<Service> = (0..2)
-        .map(|i| {
-            Service::spawn(
-                worker_args(&nats.url(), &prefix, script, &[]),
-                logs.path().join(format!("worker{i}.log")),
-            )
-        })
+        .map(|i| rig.worker(&format!("worker{i}"), script, &[]))
         .collect();
-    let _wake = Service::spawn(
-        wake_args(&nats.url(), &prefix, &api.url()),
-        logs.path().join("wake.log"),
-    );
-
-    let req = request("s.crash", "survive a crash");
-    publish_until_stored(&bus, &req).await;
-    wait_until(Duration::from_secs(30), "the task to start", || async {
-        !events(&bus, ".started").await.is_empty()
-    })
-    .await;
+    let _wake = rig.wake("wake");
+    let req = rig
+        .delegate_and_wait_started("s.crash", "survive a crash")
+        .await;
     let started: StartedEvent =
-        serde_json::from_slice(&events(&bus, ".started").await[0].payload).unwrap();
+        serde_json::from_slice(&events(bus, ".started").await[0].payload).unwrap();
     let victim = workers
         .iter_mut()
         .find(|w| started.worker.ends_with(&format!("-{}", w.pid())))
@@ -63,11 +102,11 @@ async fn a_worker_killed_mid_task_is_rerun_by_another_and_wakes_once() {
     })
     .await;
     assert_eq!(
-        events(&bus, ".started").await.len(),
+        events(bus, ".started").await.len(),
         2,
         "rerun by the other worker"
     );
-    let done = events(&bus, ".done").await;
+    let done = events(bus, ".done").await;
     assert_eq!(done.len(), 1);
     let done = CompletionEvent::decode(&done[0].payload).unwrap();
     assert_eq!(done.summary.as_deref(), Some("finished"));
@@ -90,34 +129,15 @@ async fn worker_consumer_info(bus: &Bus) -> async_nats::jetstream::consumer::Inf
 
 #[tokio::test]
 async fn a_worker_frozen_past_its_ack_wait_leaves_the_redelivery_to_its_running_attempt() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let logs = tempfile::tempdir().unwrap();
+    let rig = Rig::start().await;
+    let (bus, api) = (&rig.bus, &rig.api);
     // The task's shell is a child process: it keeps running while the
     // worker is frozen, as a subagent would.
     let ack_wait = Duration::from_secs(1);
-    let worker = Service::spawn(
-        worker_args(
-            &nats.url(),
-            &prefix,
-            "sleep 5; echo finished",
-            &["--ack-wait", "1s"],
-        ),
-        logs.path().join("worker.log"),
-    );
-    let _wake = Service::spawn(
-        wake_args(&nats.url(), &prefix, &api.url()),
-        logs.path().join("wake.log"),
-    );
-    let req = request("s.frozen", "outlive a stall");
-    publish_until_stored(&bus, &req).await;
-    wait_until(Duration::from_secs(30), "the task to start", || async {
-        !events(&bus, ".started").await.is_empty()
-    })
-    .await;
+    let worker = rig.worker("worker", "sleep 5; echo finished", &["--ack-wait", "1s"]);
+    let _wake = rig.wake("wake");
+    rig.delegate_and_wait_started("s.frozen", "outlive a stall")
+        .await;
 
     // The fault itself: no in-progress ack for three AckWaits, so the server
     // hands the task out again, and only this worker is there to take it.
@@ -127,7 +147,7 @@ async fn a_worker_frozen_past_its_ack_wait_leaves_the_redelivery_to_its_running_
     wait_until(
         Duration::from_secs(30),
         "the server to redeliver the task",
-        || async { worker_consumer_info(&bus).await.delivered.consumer_sequence >= 2 },
+        || async { worker_consumer_info(bus).await.delivered.consumer_sequence >= 2 },
     )
     .await;
 
@@ -138,11 +158,11 @@ async fn a_worker_frozen_past_its_ack_wait_leaves_the_redelivery_to_its_running_
     wait_until(
         Duration::from_secs(30),
         "the worker consumer to settle",
-        || async { worker_consumer_info(&bus).await.num_ack_pending == 0 },
+        || async { worker_consumer_info(bus).await.num_ack_pending == 0 },
     )
     .await;
     assert_eq!(
-        events(&bus, ".started").await.len(),
+        events(bus, ".started").await.len(),
         1,
         "the redelivery must not start a second run"
     );
@@ -155,7 +175,7 @@ async fn a_worker_frozen_past_its_ack_wait_leaves_the_redelivery_to_its_running_
         !log.contains("Completion already published"),
         "the running attempt's ack settled the message, with no later delivery:\n{log}"
     );
-    let done = events(&bus, ".done").await;
+    let done = events(bus, ".done").await;
     assert_eq!(done.len(), 1);
     let done = CompletionEvent::decode(&done[0].payload).unwrap();
     assert_eq!(done.summary.as_deref(), Some("finished"));
@@ -164,38 +184,25 @@ async fn a_worker_frozen_past_its_ack_wait_leaves_the_redelivery_to_its_running_
 
 #[tokio::test]
 async fn sigterm_hands_running_work_back_at_once_and_exits_zero() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let logs = tempfile::tempdir().unwrap();
-    let mark = logs.path().join("first-run");
+    let rig = Rig::start().await;
+    let (bus, api) = (&rig.bus, &rig.api);
+    let mark = rig.logs.path().join("first-run");
     let script = format!(
         "if [ -e {m} ]; then echo second run; else touch {m}; sleep 60; fi",
         m = mark.display()
     );
     // AckWait is long: only a NAK on shutdown gets the task to B quickly.
     let extra = ["--ack-wait", "60s", "--shutdown-grace", "1s"];
-    let mut first = Service::spawn(
-        worker_args(&nats.url(), &prefix, &script, &extra),
-        logs.path().join("first.log"),
-    );
-    let _wake = Service::spawn(
-        wake_args(&nats.url(), &prefix, &api.url()),
-        logs.path().join("wake.log"),
-    );
+    let mut first = rig.worker("first", &script, &extra);
+    let _wake = rig.wake("wake");
     let req = request("s.term", "hand me back");
-    publish_until_stored(&bus, &req).await;
+    publish_until_stored(bus, &req).await;
     wait_until(Duration::from_secs(30), "the first run", || async {
         mark.exists()
     })
     .await;
 
-    let _second = Service::spawn(
-        worker_args(&nats.url(), &prefix, &script, &extra),
-        logs.path().join("second.log"),
-    );
+    let _second = rig.worker("second", &script, &extra);
     let status = first.signal_and_wait(Signal::SIGTERM, Duration::from_secs(20));
     assert!(status.success(), "worker exited with {status}");
     wait_until(
@@ -205,7 +212,7 @@ async fn sigterm_hands_running_work_back_at_once_and_exits_zero() {
     )
     .await;
     assert!(api.accepted()[0].text().contains("second run"));
-    assert_eq!(events(&bus, ".done").await.len(), 1);
+    assert_eq!(events(bus, ".done").await.len(), 1);
 }
 
 #[tokio::test]

@@ -726,6 +726,47 @@ async fn replay_stopped_by_ctrl_c_reports_exactly_the_wakes_it_redrove_and_leave
     assert_eq!(received, reported, "posted and reported differ");
 }
 
+/// Dead-letters a task of `session`, then leaves what an earlier `replay
+/// tasks` leaves when it stored its `submitted` record and failed to store
+/// the task. Returns the derived delegation id.
+async fn half_requeue_a_dead_letter(
+    url: &str,
+    prefix: &str,
+    bus: &wakebus::bus::Bus,
+    api: &SessionApiServer,
+    session: &str,
+) -> String {
+    dead_letter_a_task(bus, api, session).await;
+    let dry = wakebus(url, prefix, &["replay", "tasks", "--dry-run"])
+        .await
+        .ok_json();
+    let derived = dry[0]["new_delegation_id"].as_str().unwrap().to_owned();
+    let record = bus.subjects.submitted(&session_token(session), &derived, 0);
+    bus.js
+        .publish(record, r#"{"note": "half a re-queue"}"#.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    derived
+}
+
+/// Starts a worker and waits for the re-queued task's wake, the session's
+/// second (after the failure's).
+async fn run_the_requeued_task(
+    services: &mut Services,
+    bus: &wakebus::bus::Bus,
+    api: &SessionApiServer,
+    derived: &str,
+) {
+    services.echo_worker(bus);
+    wait_until(WAIT, "the re-run's wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    assert_eq!(api.accepted()[1].delegation_ids(), [derived]);
+}
+
 #[tokio::test]
 async fn replay_sends_the_task_again_when_an_earlier_requeue_stored_only_its_record() {
     init_logs();
@@ -736,20 +777,7 @@ async fn replay_sends_the_task_again_when_an_earlier_requeue_stored_only_its_rec
     let session = "s.half-requeued";
     let mut services = Services::new();
     services.wake(&bus, test_wake_config(&api.url()));
-    dead_letter_a_task(&bus, &api, session).await;
-    let dry = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
-        .await
-        .ok_json();
-    let derived = dry[0]["new_delegation_id"].as_str().unwrap().to_owned();
-    // An earlier re-queue stored its submitted record, then failed to
-    // store the task.
-    let record = bus.subjects.submitted(&session_token(session), &derived, 0);
-    bus.js
-        .publish(record, r#"{"note": "half a re-queue"}"#.into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    let derived = half_requeue_a_dead_letter(&nats.url(), &prefix, &bus, &api, session).await;
 
     let lines = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
         .await
@@ -761,12 +789,7 @@ async fn replay_sends_the_task_again_when_an_earlier_requeue_stored_only_its_rec
         .await
         .ok_json();
     assert_eq!(again[0]["action"], "skipped", "{again:#?}");
-    services.echo_worker(&bus);
-    wait_until(WAIT, "the re-run's wake", || async {
-        api.accepted().len() == 2
-    })
-    .await;
-    assert_eq!(api.accepted()[1].delegation_ids(), [derived.as_str()]);
+    run_the_requeued_task(&mut services, &bus, &api, &derived).await;
     services.stop().await;
     assert_eq!(api.accepted().len(), 2, "the task ran once");
 }
@@ -806,20 +829,7 @@ no_auth_user: all
     let session = "s.unreadable-queue";
     let mut services = Services::new();
     services.wake(&bus, test_wake_config(&api.url()));
-    dead_letter_a_task(&bus, &api, session).await;
-    let dry = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
-        .await
-        .ok_json();
-    let derived = dry[0]["new_delegation_id"].as_str().unwrap().to_owned();
-    // An earlier re-queue stored its record; whether its task is queued
-    // can only be told from the task stream.
-    let record = bus.subjects.submitted(&session_token(session), &derived, 0);
-    bus.js
-        .publish(record, r#"{"note": "half a re-queue"}"#.into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    let derived = half_requeue_a_dead_letter(&nats.url(), &prefix, &bus, &api, session).await;
 
     let password_arg = password.display().to_string();
     let blind = [
@@ -857,11 +867,6 @@ no_auth_user: all
         .await
         .ok_json();
     assert_eq!(lines[0]["action"], "replayed", "{lines:#?}");
-    services.echo_worker(&bus);
-    wait_until(WAIT, "the re-run's wake", || async {
-        api.accepted().len() == 2
-    })
-    .await;
-    assert_eq!(api.accepted()[1].delegation_ids(), [derived.as_str()]);
+    run_the_requeued_task(&mut services, &bus, &api, &derived).await;
     services.stop().await;
 }
