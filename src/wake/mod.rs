@@ -210,11 +210,12 @@ pub async fn run(
                 }
             };
             match next {
-                Some(Ok(message)) => {
-                    if let Err(outcome) = admit(message.clone()).map(|p| gate.route(p, &router)) {
-                        outcome_for(&shared, &message, outcome).await;
-                    }
-                }
+                // Checked by reference, then moved: no clone of the message
+                // (and its header map) per completion.
+                Some(Ok(message)) => match admit(&message) {
+                    Ok((event, session)) => gate.route(pending(message, event, session), &router),
+                    Err(admission) => outcome_for(&shared, &message, admission).await,
+                },
                 Some(Err(error)) => {
                     warn!(%error, "Completion consumer error; continuing.");
                 }
@@ -246,23 +247,31 @@ pub enum Admission {
     Poison(String),
 }
 
-/// Decides what to do with one completion message.
-fn admit(message: jetstream::Message) -> Result<Pending, Admission> {
-    let headers = message.headers.as_ref();
-    let origin = headers
+/// Decides what to do with one completion message: the event and the
+/// session it wakes, or why it is not routed.
+fn admit(message: &jetstream::Message) -> Result<(CompletionEvent, String), Admission> {
+    let origin = message
+        .headers
+        .as_ref()
         .and_then(|h| h.get(HEADER_ORIGIN_SESSION))
         .map(|v| v.as_str());
-    let (event, session) = check_completion(&message.payload, origin)?;
-    let traceparent = headers
+    check_completion(&message.payload, origin)
+}
+
+/// An admitted completion, ready for its session's actor.
+fn pending(message: jetstream::Message, event: CompletionEvent, session: String) -> Pending {
+    let traceparent = message
+        .headers
+        .as_ref()
         .and_then(|h| h.get(HEADER_TRACEPARENT))
         .and_then(|v| TraceParent::parse(v.as_str()))
         .map(|tp| tp.to_string());
-    Ok(Pending {
+    Pending {
         message,
         event,
         session,
         traceparent,
-    })
+    }
 }
 
 /// Decides, from a completion's body and its `Wakebus-Origin-Session`
