@@ -25,10 +25,15 @@ async fn events(bus: &Bus, suffix: &str) -> Vec<async_nats::jetstream::message::
 /// A NATS server, a session API and a prefix, with `wakebus` processes
 /// started against them, each logging to its own file.
 struct Rig {
+    /// The server every process of the test talks to.
     nats: NatsServer,
+    /// Where the wake service posts continuations.
     api: SessionApiServer,
+    /// This test's subject and stream prefix.
     prefix: String,
+    /// The test's own connection, for delegating and reading history.
     bus: Bus,
+    /// The processes' log files and the scripts' marker files.
     logs: tempfile::TempDir,
 }
 
@@ -133,23 +138,35 @@ async fn a_worker_frozen_past_its_ack_wait_leaves_the_redelivery_to_its_running_
     let (bus, api) = (&rig.bus, &rig.api);
     // The task's shell is a child process: it keeps running while the
     // worker is frozen, as a subagent would.
+    // It finishes only when the test says so, after the redelivery was seen.
+    let release = rig.logs.path().join("release");
+    let script = format!(
+        "until [ -e {r} ]; do sleep 0.1; done; echo finished",
+        r = release.display()
+    );
     let ack_wait = Duration::from_secs(1);
-    let worker = rig.worker("worker", "sleep 5; echo finished", &["--ack-wait", "1s"]);
+    let worker = rig.worker("worker", &script, &["--ack-wait", "1s"]);
     let _wake = rig.wake("wake");
     rig.delegate_and_wait_started("s.frozen", "outlive a stall")
         .await;
 
     // The fault itself: no in-progress ack for three AckWaits, so the server
     // hands the task out again, and only this worker is there to take it.
+    // The sleep is the length of the stall, not a wait for a condition.
     worker.signal(Signal::SIGSTOP);
     tokio::time::sleep(3 * ack_wait).await;
     worker.signal(Signal::SIGCONT);
     wait_until(
         Duration::from_secs(30),
-        "the server to redeliver the task",
-        || async { worker_consumer_info(bus).await.delivered.consumer_sequence >= 2 },
+        "the worker to leave the redelivery to the running attempt",
+        || async {
+            std::fs::read_to_string(&worker.log)
+                .is_ok_and(|log| log.contains("leaving it to the running attempt"))
+        },
     )
     .await;
+    assert!(worker_consumer_info(bus).await.delivered.consumer_sequence >= 2);
+    std::fs::write(&release, b"").unwrap();
 
     wait_until(Duration::from_secs(30), "the wake", || async {
         !api.accepted().is_empty()
@@ -167,10 +184,6 @@ async fn a_worker_frozen_past_its_ack_wait_leaves_the_redelivery_to_its_running_
         "the redelivery must not start a second run"
     );
     let log = std::fs::read_to_string(&worker.log).unwrap();
-    assert!(
-        log.contains("leaving it to the running attempt"),
-        "the worker says why it did not run the redelivery:\n{log}"
-    );
     assert!(
         !log.contains("Completion already published"),
         "the running attempt's ack settled the message, with no later delivery:\n{log}"

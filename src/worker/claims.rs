@@ -12,6 +12,8 @@
 use std::collections::HashSet;
 use std::sync::Mutex;
 
+use crate::outcome::Outcome;
+
 /// Stream sequences of the tasks running here.
 #[derive(Debug, Default)]
 pub(crate) struct Claims {
@@ -41,6 +43,19 @@ impl Claims {
             sequence,
         })
     }
+
+    /// What to do with a delivery pulled after the shutdown signal: hand it
+    /// back for another worker, unless it is a redelivery of a task still
+    /// running here, whose running attempt settles it (a NAK would have
+    /// another worker run it a second time).
+    pub(crate) fn after_stop(&self, sequence: Option<u64>) -> Outcome {
+        match sequence {
+            Some(sequence) if self.held.lock().expect("claims").contains(&sequence) => {
+                Outcome::Leave
+            }
+            _ => Outcome::Nak(None),
+        }
+    }
 }
 
 impl Drop for Claim<'_> {
@@ -66,5 +81,16 @@ mod tests {
         assert!(claims.claim(8).is_some(), "other tasks are unaffected");
         drop(first);
         assert!(claims.claim(7).is_some(), "claimable again once released");
+    }
+
+    #[test]
+    fn a_delivery_pulled_while_stopping_is_left_only_if_it_runs_here() {
+        let claims = Claims::default();
+        let running = claims.claim(7).expect("a fresh sequence is claimed");
+        assert_eq!(claims.after_stop(Some(7)), Outcome::Leave);
+        assert_eq!(claims.after_stop(Some(8)), Outcome::Nak(None));
+        assert_eq!(claims.after_stop(None), Outcome::Nak(None));
+        drop(running);
+        assert_eq!(claims.after_stop(Some(7)), Outcome::Nak(None));
     }
 }

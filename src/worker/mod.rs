@@ -27,7 +27,6 @@ pub use handler::{Rejected, decode_request};
 
 use crate::bus::{Bus, BusSettings, ProvisionError};
 use crate::ops::service::{Registration, register};
-use crate::outcome::Outcome;
 use crate::protocol::Limits;
 use crate::quarantine::{ReconnectWatch, sweep_after_reconnect};
 use executor::{Executor, TaskEnv};
@@ -228,15 +227,14 @@ pub async fn run(
             };
             if stopping.is_cancelled() {
                 // Pulled after the shutdown signal: give it straight back.
-                Outcome::Nak(None).apply(&message).await;
+                handler.refuse(&message).await;
                 continue;
             }
             let permit = permits.split(1).expect("one permit per message pulled");
             let handler = handler.clone();
             let stop = stop_runs.clone();
             tracker.spawn(async move {
-                let outcome = handler.handle(&message, &stop).await;
-                outcome.apply(&message).await;
+                handler.settle(&message, &stop).await;
                 drop(permit);
             });
         }

@@ -27,7 +27,7 @@ use tracing::{Instrument, error, info, info_span, warn};
 
 use super::WorkerConfig;
 use super::cancel::{CancelRegistry, StopReason};
-use super::claims::Claims;
+use super::claims::{Claim, Claims};
 use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
 use crate::bus::Bus;
 use crate::ops::metrics as m;
@@ -78,14 +78,38 @@ impl TaskHandler {
         }
     }
 
-    /// Handles one delivery of a request. `stop` is cancelled when the worker
-    /// shuts down and its grace period is over: the run is then stopped and
-    /// the request handed back.
-    pub(crate) async fn handle(
+    /// Handles one delivery of a request and sends its outcome to the server
+    /// while the task is still claimed, so a redelivery arriving between the
+    /// run's end and its ack is left alone too. `stop` is cancelled when the
+    /// worker shuts down and its grace period is over: the run is then
+    /// stopped and the request handed back.
+    pub(crate) async fn settle(&self, message: &jetstream::Message, stop: &CancellationToken) {
+        let (outcome, _claim) = self.handle(message, stop).await;
+        outcome.apply(message).await;
+    }
+
+    /// Settles a delivery pulled after the shutdown signal: hands it back,
+    /// unless it is a redelivery of a task still running here (whose running
+    /// attempt settles it).
+    pub(crate) async fn refuse(&self, message: &jetstream::Message) {
+        let sequence = message.info().ok().map(|info| info.stream_sequence);
+        let outcome = self.claims.after_stop(sequence);
+        if outcome == Outcome::Leave {
+            warn!(
+                stream_sequence = sequence,
+                "Task redelivered during shutdown while it still runs here; leaving it to the running attempt."
+            );
+        }
+        outcome.apply(message).await;
+    }
+
+    /// Decides one delivery of a request; the claim it returns (if any) must
+    /// be held until the outcome has been applied.
+    async fn handle(
         &self,
         message: &jetstream::Message,
         stop: &CancellationToken,
-    ) -> Outcome {
+    ) -> (Outcome, Option<Claim<'_>>) {
         let info = message.info().ok();
         let attempt = info.as_ref().map_or(1, |info| info.delivered).max(1) as u64;
         let sequence = info.as_ref().map(|info| info.stream_sequence);
@@ -96,7 +120,7 @@ impl TaskHandler {
         let headers = message.headers.as_ref();
         let request = match decode_request(&message.payload, headers, &self.config.limits) {
             Ok(request) => request,
-            Err(rejected) => return self.reject(message, rejected).await,
+            Err(rejected) => return (self.reject(message, rejected).await, None),
         };
         let trace = header(headers, HEADER_TRACEPARENT)
             .and_then(TraceParent::parse)
@@ -109,7 +133,7 @@ impl TaskHandler {
             attempt,
         );
         let next = crate::telemetry::hop(&span, Some(trace));
-        let _claim = match sequence.map(|sequence| self.claims.claim(sequence)) {
+        let claim = match sequence.map(|sequence| self.claims.claim(sequence)) {
             Some(None) => {
                 span.in_scope(|| {
                     warn!(
@@ -118,14 +142,16 @@ impl TaskHandler {
                          a stall or an overloaded machine); leaving it to the running attempt."
                     );
                 });
-                return Outcome::Leave;
+                return (Outcome::Leave, None);
             }
             Some(Some(claim)) => Some(claim),
             None => None,
         };
-        self.run_request(message, request, next, attempt, stop)
+        let outcome = self
+            .run_request(message, request, next, attempt, stop)
             .instrument(span)
-            .await
+            .await;
+        (outcome, claim)
     }
 
     async fn run_request(
