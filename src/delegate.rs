@@ -454,14 +454,6 @@ impl Delegator {
         let traceparent = trace.to_string();
         let mut records = Vec::with_capacity(requests.len());
         let mut pending = Vec::with_capacity(requests.len());
-        let record_headers = |request: &TaskRequest| {
-            let id = SubmittedRecord::id_for(&request.delegation_id, request.task_index);
-            Self::headers(&id, EventKind::Submitted.ce_type(), request, trace)
-        };
-        let task_headers = |request: &TaskRequest| {
-            let id = format!("{}.{}", request.delegation_id, request.task_index);
-            Self::headers(&id, "io.wakebus.task.requested", request, trace)
-        };
         for request in requests {
             let token = crate::worker::token_for(request.origin_session_id.as_deref());
             let record = SubmittedRecord::for_request(request, pool, Some(traceparent.clone()));
@@ -469,17 +461,31 @@ impl Delegator {
                 self.bus
                     .subjects
                     .submitted(&token, &request.delegation_id, request.task_index),
-                record_headers(request),
+                Self::record_headers(request, trace),
                 Bytes::from(serde_json::to_vec(&record).map_err(PublishError::from)?),
             ));
             let payload = Bytes::from(serde_json::to_vec(request).map_err(PublishError::from)?);
             self.check_size(payload.len(), request)?;
-            pending.push((subject.clone(), task_headers(request), payload));
+            pending.push((subject.clone(), Self::task_headers(request, trace), payload));
         }
-        self.publish_stored(records, |i| record_headers(&requests[i]))
+        self.publish_stored(records, |i| Self::record_headers(&requests[i], trace))
             .await?;
-        self.publish_stored(pending, |i| task_headers(&requests[i]))
+        self.publish_stored(pending, |i| Self::task_headers(&requests[i], trace))
             .await
+    }
+
+    /// The headers of a task's `submitted` record. Built the same way on a
+    /// retry, so the retry carries the same dedupe id.
+    fn record_headers(request: &TaskRequest, trace: TraceParent) -> async_nats::HeaderMap {
+        let id = SubmittedRecord::id_for(&request.delegation_id, request.task_index);
+        Self::headers(&id, EventKind::Submitted.ce_type(), request, trace)
+    }
+
+    /// The headers of a task request; its dedupe id is
+    /// `<delegation_id>.<task_index>`, the same on every attempt.
+    fn task_headers(request: &TaskRequest, trace: TraceParent) -> async_nats::HeaderMap {
+        let id = format!("{}.{}", request.delegation_id, request.task_index);
+        Self::headers(&id, "io.wakebus.task.requested", request, trace)
     }
 
     /// The headers of a delegator's publish.
@@ -620,6 +626,52 @@ impl Delegator {
                 .await
                 .map_err(|_| DelegateError::WaitTimeout(limit, first.delegation_id.clone()))?,
             None => wait.await,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{
+        HEADER_CE_ID, HEADER_DELEGATION_ID, HEADER_MSG_ID, HEADER_ORIGIN_SESSION,
+        HEADER_TASK_INDEX, HEADER_TRACEPARENT,
+    };
+
+    /// `publish_stored` gives the first attempt's header maps away and
+    /// builds them again for a retry: JetStream drops a retried message as
+    /// a duplicate only if the rebuilt headers carry the same ids.
+    #[test]
+    fn a_retried_publish_carries_the_first_attempts_dedupe_id_and_trace() {
+        let mut request = TaskRequest::new("01JDELEGATION", "goal");
+        request.task_index = 2;
+        request.origin_session_id = Some("s.retry".to_owned());
+        let trace = TraceParent::new_root();
+        type Build = fn(&TaskRequest, TraceParent) -> async_nats::HeaderMap;
+        let builders: [(Build, String); 2] = [
+            (
+                Delegator::record_headers,
+                SubmittedRecord::id_for("01JDELEGATION", 2),
+            ),
+            (Delegator::task_headers, "01JDELEGATION.2".to_owned()),
+        ];
+        for (build, id) in builders {
+            let (first, again) = (build(&request, trace), build(&request, trace));
+            let value = |map: &async_nats::HeaderMap, name: &str| {
+                map.get(name).map(|v| v.as_str().to_owned())
+            };
+            assert_eq!(value(&first, HEADER_MSG_ID).as_deref(), Some(id.as_str()));
+            for name in [
+                HEADER_MSG_ID,
+                HEADER_CE_ID,
+                HEADER_TRACEPARENT,
+                HEADER_ORIGIN_SESSION,
+                HEADER_DELEGATION_ID,
+                HEADER_TASK_INDEX,
+            ] {
+                assert!(value(&first, name).is_some(), "{name} is set");
+                assert_eq!(value(&first, name), value(&again, name), "{name}");
+            }
         }
     }
 }

@@ -228,6 +228,7 @@ pub async fn run(
     stopping.cancel();
     tracker.close();
     tracker.wait().await;
+    debug_assert_eq!(router.live_sessions(), 0, "every actor removed its entry");
     if let Some(registered) = registered {
         registered.stop().await;
     }

@@ -7,19 +7,20 @@
 //! redelivered elsewhere meanwhile.
 //!
 //! - this file: routing completions to actors, the actor loop, the lock;
+//! - [`actors`]: the table of live actors (and the sessions gauge);
 //! - [`plan`]: sorting held completions into turns, with the ledger;
 //! - [`post`]: posting one turn, retrying, recording and acking it.
 
+mod actors;
 mod plan;
 mod post;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
+use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::mpsc::error::TryRecvError;
-use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -128,6 +129,12 @@ impl Turn {
     }
 }
 
+impl actors::Routed for Box<Pending> {
+    fn session(&self) -> &str {
+        &self.session
+    }
+}
+
 /// An actor's incoming completions. Boxed: the channel allocates blocks of
 /// 32 slots (and keeps a few for reuse while it lives), and with a
 /// thousand sessions in hand at once, blocks of 824-byte `Pending`s held
@@ -148,8 +155,8 @@ enum Posted {
 /// Routes completions to their session's actor, starting actors on demand.
 #[derive(Debug)]
 pub(crate) struct Router {
-    /// Senders to live actors, by raw session id.
-    sessions: Mutex<HashMap<String, UnboundedSender<Box<Pending>>>>,
+    /// Inboxes of live actors, by raw session id.
+    actors: actors::Actors<Box<Pending>>,
     /// What actors need.
     shared: Arc<Shared>,
     /// Tracks actors so shutdown can wait for them.
@@ -165,48 +172,27 @@ impl Router {
         shutdown: CancellationToken,
     ) -> Arc<Self> {
         Arc::new(Self {
-            sessions: Mutex::new(HashMap::new()),
+            actors: actors::Actors::new(),
             shared,
             tracker,
             shutdown,
         })
     }
 
-    /// Hands `pending` to its session's actor.
+    /// Hands `pending` to its session's actor, starting one if needed.
     pub(crate) fn route(self: &Arc<Self>, pending: Pending) {
-        let mut sessions = self.sessions.lock().expect("router lock poisoned");
-        let pending = match sessions.get(&pending.session) {
-            Some(tx) => match tx.send(Box::new(pending)) {
-                Ok(()) => return,
-                Err(returned) => *returned.0,
-            },
-            None => pending,
+        let Some((session, rx)) = self.actors.route(Box::new(pending)) else {
+            return;
         };
-        let (tx, rx) = unbounded_channel();
-        let session = pending.session.clone();
-        tx.send(Box::new(pending)).expect("receiver is alive");
-        if sessions.insert(session.clone(), tx).is_none() {
-            crate::ops::metrics::wake_session_opened();
-        }
         let router = self.clone();
         let span = info_span!("session", session_token = %session_token(&session));
         self.tracker
             .spawn(async move { router.actor(session, rx).await }.instrument(span));
     }
 
-    /// Removes an idle actor, unless something arrived for it meanwhile.
-    fn retire(&self, session: &str, rx: &Inbox) -> bool {
-        let mut sessions = self.sessions.lock().expect("router lock poisoned");
-        if rx.is_empty() {
-            // The gauge follows this map, so a test of it also catches an
-            // entry that outlives its actor.
-            if sessions.remove(session).is_some() {
-                crate::ops::metrics::wake_session_closed();
-            }
-            true
-        } else {
-            false
-        }
+    /// Sessions with a live actor.
+    pub(crate) fn live_sessions(&self) -> usize {
+        self.actors.len()
     }
 
     async fn actor(self: Arc<Self>, session: String, mut rx: Inbox) {
@@ -223,7 +209,7 @@ impl Router {
                 match rx.try_recv() {
                     Ok(p) => held.push(*p),
                     Err(TryRecvError::Disconnected) => return,
-                    Err(TryRecvError::Empty) if self.retire(&session, &rx) => return,
+                    Err(TryRecvError::Empty) if self.actors.retire(&session, &rx) => return,
                     Err(TryRecvError::Empty) => continue,
                 }
             } else if held.is_empty() {
@@ -250,7 +236,7 @@ impl Router {
             if config.coalesce_window.is_zero() {
                 if self.shutdown.is_cancelled() {
                     self.release(lock).await;
-                    return self.hand_back(held, &mut rx).await;
+                    return self.hand_back(&session, held, &mut rx).await;
                 }
                 while let Ok(p) = rx.try_recv() {
                     held.push(*p);
@@ -260,18 +246,18 @@ impl Router {
                 .await
             {
                 self.release(lock).await;
-                return self.hand_back(held, &mut rx).await;
+                return self.hand_back(&session, held, &mut rx).await;
             }
             let mut guard = match lock.take() {
                 Some(guard) => guard,
                 None => match self.acquire_lock(&mut held, &mut rx).await {
                     Some(guard) => guard,
-                    None => return self.hand_back(held, &mut rx).await,
+                    None => return self.hand_back(&session, held, &mut rx).await,
                 },
             };
             if !self.deliver(&session, &mut held, &mut rx, &mut guard).await {
                 self.release(Some(guard)).await;
-                return self.hand_back(held, &mut rx).await;
+                return self.hand_back(&session, held, &mut rx).await;
             }
             // A lock whose refresh failed is never reused: the next turn
             // takes the lock anew.
@@ -364,9 +350,12 @@ impl Router {
         true
     }
 
-    /// Shutdown: hand every held message back at once so another instance takes it.
-    async fn hand_back(&self, held: Vec<Pending>, rx: &mut Inbox) {
+    /// Shutdown: hand every held message back at once so another instance
+    /// takes it. The closed inbox takes nothing more, so the actor's entry
+    /// goes too.
+    async fn hand_back(&self, session: &str, held: Vec<Pending>, rx: &mut Inbox) {
         rx.close();
+        self.actors.forget(session);
         let mut all = held;
         while let Ok(p) = rx.try_recv() {
             all.push(*p);
