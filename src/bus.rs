@@ -227,12 +227,7 @@ impl Bus {
         Fut: std::future::Future<Output = Result<T, ProvisionError>>,
     {
         attempt
-            .retry(
-                ExponentialBuilder::default()
-                    .with_min_delay(Duration::from_millis(200))
-                    .with_max_delay(Duration::from_secs(5))
-                    .with_max_times(usize::MAX),
-            )
+            .retry(setup_backoff())
             .when(is_transient)
             .notify(|err, delay| {
                 warn!(error = %err, retry_in = ?delay, "Provisioning failed: NATS may not be up yet, or this NATS user may not create what is missing (run `wakebus init` as operator); will retry.");
@@ -528,18 +523,22 @@ impl Bus {
                 Ok(consumer)
             };
         attempt
-            .retry(
-                ExponentialBuilder::default()
-                    .with_min_delay(Duration::from_millis(200))
-                    .with_max_delay(Duration::from_secs(5))
-                    .with_max_times(usize::MAX),
-            )
+            .retry(setup_backoff())
             .when(is_transient)
             .notify(|err, delay| {
                 warn!(error = %err, retry_in = ?delay, "Consumer setup failed; will retry.");
             })
             .await
     }
+}
+
+/// How set-up steps retry while NATS is not up yet or what they need is
+/// missing: from 200 ms up to every 5 s, for as long as it takes.
+fn setup_backoff() -> ExponentialBuilder {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(200))
+        .with_max_delay(Duration::from_secs(5))
+        .with_max_times(usize::MAX)
 }
 
 /// How many queued requests [`Bus::is_queued`] scans before it assumes the
