@@ -378,6 +378,47 @@ async fn retry_after_from_the_session_api_is_honoured() {
 }
 
 #[tokio::test]
+async fn a_wake_stopped_while_its_post_is_failing_hands_the_completion_to_the_next_instance() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    api.fail_always(503);
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    // AckWait far beyond the wait below: only the hand-back's NAK gets the
+    // completion to the second instance in time.
+    let mut config = test_wake_config(&api.url());
+    config.ack_wait = Duration::from_secs(120);
+    let mut first = Services::new();
+    first.echo_worker(&bus);
+    first.wake(&bus, config.clone());
+    let result = Delegator::new(bus.clone())
+        .delegate(Delegation::new("outlive me").session("s.handback"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "refused posts", || async {
+        api.all_posts().len() >= 2
+    })
+    .await;
+    // The stop panics (in a debug build) if a stopped session actor left
+    // its entry behind: the sessions gauge would stay above 0.
+    first.stop().await;
+    assert!(api.accepted().is_empty());
+
+    api.recover();
+    let mut second = Services::new();
+    second.wake(&bus, config);
+    wait_until(WAIT, "the wake from the second instance", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    second.stop().await;
+    let accepted = api.accepted();
+    assert_eq!(accepted.len(), 1);
+    assert_eq!(accepted[0].session(), "s.handback");
+    assert_eq!(accepted[0].delegation_ids(), vec![id_of(&result)]);
+}
+
+#[tokio::test]
 async fn services_started_before_the_server_wait_for_it() {
     init_logs();
     let port = nats::free_port();
