@@ -84,8 +84,10 @@ impl TaskHandler {
     /// worker shuts down and its grace period is over: the run is then
     /// stopped and the request handed back.
     pub(crate) async fn settle(&self, message: &jetstream::Message, stop: &CancellationToken) {
-        let (outcome, _claim) = self.handle(message, stop).await;
+        let (outcome, claim) = self.handle(message, stop).await;
         outcome.apply(message).await;
+        // Given up only now that the ack (or NAK) is on its way.
+        drop(claim);
     }
 
     /// Settles a delivery pulled after the shutdown signal: hands it back,
