@@ -403,6 +403,14 @@ async fn a_wake_stopped_while_its_post_is_failing_hands_the_completion_to_the_ne
     // its entry behind: the sessions gauge would stay above 0.
     first.stop().await;
     assert!(api.accepted().is_empty());
+    // The lock was given back before the service returned, not left to expire.
+    let kv = bus
+        .js
+        .get_key_value(&bus.subjects.session_lock_bucket())
+        .await
+        .unwrap();
+    let token = wakebus::protocol::session_token("s.handback");
+    assert!(kv.get(&token).await.unwrap().is_none(), "session lock kept");
 
     api.recover();
     let mut second = Services::new();
