@@ -10,6 +10,7 @@ use common::*;
 use wakebus::bus::Bus;
 use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::{CompletionEvent, Status, TaskRequest};
+use wakebus::wake::lock::SessionLocks;
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -345,6 +346,80 @@ async fn a_busy_session_keeps_its_lock_between_consecutive_turns_then_releases_i
     .await;
     services.stop().await;
     assert_eq!(api.accepted().len(), 5);
+}
+
+/// The session-lock bucket of a fresh prefix whose locks expire after `ttl`.
+async fn lock_bucket(nats: &NatsServer, ttl: Duration) -> async_nats::jetstream::kv::Store {
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let settings = wakebus::bus::BusSettings {
+        session_lock_ttl: ttl,
+        ..Default::default()
+    };
+    bus.provision_wake_state(&settings)
+        .await
+        .unwrap()
+        .session_locks
+}
+
+#[tokio::test]
+async fn a_released_session_lock_leaves_no_marker_so_taking_it_again_is_one_write() {
+    let nats = NatsServer::start().await;
+    let ttl = Duration::from_secs(30);
+    let kv = lock_bucket(&nats, ttl).await;
+    let mut stream = kv.stream.clone();
+    let locks = SessionLocks::new(kv, "wake-a", ttl);
+
+    let first = locks
+        .try_acquire("tok")
+        .await
+        .unwrap()
+        .expect("a free lock");
+    let taken_at = stream.info().await.unwrap().state.last_sequence;
+    locks.release(first).await.unwrap();
+    // A KV delete would have left a marker (one more stored message) that
+    // the next take would have had to read before writing over it.
+    let released = &stream.info().await.unwrap().state;
+    assert_eq!((released.messages, released.last_sequence), (0, taken_at));
+
+    let again = locks.try_acquire("tok").await.unwrap();
+    assert!(again.is_some(), "a released lock is free");
+    assert_eq!(
+        stream.info().await.unwrap().state.last_sequence,
+        taken_at + 1
+    );
+}
+
+#[tokio::test]
+async fn releasing_an_expired_lock_keeps_the_lock_another_instance_took_since() {
+    let nats = NatsServer::start().await;
+    let ttl = Duration::from_secs(1);
+    let kv = lock_bucket(&nats, ttl).await;
+    let a = SessionLocks::new(kv.clone(), "wake-a", ttl);
+    let b = SessionLocks::new(kv.clone(), "wake-b", ttl);
+
+    // A stalls past the TTL without refreshing; its lock expires.
+    let stale = a.try_acquire("tok").await.unwrap().expect("a free lock");
+    wait_until(WAIT, "the stalled lock to expire", || async {
+        kv.get("tok").await.unwrap().is_none()
+    })
+    .await;
+    let mut fresh = b
+        .try_acquire("tok")
+        .await
+        .unwrap()
+        .expect("an expired lock is free");
+    // A wakes up and releases what it believes it holds.
+    a.release(stale).await.unwrap();
+
+    assert_eq!(
+        kv.get("tok").await.unwrap().as_deref(),
+        Some(&b"wake-b"[..])
+    );
+    assert!(
+        a.try_acquire("tok").await.unwrap().is_none(),
+        "B's lock was released"
+    );
+    b.refresh(&mut fresh).await.unwrap();
 }
 
 #[tokio::test]
