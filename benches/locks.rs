@@ -1,0 +1,115 @@
+//! What taking and releasing a session lock costs, by how it is released.
+//!
+//! `cargo bench --bench locks` starts its own nats-server and, for each way
+//! of releasing, takes and releases locks on 1,000 session keys in turn
+//! (each key already taken and released once, as a busy wake's keys are),
+//! one cycle at a time, reporting wall time and nats-server CPU per cycle:
+//!
+//! - **KV delete** (how wakebus released before): the delete marker stays
+//!   as the key's last message, so the next take is a create refused by
+//!   the marker, a read of it and an update over it.
+//! - **purge** ([`SessionLocks::release`]): the key is purged below the
+//!   holder's revision + 1, so the next take is a single create.
+//!
+//! The two alternate over `WAKEBUS_BENCH_ROUNDS` (3) rounds of
+//! `WAKEBUS_BENCH_CYCLES` (5000) cycles on fresh buckets of one server.
+
+#[path = "pipeline/nats.rs"]
+mod nats;
+// Only its CPU reading is used here.
+#[allow(dead_code)]
+#[path = "pipeline/procs.rs"]
+mod procs;
+
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::kv;
+use wakebus::bus::{Bus, BusSettings};
+use wakebus::connect::NatsConfig;
+use wakebus::protocol::Subjects;
+use wakebus::wake::lock::SessionLocks;
+
+use nats::NatsServer;
+
+const KEYS: usize = 1_000;
+
+/// How a lock is released.
+#[derive(Clone, Copy, Debug)]
+enum Release {
+    /// KV delete with the holder's revision expected.
+    Delete,
+    /// `SessionLocks::release`.
+    Purge,
+}
+
+#[tokio::main]
+async fn main() {
+    let env = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let (rounds, cycles) = (
+        env("WAKEBUS_BENCH_ROUNDS", 3),
+        env("WAKEBUS_BENCH_CYCLES", 5_000),
+    );
+    let server = NatsServer::start().await;
+    println!("wakebus lock bench: {}", server.version);
+    println!(
+        "{:<12} {:>18} {:>26}",
+        "release", "wall µs/cycle", "nats-server CPU µs/cycle"
+    );
+    for round in 0..rounds {
+        for how in [Release::Delete, Release::Purge] {
+            let kv = bucket(&server, &format!("lk{round}{how:?}").to_lowercase()).await;
+            let keys: Vec<String> = (0..KEYS).map(|i| format!("k{i}")).collect();
+            for key in &keys {
+                cycle(&kv, key, how).await;
+            }
+            let (cpu, started) = (procs::cpu_seconds(server.pid()), Instant::now());
+            for i in 0..cycles {
+                cycle(&kv, &keys[i % KEYS], how).await;
+            }
+            let wall = started.elapsed().as_secs_f64();
+            let cpu = procs::cpu_seconds(server.pid()) - cpu;
+            let per = |s: f64| s * 1e6 / cycles as f64;
+            println!(
+                "{:<12} {:>18.0} {:>26.0}",
+                format!("{how:?}"),
+                per(wall),
+                per(cpu)
+            );
+        }
+    }
+}
+
+/// A fresh session-lock bucket under `prefix`.
+async fn bucket(server: &NatsServer, prefix: &str) -> kv::Store {
+    let client = NatsConfig::new(&server.url)
+        .connect()
+        .await
+        .expect("connect");
+    let bus = Bus::new(client, Subjects::new(prefix).expect("prefix"));
+    bus.provision_wake_state(&BusSettings::default())
+        .await
+        .expect("provision")
+        .session_locks
+}
+
+/// Takes the lock on `key` and releases it.
+async fn cycle(kv: &kv::Store, key: &str, how: Release) {
+    match how {
+        Release::Delete => {
+            let revision = kv.create(key, "bench".into()).await.expect("take");
+            kv.delete_expect_revision(key, Some(revision))
+                .await
+                .expect("release");
+        }
+        Release::Purge => {
+            let locks = SessionLocks::new(kv.clone(), "bench", Duration::from_secs(30));
+            let guard = locks.try_acquire(key).await.expect("take").expect("free");
+            locks.release(guard).await.expect("release");
+        }
+    }
+}
