@@ -712,6 +712,17 @@ async fn the_wake_keeps_nothing_per_session_once_its_wakes_are_delivered() {
         Some(5.0),
         "{text}"
     );
+    // One lock taken per session, none found held by another instance.
+    assert_eq!(
+        sample(&text, r#"wakebus_wake_session_locks_total{result="taken"}"#),
+        Some(5.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, r#"wakebus_wake_session_locks_total{result="busy"}"#),
+        None,
+        "{text}"
+    );
     services.stop().await;
 }
 

@@ -31,6 +31,11 @@ pub const TASKS_IN_FLIGHT: &str = "wakebus_tasks_in_flight";
 pub const DEAD_LETTERS: &str = "wakebus_dead_letters_total";
 /// Wake posts to the session API, by `result` (`delivered`, `retry`, `rejected`).
 pub const WAKE_POSTS: &str = "wakebus_wake_posts_total";
+/// Session locks the wake wanted for a turn, by `result`: `taken` (it was
+/// free and is now this instance's), `kept` (still held from the
+/// session's previous turn, `--lock-linger`), `busy` (another instance
+/// holds it; the turn waits and tries again), `error` (NATS failed).
+pub const WAKE_SESSION_LOCKS: &str = "wakebus_wake_session_locks_total";
 /// Wake posts waiting for the session API's answer now.
 pub const WAKE_POSTS_IN_FLIGHT: &str = "wakebus_wake_posts_in_flight";
 /// Sessions the wake service is working on now: completions in hand, or
@@ -81,6 +86,10 @@ fn describe() {
     describe_gauge!(TASKS_IN_FLIGHT, "Tasks running now.");
     describe_counter!(DEAD_LETTERS, "Messages dead-lettered.");
     describe_counter!(WAKE_POSTS, "Wake posts to the session API, by result.");
+    describe_counter!(
+        WAKE_SESSION_LOCKS,
+        "Session locks wanted for a turn: taken, kept from the previous turn, busy elsewhere, error."
+    );
     describe_gauge!(
         WAKE_POSTS_IN_FLIGHT,
         "Wake posts waiting for the session API's answer."
@@ -148,6 +157,11 @@ pub fn dead_lettered(kind: &'static str) {
 /// A wake post ended: `delivered`, `retry` or `rejected`.
 pub fn wake_posted(result: &'static str) {
     metrics::counter!(WAKE_POSTS, "result" => result).increment(1);
+}
+
+/// A turn wanted its session's lock; `result` as [`WAKE_SESSION_LOCKS`] says.
+pub fn wake_session_lock(result: &'static str) {
+    metrics::counter!(WAKE_SESSION_LOCKS, "result" => result).increment(1);
 }
 
 /// Counts one unit of work in flight for as long as it lives: in a gauge

@@ -30,6 +30,7 @@ use super::Shared;
 use super::ledger::WakeLedger;
 use super::lock::LockGuard;
 use super::session_api::Post;
+use crate::ops::metrics as m;
 use crate::outcome::Outcome;
 use crate::protocol::{CompletionEvent, session_token};
 
@@ -249,7 +250,10 @@ impl Router {
                 return self.hand_back(&session, held, &mut rx).await;
             }
             let mut guard = match lock.take() {
-                Some(guard) => guard,
+                Some(guard) => {
+                    m::wake_session_lock("kept");
+                    guard
+                }
                 None => match self.acquire_lock(&mut held, &mut rx).await {
                     Some(guard) => guard,
                     None => return self.hand_back(&session, held, &mut rx).await,
@@ -296,9 +300,15 @@ impl Router {
         let mut delay = Duration::from_millis(20);
         loop {
             match self.shared.locks.try_acquire(&token).await {
-                Ok(Some(guard)) => return Some(guard),
-                Ok(None) => {}
-                Err(error) => warn!(%error, "Could not take the session lock; will retry."),
+                Ok(Some(guard)) => {
+                    m::wake_session_lock("taken");
+                    return Some(guard);
+                }
+                Ok(None) => m::wake_session_lock("busy"),
+                Err(error) => {
+                    m::wake_session_lock("error");
+                    warn!(%error, "Could not take the session lock; will retry.");
+                }
             }
             if !self.wait(Instant::now() + delay, held, rx).await {
                 return None;
