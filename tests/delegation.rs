@@ -104,12 +104,7 @@ async fn a_queued_task_that_is_cancelled_never_runs_and_wakes_its_session_as_int
     let nats = NatsServer::start().await;
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
-    let id = id_of(
-        &Delegator::new(bus.clone())
-            .delegate(Delegation::new("never mind").session("s.q"))
-            .await
-            .unwrap(),
-    );
+    let id = delegate(&bus, Delegation::new("never mind").session("s.q")).await;
     let report = Canceller::new(bus.clone())
         .cancel_delegation(&id, false)
         .await
@@ -146,12 +141,7 @@ async fn a_running_task_is_interrupted_with_its_partial_output() {
         test_worker_config("default"),
     );
     services.wake(&bus, test_wake_config(&api.url()));
-    let id = id_of(
-        &Delegator::new(bus.clone())
-            .delegate(Delegation::new("long job").session("s.run"))
-            .await
-            .unwrap(),
-    );
+    let id = delegate(&bus, Delegation::new("long job").session("s.run")).await;
     wait_until(WAIT, "the task to start", || async {
         started(&bus).await == 1
     })
@@ -195,12 +185,7 @@ async fn a_task_cancelled_before_its_started_event_is_written_is_still_interrupt
         config,
     );
     services.wake(&bus, test_wake_config(&api.url()));
-    let id = id_of(
-        &Delegator::new(bus.clone())
-            .delegate(Delegation::new("quiet job").session("s.early"))
-            .await
-            .unwrap(),
-    );
+    let id = delegate(&bus, Delegation::new("quiet job").session("s.early")).await;
     wait_until(WAIT, "the task to run", || async { marker.exists() }).await;
     assert_eq!(started(&bus).await, 0);
     let report = Canceller::new(bus.clone())
@@ -232,12 +217,7 @@ async fn a_silent_cancel_records_the_interruption_but_wakes_nobody() {
     let mut services = Services::new();
     services.worker(&bus, shell("sleep 60"), test_worker_config("default"));
     services.wake(&bus, test_wake_config(&api.url()));
-    let id = id_of(
-        &Delegator::new(bus.clone())
-            .delegate(Delegation::new("hush").session("s.silent"))
-            .await
-            .unwrap(),
-    );
+    let id = delegate(&bus, Delegation::new("hush").session("s.silent")).await;
     wait_until(WAIT, "the task to start", || async {
         started(&bus).await == 1
     })
@@ -446,12 +426,7 @@ async fn an_early_failure_notice_arrives_while_siblings_still_run() {
     services.wake(&bus, test_wake_config(&api.url()));
     let mut delegation = batch(&["quick FAIL", "patient SLOW"], "s.early");
     delegation.notify_early_failure = true;
-    let id = id_of(
-        &Delegator::new(bus.clone())
-            .delegate(delegation)
-            .await
-            .unwrap(),
-    );
+    let id = delegate(&bus, delegation).await;
     wait_until(WAIT, "the notice and the batch wake", || async {
         api.accepted().len() == 2
     })
@@ -588,12 +563,7 @@ async fn a_batch_survives_a_wake_service_restart_between_its_completions() {
     workers.worker(&bus, shell(BATCH_SCRIPT), test_worker_config("default"));
     let mut first_wake = Services::new();
     first_wake.wake(&bus, test_wake_config(&api.url()));
-    let id = id_of(
-        &Delegator::new(bus.clone())
-            .delegate(batch(&["now", "later SLOW"], "s.restart"))
-            .await
-            .unwrap(),
-    );
+    let id = delegate(&bus, batch(&["now", "later SLOW"], "s.restart")).await;
     // The first completion is handled (acked) by the first wake instance...
     wait_until(WAIT, "the first completion acked", || async {
         wake_consumer_info(&bus)

@@ -51,12 +51,7 @@ async fn a_task_longer_than_ack_wait_is_not_redelivered_while_its_worker_is_aliv
         services.worker(&bus, shell("sleep 3; echo long"), config);
     }
     services.wake(&bus, test_wake_config(&api.url()));
-    let id = id_of(
-        &Delegator::new(bus.clone())
-            .delegate(Delegation::new("long").session("s.long"))
-            .await
-            .unwrap(),
-    );
+    let id = delegate(&bus, Delegation::new("long").session("s.long")).await;
     wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
     services.stop().await;
     assert_eq!(
@@ -85,12 +80,7 @@ async fn a_task_that_outlives_its_timeout_is_stopped_and_ends_as_timeout() {
     services.wake(&bus, test_wake_config(&api.url()));
     let mut delegation = Delegation::new("too slow").session("s.slow");
     delegation.timeout_seconds = Some(1);
-    let id = id_of(
-        &Delegator::new(bus.clone())
-            .delegate(delegation)
-            .await
-            .unwrap(),
-    );
+    let id = delegate(&bus, delegation).await;
     wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
     services.stop().await;
     let done = &completions(&bus).await[&id][0];
@@ -117,12 +107,7 @@ async fn transient_failures_are_retried_then_end_failed_woken_and_dead_lettered(
         config,
     );
     services.wake(&bus, test_wake_config(&api.url()));
-    let id = id_of(
-        &Delegator::new(bus.clone())
-            .delegate(Delegation::new("cannot start").session("s.fail"))
-            .await
-            .unwrap(),
-    );
+    let id = delegate(&bus, Delegation::new("cannot start").session("s.fail")).await;
     wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
     services.stop().await;
 
@@ -176,12 +161,7 @@ async fn a_request_published_twice_runs_once_and_wakes_once() {
 async fn a_completion_published_again_after_its_wake_does_not_wake_twice() {
     let p = Pipeline::start().await;
     let (api, bus, services) = (p.api, p.bus, p.services);
-    let id = id_of(
-        &Delegator::new(bus.clone())
-            .delegate(Delegation::new("once").session("s.dup"))
-            .await
-            .unwrap(),
-    );
+    let id = delegate(&bus, Delegation::new("once").session("s.dup")).await;
     wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
     // A worker that crashed after publishing `done` and ran the task again
     // after the dedupe window publishes a second completion: re-publish the

@@ -11,7 +11,7 @@ use common::cli::{field, publish_task, wakebus};
 use common::*;
 use futures::StreamExt as _;
 use serde_json::Value;
-use wakebus::delegate::{Delegation, Delegator};
+use wakebus::delegate::Delegation;
 use wakebus::protocol::{HEADER_REPLAY, Status, session_token};
 use wakebus::replay::HEADER_FORCED_REPLAY;
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
@@ -32,12 +32,7 @@ async fn replay_copies(
 /// One delivered wake for `session` (through a [`Pipeline`]'s worker and
 /// wake service); returns the delegation id.
 async fn delivered_wake(bus: &wakebus::bus::Bus, api: &SessionApiServer, session: &str) -> String {
-    let id = id_of(
-        &Delegator::new(bus.clone())
-            .delegate(Delegation::new("first run").session(session))
-            .await
-            .unwrap(),
-    );
+    let id = delegate(bus, Delegation::new("first run").session(session)).await;
     wait_until(WAIT, "the first wake", || async {
         api.accepted().len() == 1
     })
@@ -187,12 +182,7 @@ async fn replay_treats_a_batch_as_one_wake() {
     let p = Pipeline::start().await;
     let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     let goals = ["alpha", "beta", "gamma"].map(String::from);
-    let id = id_of(
-        &Delegator::new(bus.clone())
-            .delegate(Delegation::batch(goals).session("s.batch"))
-            .await
-            .unwrap(),
-    );
+    let id = delegate(&bus, Delegation::batch(goals).session("s.batch")).await;
     wait_until(WAIT, "the batch wake", || async {
         api.accepted().len() == 1
     })
@@ -262,12 +252,7 @@ async fn replay_of_wake_dead_letters_delivers_them_once_the_session_api_recovers
     let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     api.fail_always(403);
     let session = "s.refused";
-    let id = id_of(
-        &Delegator::new(bus.clone())
-            .delegate(Delegation::new("refused at first").session(session))
-            .await
-            .unwrap(),
-    );
+    let id = delegate(&bus, Delegation::new("refused at first").session(session)).await;
     wait_until(WAIT, "the wake dead letter", || async {
         !all_messages(&bus, &bus.subjects.dead_letter_stream())
             .await
@@ -345,12 +330,11 @@ async fn dead_letter_a_task(
         Executor::Command(CommandExecutor::new(missing)),
         config,
     );
-    let id = id_of(
-        &Delegator::new(bus.clone())
-            .delegate(Delegation::new("needs a working worker").session(session))
-            .await
-            .unwrap(),
-    );
+    let id = delegate(
+        bus,
+        Delegation::new("needs a working worker").session(session),
+    )
+    .await;
     wait_until(WAIT, "the failure wake", || async {
         api.accepted().len() == 1
     })

@@ -319,6 +319,15 @@ pub fn id_of(result: &wakebus::delegate::DelegateResult) -> String {
     result.delegation_id().to_owned()
 }
 
+/// Submits `delegation` on `bus` (the library's `Delegator`); returns its id.
+pub async fn delegate(bus: &Bus, delegation: wakebus::delegate::Delegation) -> String {
+    let result = wakebus::delegate::Delegator::new(bus.clone())
+        .delegate(delegation)
+        .await
+        .expect("delegate");
+    id_of(&result)
+}
+
 /// An executor running `script` with `sh -c`.
 pub fn shell(script: &str) -> Executor {
     Executor::Command(wakebus::worker::executor::CommandExecutor::new(
