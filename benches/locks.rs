@@ -5,11 +5,13 @@
 //! (each key already taken and released once, as a busy wake's keys are),
 //! one cycle at a time, reporting wall time and nats-server CPU per cycle:
 //!
-//! - **KV delete** (how wakebus released before): the delete marker stays
-//!   as the key's last message, so the next take is a create refused by
-//!   the marker, a read of it and an update over it.
-//! - **purge** ([`SessionLocks::release`]): the key is purged below the
-//!   holder's revision + 1, so the next take is a single create.
+//! - **KV delete** ([`SessionLocks::release`], what wakebus does): the
+//!   delete marker stays as the key's last message, so the next take is a
+//!   create refused by the marker, a read of it and an update over it.
+//! - **purge** (measured, not used): the key is purged below the holder's
+//!   revision + 1, so the next take is a single create. nats-server before
+//!   2.9.18 replays such a purge on a restarted cluster replica as a purge
+//!   of the whole stream (src/wake/lock.rs).
 //!
 //! The two alternate over `WAKEBUS_BENCH_ROUNDS` (3) rounds of
 //! `WAKEBUS_BENCH_CYCLES` (5000) cycles on fresh buckets of one server.
@@ -36,9 +38,9 @@ const KEYS: usize = 1_000;
 /// How a lock is released.
 #[derive(Clone, Copy, Debug)]
 enum Release {
-    /// KV delete with the holder's revision expected.
+    /// `SessionLocks::release`: a KV delete with the holder's revision expected.
     Delete,
-    /// `SessionLocks::release`.
+    /// A purge of the key below the holder's revision + 1.
     Purge,
 }
 
@@ -101,15 +103,18 @@ async fn bucket(server: &NatsServer, prefix: &str) -> kv::Store {
 async fn cycle(kv: &kv::Store, key: &str, how: Release) {
     match how {
         Release::Delete => {
-            let revision = kv.create(key, "bench".into()).await.expect("take");
-            kv.delete_expect_revision(key, Some(revision))
-                .await
-                .expect("release");
-        }
-        Release::Purge => {
             let locks = SessionLocks::new(kv.clone(), "bench", Duration::from_secs(30));
             let guard = locks.try_acquire(key).await.expect("take").expect("free");
-            locks.release(guard).await.expect("release");
+            locks.release(guard).await;
+        }
+        Release::Purge => {
+            let revision = kv.create(key, "bench".into()).await.expect("take");
+            kv.stream
+                .purge()
+                .filter(format!("{}{key}", kv.prefix))
+                .sequence(revision + 1)
+                .await
+                .expect("release");
         }
     }
 }

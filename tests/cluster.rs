@@ -12,6 +12,7 @@ use common::*;
 use wakebus::bus::{Bus, BusSettings};
 use wakebus::connect::NatsConfig;
 use wakebus::protocol::{Subjects, TaskRequest, new_delegation_id};
+use wakebus::wake::lock::SessionLocks;
 use wakebus::worker::executor::{EchoExecutor, Executor};
 
 /// Delegations per run: a few thousand, within a minute on two cores.
@@ -236,4 +237,69 @@ async fn every_delegation_wakes_exactly_once_when_the_events_stream_leader_crash
         members.contains(&format!("n{victim}")),
         "n{victim} is not back among {members:?}"
     );
+}
+
+#[tokio::test]
+async fn releasing_one_session_lock_keeps_every_other_lock_on_every_replica() {
+    init_logs();
+    let mut cluster = NatsCluster::start(3).await;
+    let bus = connect(&cluster.urls(), &unique_prefix()).await;
+    // Locks that outlive the three failovers below.
+    let settings = BusSettings {
+        session_lock_ttl: Duration::from_secs(600),
+        ..BusSettings::default()
+    };
+    let kv = bus
+        .provision_wake_state(&settings)
+        .await
+        .expect("provision")
+        .session_locks;
+    let stream = format!("KV_{}", bus.subjects.session_lock_bucket());
+    let locks = SessionLocks::new(kv.clone(), "wake-a", settings.session_lock_ttl);
+    let _held = locks
+        .try_acquire("held")
+        .await
+        .unwrap()
+        .expect("a free lock");
+    let released = locks
+        .try_acquire("released")
+        .await
+        .unwrap()
+        .expect("a free lock");
+    locks.release(released).await;
+    // Each replica in turn leads the bucket's stream: none of them lost the
+    // lock that was not released, or kept the one that was.
+    for round in 0..3 {
+        let leader = cluster.stream_leader(&bus.client, &stream).await;
+        cluster.kill(leader);
+        let next = cluster.stream_leader(&bus.client, &stream).await;
+        assert_ne!(next, leader);
+        wait_until(
+            Duration::from_secs(20),
+            "the new leader to answer",
+            || async { kv.get("held").await.is_ok() },
+        )
+        .await;
+        assert!(
+            kv.get("held").await.unwrap().is_some(),
+            "n{next} lost a held lock (failover {round})"
+        );
+        assert!(
+            kv.get("released").await.unwrap().is_none(),
+            "n{next} kept a released lock (failover {round})"
+        );
+        cluster.restart(leader).await;
+        wait_until(Duration::from_secs(30), "every replica current", || async {
+            let Ok(mut handle) = bus.js.get_stream(&stream).await else {
+                return false;
+            };
+            let Ok(info) = handle.info().await else {
+                return false;
+            };
+            info.cluster.as_ref().is_some_and(|c| {
+                c.leader.is_some() && c.replicas.len() == 2 && c.replicas.iter().all(|r| r.current)
+            })
+        })
+        .await;
+    }
 }

@@ -14,7 +14,6 @@ use wakebus::cancel::{Canceller, DelegationState};
 use wakebus::delegate::{DelegateResult, Delegation, Delegator};
 use wakebus::protocol::{CompletionEvent, Status, session_token};
 use wakebus::status::StatusOptions;
-use wakebus::wake::lock::SessionLocks;
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, EchoExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -552,54 +551,4 @@ async fn batches_progress_cancels_and_status_work_under_the_least_privileged_rol
         Vec::<String>::new(),
         "every role had every permission it needed"
     );
-}
-
-#[tokio::test]
-async fn a_wake_whose_user_may_not_purge_still_releases_its_session_locks() {
-    init_logs();
-    // The repository's configuration with a permissions file from before
-    // locks were released by purge.
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let purge = "$JS.API.STREAM.PURGE.KV_WAKEBUS_SESSION_LOCKS";
-    let permissions =
-        std::fs::read_to_string(root.join("deploy/nats/wakebus-permissions.conf")).unwrap();
-    assert!(permissions.contains(purge));
-    let older: Vec<&str> = permissions.lines().filter(|l| !l.contains(purge)).collect();
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::create_dir_all(dir.path().join("deploy/nats")).unwrap();
-    std::fs::write(
-        dir.path().join("deploy/nats/wakebus-permissions.conf"),
-        older.join("\n"),
-    )
-    .unwrap();
-    let conf = dir.path().join("nats.conf");
-    std::fs::copy(root.join("nats.conf"), &conf).unwrap();
-    let server = RoleServer::start_with_conf(dir, &conf).await;
-    init(&server).await;
-
-    let wake = server.bus("wake").await;
-    let settings = wakebus::bus::BusSettings::default();
-    let kv = wake
-        .provision_wake_state(&settings)
-        .await
-        .unwrap()
-        .session_locks;
-    let locks = SessionLocks::new(kv.clone(), "wake-a", settings.session_lock_ttl);
-    // The first release is refused its purge and falls back to a delete
-    // marker; the second deletes at once.
-    for _ in 0..2 {
-        let guard = locks
-            .try_acquire("tok")
-            .await
-            .unwrap()
-            .expect("a free lock");
-        locks.release(guard).await.expect("released");
-        assert!(kv.get("tok").await.unwrap().is_none(), "lock kept");
-    }
-    let refused: Vec<String> = server
-        .violations()
-        .into_iter()
-        .filter(|v| v.contains(purge))
-        .collect();
-    assert_eq!(refused.len(), 1, "{refused:#?}");
 }

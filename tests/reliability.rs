@@ -342,34 +342,6 @@ async fn lock_bucket(nats: &NatsServer, ttl: Duration) -> async_nats::jetstream:
 }
 
 #[tokio::test]
-async fn a_released_session_lock_leaves_no_marker_so_taking_it_again_is_one_write() {
-    let nats = NatsServer::start().await;
-    let ttl = Duration::from_secs(30);
-    let kv = lock_bucket(&nats, ttl).await;
-    let mut stream = kv.stream.clone();
-    let locks = SessionLocks::new(kv, "wake-a", ttl);
-
-    let first = locks
-        .try_acquire("tok")
-        .await
-        .unwrap()
-        .expect("a free lock");
-    let taken_at = stream.info().await.unwrap().state.last_sequence;
-    locks.release(first).await.unwrap();
-    // A KV delete would have left a marker (one more stored message) that
-    // the next take would have had to read before writing over it.
-    let released = &stream.info().await.unwrap().state;
-    assert_eq!((released.messages, released.last_sequence), (0, taken_at));
-
-    let again = locks.try_acquire("tok").await.unwrap();
-    assert!(again.is_some(), "a released lock is free");
-    assert_eq!(
-        stream.info().await.unwrap().state.last_sequence,
-        taken_at + 1
-    );
-}
-
-#[tokio::test]
 async fn releasing_an_expired_lock_keeps_the_lock_another_instance_took_since() {
     let nats = NatsServer::start().await;
     let ttl = Duration::from_secs(1);
@@ -389,7 +361,7 @@ async fn releasing_an_expired_lock_keeps_the_lock_another_instance_took_since() 
         .unwrap()
         .expect("an expired lock is free");
     // A wakes up and releases what it believes it holds.
-    a.release(stale).await.unwrap();
+    a.release(stale).await;
 
     assert_eq!(
         kv.get("tok").await.unwrap().as_deref(),

@@ -31,10 +31,11 @@ pub const TASKS_IN_FLIGHT: &str = "wakebus_tasks_in_flight";
 pub const DEAD_LETTERS: &str = "wakebus_dead_letters_total";
 /// Wake posts to the session API, by `result` (`delivered`, `retry`, `rejected`).
 pub const WAKE_POSTS: &str = "wakebus_wake_posts_total";
-/// Session locks the wake wanted for a turn, by `result`: `taken` (it was
-/// free and is now this instance's), `kept` (still held from the
+/// Attempts to take a session lock for a turn, by `result`: `taken` (it
+/// was free and is now this instance's), `kept` (still held from the
 /// session's previous turn, `--lock-linger`), `busy` (another instance
-/// holds it; the turn waits and tries again), `error` (NATS failed).
+/// holds it; the turn waits and tries again, each try counting), `error`
+/// (NATS failed). `taken` + `kept` counts turns.
 pub const WAKE_SESSION_LOCKS: &str = "wakebus_wake_session_locks_total";
 /// Wake posts waiting for the session API's answer now.
 pub const WAKE_POSTS_IN_FLIGHT: &str = "wakebus_wake_posts_in_flight";
@@ -88,7 +89,7 @@ fn describe() {
     describe_counter!(WAKE_POSTS, "Wake posts to the session API, by result.");
     describe_counter!(
         WAKE_SESSION_LOCKS,
-        "Session locks wanted for a turn: taken, kept from the previous turn, busy elsewhere, error."
+        "Attempts to take a session lock for a turn: taken, kept from the previous turn, busy elsewhere, error."
     );
     describe_gauge!(
         WAKE_POSTS_IN_FLIGHT,

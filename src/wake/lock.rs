@@ -4,22 +4,17 @@
 //! A lock is a key created atomically; its holder refreshes it while it works,
 //! and the bucket's max age makes the lock of a holder that died expire.
 //!
-//! Releasing purges the key's message up to the holder's revision instead of
-//! writing a KV delete marker. A marker would stay as the key's last message,
-//! and the next take of the lock would then cost three round trips (a create
-//! refused because of the marker, a read of the marker, an update over it)
-//! plus the marker's own write. After a purge the key has no message, so the
-//! next take is a single create, and a release stores nothing. A wake whose
-//! NATS user may not purge (a permissions file older than this) falls back
-//! to the delete marker after its first refused purge, and says so once.
+//! Releasing writes a KV delete marker conditioned on the holder's revision.
+//! Purging the key instead would save the next take two round trips
+//! (`cargo bench --bench locks`), but nats-server before 2.9.18 replays a
+//! filtered purge on a restarted cluster replica as a purge of the whole
+//! stream (nats-io/nats-server#4197): every other session's lock would
+//! vanish on that replica. The cluster fault test caught it on 2.9.10.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use bytes::Bytes;
-use tracing::warn;
 
 /// Why a lock operation failed (other than the lock being held).
 #[derive(Debug, thiserror::Error)]
@@ -30,9 +25,6 @@ pub enum LockError {
     /// Refreshing failed: the lock expired and was maybe taken by another instance.
     #[error("lost the session lock: {0}")]
     Refresh(#[from] kv::UpdateError),
-    /// Releasing failed; the lock expires by itself after the bucket's TTL.
-    #[error("cannot release the session lock: {0}")]
-    Release(#[source] kv::DeleteError),
 }
 
 /// The lock bucket, from one instance's point of view.
@@ -44,9 +36,6 @@ pub struct SessionLocks {
     owner: Bytes,
     /// The bucket's max age: a lock not refreshed for this long expires.
     ttl: Duration,
-    /// Set after a purge failed: releases then write a KV delete marker,
-    /// which a NATS user without the purge permission may still do.
-    purge_refused: Arc<AtomicBool>,
 }
 
 /// A held lock.
@@ -82,7 +71,6 @@ impl SessionLocks {
             kv,
             owner: Bytes::copy_from_slice(owner.as_bytes()),
             ttl,
-            purge_refused: Arc::default(),
         }
     }
 
@@ -125,36 +113,15 @@ impl SessionLocks {
         }
     }
 
-    /// Releases the lock, unless it already expired and was taken by someone
-    /// else. A failure leaves the lock to expire after the TTL; meanwhile the
-    /// session waits, which is why the caller may want to log it.
-    pub async fn release(&self, guard: LockGuard) -> Result<(), LockError> {
+    /// Releases the lock, unless it already expired and was taken by someone else.
+    pub async fn release(&self, guard: LockGuard) {
         if guard.lost {
-            return Ok(());
+            return;
         }
-        if !self.purge_refused.load(Ordering::Relaxed) {
-            // Purge the key's messages below revision + 1: this holder's
-            // lock (or nothing, if it expired), never a newer lock another
-            // instance took after it expired.
-            let purged = self
-                .kv
-                .stream
-                .purge()
-                .filter(format!("{}{}", self.kv.prefix, guard.key))
-                .sequence(guard.revision + 1)
-                .await;
-            match purged {
-                Ok(_) => return Ok(()),
-                Err(error) => {
-                    if !self.purge_refused.swap(true, Ordering::Relaxed) {
-                        warn!(%error, stream = %self.kv.stream_name, "Could not release a session lock by purging its key; releasing locks with KV delete markers from now on, which costs two more round trips per lock taken. Allow this wake's NATS user $JS.API.STREAM.PURGE on the stream (deploy/nats/wakebus-permissions.conf).");
-                    }
-                }
-            }
-        }
-        self.kv
+        // Failure leaves the lock to expire by itself.
+        let _ = self
+            .kv
             .delete_expect_revision(&guard.key, Some(guard.revision))
-            .await
-            .map_err(LockError::Release)
+            .await;
     }
 }

@@ -271,10 +271,8 @@ impl Router {
 
     /// Gives the session lock back, if held.
     async fn release(&self, lock: Option<LockGuard>) {
-        if let Some(guard) = lock
-            && let Err(error) = self.shared.locks.release(guard).await
-        {
-            warn!(%error, "Could not release the session lock; it expires after the lock TTL.");
+        if let Some(guard) = lock {
+            self.shared.locks.release(guard).await;
         }
     }
 
