@@ -160,7 +160,8 @@ pub fn wake_posted(result: &'static str) {
     metrics::counter!(WAKE_POSTS, "result" => result).increment(1);
 }
 
-/// A turn wanted its session's lock; `result` as [`WAKE_SESSION_LOCKS`] says.
+/// One attempt to take a session lock for a turn; `result` as
+/// [`WAKE_SESSION_LOCKS`] says.
 pub fn wake_session_lock(result: &'static str) {
     metrics::counter!(WAKE_SESSION_LOCKS, "result" => result).increment(1);
 }
