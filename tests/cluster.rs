@@ -255,7 +255,12 @@ async fn releasing_one_session_lock_keeps_every_other_lock_on_every_replica() {
         .expect("provision")
         .session_locks;
     let stream = format!("KV_{}", bus.subjects.session_lock_bucket());
-    let locks = SessionLocks::new(kv.clone(), "wake-a", settings.session_lock_ttl);
+    let locks = SessionLocks::new(
+        bus.js.clone(),
+        kv.clone(),
+        "wake-a",
+        settings.session_lock_ttl,
+    );
     let _held = locks
         .try_acquire("held")
         .await

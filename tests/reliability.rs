@@ -328,26 +328,29 @@ async fn a_busy_session_keeps_its_lock_between_consecutive_turns_then_releases_i
     assert_eq!(api.accepted().len(), 5);
 }
 
-/// The session-lock bucket of a fresh prefix whose locks expire after `ttl`.
-async fn lock_bucket(nats: &NatsServer, ttl: Duration) -> async_nats::jetstream::kv::Store {
+/// A bus on a fresh prefix and its session-lock bucket, whose locks expire
+/// after `ttl`.
+async fn lock_bucket(nats: &NatsServer, ttl: Duration) -> (Bus, async_nats::jetstream::kv::Store) {
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let settings = wakebus::bus::BusSettings {
         session_lock_ttl: ttl,
         ..Default::default()
     };
-    bus.provision_wake_state(&settings)
+    let kv = bus
+        .provision_wake_state(&settings)
         .await
         .unwrap()
-        .session_locks
+        .session_locks;
+    (bus, kv)
 }
 
 #[tokio::test]
 async fn releasing_an_expired_lock_keeps_the_lock_another_instance_took_since() {
     let nats = NatsServer::start().await;
     let ttl = Duration::from_secs(1);
-    let kv = lock_bucket(&nats, ttl).await;
-    let a = SessionLocks::new(kv.clone(), "wake-a", ttl);
-    let b = SessionLocks::new(kv.clone(), "wake-b", ttl);
+    let (bus, kv) = lock_bucket(&nats, ttl).await;
+    let a = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-a", ttl);
+    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
 
     // A stalls past the TTL without refreshing; its lock expires.
     let stale = a.try_acquire("tok").await.unwrap().expect("a free lock");
@@ -372,6 +375,48 @@ async fn releasing_an_expired_lock_keeps_the_lock_another_instance_took_since() 
         "B's lock was released"
     );
     b.refresh(&mut fresh).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_lock_taken_again_over_its_own_release_marker_still_excludes_other_instances() {
+    let nats = NatsServer::start().await;
+    let ttl = Duration::from_secs(30);
+    let (bus, kv) = lock_bucket(&nats, ttl).await;
+    let a = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-a", ttl);
+    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+
+    // A takes the lock again over the marker its release left.
+    let first = a.try_acquire("tok").await.unwrap().expect("a free lock");
+    a.release(first).await;
+    let mut again = a
+        .try_acquire("tok")
+        .await
+        .unwrap()
+        .expect("a released lock");
+    assert_eq!(
+        kv.get("tok").await.unwrap().as_deref(),
+        Some(&b"wake-a"[..])
+    );
+    assert!(
+        b.try_acquire("tok").await.unwrap().is_none(),
+        "B took A's lock"
+    );
+    a.refresh(&mut again).await.unwrap();
+    a.release(again).await;
+
+    // B takes it over A's marker; A's memory of that marker must not let A
+    // take B's lock.
+    let held = b
+        .try_acquire("tok")
+        .await
+        .unwrap()
+        .expect("a released lock");
+    assert!(
+        a.try_acquire("tok").await.unwrap().is_none(),
+        "A took B's lock"
+    );
+    b.release(held).await;
+    assert!(a.try_acquire("tok").await.unwrap().is_some(), "free again");
 }
 
 #[tokio::test]

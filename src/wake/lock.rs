@@ -5,15 +5,26 @@
 //! and the bucket's max age makes the lock of a holder that died expire.
 //!
 //! Releasing writes a KV delete marker conditioned on the holder's revision.
-//! Purging the key instead would save the next take two round trips
-//! (`cargo bench --bench locks`), but nats-server before 2.9.18 replays a
-//! filtered purge on a restarted cluster replica as a purge of the whole
-//! stream (nats-io/nats-server#4197): every other session's lock would
-//! vanish on that replica. The cluster fault test caught it on 2.9.10.
+//! The marker stays as the key's last message (until the bucket's max age),
+//! so a plain KV create of the lock would be refused, read the marker and
+//! update over it: three round trips. The instance remembers the revision of
+//! each marker its releases wrote, so taking that lock again is a single
+//! update conditioned on the marker: it succeeds only if nobody wrote the key
+//! since. Other instances, and markers older than the TTL, take the usual
+//! create.
+//!
+//! Purging the key instead of deleting would leave no marker, but nats-server
+//! before 2.9.18 replays a filtered purge on a restarted cluster replica as a
+//! purge of the whole stream (nats-io/nats-server#4197): every other
+//! session's lock would vanish on that replica. The cluster fault test
+//! caught it on 2.9.10.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use async_nats::jetstream::kv;
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
 
 /// Why a lock operation failed (other than the lock being held).
@@ -36,6 +47,21 @@ pub struct SessionLocks {
     owner: Bytes,
     /// The bucket's max age: a lock not refreshed for this long expires.
     ttl: Duration,
+    /// Publishes release markers, whose revision the KV delete would not say.
+    js: jetstream::Context,
+    /// The delete markers this instance's releases left, by key.
+    released: Arc<Mutex<Markers>>,
+}
+
+/// Revisions of release markers, each with when it was written; dropped
+/// once older than the TTL (the marker itself is gone by then), so the map
+/// holds at most about the locks released within two TTLs.
+#[derive(Debug, Default)]
+struct Markers {
+    /// Key → (marker revision, written at).
+    by_key: HashMap<String, (u64, Instant)>,
+    /// Size at which expired entries are next swept out.
+    sweep_at: usize,
 }
 
 /// A held lock.
@@ -65,12 +91,15 @@ impl LockGuard {
 }
 
 impl SessionLocks {
-    /// Wraps the provisioned bucket.
-    pub fn new(kv: kv::Store, owner: &str, ttl: Duration) -> Self {
+    /// Wraps the provisioned bucket; `js` is the JetStream context the
+    /// bucket was opened with.
+    pub fn new(js: jetstream::Context, kv: kv::Store, owner: &str, ttl: Duration) -> Self {
         Self {
             kv,
             owner: Bytes::copy_from_slice(owner.as_bytes()),
             ttl,
+            js,
+            released: Arc::default(),
         }
     }
 
@@ -81,13 +110,23 @@ impl SessionLocks {
 
     /// Takes the lock for `session_token`, or `None` if another holder has it.
     pub async fn try_acquire(&self, session_token: &str) -> Result<Option<LockGuard>, LockError> {
+        let guard = |revision| LockGuard {
+            key: session_token.to_owned(),
+            revision,
+            written_at: tokio::time::Instant::now(),
+            lost: false,
+        };
+        // Over this instance's own release marker, if nobody wrote since.
+        if let Some(marker) = self.take_marker(session_token)
+            && let Ok(revision) = self
+                .kv
+                .update(session_token, self.owner.clone(), marker)
+                .await
+        {
+            return Ok(Some(guard(revision)));
+        }
         match self.kv.create(session_token, self.owner.clone()).await {
-            Ok(revision) => Ok(Some(LockGuard {
-                key: session_token.to_owned(),
-                revision,
-                written_at: tokio::time::Instant::now(),
-                lost: false,
-            })),
+            Ok(revision) => Ok(Some(guard(revision))),
             Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
             Err(err) => Err(err.into()),
         }
@@ -118,10 +157,51 @@ impl SessionLocks {
         if guard.lost {
             return;
         }
-        // Failure leaves the lock to expire by itself.
-        let _ = self
-            .kv
-            .delete_expect_revision(&guard.key, Some(guard.revision))
+        // The KV delete marker, published here to learn its revision. A
+        // bucket reached through a JetStream API prefix takes the client's
+        // own delete (and the next take the usual create).
+        if self.kv.use_jetstream_prefix {
+            let _ = self
+                .kv
+                .delete_expect_revision(&guard.key, Some(guard.revision))
+                .await;
+            return;
+        }
+        let prefix = self.kv.put_prefix.as_deref().unwrap_or(&self.kv.prefix);
+        let mut headers = HeaderMap::new();
+        headers.insert("KV-Operation", "DEL");
+        headers.insert(
+            "Nats-Expected-Last-Subject-Sequence",
+            guard.revision.to_string().as_str(),
+        );
+        let published = self
+            .js
+            .publish_with_headers(format!("{prefix}{}", guard.key), headers, Bytes::new())
             .await;
+        // Failure leaves the lock to expire by itself.
+        if let Ok(ack) = published
+            && let Ok(ack) = ack.await
+        {
+            self.remember_marker(guard.key, ack.sequence);
+        }
+    }
+
+    fn remember_marker(&self, key: String, revision: u64) {
+        let mut markers = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        markers.by_key.insert(key, (revision, Instant::now()));
+        if markers.by_key.len() >= markers.sweep_at {
+            let ttl = self.ttl;
+            markers.by_key.retain(|_, (_, at)| at.elapsed() < ttl);
+            markers.sweep_at = (markers.by_key.len() * 2).max(1024);
+        }
+    }
+
+    /// The revision of this instance's release marker on `key`, if one was
+    /// written within the TTL (forgotten either way: a failed update means
+    /// someone else wrote the key since).
+    fn take_marker(&self, key: &str) -> Option<u64> {
+        let mut markers = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        let (revision, at) = markers.by_key.remove(key)?;
+        (at.elapsed() < self.ttl).then_some(revision)
     }
 }

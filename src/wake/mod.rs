@@ -152,6 +152,7 @@ pub async fn run(
         api,
         ledger: WakeLedger::new(provisioned.wake_ledger),
         locks: SessionLocks::new(
+            bus.js.clone(),
             provisioned.session_locks,
             &config.instance,
             settings.session_lock_ttl,
