@@ -328,9 +328,12 @@ async fn a_busy_session_keeps_its_lock_between_consecutive_turns_then_releases_i
     assert_eq!(api.accepted().len(), 5);
 }
 
-/// A bus on a fresh prefix and its session-lock bucket, whose locks expire
-/// after `ttl`.
-async fn lock_bucket(nats: &NatsServer, ttl: Duration) -> (Bus, async_nats::jetstream::kv::Store) {
+/// The session-lock bucket of a fresh prefix whose locks expire after
+/// `ttl`, seen by two wake instances, `wake-a` and `wake-b`.
+async fn two_instances(
+    nats: &NatsServer,
+    ttl: Duration,
+) -> (async_nats::jetstream::kv::Store, SessionLocks, SessionLocks) {
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let settings = wakebus::bus::BusSettings {
         session_lock_ttl: ttl,
@@ -341,16 +344,16 @@ async fn lock_bucket(nats: &NatsServer, ttl: Duration) -> (Bus, async_nats::jets
         .await
         .unwrap()
         .session_locks;
-    (bus, kv)
+    let a = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-a", ttl);
+    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+    (kv, a, b)
 }
 
 #[tokio::test]
 async fn releasing_an_expired_lock_keeps_the_lock_another_instance_took_since() {
     let nats = NatsServer::start().await;
     let ttl = Duration::from_secs(1);
-    let (bus, kv) = lock_bucket(&nats, ttl).await;
-    let a = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-a", ttl);
-    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+    let (kv, a, b) = two_instances(&nats, ttl).await;
 
     // A stalls past the TTL without refreshing; its lock expires.
     let stale = a.try_acquire("tok").await.unwrap().expect("a free lock");
@@ -381,9 +384,7 @@ async fn releasing_an_expired_lock_keeps_the_lock_another_instance_took_since() 
 async fn a_lock_taken_again_over_its_own_release_marker_still_excludes_other_instances() {
     let nats = NatsServer::start().await;
     let ttl = Duration::from_secs(30);
-    let (bus, kv) = lock_bucket(&nats, ttl).await;
-    let a = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-a", ttl);
-    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+    let (kv, a, b) = two_instances(&nats, ttl).await;
 
     // A takes the lock again over the marker its release left.
     let first = a.try_acquire("tok").await.unwrap().expect("a free lock");
