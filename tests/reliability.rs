@@ -349,6 +349,17 @@ async fn two_instances(
     (kv, a, b)
 }
 
+/// Asserts that `holder` holds the lock on `tok` (its name is the value)
+/// and that `other` cannot take it.
+async fn assert_held_by(kv: &async_nats::jetstream::kv::Store, holder: &str, other: &SessionLocks) {
+    let value = kv.get("tok").await.unwrap();
+    assert_eq!(value.as_deref(), Some(holder.as_bytes()), "not {holder}'s");
+    assert!(
+        other.try_acquire("tok").await.unwrap().is_none(),
+        "another instance took {holder}'s lock"
+    );
+}
+
 #[tokio::test]
 async fn releasing_an_expired_lock_keeps_the_lock_another_instance_took_since() {
     let nats = NatsServer::start().await;
@@ -369,14 +380,7 @@ async fn releasing_an_expired_lock_keeps_the_lock_another_instance_took_since() 
     // A wakes up and releases what it believes it holds.
     a.release(stale).await;
 
-    assert_eq!(
-        kv.get("tok").await.unwrap().as_deref(),
-        Some(&b"wake-b"[..])
-    );
-    assert!(
-        a.try_acquire("tok").await.unwrap().is_none(),
-        "B's lock was released"
-    );
+    assert_held_by(&kv, "wake-b", &a).await;
     b.refresh(&mut fresh).await.unwrap();
 }
 
@@ -394,14 +398,7 @@ async fn a_lock_taken_again_over_its_own_release_marker_still_excludes_other_ins
         .await
         .unwrap()
         .expect("a released lock");
-    assert_eq!(
-        kv.get("tok").await.unwrap().as_deref(),
-        Some(&b"wake-a"[..])
-    );
-    assert!(
-        b.try_acquire("tok").await.unwrap().is_none(),
-        "B took A's lock"
-    );
+    assert_held_by(&kv, "wake-a", &b).await;
     a.refresh(&mut again).await.unwrap();
     a.release(again).await;
 
@@ -412,10 +409,7 @@ async fn a_lock_taken_again_over_its_own_release_marker_still_excludes_other_ins
         .await
         .unwrap()
         .expect("a released lock");
-    assert!(
-        a.try_acquire("tok").await.unwrap().is_none(),
-        "A took B's lock"
-    );
+    assert_held_by(&kv, "wake-b", &a).await;
     b.release(held).await;
     assert!(a.try_acquire("tok").await.unwrap().is_some(), "free again");
 }
