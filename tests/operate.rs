@@ -713,16 +713,94 @@ async fn the_wake_keeps_nothing_per_session_once_its_wakes_are_delivered() {
         "{text}"
     );
     // One lock taken per session, none found held by another instance.
-    assert_eq!(
-        sample(&text, r#"wakebus_wake_session_locks_total{result="taken"}"#),
-        Some(5.0),
-        "{text}"
-    );
-    assert_eq!(
-        sample(&text, r#"wakebus_wake_session_locks_total{result="busy"}"#),
-        None,
-        "{text}"
-    );
+    assert_eq!(locks(&text, "taken"), Some(5.0), "{text}");
+    assert_eq!(locks(&text, "busy"), None, "{text}");
+    services.stop().await;
+}
+
+/// The wake's `wakebus_wake_session_locks_total{result=...}` sample.
+fn locks(text: &str, result: &str) -> Option<f64> {
+    sample(
+        text,
+        &format!(r#"wakebus_wake_session_locks_total{{result="{result}"}}"#),
+    )
+}
+
+#[tokio::test]
+async fn the_wake_counts_each_way_a_turn_gets_its_session_lock() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    // The bucket as the wake will find it, so that the test can hold a lock
+    // as another instance would.
+    let settings = wakebus::bus::BusSettings {
+        session_lock_ttl: Duration::from_secs(30),
+        ..Default::default()
+    };
+    let lock_bucket = bus
+        .provision_wake_state(&settings)
+        .await
+        .unwrap()
+        .session_locks;
+    let addr = format!("127.0.0.1:{}", common::nats::free_port());
+    let logs = tempfile::tempdir().unwrap();
+    let mut args = common::process::wake_args(&nats.url(), &prefix, &api.url());
+    let ttl = args.iter().position(|a| a == "--session-lock-ttl").unwrap();
+    args[ttl + 1] = "30s".into();
+    args.extend(["--metrics-addr", &addr, "--lock-linger", "3s"].map(String::from));
+    let _wake = common::process::Service::spawn(args, logs.path().join("wake.log"));
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    let metrics = || async {
+        http_get(&format!("http://{addr}/metrics"))
+            .await
+            .map(|(_, text)| text)
+    };
+    let session = "s.locks";
+    let token = session_token(session);
+
+    // Busy: another instance holds the session, so the turn waits for it.
+    lock_bucket
+        .create(&token, "elsewhere".into())
+        .await
+        .unwrap();
+    delegate(&bus, Delegation::new("first").session(session)).await;
+    eventually(WAIT, "the turn to find the lock busy", || async {
+        locks(&metrics().await?, "busy").map(|_| ())
+    })
+    .await;
+    assert!(api.accepted().is_empty(), "posted while locked elsewhere");
+    // Taken: once given back, over the other instance's release.
+    lock_bucket.delete(&token).await.unwrap();
+    wait_until(WAIT, "the first wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    // Kept: the next completion comes within the linger.
+    delegate(&bus, Delegation::new("second").session(session)).await;
+    wait_until(WAIT, "the second wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    // Retaken: after the linger, over this instance's own release.
+    eventually(WAIT, "the lock given back after the linger", || async {
+        (sample(&metrics().await?, "wakebus_wake_sessions_active") == Some(0.0)).then_some(())
+    })
+    .await;
+    delegate(&bus, Delegation::new("third").session(session)).await;
+    wait_until(WAIT, "the third wake", || async {
+        api.accepted().len() == 3
+    })
+    .await;
+
+    let text = metrics().await.expect("metrics");
+    assert_eq!(locks(&text, "taken"), Some(1.0), "{text}");
+    assert_eq!(locks(&text, "kept"), Some(1.0), "{text}");
+    assert_eq!(locks(&text, "retaken"), Some(1.0), "{text}");
+    assert!(locks(&text, "busy").is_some_and(|n| n >= 1.0), "{text}");
+    assert_eq!(locks(&text, "error"), None, "{text}");
     services.stop().await;
 }
 

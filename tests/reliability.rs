@@ -10,7 +10,7 @@ use common::*;
 use wakebus::bus::Bus;
 use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::{CompletionEvent, Status, TaskRequest};
-use wakebus::wake::lock::SessionLocks;
+use wakebus::wake::lock::{SessionLocks, Taken};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -392,12 +392,14 @@ async fn a_lock_taken_again_over_its_own_release_marker_still_excludes_other_ins
 
     // A takes the lock again over the marker its release left.
     let first = a.try_acquire("tok").await.unwrap().expect("a free lock");
+    assert_eq!(first.taken(), Taken::Anew);
     a.release(first).await;
     let mut again = a
         .try_acquire("tok")
         .await
         .unwrap()
         .expect("a released lock");
+    assert_eq!(again.taken(), Taken::OverOwnMarker);
     assert_held_by(&kv, "wake-a", &b).await;
     a.refresh(&mut again).await.unwrap();
     a.release(again).await;
@@ -409,6 +411,7 @@ async fn a_lock_taken_again_over_its_own_release_marker_still_excludes_other_ins
         .await
         .unwrap()
         .expect("a released lock");
+    assert_eq!(held.taken(), Taken::Anew, "a's marker, not b's");
     assert_held_by(&kv, "wake-b", &a).await;
     b.release(held).await;
     assert!(a.try_acquire("tok").await.unwrap().is_some(), "free again");

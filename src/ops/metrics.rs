@@ -32,10 +32,11 @@ pub const DEAD_LETTERS: &str = "wakebus_dead_letters_total";
 /// Wake posts to the session API, by `result` (`delivered`, `retry`, `rejected`).
 pub const WAKE_POSTS: &str = "wakebus_wake_posts_total";
 /// Attempts to take a session lock for a turn, by `result`: `taken` (it
-/// was free and is now this instance's), `kept` (still held from the
+/// was free and is now this instance's), `retaken` (the same, in one write
+/// over this instance's own release marker), `kept` (still held from the
 /// session's previous turn, `--lock-linger`), `busy` (another instance
 /// holds it; the turn waits and tries again, each try counting), `error`
-/// (NATS failed). `taken` + `kept` counts turns.
+/// (NATS failed). `taken` + `retaken` + `kept` counts turns.
 pub const WAKE_SESSION_LOCKS: &str = "wakebus_wake_session_locks_total";
 /// Wake posts waiting for the session API's answer now.
 pub const WAKE_POSTS_IN_FLIGHT: &str = "wakebus_wake_posts_in_flight";
@@ -89,7 +90,7 @@ fn describe() {
     describe_counter!(WAKE_POSTS, "Wake posts to the session API, by result.");
     describe_counter!(
         WAKE_SESSION_LOCKS,
-        "Attempts to take a session lock for a turn: taken, kept from the previous turn, busy elsewhere, error."
+        "Attempts to take a session lock for a turn: taken, retaken over this instance's own release, kept from the previous turn, busy elsewhere, error."
     );
     describe_gauge!(
         WAKE_POSTS_IN_FLIGHT,

@@ -64,6 +64,15 @@ struct Markers {
     sweep_at: usize,
 }
 
+/// How a free lock was taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Taken {
+    /// Created, or written over a marker this instance did not write.
+    Anew,
+    /// Written in one update over this instance's own release marker.
+    OverOwnMarker,
+}
+
 /// A held lock.
 #[derive(Debug)]
 pub struct LockGuard {
@@ -73,6 +82,8 @@ pub struct LockGuard {
     revision: u64,
     /// When this holder last wrote it (the lock expires a TTL later).
     written_at: tokio::time::Instant,
+    /// How it was taken, for the lock metric.
+    taken: Taken,
     /// A refresh failed: the lock may be someone else's now, so this guard
     /// must not be used again (nor released: its revision is stale).
     lost: bool,
@@ -87,6 +98,11 @@ impl LockGuard {
     /// Whether a refresh failed, so the lock must be taken anew.
     pub fn is_lost(&self) -> bool {
         self.lost
+    }
+
+    /// How the lock was taken.
+    pub fn taken(&self) -> Taken {
+        self.taken
     }
 }
 
@@ -110,10 +126,11 @@ impl SessionLocks {
 
     /// Takes the lock for `session_token`, or `None` if another holder has it.
     pub async fn try_acquire(&self, session_token: &str) -> Result<Option<LockGuard>, LockError> {
-        let guard = |revision| LockGuard {
+        let guard = |revision, taken| LockGuard {
             key: session_token.to_owned(),
             revision,
             written_at: tokio::time::Instant::now(),
+            taken,
             lost: false,
         };
         // Over this instance's own release marker, if nobody wrote since.
@@ -123,10 +140,10 @@ impl SessionLocks {
                 .update(session_token, self.owner.clone(), marker)
                 .await
         {
-            return Ok(Some(guard(revision)));
+            return Ok(Some(guard(revision, Taken::OverOwnMarker)));
         }
         match self.kv.create(session_token, self.owner.clone()).await {
-            Ok(revision) => Ok(Some(guard(revision))),
+            Ok(revision) => Ok(Some(guard(revision, Taken::Anew))),
             Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
             Err(err) => Err(err.into()),
         }

@@ -28,7 +28,7 @@ use tracing::{Instrument, info_span, warn};
 
 use super::Shared;
 use super::ledger::WakeLedger;
-use super::lock::LockGuard;
+use super::lock::{LockGuard, Taken};
 use super::session_api::Post;
 use crate::ops::metrics as m;
 use crate::outcome::Outcome;
@@ -299,7 +299,10 @@ impl Router {
         loop {
             match self.shared.locks.try_acquire(&token).await {
                 Ok(Some(guard)) => {
-                    m::wake_session_lock("taken");
+                    m::wake_session_lock(match guard.taken() {
+                        Taken::Anew => "taken",
+                        Taken::OverOwnMarker => "retaken",
+                    });
                     return Some(guard);
                 }
                 Ok(None) => m::wake_session_lock("busy"),
