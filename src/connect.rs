@@ -179,6 +179,28 @@ impl NatsConfig {
     }
 }
 
+/// How long [`close`] waits for the connection to close.
+pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Drains `client` (its subscriptions and what it still has to send) and
+/// waits, at most [`CLOSE_TIMEOUT`], until the connection has closed:
+/// [`Client::drain`] only asks for that. A process that exits right after
+/// would cut the connection instead, and a server stopped right after (as
+/// dev mode stops its own) would be reported as a lost connection.
+pub async fn close(client: &Client) -> Result<(), async_nats::client::DrainError> {
+    client.drain().await?;
+    // Flushing fails once the connection's task has ended.
+    let closed = async {
+        while client.flush().await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    if tokio::time::timeout(CLOSE_TIMEOUT, closed).await.is_err() {
+        warn!(timeout = ?CLOSE_TIMEOUT, "The NATS connection did not close in time; leaving it.");
+    }
+    Ok(())
+}
+
 /// Whether a client event means the server refused the credentials or a
 /// permission (as opposed to a network hiccup).
 fn is_refusal(event: &Event) -> bool {

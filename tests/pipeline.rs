@@ -370,6 +370,49 @@ async fn dev_demo_runs_the_whole_loop_on_a_running_server_and_exits_zero() {
     assert!(stdout.contains("delegate (no session)"), "{stdout}");
 }
 
+#[tokio::test]
+async fn dev_demo_starts_a_server_of_its_own_when_none_answers_and_stops_it_quietly() {
+    init_logs();
+    let port = common::nats::free_port();
+    let data = tempfile::tempdir().unwrap();
+    let server = common::nats::server_binary();
+    let run = common::cli::wakebus(
+        &format!("nats://127.0.0.1:{port}"),
+        "wakebus",
+        &[
+            "dev",
+            "--demo",
+            "--session-addr",
+            "127.0.0.1:0",
+            "--nats-server",
+            server.to_str().unwrap(),
+            "--nats-conf",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/nats.conf"),
+            "--data-dir",
+            data.path().to_str().unwrap(),
+        ],
+    )
+    .await;
+    let stderr = run.stderr();
+    assert!(
+        run.success(),
+        "exit {:?}\nstdout:\n{}\nstderr:\n{stderr}",
+        run.code(),
+        run.stdout(),
+    );
+    assert!(
+        stderr.contains("No NATS server answers; starting one."),
+        "{stderr}"
+    );
+    // Its connection is closed before its server is stopped, so nothing
+    // reports a lost connection at the end.
+    assert!(!stderr.contains("Disconnected from NATS"), "{stderr}");
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "its server still runs"
+    );
+}
+
 /// The kinds of `delegation_id`'s stored events, in stream order, with the
 /// messages.
 async fn history_of(

@@ -148,10 +148,9 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 shutdown_signal(),
             )
             .await?;
-            client
-                .drain()
+            wakebus::connect::close(&client)
                 .await
-                .context("draining the NATS connection")?;
+                .context("closing the NATS connection")?;
         }
         Command::Wake(args) => {
             let api_key = match &args.api_key_file {
@@ -194,10 +193,9 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.verify_origin = args.verify_origin;
             let client = bus.client.clone();
             wake::run(bus, settings(&global), config, shutdown_signal()).await?;
-            client
-                .drain()
+            wakebus::connect::close(&client)
                 .await
-                .context("draining the NATS connection")?;
+                .context("closing the NATS connection")?;
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -150,7 +150,9 @@ pub async fn run(
     stop.cancel();
     let worker_result = worker.await.map_err(|e| DevError::Service(e.to_string()))?;
     let wake_result = wake.await.map_err(|e| DevError::Service(e.to_string()))?;
-    let _ = bus.client.drain().await;
+    // Closed before the server is stopped, which it would otherwise
+    // report as a lost connection.
+    let _ = crate::connect::close(&bus.client).await;
     if let Some(child) = server.as_mut() {
         let _ = child.kill().await;
     }
