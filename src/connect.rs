@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use async_nats::connection::State;
 use async_nats::{Client, ConnectOptions, Event, ServerAddr};
 use tracing::{error, info, warn};
 
@@ -179,24 +180,43 @@ impl NatsConfig {
     }
 }
 
-/// How long [`close`] waits for the connection to close.
-pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a stopping service waits for NATS: to take what it still has
+/// to send, then to close the connection. While the server is unreachable
+/// both would wait for it to come back, and a stopping service must not.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Sends what `client` still holds (acks, hand-backs, ledger writes),
+/// waiting at most [`STOP_TIMEOUT`].
+pub async fn flush_before_stop(client: &Client) {
+    match tokio::time::timeout(STOP_TIMEOUT, client.flush()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => warn!(%error, "Could not flush the NATS connection."),
+        Err(_) => warn!(
+            timeout = ?STOP_TIMEOUT,
+            "NATS is unreachable while stopping; messages whose ack was not sent will be redelivered after their ack wait."
+        ),
+    }
+}
 
 /// Drains `client` (its subscriptions and what it still has to send) and
-/// waits, at most [`CLOSE_TIMEOUT`], until the connection has closed:
+/// waits, at most [`STOP_TIMEOUT`], until the connection has closed:
 /// [`Client::drain`] only asks for that. A process that exits right after
 /// would cut the connection instead, and a server stopped right after (as
-/// dev mode stops its own) would be reported as a lost connection.
+/// dev mode stops its own) would be reported as a lost connection. Returns
+/// at once when the client is not connected: nothing can be drained then.
 pub async fn close(client: &Client) -> Result<(), async_nats::client::DrainError> {
     client.drain().await?;
+    if client.connection_state() != State::Connected {
+        return Ok(());
+    }
     // Flushing fails once the connection's task has ended.
     let closed = async {
         while client.flush().await.is_ok() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     };
-    if tokio::time::timeout(CLOSE_TIMEOUT, closed).await.is_err() {
-        warn!(timeout = ?CLOSE_TIMEOUT, "The NATS connection did not close in time; leaving it.");
+    if tokio::time::timeout(STOP_TIMEOUT, closed).await.is_err() {
+        warn!(timeout = ?STOP_TIMEOUT, "The NATS connection did not close in time; leaving it.");
     }
     Ok(())
 }

@@ -12,6 +12,7 @@ use common::process::{Service, wake_args, worker_args};
 use common::*;
 use nix::sys::signal::Signal;
 use wakebus::bus::Bus;
+use wakebus::delegate::Delegation;
 use wakebus::protocol::{CompletionEvent, StartedEvent, TaskRequest};
 
 async fn events(bus: &Bus, suffix: &str) -> Vec<async_nats::jetstream::message::StreamMessage> {
@@ -226,6 +227,31 @@ async fn sigterm_hands_running_work_back_at_once_and_exits_zero() {
     .await;
     assert!(api.accepted()[0].text().contains("second run"));
     assert_eq!(events(bus, ".done").await.len(), 1);
+}
+
+#[tokio::test]
+async fn a_worker_and_a_wake_stopped_while_nats_is_down_exit_without_waiting_for_it() {
+    let mut rig = Rig::start().await;
+    let mut worker = rig.worker("worker", "echo ok", &[]);
+    let mut wake = rig.wake("wake");
+    // Both connected and working.
+    delegate(
+        &rig.bus,
+        Delegation::new("before the outage").session("s.down"),
+    )
+    .await;
+    wait_until(Duration::from_secs(30), "the wake", || async {
+        rig.api.accepted().len() == 1
+    })
+    .await;
+
+    rig.nats.kill();
+    // A flush or a drain would wait for the server to come back; stopping
+    // gives up on them after a bound instead.
+    for (name, service) in [("worker", &mut worker), ("wake", &mut wake)] {
+        let status = service.signal_and_wait(Signal::SIGTERM, Duration::from_secs(30));
+        assert!(status.success(), "{name} exited with {status}");
+    }
 }
 
 #[tokio::test]

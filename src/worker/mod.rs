@@ -256,9 +256,7 @@ pub async fn run(
     if let Some(registered) = registered {
         registered.stop().await;
     }
-    if let Err(error) = bus.client.flush().await {
-        warn!(%error, "Could not flush the NATS connection.");
-    }
+    crate::connect::flush_before_stop(&bus.client).await;
     info!("Worker stopped.");
     Ok(())
 }
