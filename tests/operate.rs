@@ -594,7 +594,7 @@ async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
     let addr = format!("127.0.0.1:{}", common::nats::free_port());
     let logs = tempfile::tempdir().unwrap();
     let mut args = common::process::base_args(&nats.url(), &prefix);
-    args.extend(["worker", "--metrics-addr", &addr].map(String::from));
+    args.extend(["worker", "--executor", "echo", "--metrics-addr", &addr].map(String::from));
     let _worker = common::process::Service::spawn(args, logs.path().join("worker.log"));
     let base = format!("http://{addr}");
     wait_until(WAIT, "the worker to be ready", || async {
@@ -835,6 +835,24 @@ fn the_protocol_documents_replay_copies_and_the_status_snapshot() {
         serde_json::to_value(&snapshot).unwrap(),
         serde_json::from_str::<Value>(&block).unwrap()
     );
+}
+
+#[tokio::test]
+async fn a_worker_started_without_an_executor_refuses_to_start_and_names_the_flag() {
+    // Refused while reading its arguments, before connecting anywhere.
+    let run = wakebus(
+        "nats://127.0.0.1:1",
+        "wakebus",
+        &["worker", "--pool", "default"],
+    )
+    .await;
+    assert_eq!(run.code(), Some(2), "{}", run.stderr());
+    assert!(
+        run.stderr().contains("--executor <EXECUTOR>"),
+        "{}",
+        run.stderr()
+    );
+    assert!(run.stdout().is_empty());
 }
 
 #[tokio::test]

@@ -240,8 +240,9 @@ pub(crate) struct WorkerArgs {
     /// Tasks run at once.
     #[arg(long, env = "WAKEBUS_CONCURRENCY", default_value_t = 16)]
     pub(crate) concurrency: usize,
-    /// What runs the tasks.
-    #[arg(long, value_enum, default_value_t = ExecutorKind::Echo)]
+    /// What runs the tasks. Required: a worker that guessed `echo` would
+    /// complete real tasks with their goal echoed back.
+    #[arg(long, value_enum, env = "WAKEBUS_EXECUTOR")]
     pub(crate) executor: ExecutorKind,
     /// AckWait: how soon a dead worker's task goes to another worker.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
