@@ -282,6 +282,7 @@ async fn quarantine(
         .await;
     match deleted {
         Ok(Deleted { success: true }) => {
+            crate::ops::metrics::dead_lettered("unreadable");
             info!(
                 stream,
                 seq,

@@ -662,6 +662,23 @@ async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
     );
     assert!(sample(&text, r#"wakebus_task_retries_total{pool="default"}"#).is_none());
 
+    // A request the NATS client cannot read (headers not UTF-8) is removed
+    // by a sweep, not by a handler, and counted all the same.
+    let refused = common::raw::hpub(
+        nats.port,
+        &bus.subjects.task("default"),
+        b"NATS/1.0\r\nWakebus-Origin-Session: \xff\xfe\r\n\r\n",
+        br#"{"version":1,"delegation_id":"unreadable","goal":"g"}"#,
+    )
+    .await;
+    assert_eq!(refused, None);
+    eventually(WAIT, "the unreadable request counted", || async {
+        let text = http_get(&format!("{base}/metrics")).await?.1;
+        (sample(&text, r#"wakebus_dead_letters_total{kind="unreadable"}"#) == Some(1.0))
+            .then_some(())
+    })
+    .await;
+
     // Without NATS the process is alive but not ready.
     nats.kill();
     wait_until(WAIT, "/readyz to fail without NATS", || async {

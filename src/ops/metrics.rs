@@ -27,7 +27,8 @@ pub const TASK_RETRIES: &str = "wakebus_task_retries_total";
 pub const TASK_REDELIVERIES: &str = "wakebus_task_redeliveries_total";
 /// Tasks running now, by `pool`.
 pub const TASKS_IN_FLIGHT: &str = "wakebus_tasks_in_flight";
-/// Messages dead-lettered, by `kind` (`task`, `wake`, `poison`, `origin`).
+/// Messages dead-lettered, by `kind` (`task`, `wake`, `poison`, `origin`,
+/// `unreadable`).
 pub const DEAD_LETTERS: &str = "wakebus_dead_letters_total";
 /// Wake posts to the session API, by `result` (`delivered`, `retry`, `rejected`).
 pub const WAKE_POSTS: &str = "wakebus_wake_posts_total";
