@@ -25,12 +25,15 @@ pub(crate) fn main() -> ExitCode {
         }
     };
     // Tools an operator runs by hand log only problems; services log progress.
+    // The NATS client's own INFO lines repeat what connect.rs logs of its
+    // events (every 4 s while the server is away), so they are left out.
     let tool = matches!(
         cli.command,
         args::Command::Events(_) | args::Command::Replay(_) | args::Command::Status(_)
     );
+    let default_level = if tool { "warn" } else { "info,async_nats=warn" };
     #[cfg_attr(not(feature = "otel"), allow(clippy::let_unit_value))]
-    let telemetry = init_logging(&cli.global, if tool { "warn" } else { "info" });
+    let telemetry = init_logging(&cli.global, default_level);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(error) => {
