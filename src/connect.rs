@@ -199,26 +199,30 @@ pub async fn flush_before_stop(client: &Client) {
 }
 
 /// Drains `client` (its subscriptions and what it still has to send) and
-/// waits, at most [`STOP_TIMEOUT`], until the connection has closed:
+/// waits, at most [`STOP_TIMEOUT`] in all, until the connection has closed:
 /// [`Client::drain`] only asks for that. A process that exits right after
 /// would cut the connection instead, and a server stopped right after (as
-/// dev mode stops its own) would be reported as a lost connection. Returns
-/// at once when the client is not connected: nothing can be drained then.
+/// dev mode stops its own) would be reported as a lost connection. Does
+/// not wait for the close when the client is not connected: nothing can be
+/// drained then.
 pub async fn close(client: &Client) -> Result<(), async_nats::client::DrainError> {
-    client.drain().await?;
-    if client.connection_state() != State::Connected {
-        return Ok(());
-    }
-    // Flushing fails once the connection's task has ended.
-    let closed = async {
-        while client.flush().await.is_ok() {
+    let connected = client.connection_state() == State::Connected;
+    let closing = async {
+        // Even asking can wait: for room in the client's command queue.
+        client.drain().await?;
+        // Flushing fails once the connection's task has ended.
+        while connected && client.flush().await.is_ok() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        Ok(())
     };
-    if tokio::time::timeout(STOP_TIMEOUT, closed).await.is_err() {
-        warn!(timeout = ?STOP_TIMEOUT, "The NATS connection did not close in time; leaving it.");
+    match tokio::time::timeout(STOP_TIMEOUT, closing).await {
+        Ok(result) => result,
+        Err(_) => {
+            warn!(timeout = ?STOP_TIMEOUT, "The NATS connection did not close in time; leaving it.");
+            Ok(())
+        }
     }
-    Ok(())
 }
 
 /// Whether a client event means the server refused the credentials or a
