@@ -230,6 +230,27 @@ async fn sigterm_hands_running_work_back_at_once_and_exits_zero() {
 }
 
 #[tokio::test]
+async fn a_second_sigterm_ends_a_worker_waiting_out_its_shutdown_grace() {
+    let rig = Rig::start().await;
+    let mut worker = rig.worker("worker", "sleep 60", &["--shutdown-grace", "60s"]);
+    rig.delegate_and_wait_started("s.twice", "long").await;
+
+    // The first signal starts the graceful stop: the running task gets its
+    // 60 s of grace.
+    worker.signal(Signal::SIGTERM);
+    let log = worker.log.clone();
+    wait_until(Duration::from_secs(30), "the graceful stop", || async {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("Worker stopping"))
+    })
+    .await;
+    // The second ends it now.
+    let status = worker.signal_and_wait(Signal::SIGTERM, Duration::from_secs(10));
+    assert_eq!(status.code(), Some(130), "{status}");
+    let log = std::fs::read_to_string(&worker.log).unwrap();
+    assert!(log.contains("Second shutdown signal"), "{log}");
+}
+
+#[tokio::test]
 async fn a_worker_and_a_wake_stopped_while_nats_is_down_exit_without_waiting_for_it() {
     let mut rig = Rig::start().await;
     let mut worker = rig.worker("worker", "echo ok", &[]);

@@ -15,7 +15,7 @@ use wakebus::worker::executor::{CommandConfig, CommandExecutor, EchoExecutor, Ex
 use wakebus::worker::{self, WorkerConfig};
 
 use super::args::{Cli, Command, ExecutorKind, Global};
-use super::shutdown_signal;
+use super::service_shutdown;
 
 pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let global = cli.global;
@@ -34,7 +34,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     session_addr: args.session_addr,
                     demo: args.demo,
                 },
-                shutdown_signal(),
+                service_shutdown(),
             )
             .await?;
         }
@@ -145,7 +145,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 executor,
                 env,
                 config,
-                shutdown_signal(),
+                service_shutdown(),
             )
             .await?;
             wakebus::connect::close(&client)
@@ -192,7 +192,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.retry_max = args.retry_max;
             config.verify_origin = args.verify_origin;
             let client = bus.client.clone();
-            wake::run(bus, settings(&global), config, shutdown_signal()).await?;
+            wake::run(bus, settings(&global), config, service_shutdown()).await?;
             wakebus::connect::close(&client)
                 .await
                 .context("closing the NATS connection")?;

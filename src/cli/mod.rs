@@ -113,6 +113,27 @@ fn init_logging(global: &args::Global, default_level: &str) -> Telemetry {
     registry.init();
 }
 
+/// A service's graceful stop: completes on the first SIGINT or SIGTERM. A
+/// second one ends the process at once (exit 130), as operators expect of
+/// a second Ctrl-C, for a stop that waits on what may not come: a task in
+/// its `--shutdown-grace`, or NATS taking the last acks while unreachable.
+/// What was not acknowledged then is redelivered after its ack wait, as
+/// after a crash.
+pub(crate) fn service_shutdown() -> impl std::future::Future<Output = ()> {
+    let first = tokio_util::sync::CancellationToken::new();
+    let stop = first.clone().cancelled_owned();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        first.cancel();
+        shutdown_signal().await;
+        tracing::warn!(
+            "Second shutdown signal: exiting now; work not acknowledged yet is redelivered after its ack wait."
+        );
+        std::process::exit(130);
+    });
+    stop
+}
+
 /// Completes on SIGINT or SIGTERM.
 pub(crate) async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
