@@ -585,18 +585,30 @@ fn sample(text: &str, name: &str) -> Option<f64> {
         .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
 }
 
+/// Starts `wakebus <args> --metrics-addr <a free port>`, logging to
+/// `log`; returns it and the base URL of its metrics.
+fn spawn_with_metrics(
+    mut args: Vec<String>,
+    log: std::path::PathBuf,
+) -> (common::process::Service, String) {
+    let addr = format!("127.0.0.1:{}", common::nats::free_port());
+    args.extend(["--metrics-addr".to_owned(), addr.clone()]);
+    (
+        common::process::Service::spawn(args, log),
+        format!("http://{addr}"),
+    )
+}
+
 #[tokio::test]
 async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
     init_logs();
     let mut nats = NatsServer::start().await;
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
-    let addr = format!("127.0.0.1:{}", common::nats::free_port());
     let logs = tempfile::tempdir().unwrap();
     let mut args = common::process::base_args(&nats.url(), &prefix);
-    args.extend(["worker", "--executor", "echo", "--metrics-addr", &addr].map(String::from));
-    let _worker = common::process::Service::spawn(args, logs.path().join("worker.log"));
-    let base = format!("http://{addr}");
+    args.extend(["worker", "--executor", "echo"].map(String::from));
+    let (_worker, base) = spawn_with_metrics(args, logs.path().join("worker.log"));
     wait_until(WAIT, "the worker to be ready", || async {
         http_get(&format!("{base}/readyz"))
             .await
@@ -700,11 +712,11 @@ async fn the_wake_keeps_nothing_per_session_once_its_wakes_are_delivered() {
     let api = SessionApiServer::start().await;
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
-    let addr = format!("127.0.0.1:{}", common::nats::free_port());
     let logs = tempfile::tempdir().unwrap();
-    let mut args = common::process::wake_args(&nats.url(), &prefix, &api.url());
-    args.extend(["--metrics-addr", &addr].map(String::from));
-    let _wake = common::process::Service::spawn(args, logs.path().join("wake.log"));
+    let (_wake, base) = spawn_with_metrics(
+        common::process::wake_args(&nats.url(), &prefix, &api.url()),
+        logs.path().join("wake.log"),
+    );
     let mut services = Services::new();
     services.echo_worker(&bus);
 
@@ -718,7 +730,6 @@ async fn the_wake_keeps_nothing_per_session_once_its_wakes_are_delivered() {
     wait_until(WAIT, "five wakes", || async { api.accepted().len() == 5 }).await;
     // Each session's actor ends once its lock is given back (after the
     // 250 ms linger), not after a long idle time.
-    let base = format!("http://{addr}");
     let text = eventually(Duration::from_secs(10), "no session kept", || async {
         let text = http_get(&format!("{base}/metrics")).await?.1;
         (sample(&text, "wakebus_wake_sessions_active") == Some(0.0)).then_some(text)
@@ -752,26 +763,17 @@ async fn the_wake_counts_each_way_a_turn_gets_its_session_lock() {
     let bus = bus(&nats.url(), &prefix).await;
     // The bucket as the wake will find it, so that the test can hold a lock
     // as another instance would.
-    let settings = wakebus::bus::BusSettings {
-        session_lock_ttl: Duration::from_secs(30),
-        ..Default::default()
-    };
-    let lock_bucket = bus
-        .provision_wake_state(&settings)
-        .await
-        .unwrap()
-        .session_locks;
-    let addr = format!("127.0.0.1:{}", common::nats::free_port());
+    let lock_bucket = session_lock_bucket(&bus, Duration::from_secs(30)).await;
     let logs = tempfile::tempdir().unwrap();
     let mut args = common::process::wake_args(&nats.url(), &prefix, &api.url());
     let ttl = args.iter().position(|a| a == "--session-lock-ttl").unwrap();
     args[ttl + 1] = "30s".into();
-    args.extend(["--metrics-addr", &addr, "--lock-linger", "3s"].map(String::from));
-    let _wake = common::process::Service::spawn(args, logs.path().join("wake.log"));
+    args.extend(["--lock-linger", "3s"].map(String::from));
+    let (_wake, base) = spawn_with_metrics(args, logs.path().join("wake.log"));
     let mut services = Services::new();
     services.echo_worker(&bus);
     let metrics = || async {
-        http_get(&format!("http://{addr}/metrics"))
+        http_get(&format!("{base}/metrics"))
             .await
             .map(|(_, text)| text)
     };

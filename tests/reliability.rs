@@ -335,15 +335,7 @@ async fn two_instances(
     ttl: Duration,
 ) -> (async_nats::jetstream::kv::Store, SessionLocks, SessionLocks) {
     let bus = bus(&nats.url(), &unique_prefix()).await;
-    let settings = wakebus::bus::BusSettings {
-        session_lock_ttl: ttl,
-        ..Default::default()
-    };
-    let kv = bus
-        .provision_wake_state(&settings)
-        .await
-        .unwrap()
-        .session_locks;
+    let kv = session_lock_bucket(&bus, ttl).await;
     let a = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-a", ttl);
     let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
     (kv, a, b)

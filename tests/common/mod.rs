@@ -344,3 +344,16 @@ pub async fn done_events(bus: &Bus) -> Vec<wakebus::protocol::CompletionEvent> {
         .map(|m| wakebus::protocol::CompletionEvent::decode(&m.payload).expect("completion"))
         .collect()
 }
+
+/// The session-lock bucket provisioned as a wake with `ttl` finds it, for
+/// tests that hold or inspect locks as another instance would.
+pub async fn session_lock_bucket(bus: &Bus, ttl: Duration) -> async_nats::jetstream::kv::Store {
+    let settings = wakebus::bus::BusSettings {
+        session_lock_ttl: ttl,
+        ..Default::default()
+    };
+    bus.provision_wake_state(&settings)
+        .await
+        .expect("provision the wake's buckets")
+        .session_locks
+}
