@@ -232,8 +232,11 @@ async fn sigterm_hands_running_work_back_at_once_and_exits_zero() {
 #[tokio::test]
 async fn a_second_sigterm_ends_a_worker_waiting_out_its_shutdown_grace() {
     let rig = Rig::start().await;
-    let mut worker = rig.worker("worker", "sleep 60", &["--shutdown-grace", "60s"]);
+    let pid_file = rig.logs.path().join("program.pid");
+    let script = format!("echo $$ > {}; exec sleep 60", pid_file.display());
+    let mut worker = rig.worker("worker", &script, &["--shutdown-grace", "60s"]);
     rig.delegate_and_wait_started("s.twice", "long").await;
+    let pid = eventually_read(&pid_file).await;
 
     // The first signal starts the graceful stop: the running task gets its
     // 60 s of grace.
@@ -248,6 +251,32 @@ async fn a_second_sigterm_ends_a_worker_waiting_out_its_shutdown_grace() {
     assert_eq!(status.code(), Some(130), "{status}");
     let log = std::fs::read_to_string(&worker.log).unwrap();
     assert!(log.contains("Second shutdown signal"), "{log}");
+    // Its task's program is stopped too: left running, it would go on
+    // while another worker runs the redelivered task.
+    wait_until(
+        Duration::from_secs(10),
+        "the task's program gone",
+        || async {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map_or(true, |stat| stat.contains(") Z "))
+        },
+    )
+    .await;
+}
+
+/// The trimmed contents of `path` once it has some.
+async fn eventually_read(path: &std::path::Path) -> String {
+    let mut text = String::new();
+    wait_until(Duration::from_secs(30), "the file written", || {
+        text = std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .trim()
+            .to_owned();
+        let written = !text.is_empty();
+        async move { written }
+    })
+    .await;
+    text
 }
 
 #[tokio::test]

@@ -34,7 +34,9 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     session_addr: args.session_addr,
                     demo: args.demo,
                 },
-                service_shutdown(),
+                // Not service_shutdown(): its handlers would catch the Ctrl-C
+                // that a --demo run, which never awaits this, must die of.
+                super::shutdown_signal(),
             )
             .await?;
         }

@@ -114,11 +114,11 @@ fn init_logging(global: &args::Global, default_level: &str) -> Telemetry {
 }
 
 /// A service's graceful stop: completes on the first SIGINT or SIGTERM. A
-/// second one ends the process at once (exit 130), as operators expect of
-/// a second Ctrl-C, for a stop that waits on what may not come: a task in
-/// its `--shutdown-grace`, or NATS taking the last acks while unreachable.
-/// What was not acknowledged then is redelivered after its ack wait, as
-/// after a crash.
+/// second one kills the task programs still running and ends the process
+/// at once (exit 130), as operators expect of a second Ctrl-C, for a stop
+/// that waits on what may not come: a task in its `--shutdown-grace`, or
+/// NATS taking the last acks while unreachable. What was not acknowledged
+/// then is redelivered after its ack wait, as after a crash.
 pub(crate) fn service_shutdown() -> impl std::future::Future<Output = ()> {
     let first = tokio_util::sync::CancellationToken::new();
     let stop = first.clone().cancelled_owned();
@@ -127,8 +127,9 @@ pub(crate) fn service_shutdown() -> impl std::future::Future<Output = ()> {
         first.cancel();
         shutdown_signal().await;
         tracing::warn!(
-            "Second shutdown signal: exiting now; work not acknowledged yet is redelivered after its ack wait."
+            "Second shutdown signal: stopping task programs and exiting now; work not acknowledged yet is redelivered after its ack wait."
         );
+        wakebus::worker::executor::kill_running_programs();
         std::process::exit(130);
     });
     stop

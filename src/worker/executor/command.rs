@@ -1,7 +1,9 @@
 //! The `command` executor: one process per task, request JSON on stdin.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use nix::sys::signal::{Signal, killpg};
@@ -14,6 +16,43 @@ use tracing::{debug, warn};
 
 use super::{ExecError, ExecOutput, Progress, TaskEnv};
 use crate::protocol::{Status, TaskRequest};
+
+/// The process groups of the task programs running now in this process.
+static RUNNING_GROUPS: Mutex<BTreeSet<i32>> = Mutex::new(BTreeSet::new());
+
+/// Keeps a task program's process group in [`RUNNING_GROUPS`] while it runs.
+struct RunningGroup(i32);
+
+impl RunningGroup {
+    fn register(pid: u32) -> Option<Self> {
+        let group = i32::try_from(pid).ok()?;
+        RUNNING_GROUPS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(group);
+        Some(Self(group))
+    }
+}
+
+impl Drop for RunningGroup {
+    fn drop(&mut self) {
+        RUNNING_GROUPS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.0);
+    }
+}
+
+/// SIGKILLs the process group of every task program running now, for a
+/// process about to exit without running destructors (which would stop
+/// them otherwise): a program left running would go on after its task was
+/// redelivered to another worker.
+pub fn kill_running_programs() {
+    let groups = RUNNING_GROUPS.lock().unwrap_or_else(|p| p.into_inner());
+    for &group in groups.iter() {
+        let _ = killpg(Pid::from_raw(group), Signal::SIGKILL);
+    }
+}
 
 /// How to run the program.
 #[derive(Debug, Clone)]
@@ -117,6 +156,7 @@ impl CommandExecutor {
             ExecError::Transient(format!("could not start {}: {err}", cfg.program.display()))
         })?;
         let pid = child.id();
+        let _running = pid.and_then(RunningGroup::register);
 
         let input = serde_json::to_vec(request).unwrap_or_default();
         let mut stdin = child.stdin.take();
