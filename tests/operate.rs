@@ -768,7 +768,7 @@ async fn the_wake_counts_each_way_a_turn_gets_its_session_lock() {
     let mut args = common::process::wake_args(&nats.url(), &prefix, &api.url());
     let ttl = args.iter().position(|a| a == "--session-lock-ttl").unwrap();
     args[ttl + 1] = "30s".into();
-    args.extend(["--lock-linger", "3s"].map(String::from));
+    args.extend(["--lock-linger", "8s"].map(String::from));
     let (_wake, base) = spawn_with_metrics(args, logs.path().join("wake.log"));
     let mut services = Services::new();
     services.echo_worker(&bus);
