@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use async_nats::connection::State;
 use async_nats::jetstream::{self, AckKind};
 use tracing::warn;
 
@@ -37,5 +38,20 @@ impl Outcome {
         if let Err(error) = message.ack_with(kind).await {
             warn!(%error, subject = %message.subject, "Could not send ack; the message will be redelivered.");
         }
+    }
+}
+
+/// Tells the server that `message` is still being worked on, unless the
+/// client is disconnected: the client does not drain its command queue
+/// while it reconnects, so during a long outage these periodic acks would
+/// fill it, and every later send (a hand-back at shutdown included) would
+/// then wait for the server to return. A keep-alive missed while the
+/// server is away is no loss; the next one after the reconnect counts.
+pub async fn keep_alive(message: &jetstream::Message) {
+    if message.context.client().connection_state() != State::Connected {
+        return;
+    }
+    if let Err(error) = message.ack_with(AckKind::Progress).await {
+        warn!(%error, subject = %message.subject, "Could not send an in-progress ack.");
     }
 }

@@ -13,7 +13,7 @@ use common::*;
 use nix::sys::signal::Signal;
 use wakebus::bus::Bus;
 use wakebus::delegate::Delegation;
-use wakebus::protocol::{CompletionEvent, StartedEvent, TaskRequest};
+use wakebus::protocol::{CompletionEvent, StartedEvent, Status, TaskRequest};
 
 async fn events(bus: &Bus, suffix: &str) -> Vec<async_nats::jetstream::message::StreamMessage> {
     all_messages(bus, &bus.subjects.events_stream())
@@ -227,6 +227,38 @@ async fn sigterm_hands_running_work_back_at_once_and_exits_zero() {
     .await;
     assert!(api.accepted()[0].text().contains("second run"));
     assert_eq!(events(bus, ".done").await.len(), 1);
+}
+
+#[tokio::test]
+async fn a_wake_holding_hundreds_of_completions_through_an_outage_still_stops_on_sigterm() {
+    const HELD: usize = 600;
+    let mut rig = Rig::start().await;
+    // Every post fails, so the wake holds each completion and keeps it
+    // alive (every --ack-wait / 3, here 2 s / 3) while it retries.
+    rig.api.fail_always(503);
+    let mut wake = rig.wake("wake");
+    for i in 0..HELD {
+        common::cli::publish_task(&rig.bus, Some(&format!("s.held.{i}")), Status::Completed).await;
+    }
+    wait_until(
+        Duration::from_secs(60),
+        "a post tried for every session",
+        || async {
+            let sessions: HashSet<String> =
+                rig.api.all_posts().iter().map(|p| p.session()).collect();
+            sessions.len() == HELD
+        },
+    )
+    .await;
+
+    rig.nats.kill();
+    // The outage itself: queued keep-alives for 600 completions would fill
+    // the NATS client's 2,048-command queue in under 3 s, after which every
+    // send, the hand-backs at shutdown included, waits for the server.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let status = wake.signal_and_wait(Signal::SIGTERM, Duration::from_secs(30));
+    assert!(status.success(), "wake exited with {status}");
+    eprintln!("WAKELOG\n{}", std::fs::read_to_string(&wake.log).unwrap());
 }
 
 #[tokio::test]

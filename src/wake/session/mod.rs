@@ -18,7 +18,7 @@ mod post;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, AckKind};
+use async_nats::jetstream;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio::time::Instant;
@@ -381,6 +381,6 @@ impl Router {
 
 async fn keep_alive(held: &[Pending]) {
     for p in held {
-        let _ = p.message.ack_with(AckKind::Progress).await;
+        crate::outcome::keep_alive(&p.message).await;
     }
 }

@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, AckKind};
+use async_nats::jetstream;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
@@ -72,9 +72,7 @@ impl TaskHandler {
                 _ = keepalive.tick() => {
                     // Tell the server we are alive so AckWait does not hand
                     // the task to another worker.
-                    if let Err(error) = message.ack_with(AckKind::Progress).await {
-                        warn!(%error, "Could not send an in-progress ack.");
-                    }
+                    crate::outcome::keep_alive(message).await;
                 }
                 Ok(()) = reports.changed() => {
                     unpublished = true;
