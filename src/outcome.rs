@@ -42,11 +42,13 @@ impl Outcome {
 }
 
 /// Tells the server that `message` is still being worked on, unless the
-/// client is disconnected: the client does not drain its command queue
-/// while it reconnects, so during a long outage these periodic acks would
-/// fill it, and every later send (a hand-back at shutdown included) would
-/// then wait for the server to return. A keep-alive missed while the
-/// server is away is no loss; the next one after the reconnect counts.
+/// client is disconnected: async-nats does not drain its command queue
+/// while it reconnects, so during a long outage these periodic acks could
+/// fill it, after which every later send (a hand-back at shutdown
+/// included) would wait for the server to return. (A test holding 600
+/// completions through a 5 s outage did not reach that point either way.)
+/// A keep-alive missed while the server is away is no loss; the next one
+/// after the reconnect counts.
 pub async fn keep_alive(message: &jetstream::Message) {
     if message.context.client().connection_state() != State::Connected {
         return;
