@@ -100,11 +100,15 @@ impl NatsCluster {
             let running: Vec<usize> = (0..self.nodes.len())
                 .filter(|&i| self.nodes[i].is_running())
                 .collect();
-            assert_eq!(
-                running.len(),
-                self.nodes.len(),
-                "a nats-server node exited during start"
-            );
+            if let Some(exited) = (0..self.nodes.len()).find(|i| !running.contains(i)) {
+                let stderr = self.nodes[exited].store.path().join("server.stderr");
+                let output = std::fs::read_to_string(&stderr).unwrap_or_default();
+                let tail: Vec<&str> = output.lines().rev().take(15).collect();
+                panic!(
+                    "nats-server node n{exited} exited during start; its last lines:\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
             let mut ready = true;
             for &i in &running {
                 if !node_ready(&self.nodes[i].url(), running.len()).await {
