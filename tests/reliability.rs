@@ -341,11 +341,16 @@ async fn two_instances(
     (kv, a, b)
 }
 
-/// Asserts that `holder` holds the lock on `tok` (its name is the value)
-/// and that `other` cannot take it.
+/// Asserts that `holder` holds the lock on `tok` (its name is the value's
+/// first word) and that `other` cannot take it.
 async fn assert_held_by(kv: &async_nats::jetstream::kv::Store, holder: &str, other: &SessionLocks) {
-    let value = kv.get("tok").await.unwrap();
-    assert_eq!(value.as_deref(), Some(holder.as_bytes()), "not {holder}'s");
+    let value = kv.get("tok").await.unwrap().expect("a lock on tok");
+    let value = String::from_utf8_lossy(&value);
+    assert_eq!(
+        value.split(' ').next(),
+        Some(holder),
+        "not {holder}'s: {value}"
+    );
     assert!(
         other.try_acquire("tok").await.unwrap().is_none(),
         "another instance took {holder}'s lock"
@@ -407,6 +412,124 @@ async fn a_lock_taken_again_over_its_own_release_marker_still_excludes_other_ins
     assert_held_by(&kv, "wake-b", &a).await;
     b.release(held).await;
     assert!(a.try_acquire("tok").await.unwrap().is_some(), "free again");
+}
+
+/// Instance `wake-a` on the lock bucket of `kv`, whose requests give up
+/// after 300 ms, so that a frozen server's answer is lost.
+async fn impatient_instance(bus: &Bus, ttl: Duration) -> SessionLocks {
+    let mut js = bus.js.clone();
+    js.set_timeout(Duration::from_millis(300));
+    let kv = js
+        .get_key_value(bus.subjects.session_lock_bucket())
+        .await
+        .unwrap();
+    SessionLocks::new(js, kv, "wake-a", ttl)
+}
+
+/// Takes the lock on `tok` with `locks`, retrying through errors (a client
+/// reconnecting); fails if it is busy or not taken within `WAIT`.
+async fn take_through_errors(locks: &SessionLocks) -> wakebus::wake::lock::LockGuard {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match locks.try_acquire("tok").await {
+            Ok(Some(guard)) => return guard,
+            Ok(None) => panic!("the lock is busy: this instance's own lock was not taken back"),
+            Err(_) => {}
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "lock not taken in {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_lock_created_while_its_answer_was_lost_is_taken_back_instead_of_waited_out() {
+    let nats = NatsServer::start().await;
+    let ttl = Duration::from_secs(600);
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let kv = session_lock_bucket(&bus, ttl).await;
+    let a = impatient_instance(&bus, ttl).await;
+    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+
+    // The create reaches the frozen server's socket; its answer comes too late.
+    nats.signal(nix::sys::signal::Signal::SIGSTOP);
+    let unanswered = a.try_acquire("tok").await;
+    nats.signal(nix::sys::signal::Signal::SIGCONT);
+    assert!(unanswered.is_err(), "answered by a frozen server");
+    wait_until(WAIT, "the thawed server to apply the create", || async {
+        kv.get("tok").await.ok().flatten().is_some()
+    })
+    .await;
+    assert_held_by(&kv, "wake-a", &b).await;
+
+    let mut again = take_through_errors(&a).await;
+    assert_eq!(again.taken(), Taken::Adopted);
+    a.refresh(&mut again).await.unwrap();
+    assert_held_by(&kv, "wake-a", &b).await;
+    a.release(again).await;
+    assert!(b.try_acquire("tok").await.unwrap().is_some(), "released");
+}
+
+#[tokio::test]
+async fn a_lock_refreshed_while_its_answer_was_lost_is_taken_back_instead_of_waited_out() {
+    let nats = NatsServer::start().await;
+    let ttl = Duration::from_secs(600);
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let kv = session_lock_bucket(&bus, ttl).await;
+    let a = impatient_instance(&bus, ttl).await;
+    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+
+    let mut held = a.try_acquire("tok").await.unwrap().expect("a free lock");
+    let revision = kv.entry("tok").await.unwrap().expect("the lock").revision;
+    nats.signal(nix::sys::signal::Signal::SIGSTOP);
+    let unanswered = a.refresh(&mut held).await;
+    nats.signal(nix::sys::signal::Signal::SIGCONT);
+    assert!(unanswered.is_err(), "answered by a frozen server");
+    assert!(held.is_lost(), "a guard whose refresh failed is used again");
+    wait_until(WAIT, "the thawed server to apply the refresh", || async {
+        kv.entry("tok")
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|entry| entry.revision > revision)
+    })
+    .await;
+    assert_held_by(&kv, "wake-a", &b).await;
+
+    let again = take_through_errors(&a).await;
+    assert_eq!(again.taken(), Taken::Adopted);
+    a.release(again).await;
+    assert!(b.try_acquire("tok").await.unwrap().is_some(), "released");
+}
+
+#[tokio::test]
+async fn a_lock_whose_release_was_lost_in_a_nats_crash_is_taken_back_instead_of_waited_out() {
+    let mut nats = NatsServer::start().await;
+    let ttl = Duration::from_secs(600);
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let kv = session_lock_bucket(&bus, ttl).await;
+    let a = impatient_instance(&bus, ttl).await;
+    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+
+    // The release reaches the frozen server, which then crashes.
+    let held = a.try_acquire("tok").await.unwrap().expect("a free lock");
+    nats.signal(nix::sys::signal::Signal::SIGSTOP);
+    a.release(held).await;
+    nats.restart().await;
+    wait_until(WAIT, "the client to reconnect", || async {
+        kv.get("tok").await.is_ok()
+    })
+    .await;
+    assert_held_by(&kv, "wake-a", &b).await;
+
+    let mut again = take_through_errors(&a).await;
+    assert_eq!(again.taken(), Taken::Adopted);
+    a.refresh(&mut again).await.unwrap();
+    assert_held_by(&kv, "wake-a", &b).await;
+    a.release(again).await;
+    assert!(b.try_acquire("tok").await.unwrap().is_some(), "released");
 }
 
 #[tokio::test]

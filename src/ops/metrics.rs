@@ -36,8 +36,10 @@ pub const WAKE_POSTS: &str = "wakebus_wake_posts_total";
 /// was free and is now this instance's), `retaken` (the same, in one write
 /// over this instance's own release marker), `kept` (still held from the
 /// session's previous turn, `--lock-linger`), `busy` (another instance
-/// holds it; the turn waits and tries again, each try counting), `error`
-/// (NATS failed). `taken` + `retaken` + `kept` counts turns.
+/// holds it; the turn waits and tries again, each try counting), `adopted`
+/// (held by a value this instance wrote whose answer or release was lost),
+/// `error` (NATS failed). `taken` + `retaken` + `kept` + `adopted` counts
+/// turns.
 pub const WAKE_SESSION_LOCKS: &str = "wakebus_wake_session_locks_total";
 /// Wake posts waiting for the session API's answer now.
 pub const WAKE_POSTS_IN_FLIGHT: &str = "wakebus_wake_posts_in_flight";
@@ -91,7 +93,7 @@ fn describe() {
     describe_counter!(WAKE_POSTS, "Wake posts to the session API, by result.");
     describe_counter!(
         WAKE_SESSION_LOCKS,
-        "Attempts to take a session lock for a turn: taken, retaken over this instance's own release, kept from the previous turn, busy elsewhere, error."
+        "Attempts to take a session lock for a turn: taken, retaken over this instance's own release, kept from the previous turn, busy elsewhere, adopted after a lost answer, error."
     );
     describe_gauge!(
         WAKE_POSTS_IN_FLIGHT,

@@ -13,6 +13,14 @@
 //! since. Other instances, and markers older than the TTL, take the usual
 //! create.
 //!
+//! A lock's value is the instance's name and a fresh ULID, unique to one
+//! take. When a write's answer never comes (a timeout, a lost connection)
+//! it may still have been applied, and a release that failed leaves the
+//! lock in place: either way the key may hold a lock no guard knows of,
+//! and every take would see it as busy until the TTL. The instance
+//! remembers such values as orphans; a take that finds the key holding one
+//! of them adopts the lock, since nobody else ever writes that value.
+//!
 //! Purging the key instead of deleting would leave no marker, but nats-server
 //! before 2.9.18 replays a filtered purge on a restarted cluster replica as a
 //! purge of the whole stream (nats-io/nats-server#4197): every other
@@ -26,6 +34,7 @@ use std::time::{Duration, Instant};
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
+use ulid::Ulid;
 
 /// Why a lock operation failed (other than the lock being held).
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +45,10 @@ pub enum LockError {
     /// Refreshing failed: the lock expired and was maybe taken by another instance.
     #[error("lost the session lock: {0}")]
     Refresh(#[from] kv::UpdateError),
+    /// Reading a held lock, to see whether it is one of this instance's
+    /// orphans, failed.
+    #[error("cannot read the session lock: {0}")]
+    Read(#[from] kv::EntryError),
 }
 
 /// The lock bucket, from one instance's point of view.
@@ -43,23 +56,28 @@ pub enum LockError {
 pub struct SessionLocks {
     /// The KV bucket.
     kv: kv::Store,
-    /// This instance's name, stored as the lock value for operators.
-    owner: Bytes,
+    /// This instance's name, the first word of every lock value it writes,
+    /// for operators.
+    owner: String,
     /// The bucket's max age: a lock not refreshed for this long expires.
     ttl: Duration,
     /// Publishes release markers, whose revision the KV delete would not say.
     js: jetstream::Context,
-    /// The delete markers this instance's releases left, by key.
-    released: Arc<Mutex<Markers>>,
+    /// What this instance wrote and may need again, by key.
+    memory: Arc<Mutex<Memory>>,
 }
 
-/// Revisions of release markers, each with when it was written; dropped
-/// once older than the TTL (the marker itself is gone by then), so the map
-/// holds at most about the locks released within two TTLs.
+/// Release markers and orphaned lock values, each with when it was
+/// written; dropped once older than the TTL (the marker or lock itself is
+/// gone by then), so the maps hold at most about the keys written within
+/// two TTLs.
 #[derive(Debug, Default)]
-struct Markers {
-    /// Key → (marker revision, written at).
-    by_key: HashMap<String, (u64, Instant)>,
+struct Memory {
+    /// Key → (revision of this instance's release marker, written at).
+    markers: HashMap<String, (u64, Instant)>,
+    /// Key → (a lock value this instance wrote and holds no guard for,
+    /// written at): the write went unanswered, or its release failed.
+    orphans: HashMap<String, (Bytes, Instant)>,
     /// Size at which expired entries are next swept out.
     sweep_at: usize,
 }
@@ -71,6 +89,9 @@ pub enum Taken {
     Anew,
     /// Written in one update over this instance's own release marker.
     OverOwnMarker,
+    /// Found holding a value this instance wrote without a guard: a write
+    /// whose answer was lost, or a lock whose release failed.
+    Adopted,
 }
 
 /// A held lock.
@@ -80,6 +101,8 @@ pub struct LockGuard {
     key: String,
     /// The revision this holder last wrote.
     revision: u64,
+    /// The value this holder wrote: the owner's name and a ULID of this take.
+    value: Bytes,
     /// When this holder last wrote it (the lock expires a TTL later).
     written_at: tokio::time::Instant,
     /// How it was taken, for the lock metric.
@@ -112,10 +135,10 @@ impl SessionLocks {
     pub fn new(js: jetstream::Context, kv: kv::Store, owner: &str, ttl: Duration) -> Self {
         Self {
             kv,
-            owner: Bytes::copy_from_slice(owner.as_bytes()),
+            owner: owner.to_owned(),
             ttl,
             js,
-            released: Arc::default(),
+            memory: Arc::default(),
         }
     }
 
@@ -126,26 +149,57 @@ impl SessionLocks {
 
     /// Takes the lock for `session_token`, or `None` if another holder has it.
     pub async fn try_acquire(&self, session_token: &str) -> Result<Option<LockGuard>, LockError> {
-        let guard = |revision, taken| LockGuard {
+        // An orphan's value is written again, so that whichever unanswered
+        // write was applied, the key holds the one value to adopt.
+        let orphan = self.take_orphan(session_token);
+        let mut adoptable = orphan.is_some();
+        let value =
+            orphan.unwrap_or_else(|| Bytes::from(format!("{} {}", self.owner, Ulid::new())));
+        let guard = |revision, value, taken| LockGuard {
             key: session_token.to_owned(),
             revision,
+            value,
             written_at: tokio::time::Instant::now(),
             taken,
             lost: false,
         };
         // Over this instance's own release marker, if nobody wrote since.
-        if let Some(marker) = self.take_marker(session_token)
-            && let Ok(revision) = self
-                .kv
-                .update(session_token, self.owner.clone(), marker)
-                .await
-        {
-            return Ok(Some(guard(revision, Taken::OverOwnMarker)));
+        if let Some(marker) = self.take_marker(session_token) {
+            match self.kv.update(session_token, value.clone(), marker).await {
+                Ok(revision) => return Ok(Some(guard(revision, value, Taken::OverOwnMarker))),
+                Err(error) if error.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
+                // Unanswered, maybe applied: the create below then finds it.
+                Err(_) => adoptable = true,
+            }
         }
-        match self.kv.create(session_token, self.owner.clone()).await {
-            Ok(revision) => Ok(Some(guard(revision, Taken::Anew))),
-            Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
-            Err(err) => Err(err.into()),
+        match self.kv.create(session_token, value.clone()).await {
+            Ok(revision) => Ok(Some(guard(revision, value, Taken::Anew))),
+            Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
+                if !adoptable {
+                    return Ok(None);
+                }
+                match self.kv.entry(session_token).await {
+                    Ok(Some(entry))
+                        if entry.operation == kv::Operation::Put && entry.value == value =>
+                    {
+                        // Its age is unknown: a refresh makes it live a
+                        // full TTL from now.
+                        let mut adopted = guard(entry.revision, value, Taken::Adopted);
+                        self.refresh(&mut adopted).await?;
+                        Ok(Some(adopted))
+                    }
+                    // Another holder's: this instance's writes were refused.
+                    Ok(_) => Ok(None),
+                    Err(error) => {
+                        self.remember_orphan(session_token, value);
+                        Err(error.into())
+                    }
+                }
+            }
+            Err(err) => {
+                self.remember_orphan(session_token, value);
+                Err(err.into())
+            }
         }
     }
 
@@ -154,7 +208,7 @@ impl SessionLocks {
         let started = tokio::time::Instant::now();
         match self
             .kv
-            .update(&guard.key, self.owner.clone(), guard.revision)
+            .update(&guard.key, guard.value.clone(), guard.revision)
             .await
         {
             Ok(revision) => {
@@ -163,7 +217,10 @@ impl SessionLocks {
                 Ok(())
             }
             Err(error) => {
+                // Taken by another instance since, or unanswered and maybe
+                // applied: then the key still holds this value.
                 guard.lost = true;
+                self.remember_orphan(&guard.key, guard.value.clone());
                 Err(error.into())
             }
         }
@@ -178,10 +235,14 @@ impl SessionLocks {
         // bucket reached through a JetStream API prefix takes the client's
         // own delete (and the next take the usual create).
         if self.kv.use_jetstream_prefix {
-            let _ = self
+            if self
                 .kv
                 .delete_expect_revision(&guard.key, Some(guard.revision))
-                .await;
+                .await
+                .is_err()
+            {
+                self.remember_orphan(&guard.key, guard.value);
+            }
             return;
         }
         let prefix = self.kv.put_prefix.as_deref().unwrap_or(&self.kv.prefix);
@@ -195,30 +256,57 @@ impl SessionLocks {
             .js
             .publish_with_headers(format!("{prefix}{}", guard.key), headers, Bytes::new())
             .await;
-        // Failure leaves the lock to expire by itself.
-        if let Ok(ack) = published
-            && let Ok(ack) = ack.await
-        {
-            self.remember_marker(guard.key, ack.sequence);
+        // A failed release leaves the lock to expire by itself, or to be
+        // adopted by this instance's next take of it.
+        match published {
+            Ok(ack) => match ack.await {
+                Ok(ack) => self.remember_marker(guard.key, ack.sequence),
+                Err(_) => self.remember_orphan(&guard.key, guard.value),
+            },
+            Err(_) => self.remember_orphan(&guard.key, guard.value),
         }
     }
 
+    fn memory(&self) -> std::sync::MutexGuard<'_, Memory> {
+        self.memory.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn remember_marker(&self, key: String, revision: u64) {
-        let mut markers = self.released.lock().unwrap_or_else(|p| p.into_inner());
-        markers.by_key.insert(key, (revision, Instant::now()));
-        if markers.by_key.len() >= markers.sweep_at {
-            let ttl = self.ttl;
-            markers.by_key.retain(|_, (_, at)| at.elapsed() < ttl);
-            markers.sweep_at = (markers.by_key.len() * 2).max(1024);
-        }
+        let mut memory = self.memory();
+        memory.orphans.remove(&key);
+        memory.markers.insert(key, (revision, Instant::now()));
+        memory.sweep(self.ttl);
+    }
+
+    fn remember_orphan(&self, key: &str, value: Bytes) {
+        let mut memory = self.memory();
+        memory
+            .orphans
+            .insert(key.to_owned(), (value, Instant::now()));
+        memory.sweep(self.ttl);
     }
 
     /// The revision of this instance's release marker on `key`, if one was
     /// written within the TTL (forgotten either way: a failed update means
     /// someone else wrote the key since).
     fn take_marker(&self, key: &str) -> Option<u64> {
-        let mut markers = self.released.lock().unwrap_or_else(|p| p.into_inner());
-        let (revision, at) = markers.by_key.remove(key)?;
+        let (revision, at) = self.memory().markers.remove(key)?;
         (at.elapsed() < self.ttl).then_some(revision)
+    }
+
+    /// The value of this instance's orphaned lock on `key`, if any.
+    fn take_orphan(&self, key: &str) -> Option<Bytes> {
+        self.memory().orphans.remove(key).map(|(value, _)| value)
+    }
+}
+
+impl Memory {
+    /// Drops entries older than `ttl` once the maps have doubled.
+    fn sweep(&mut self, ttl: Duration) {
+        if self.markers.len() + self.orphans.len() >= self.sweep_at {
+            self.markers.retain(|_, (_, at)| at.elapsed() < ttl);
+            self.orphans.retain(|_, (_, at)| at.elapsed() < ttl);
+            self.sweep_at = ((self.markers.len() + self.orphans.len()) * 2).max(1024);
+        }
     }
 }

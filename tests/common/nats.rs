@@ -189,6 +189,14 @@ impl NatsServer {
         }
     }
 
+    /// Sends `signal` (SIGSTOP freezes the server: it still accepts bytes
+    /// into its socket buffers but answers nothing until SIGCONT).
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let child = self.child.as_ref().expect("running");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), signal)
+            .expect("signal nats-server");
+    }
+
     /// SIGTERM, and wait for exit (a clean stop).
     pub fn terminate(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -24,7 +24,7 @@ use tokio::sync::mpsc::error::TryRecvError;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{Instrument, info_span, warn};
+use tracing::{Instrument, info, info_span, warn};
 
 use super::Shared;
 use super::ledger::WakeLedger;
@@ -302,6 +302,12 @@ impl Router {
                     m::wake_session_lock(match guard.taken() {
                         Taken::Anew => "taken",
                         Taken::OverOwnMarker => "retaken",
+                        Taken::Adopted => {
+                            info!(
+                                "Took over a session lock this instance wrote without an answer."
+                            );
+                            "adopted"
+                        }
                     });
                     return Some(guard);
                 }
