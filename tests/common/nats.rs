@@ -4,6 +4,8 @@
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
@@ -15,12 +17,39 @@ pub fn server_binary() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("nats-server"))
 }
 
-/// Picks a free TCP port on 127.0.0.1.
+/// Picks a TCP port on 127.0.0.1 that is free now and that nothing else in
+/// this run takes while its server is down for a restart: ports come from
+/// just below the kernel's ephemeral range, so no outgoing connection and no
+/// bind to port 0 gets one, and each is handed out once per test process.
+/// A start that differs per process keeps concurrent test processes apart.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    static START: OnceLock<u32> = OnceLock::new();
+    const SPAN: u32 = 12_000;
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let Some(low) = ephemeral_low.checked_sub(SPAN).filter(|low| *low >= 1_024) else {
+        return TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("free port");
+    };
+    let start = *START.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        (std::process::id().wrapping_mul(7_919) ^ nanos) % SPAN
+    });
+    for _ in 0..SPAN {
+        let offset = (start + NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN;
+        let port = u16::try_from(low + offset).expect("a port below the ephemeral range");
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {low}..{}", low + SPAN);
 }
 
 pub struct NatsServer {
