@@ -362,7 +362,10 @@ async fn the_wake_command_refuses_plain_http_to_another_host_and_bad_secrets_wit
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
     assert!(stderr.contains("plain http://"), "{stderr}");
-    assert!(stderr.contains("--allow-insecure-http"), "{stderr}");
+    assert!(
+        stderr.contains("--allow-insecure-http-host 10.255.255.1"),
+        "{stderr}"
+    );
 
     let output = wake("https://hooks.example.com/x", &bad, &[]);
     let stderr = String::from_utf8_lossy(&output.stderr);

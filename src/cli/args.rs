@@ -339,6 +339,16 @@ pub(crate) struct WakeArgs {
     /// keys and signatures then cross the network unencrypted).
     #[arg(long, env = "WAKEBUS_ALLOW_INSECURE_HTTP")]
     pub(crate) allow_insecure_http: bool,
+    /// Allow plain http:// to these hosts only (comma-separated or
+    /// repeated), e.g. `host.docker.internal` for an API on the Docker
+    /// host: a URL changed to point elsewhere is then still refused.
+    #[arg(
+        long = "allow-insecure-http-host",
+        env = "WAKEBUS_ALLOW_INSECURE_HTTP_HOSTS",
+        value_delimiter = ',',
+        value_name = "HOST"
+    )]
+    pub(crate) allow_insecure_http_hosts: Vec<String>,
     /// A CA certificate (PEM) to trust besides the system's, for a session
     /// API or webhook endpoint whose certificate a private CA signed.
     #[arg(long, env = "WAKEBUS_API_CA")]

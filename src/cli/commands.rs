@@ -185,6 +185,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.shape = shape;
             config.http = HttpSecurity {
                 allow_insecure_http: args.allow_insecure_http,
+                insecure_http_hosts: args.allow_insecure_http_hosts,
                 extra_ca: args.api_ca,
             };
             config.coalesce_window = args.coalesce_window;

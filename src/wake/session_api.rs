@@ -97,6 +97,9 @@ pub enum PostShape {
 pub struct HttpSecurity {
     /// Allow plain `http://` to hosts other than this machine.
     pub allow_insecure_http: bool,
+    /// Allow plain `http://` to these hosts (names or addresses, compared
+    /// without case), and to no other host but this machine's.
+    pub insecure_http_hosts: Vec<String>,
     /// A CA certificate (PEM) to trust besides the system's, for an endpoint
     /// whose certificate a private CA signed.
     pub extra_ca: Option<std::path::PathBuf>,
@@ -155,11 +158,13 @@ pub enum SessionApiError {
     /// Plain HTTP to another machine, which would expose the turn, the API
     /// key and the signatures on the network.
     #[error(
-        "{url:?} uses plain http:// to a host other than this machine; use https://, or allow it explicitly (--allow-insecure-http)"
+        "{url:?} uses plain http:// to {host}, not this machine; use https://, or allow that host explicitly (--allow-insecure-http-host {host}; --allow-insecure-http allows any host)"
     )]
     InsecureUrl {
         /// The URL.
         url: String,
+        /// Its host.
+        host: String,
     },
     /// The extra CA certificate could not be read or parsed.
     #[error("cannot use {path} as a CA certificate: {reason}")]
@@ -176,14 +181,14 @@ pub enum SessionApiError {
 
 impl SessionApi {
     /// Builds a client. Plain `http://` is refused unless it goes to this
-    /// machine (loopback) or `allow_insecure_http` is set; `https://`
+    /// machine (loopback) or `security` allows it; `https://`
     /// certificates are always verified.
     pub fn new(
         config: &SessionApiConfig,
         shape: &PostShape,
         security: &HttpSecurity,
     ) -> Result<Self, SessionApiError> {
-        check_url(&config.base_url, security.allow_insecure_http)?;
+        check_url(&config.base_url, security)?;
         if matches!(shape, PostShape::Webhook { secrets } if secrets.is_empty()) {
             return Err(SessionApiError::NoWebhookSecret);
         }
@@ -328,27 +333,38 @@ impl SessionApi {
     }
 }
 
-/// Refuses URLs that are not http(s), and plain http to anything but loopback.
-fn check_url(url: &str, allow_insecure_http: bool) -> Result<(), SessionApiError> {
+/// Refuses URLs that are not http(s), and plain http to anything but
+/// loopback and the hosts `security` allows.
+fn check_url(url: &str, security: &HttpSecurity) -> Result<(), SessionApiError> {
     let bad = || SessionApiError::BadUrl {
         url: redacted_url(url),
     };
     let parsed = reqwest::Url::parse(url).map_err(|_| bad())?;
+    let host = parsed
+        .host_str()
+        .unwrap_or_default()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let allowed = || {
+        security.allow_insecure_http
+            || is_loopback(host)
+            || security
+                .insecure_http_hosts
+                .iter()
+                .any(|allowed| allowed.trim_matches(['[', ']']).eq_ignore_ascii_case(host))
+    };
     match parsed.scheme() {
         "https" => Ok(()),
-        "http" if allow_insecure_http || is_loopback(&parsed) => Ok(()),
+        "http" if allowed() => Ok(()),
         "http" => Err(SessionApiError::InsecureUrl {
             url: redacted_url(url),
+            host: host.to_owned(),
         }),
         _ => Err(bad()),
     }
 }
 
-fn is_loopback(url: &reqwest::Url) -> bool {
-    let Some(host) = url.host_str() else {
-        return false;
-    };
-    let host = host.trim_start_matches('[').trim_end_matches(']');
+fn is_loopback(host: &str) -> bool {
     match host.parse::<std::net::IpAddr>() {
         Ok(ip) => ip.is_loopback(),
         Err(_) => host.eq_ignore_ascii_case("localhost"),
@@ -393,8 +409,16 @@ mod tests {
         }
     }
 
+    fn any_host() -> HttpSecurity {
+        HttpSecurity {
+            allow_insecure_http: true,
+            ..HttpSecurity::default()
+        }
+    }
+
     #[test]
     fn plain_http_is_only_for_this_machine_unless_allowed() {
+        let strict = HttpSecurity::default();
         for ok in [
             "https://hermes.example.com",
             "http://127.0.0.1:8642",
@@ -402,7 +426,7 @@ mod tests {
             "http://[::1]:80",
             "http://localhost:8642",
         ] {
-            assert!(check_url(ok, false).is_ok(), "{ok}");
+            assert!(check_url(ok, &strict).is_ok(), "{ok}");
         }
         for insecure in [
             "http://10.0.0.5:8642",
@@ -411,17 +435,53 @@ mod tests {
         ] {
             assert!(
                 matches!(
-                    check_url(insecure, false),
+                    check_url(insecure, &strict),
                     Err(SessionApiError::InsecureUrl { .. })
                 ),
                 "{insecure}"
             );
-            assert!(check_url(insecure, true).is_ok(), "{insecure}");
+            assert!(check_url(insecure, &any_host()).is_ok(), "{insecure}");
         }
         for bad in ["ftp://host/x", "not a url", "file:///etc/passwd"] {
             assert!(
-                matches!(check_url(bad, true), Err(SessionApiError::BadUrl { .. })),
+                matches!(
+                    check_url(bad, &any_host()),
+                    Err(SessionApiError::BadUrl { .. })
+                ),
                 "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn plain_http_to_an_allowed_host_is_accepted_and_to_any_other_refused_naming_its_host() {
+        let docker_host = HttpSecurity {
+            insecure_http_hosts: vec!["host.docker.internal".into(), "[fd00::5]".into()],
+            ..HttpSecurity::default()
+        };
+        for ok in [
+            "http://host.docker.internal:8642",
+            "http://HOST.Docker.Internal/v1",
+            "http://[fd00::5]:8642",
+            "http://127.0.0.1:8642",
+            "https://hermes.example.com",
+        ] {
+            assert!(check_url(ok, &docker_host).is_ok(), "{ok}");
+        }
+        for (refused, host) in [
+            ("http://hermes.internal:8642", "hermes.internal"),
+            (
+                "http://host.docker.internal.evil.com",
+                "host.docker.internal.evil.com",
+            ),
+            ("http://10.0.0.5", "10.0.0.5"),
+        ] {
+            let error = check_url(refused, &docker_host).expect_err(refused);
+            assert!(
+                error
+                    .to_string()
+                    .contains(&format!("--allow-insecure-http-host {host}")),
+                "{error}"
             );
         }
     }
