@@ -337,6 +337,49 @@ async fn a_worker_and_a_wake_stopped_while_nats_is_down_exit_without_waiting_for
 }
 
 #[tokio::test]
+async fn a_worker_and_a_wake_still_waiting_for_nats_to_start_stop_on_the_first_sigterm() {
+    // Nothing listens there: both keep retrying their provisioning.
+    let url = format!("nats://127.0.0.1:{}", nats::free_port());
+    let prefix = unique_prefix();
+    let logs = tempfile::tempdir().unwrap();
+    let mut services = [
+        (
+            "worker",
+            Service::spawn(
+                worker_args(&url, &prefix, "echo ok", &[]),
+                logs.path().join("worker.log"),
+            ),
+        ),
+        (
+            "wake",
+            Service::spawn(
+                wake_args(&url, &prefix, "http://127.0.0.1:9/"),
+                logs.path().join("wake.log"),
+            ),
+        ),
+    ];
+    for (name, service) in &services {
+        wait_until(
+            Duration::from_secs(60),
+            &format!("the {name} to retry provisioning"),
+            || async {
+                std::fs::read_to_string(&service.log)
+                    .unwrap_or_default()
+                    .contains("Provisioning failed")
+            },
+        )
+        .await;
+    }
+
+    for (name, service) in &mut services {
+        let status = service.signal_and_wait(Signal::SIGTERM, Duration::from_secs(10));
+        assert!(status.success(), "{name} exited with {status}");
+        let log = std::fs::read_to_string(&service.log).unwrap();
+        assert!(log.contains("stopped before it started"), "{name}: {log}");
+    }
+}
+
+#[tokio::test]
 async fn ledger_every_delegation_wakes_its_session_exactly_once_through_crashes_outages_and_restarts()
  {
     init_logs();

@@ -142,11 +142,23 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), WakeError> {
     let api = SessionApi::new(&config.api, &config.shape, &config.http)?;
-    let streams = bus.provision(&settings).await?;
-    let provisioned = bus.provision_wake_state(&settings).await?;
-    let consumer = bus
-        .wake_consumer(config.ack_wait, config.max_in_flight)
-        .await?;
+    tokio::pin!(shutdown);
+    // Provisioning waits for NATS as long as it takes; a stop must not.
+    let starting = async {
+        let streams = bus.provision(&settings).await?;
+        let provisioned = bus.provision_wake_state(&settings).await?;
+        let consumer = bus
+            .wake_consumer(config.ack_wait, config.max_in_flight)
+            .await?;
+        Ok::<_, WakeError>((streams, provisioned, consumer))
+    };
+    let (streams, provisioned, consumer) = tokio::select! {
+        started = starting => started?,
+        () = &mut shutdown => {
+            info!("Wake service stopped before it started.");
+            return Ok(());
+        }
+    };
     info!(api = %session_api::redacted_url(&config.api.base_url), instance = %config.instance, verify_origin = config.verify_origin, "Wake service started.");
     let shared = Arc::new(Shared {
         api,
@@ -172,7 +184,6 @@ pub async fn run(
     let stopping = CancellationToken::new();
     let router = Router::new(shared.clone(), tracker.clone(), stopping.clone());
     let gate = OriginGate::new(shared.config.verify_origin, shared.clone(), tracker.clone());
-    tokio::pin!(shutdown);
 
     let mut reconnects = ReconnectWatch::new(&bus.client);
     let mut sweep_check = tokio::time::interval(Duration::from_secs(2));

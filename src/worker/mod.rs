@@ -132,8 +132,20 @@ pub async fn run(
     config: WorkerConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), WorkerError> {
-    let cancels_store = bus.provision_for_worker(&settings).await?;
-    let consumer = bus.worker_consumer(&config.pool, config.ack_wait).await?;
+    tokio::pin!(shutdown);
+    // Provisioning waits for NATS as long as it takes; a stop must not.
+    let starting = async {
+        let cancels_store = bus.provision_for_worker(&settings).await?;
+        let consumer = bus.worker_consumer(&config.pool, config.ack_wait).await?;
+        Ok::<_, WorkerError>((cancels_store, consumer))
+    };
+    let (cancels_store, consumer) = tokio::select! {
+        started = starting => started?,
+        () = &mut shutdown => {
+            info!("Worker stopped before it started.");
+            return Ok(());
+        }
+    };
     info!(pool = %config.pool, concurrency = config.concurrency, executor = executor.name(), instance = %config.instance, "Worker started.");
 
     let cancels = Arc::new(cancel::CancelRegistry::new(settings.history_max_age));
@@ -165,7 +177,6 @@ pub async fn run(
     let slots = Arc::new(Semaphore::new(concurrency));
     let stop_runs = CancellationToken::new();
     let stopping = CancellationToken::new();
-    tokio::pin!(shutdown);
 
     let mut reconnects = ReconnectWatch::new(&bus.client);
     let (tasks_stream, consumer_name, dead_letters) = (
