@@ -414,11 +414,14 @@ async fn a_lock_taken_again_over_its_own_release_marker_still_excludes_other_ins
     assert!(a.try_acquire("tok").await.unwrap().is_some(), "free again");
 }
 
-/// Instance `wake-a` on the lock bucket of `kv`, whose requests give up
-/// after 300 ms, so that a frozen server's answer is lost.
+/// How long instance `wake-a` waits for an answer in the lock tests below.
+const IMPATIENCE: Duration = Duration::from_secs(2);
+
+/// Instance `wake-a` on the lock bucket of `bus`, whose requests give up
+/// after `IMPATIENCE`, so that a frozen server's answer is lost.
 async fn impatient_instance(bus: &Bus, ttl: Duration) -> SessionLocks {
     let mut js = bus.js.clone();
-    js.set_timeout(Duration::from_millis(300));
+    js.set_timeout(IMPATIENCE);
     let kv = js
         .get_key_value(bus.subjects.session_lock_bucket())
         .await
@@ -473,6 +476,70 @@ async fn a_lock_created_while_its_answer_was_lost_is_taken_back_instead_of_waite
 }
 
 #[tokio::test]
+async fn a_create_whose_answer_is_lost_but_lands_before_the_check_is_taken_in_the_same_try() {
+    let nats = NatsServer::start().await;
+    let ttl = Duration::from_secs(600);
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let kv = session_lock_bucket(&bus, ttl).await;
+    let a = impatient_instance(&bus, ttl).await;
+    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+
+    // The create times out on the frozen server; the read that follows it
+    // is sent too, and only then does the server thaw: it applies the
+    // create first, so the read finds a's own value.
+    let sent = bus.client.statistics();
+    let before = sent.out_messages.load(std::sync::atomic::Ordering::Relaxed);
+    nats.signal(nix::sys::signal::Signal::SIGSTOP);
+    let take = tokio::spawn({
+        let a = a.clone();
+        async move { a.try_acquire("tok").await }
+    });
+    wait_until(
+        WAIT,
+        "the create and the read after it to be sent",
+        || async { sent.out_messages.load(std::sync::atomic::Ordering::Relaxed) >= before + 2 },
+    )
+    .await;
+    nats.signal(nix::sys::signal::Signal::SIGCONT);
+    let held = take
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("a's own lock, not busy");
+    assert_eq!(held.taken(), Taken::Adopted);
+    assert_held_by(&kv, "wake-a", &b).await;
+    a.release(held).await;
+    assert!(b.try_acquire("tok").await.unwrap().is_some(), "released");
+}
+
+#[tokio::test]
+async fn an_orphaned_take_that_never_landed_does_not_adopt_another_instances_lock() {
+    let mut nats = NatsServer::start().await;
+    let ttl = Duration::from_secs(600);
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let kv = session_lock_bucket(&bus, ttl).await;
+    let a = impatient_instance(&bus, ttl).await;
+    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+
+    // A's create reaches the frozen server, which crashes before applying it.
+    nats.signal(nix::sys::signal::Signal::SIGSTOP);
+    assert!(
+        a.try_acquire("tok").await.is_err(),
+        "answered by a frozen server"
+    );
+    nats.restart().await;
+    let held = take_through_errors(&b).await;
+    assert_eq!(held.taken(), Taken::Anew);
+
+    assert!(
+        a.try_acquire("tok").await.unwrap().is_none(),
+        "a adopted b's lock"
+    );
+    assert_held_by(&kv, "wake-b", &a).await;
+    b.release(held).await;
+}
+
+#[tokio::test]
 async fn a_lock_refreshed_while_its_answer_was_lost_is_taken_back_instead_of_waited_out() {
     let nats = NatsServer::start().await;
     let ttl = Duration::from_secs(600);
@@ -501,6 +568,41 @@ async fn a_lock_refreshed_while_its_answer_was_lost_is_taken_back_instead_of_wai
     let again = take_through_errors(&a).await;
     assert_eq!(again.taken(), Taken::Adopted);
     a.release(again).await;
+    assert!(b.try_acquire("tok").await.unwrap().is_some(), "released");
+}
+
+#[tokio::test]
+async fn a_guard_whose_refresh_was_lost_in_a_nats_crash_is_held_again_once_a_refresh_succeeds() {
+    let mut nats = NatsServer::start().await;
+    let ttl = Duration::from_secs(600);
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let kv = session_lock_bucket(&bus, ttl).await;
+    let a = impatient_instance(&bus, ttl).await;
+    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+
+    // The refresh reaches the frozen server, which crashes before applying it.
+    let mut held = a.try_acquire("tok").await.unwrap().expect("a free lock");
+    nats.signal(nix::sys::signal::Signal::SIGSTOP);
+    assert!(
+        a.refresh(&mut held).await.is_err(),
+        "answered by a frozen server"
+    );
+    assert!(held.is_lost());
+    nats.restart().await;
+
+    // The next refresh, conditioned on the same revision, succeeds: the
+    // guard holds the lock again and its release frees it.
+    wait_until(WAIT, "the client to reconnect", || async {
+        bus.client.connection_state() == async_nats::connection::State::Connected
+    })
+    .await;
+    a.refresh(&mut held).await.unwrap();
+    assert!(
+        !held.is_lost(),
+        "a guard proven held is still taken as lost"
+    );
+    assert_held_by(&kv, "wake-a", &b).await;
+    a.release(held).await;
     assert!(b.try_acquire("tok").await.unwrap().is_some(), "released");
 }
 

@@ -13,13 +13,15 @@
 //! since. Other instances, and markers older than the TTL, take the usual
 //! create.
 //!
-//! A lock's value is the instance's name and a fresh ULID, unique to one
-//! take. When a write's answer never comes (a timeout, a lost connection)
-//! it may still have been applied, and a release that failed leaves the
-//! lock in place: either way the key may hold a lock no guard knows of,
-//! and every take would see it as busy until the TTL. The instance
-//! remembers such values as orphans; a take that finds the key holding one
-//! of them adopts the lock, since nobody else ever writes that value.
+//! A lock's value is the instance's name and a ULID that no other take
+//! writes. When a write's answer never comes (a timeout, a lost
+//! connection) it may still have been applied, and a release that failed
+//! leaves the lock in place: either way the key may hold a lock no guard
+//! knows of, and every take would see it as busy until the TTL. So a take
+//! whose create is refused reads the key, and adopts a lock holding its
+//! own value; the instance remembers the values it wrote without a guard
+//! as orphans, and its next take of that key writes the orphan's value
+//! again, so that whichever of its writes landed can be adopted.
 //!
 //! Purging the key instead of deleting would leave no marker, but nats-server
 //! before 2.9.18 replays a filtered purge on a restarted cluster replica as a
@@ -39,9 +41,9 @@ use ulid::Ulid;
 /// Why a lock operation failed (other than the lock being held).
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
-    /// Creating the lock failed for a reason other than "held".
+    /// Taking the lock failed for a reason other than "held".
     #[error("cannot take the session lock: {0}")]
-    Create(#[from] kv::CreateError),
+    Take(kv::UpdateError),
     /// Refreshing failed: the lock expired and was maybe taken by another instance.
     #[error("lost the session lock: {0}")]
     Refresh(#[from] kv::UpdateError),
@@ -107,8 +109,9 @@ pub struct LockGuard {
     written_at: tokio::time::Instant,
     /// How it was taken, for the lock metric.
     taken: Taken,
-    /// A refresh failed: the lock may be someone else's now, so this guard
-    /// must not be used again (nor released: its revision is stale).
+    /// The last refresh failed: the lock may be someone else's now, so this
+    /// guard is neither kept past its turn nor released (its revision may
+    /// be stale); a later refresh that succeeds proves it held again.
     lost: bool,
 }
 
@@ -151,10 +154,9 @@ impl SessionLocks {
     pub async fn try_acquire(&self, session_token: &str) -> Result<Option<LockGuard>, LockError> {
         // An orphan's value is written again, so that whichever unanswered
         // write was applied, the key holds the one value to adopt.
-        let orphan = self.take_orphan(session_token);
-        let mut adoptable = orphan.is_some();
-        let value =
-            orphan.unwrap_or_else(|| Bytes::from(format!("{} {}", self.owner, Ulid::new())));
+        let value = self
+            .take_orphan(session_token)
+            .unwrap_or_else(|| Bytes::from(format!("{} {}", self.owner, Ulid::new())));
         let guard = |revision, value, taken| LockGuard {
             key: session_token.to_owned(),
             revision,
@@ -164,41 +166,59 @@ impl SessionLocks {
             lost: false,
         };
         // Over this instance's own release marker, if nobody wrote since.
-        if let Some(marker) = self.take_marker(session_token) {
-            match self.kv.update(session_token, value.clone(), marker).await {
-                Ok(revision) => return Ok(Some(guard(revision, value, Taken::OverOwnMarker))),
-                Err(error) if error.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
-                // Unanswered, maybe applied: the create below then finds it.
-                Err(_) => adoptable = true,
-            }
+        if let Some(marker) = self.take_marker(session_token)
+            && let Ok(revision) = self.kv.update(session_token, value.clone(), marker).await
+        {
+            return Ok(Some(guard(revision, value, Taken::OverOwnMarker)));
         }
-        match self.kv.create(session_token, value.clone()).await {
-            Ok(revision) => Ok(Some(guard(revision, value, Taken::Anew))),
-            Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
-                if !adoptable {
-                    return Ok(None);
-                }
-                match self.kv.entry(session_token).await {
-                    Ok(Some(entry))
-                        if entry.operation == kv::Operation::Put && entry.value == value =>
-                    {
-                        // Its age is unknown: a refresh makes it live a
-                        // full TTL from now.
-                        let mut adopted = guard(entry.revision, value, Taken::Adopted);
-                        self.refresh(&mut adopted).await?;
-                        Ok(Some(adopted))
-                    }
-                    // Another holder's: this instance's writes were refused.
-                    Ok(_) => Ok(None),
-                    Err(error) => {
-                        self.remember_orphan(session_token, value);
-                        Err(error.into())
-                    }
-                }
-            }
-            Err(err) => {
+        // A create: the key must hold nothing. (Not `kv::Store::create`,
+        // which reports a lost answer whose write was applied as held.)
+        let refused = match self.kv.update(session_token, value.clone(), 0).await {
+            Ok(revision) => return Ok(Some(guard(revision, value, Taken::Anew))),
+            Err(error) => error,
+        };
+        // Held, released, or unanswered and maybe applied: the key says which.
+        let entry = match self.kv.entry(session_token).await {
+            Ok(entry) => entry,
+            Err(error) => {
                 self.remember_orphan(session_token, value);
-                Err(err.into())
+                return Err(error.into());
+            }
+        };
+        match entry {
+            Some(entry) if entry.operation == kv::Operation::Put && entry.value == value => {
+                // This instance's own write. Its age is unknown: a refresh
+                // makes it live a full TTL from now.
+                let mut adopted = guard(entry.revision, value, Taken::Adopted);
+                self.refresh(&mut adopted).await?;
+                Ok(Some(adopted))
+            }
+            // Another holder's: a write of this value still on its way is
+            // conditioned on an older revision, so it cannot land.
+            Some(entry) if entry.operation == kv::Operation::Put => Ok(None),
+            // A release marker: the lock is free.
+            Some(entry) => match self
+                .kv
+                .update(session_token, value.clone(), entry.revision)
+                .await
+            {
+                Ok(revision) => Ok(Some(guard(revision, value, Taken::Anew))),
+                Err(error) => {
+                    self.remember_orphan(session_token, value);
+                    match error.kind() {
+                        kv::UpdateErrorKind::WrongLastRevision => Ok(None),
+                        _ => Err(LockError::Take(error)),
+                    }
+                }
+            },
+            // Nothing there: held a moment ago and expired since, or the
+            // create is unanswered and may still land.
+            None => {
+                self.remember_orphan(session_token, value);
+                match refused.kind() {
+                    kv::UpdateErrorKind::WrongLastRevision => Ok(None),
+                    _ => Err(LockError::Take(refused)),
+                }
             }
         }
     }
@@ -214,6 +234,12 @@ impl SessionLocks {
             Ok(revision) => {
                 guard.revision = revision;
                 guard.written_at = started;
+                // A refresh after one that went unanswered: conditioned on
+                // the guard's revision, its success proves the lock is held.
+                if guard.lost {
+                    guard.lost = false;
+                    self.take_orphan(&guard.key);
+                }
                 Ok(())
             }
             Err(error) => {

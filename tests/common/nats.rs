@@ -218,12 +218,21 @@ impl NatsServer {
         }
     }
 
-    /// Sends `signal` (SIGSTOP freezes the server: it still accepts bytes
-    /// into its socket buffers but answers nothing until SIGCONT).
+    /// Sends `signal`. After SIGSTOP it returns once every thread of the
+    /// server has stopped: it then still accepts bytes into its socket
+    /// buffers but answers nothing until SIGCONT.
     pub fn signal(&self, signal: nix::sys::signal::Signal) {
-        let child = self.child.as_ref().expect("running");
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), signal)
+        let pid = self.child.as_ref().expect("running").id();
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal)
             .expect("signal nats-server");
+        if signal != nix::sys::signal::Signal::SIGSTOP {
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !all_threads_stopped(pid) {
+            assert!(Instant::now() < deadline, "nats-server did not stop in 10s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// SIGTERM, and wait for exit (a clean stop).
@@ -248,6 +257,24 @@ impl NatsServer {
         self.spawn();
         self.wait_ready().await;
     }
+}
+
+/// Whether every thread of process `pid` is stopped (state `T` in
+/// `/proc/<pid>/task/<tid>/stat`).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat"))
+            .ok()
+            .and_then(|stat| {
+                // The state follows the command name, which is in parentheses.
+                let after = &stat[stat.rfind(')')? + 1..];
+                after.split_whitespace().next().map(|state| state == "T")
+            })
+            .unwrap_or(false)
+    })
 }
 
 impl Drop for NatsServer {

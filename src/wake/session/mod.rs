@@ -304,7 +304,7 @@ impl Router {
                         Taken::OverOwnMarker => "retaken",
                         Taken::Adopted => {
                             info!(
-                                "Took over a session lock this instance wrote without an answer."
+                                "Took back a session lock this instance had written whose answer or release was lost."
                             );
                             "adopted"
                         }
