@@ -374,3 +374,76 @@ async fn the_wake_command_refuses_plain_http_to_another_host_and_bad_secrets_wit
     assert!(stderr.contains("not base64"), "{stderr}");
     assert!(!stderr.contains("must not be printed"), "{stderr}");
 }
+
+/// A server on 127.0.0.1 that answers every request with `answer` and
+/// counts them; returns its address.
+async fn counting_server(
+    answer: impl Fn() -> axum::response::Response + Clone + Send + Sync + 'static,
+    hits: Arc<AtomicUsize>,
+) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = axum::Router::new().fallback(move || {
+        let answer = answer.clone();
+        let hits = hits.clone();
+        async move {
+            hits.fetch_add(1, Ordering::SeqCst);
+            answer()
+        }
+    });
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+#[tokio::test]
+async fn a_redirect_to_plain_http_elsewhere_is_not_followed_and_one_to_this_machine_is() {
+    use axum::response::IntoResponse;
+    use wakebus::wake::session_api::{Post, PostResult, SessionApi, SessionApiConfig};
+
+    let landed = Arc::new(AtomicUsize::new(0));
+    let target = counting_server(|| StatusCode::OK.into_response(), landed.clone()).await;
+    let api = |redirect_to: String| async move {
+        let answer = move || {
+            (
+                StatusCode::TEMPORARY_REDIRECT,
+                [("location", redirect_to.clone())],
+            )
+                .into_response()
+        };
+        let redirector = counting_server(answer, Arc::default()).await;
+        SessionApi::new(
+            &SessionApiConfig {
+                base_url: format!("http://{redirector}"),
+                api_key: Some("sk-test".into()),
+                model: "hermes".into(),
+                request_timeout: Duration::from_secs(5),
+            },
+            &PostShape::Hermes,
+            &HttpSecurity::default(),
+        )
+        .unwrap()
+    };
+    let post = Post {
+        session: "s1",
+        text: "the turn",
+        idempotency_key: "k1",
+        traceparent: None,
+        covers: &[],
+        events: &[],
+    };
+
+    // 0.0.0.0 reaches this machine's listeners, but it is not loopback:
+    // plain http to it is refused, so the turn must not be sent there.
+    let elsewhere = api(format!("http://0.0.0.0:{}/", target.port())).await;
+    match elsewhere.post(post).await {
+        PostResult::Retry { reason, .. } => {
+            assert!(reason.contains("plain http://"), "{reason}");
+        }
+        other => panic!("a refused redirect ended as {other:?}"),
+    }
+    assert_eq!(landed.load(Ordering::SeqCst), 0, "the turn was re-sent");
+
+    let here = api(format!("http://{target}/")).await;
+    assert!(matches!(here.post(post).await, PostResult::Delivered));
+    assert_eq!(landed.load(Ordering::SeqCst), 1);
+}

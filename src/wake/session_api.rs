@@ -203,7 +203,19 @@ impl SessionApi {
             let ca = reqwest::Certificate::from_pem(&pem).map_err(|e| ca_error(e.to_string()))?;
             builder = builder.tls_certs_merge([ca]);
         }
+        // A redirect must meet the same rule as the URL itself: a 307 or
+        // 308 sends the turn again, wherever it points.
+        let redirects = security.clone();
         let http = builder
+            .redirect(reqwest::redirect::Policy::custom(move |attempt| {
+                if attempt.previous().len() >= MAX_REDIRECTS {
+                    attempt.error("too many redirects")
+                } else if let Err(refused) = check_url(attempt.url().as_str(), &redirects) {
+                    attempt.error(refused)
+                } else {
+                    attempt.follow()
+                }
+            }))
             .timeout(config.request_timeout)
             .connect_timeout(config.request_timeout.min(Duration::from_secs(10)))
             .pool_idle_timeout(Duration::from_secs(90))
@@ -333,6 +345,9 @@ impl SessionApi {
     }
 }
 
+/// Redirects followed for one post (reqwest's own default).
+const MAX_REDIRECTS: usize = 10;
+
 /// Refuses URLs that are not http(s), and plain http to anything but
 /// loopback and the hosts `security` allows.
 fn check_url(url: &str, security: &HttpSecurity) -> Result<(), SessionApiError> {
@@ -340,18 +355,14 @@ fn check_url(url: &str, security: &HttpSecurity) -> Result<(), SessionApiError> 
         url: redacted_url(url),
     };
     let parsed = reqwest::Url::parse(url).map_err(|_| bad())?;
-    let host = parsed
-        .host_str()
-        .unwrap_or_default()
-        .trim_start_matches('[')
-        .trim_end_matches(']');
+    let host = bare_host(parsed.host_str().unwrap_or_default());
     let allowed = || {
         security.allow_insecure_http
             || is_loopback(host)
             || security
                 .insecure_http_hosts
                 .iter()
-                .any(|allowed| allowed.trim_matches(['[', ']']).eq_ignore_ascii_case(host))
+                .any(|allowed| bare_host(allowed).eq_ignore_ascii_case(host))
     };
     match parsed.scheme() {
         "https" => Ok(()),
@@ -362,6 +373,12 @@ fn check_url(url: &str, security: &HttpSecurity) -> Result<(), SessionApiError> 
         }),
         _ => Err(bad()),
     }
+}
+
+/// A host name or address without brackets, surrounding blanks or the
+/// trailing dot of a fully qualified name.
+fn bare_host(host: &str) -> &str {
+    host.trim().trim_end_matches('.').trim_matches(['[', ']'])
 }
 
 fn is_loopback(host: &str) -> bool {
@@ -456,12 +473,13 @@ mod tests {
     #[test]
     fn plain_http_to_an_allowed_host_is_accepted_and_to_any_other_refused_naming_its_host() {
         let docker_host = HttpSecurity {
-            insecure_http_hosts: vec!["host.docker.internal".into(), "[fd00::5]".into()],
+            insecure_http_hosts: vec![" host.docker.internal.".into(), "[fd00::5]".into()],
             ..HttpSecurity::default()
         };
         for ok in [
             "http://host.docker.internal:8642",
             "http://HOST.Docker.Internal/v1",
+            "http://host.docker.internal.:8642",
             "http://[fd00::5]:8642",
             "http://127.0.0.1:8642",
             "https://hermes.example.com",
