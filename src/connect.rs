@@ -92,7 +92,7 @@ impl NatsConfig {
         }
     }
 
-    async fn options(&self) -> Result<ConnectOptions, ConnectError> {
+    async fn options(&self, wait_for_server: bool) -> Result<ConnectOptions, ConnectError> {
         let mut options = if let Some(path) = &self.creds_file {
             ConnectOptions::with_credentials_file(path)
                 .await
@@ -127,8 +127,10 @@ impl NatsConfig {
         if let Some(prefix) = &self.inbox_prefix {
             options = options.custom_inbox_prefix(prefix);
         }
+        if wait_for_server {
+            options = options.retry_on_initial_connect();
+        }
         Ok(options
-            .retry_on_initial_connect()
             .max_reconnects(None)
             .connection_timeout(Duration::from_secs(5))
             .event_callback(|event| async move {
@@ -168,8 +170,20 @@ impl NatsConfig {
     /// made while it is disconnected fail with timeouts and are retried by
     /// their callers.
     pub async fn connect(&self) -> Result<Client, ConnectError> {
+        self.connect_with(true).await
+    }
+
+    /// Connects to a server that answers now, or fails saying why: for
+    /// commands run by hand, whose operator should hear at once that NATS
+    /// is unreachable rather than watch them wait. Once connected, the
+    /// client reconnects like any other.
+    pub async fn connect_now(&self) -> Result<Client, ConnectError> {
+        self.connect_with(false).await
+    }
+
+    async fn connect_with(&self, wait_for_server: bool) -> Result<Client, ConnectError> {
         let servers = self.servers()?;
-        let options = self.options().await?;
+        let options = self.options(wait_for_server).await?;
         options
             .connect(servers)
             .await

@@ -894,3 +894,28 @@ async fn delegating_under_a_prefix_nobody_initialised_says_to_run_init() {
     assert!(stderr.contains("run `wakebus init`"), "{stderr}");
     assert!(run.stdout().is_empty(), "nothing reported as dispatched");
 }
+
+#[tokio::test]
+async fn commands_run_by_hand_say_at_once_and_once_that_nats_is_unreachable() {
+    // Nothing listens there.
+    let url = format!("nats://127.0.0.1:{}", nats::free_port());
+    let commands: [&[&str]; 5] = [
+        &["status"],
+        &["events"],
+        &["replay", "wakes", "--session", "s1"],
+        &["cancel", "--session", "s1"],
+        &["delegate", "--goal", "x", "--session", "s1"],
+    ];
+    for args in commands {
+        let run = wakebus(&url, &unique_prefix(), args).await;
+        let stderr = run.stderr();
+        assert!(!run.success(), "{args:?} succeeded without NATS: {stderr}");
+        let said = format!("cannot connect to NATS at {url}");
+        assert_eq!(stderr.matches(&said).count(), 1, "{args:?}: {stderr}");
+        assert_eq!(
+            stderr.matches("Connection refused").count(),
+            1,
+            "{args:?}: {stderr}"
+        );
+    }
+}

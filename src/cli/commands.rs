@@ -69,7 +69,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 delegation.wake_mode = wakebus::protocol::WakeMode::Independent;
             }
             delegation.notify_early_failure = args.notify_early_failure;
-            let bus = connect(&global, "wakebus-delegate").await?;
+            let bus = connect_now(&global, "wakebus-delegate").await?;
             let delegator = Delegator::new(bus)
                 .with_wait_timeout(args.wait_timeout)
                 .with_max_depth(args.max_depth)
@@ -99,7 +99,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{}", serde_json::to_string(&result)?);
         }
         Command::Cancel(args) => {
-            let bus = connect(&global, "wakebus-cancel").await?;
+            let bus = connect_now(&global, "wakebus-cancel").await?;
             let canceller = wakebus::cancel::Canceller::new(bus);
             let report = match (&args.delegation_id, &args.session) {
                 (Some(id), _) => canceller.cancel_delegation(id, args.silent).await?,
@@ -303,7 +303,18 @@ fn settings(global: &Global) -> BusSettings {
     }
 }
 
+/// Connects a service, or `init`: they wait for NATS to come up.
 pub(crate) async fn connect(global: &Global, name: &str) -> anyhow::Result<Bus> {
+    connect_with(global, name, true).await
+}
+
+/// Connects a command run by hand (or by a gateway): it fails at once,
+/// naming the URL, when no NATS server answers.
+pub(crate) async fn connect_now(global: &Global, name: &str) -> anyhow::Result<Bus> {
+    connect_with(global, name, false).await
+}
+
+async fn connect_with(global: &Global, name: &str, wait_for_server: bool) -> anyhow::Result<Bus> {
     let subjects = Subjects::new(&global.prefix)?;
     let config = NatsConfig {
         url: global.nats_url.clone(),
@@ -318,7 +329,11 @@ pub(crate) async fn connect(global: &Global, name: &str) -> anyhow::Result<Bus> 
         tls_key: global.tls_key.clone(),
         inbox_prefix: global.inbox_prefix.clone(),
     };
-    let client = config.connect().await?;
+    let client = if wait_for_server {
+        config.connect().await?
+    } else {
+        config.connect_now().await?
+    };
     Ok(Bus::new(client, subjects))
 }
 

@@ -44,7 +44,7 @@ pub(crate) fn main() -> ExitCode {
     let code = match runtime.block_on(commands::run(cli)) {
         Ok(code) => code,
         Err(error) => {
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", error_report(&error));
             ExitCode::FAILURE
         }
     };
@@ -135,6 +135,23 @@ pub(crate) fn service_shutdown() -> impl std::future::Future<Output = ()> {
     stop
 }
 
+/// `error` and its causes, each said once: many errors already end their
+/// own message with their cause, and `{:#}` would repeat it.
+fn error_report(error: &anyhow::Error) -> String {
+    let mut report = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if report.ends_with(&text) {
+            continue;
+        }
+        if !report.is_empty() {
+            report.push_str(": ");
+        }
+        report.push_str(&text);
+    }
+    report
+}
+
 /// Completes on SIGINT or SIGTERM.
 pub(crate) async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
@@ -147,4 +164,30 @@ pub(crate) async fn shutdown_signal() {
         _ = term.recv() => {}
     }
     tracing::info!("Shutdown signal received.");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("publish was not acknowledged: {0}")]
+    struct Publish(#[source] std::io::Error);
+
+    #[test]
+    fn an_error_report_says_each_cause_once() {
+        let cause = std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out");
+        let error = anyhow::Error::new(Publish(cause)).context("the request was not accepted");
+        assert_eq!(
+            error_report(&error),
+            "the request was not accepted: publish was not acknowledged: timed out"
+        );
+        let plain = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(error_report(&plain), "outer: inner");
+        let said_elsewhere = anyhow::anyhow!("timed out").context("the ack timed out twice");
+        assert_eq!(
+            error_report(&said_elsewhere),
+            "the ack timed out twice: timed out"
+        );
+    }
 }
