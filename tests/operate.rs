@@ -919,3 +919,59 @@ async fn commands_run_by_hand_say_at_once_and_once_that_nats_is_unreachable() {
         );
     }
 }
+
+#[tokio::test]
+async fn events_follow_goes_on_after_a_nats_restart_without_repeating_or_skipping_events() {
+    init_logs();
+    let mut nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let (first, _, _) = publish_task(&bus, Some("s.follow"), Status::Completed).await;
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .args(common::cli::tool_args(
+            &nats.url(),
+            &prefix,
+            &["events", "--follow", "--kind", "done"],
+        ))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // The client notices the lost consumer some seconds after reconnecting.
+    let mut next_line = async || -> Value {
+        let line = tokio::time::timeout(Duration::from_secs(90), lines.next_line())
+            .await
+            .expect("a line within the timeout")
+            .unwrap()
+            .expect("stdout open: the follow ended");
+        serde_json::from_str(&line).unwrap()
+    };
+    assert_eq!(
+        next_line().await["delegation_id"],
+        first.delegation_id.as_str()
+    );
+
+    // A restarted single server has forgotten the follow's ephemeral consumer.
+    nats.restart().await;
+    wait_until(WAIT, "the test's client to reconnect", || async {
+        bus.client.connection_state() == async_nats::connection::State::Connected
+    })
+    .await;
+    let (second, _, _) = publish_task(&bus, Some("s.follow"), Status::Failed).await;
+    let line = next_line().await;
+    assert_eq!(
+        line["delegation_id"],
+        second.delegation_id.as_str(),
+        "not the next event"
+    );
+
+    let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let status = tokio::time::timeout(WAIT, child.wait())
+        .await
+        .expect("exits after Ctrl-C")
+        .unwrap();
+    assert!(status.success(), "{status}");
+}

@@ -11,6 +11,10 @@
 //! time and sequence bounds, the raw session id behind a token) is checked
 //! here, on each message.
 //!
+//! A **follow** outlives its consumer: when the server loses it (a restart
+//! of a single server drops ephemeral consumers), the read is opened again
+//! after the last sequence it saw, so nothing is skipped or shown twice.
+//!
 //! Nothing here reads `<PREFIX>_TASKS`: it is a work-queue stream on which a
 //! consumer would compete with the workers.
 
@@ -21,6 +25,7 @@ use async_nats::jetstream::consumer::pull::{Ordered, OrderedConfig};
 use futures::StreamExt;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
+use tracing::warn;
 
 mod record;
 
@@ -272,6 +277,13 @@ impl Selection {
 pub struct HistoryReader {
     /// The ordered consumer's messages.
     messages: Ordered,
+    /// The stream, to open the read again when following.
+    handle: async_nats::jetstream::stream::Stream,
+    /// The server-side filter, for the same.
+    filter_subject: String,
+    /// The stream sequence of the last message read (matching or not): a
+    /// follow opened again starts after it.
+    last_sequence: Option<u64>,
     /// The client-side checks.
     selection: Selection,
     /// The stream read.
@@ -286,8 +298,8 @@ pub struct HistoryReader {
     follow: bool,
     /// Set once the read is over.
     finished: bool,
-    /// To delete the ephemeral consumer at the end.
-    cleanup: Option<(async_nats::jetstream::stream::Stream, String)>,
+    /// The ephemeral consumer to delete at the end.
+    cleanup: Option<String>,
 }
 
 impl std::fmt::Debug for HistoryReader {
@@ -324,27 +336,14 @@ impl HistoryReader {
             .await
             .map(|info| info.state.last_sequence)
             .unwrap_or(u64::MAX);
-        let consumer = stream
-            .create_consumer(OrderedConfig {
-                filter_subject: selection.filter_subject(&bus.subjects, source),
-                deliver_policy: selection.deliver_policy(),
-                description: Some("wakebus history reader".to_owned()),
-                ..Default::default()
-            })
-            .await
-            .map_err(|source| HistoryError::Consumer {
-                stream: stream_name.clone(),
-                source,
-            })?;
-        let total = consumer.cached_info().num_pending;
-        let consumer_name = consumer.cached_info().name.clone();
-        let messages = consumer
-            .messages()
-            .await
-            .map_err(|err| HistoryError::Read {
-                stream: stream_name.clone(),
-                reason: err.to_string(),
-            })?;
+        let filter_subject = selection.filter_subject(&bus.subjects, source);
+        let (messages, consumer_name, total) = read(
+            &stream,
+            &stream_name,
+            &filter_subject,
+            selection.deliver_policy(),
+        )
+        .await?;
         let end = if follow {
             selection.to_seq
         } else {
@@ -352,6 +351,9 @@ impl HistoryReader {
         };
         Ok(Self {
             messages,
+            handle: stream,
+            filter_subject,
+            last_sequence: None,
             finished: !follow && total == 0,
             follow,
             selection,
@@ -359,7 +361,7 @@ impl HistoryReader {
             prefix: bus.subjects.prefix().to_owned(),
             end,
             total,
-            cleanup: Some((stream, consumer_name)),
+            cleanup: Some(consumer_name),
         })
     }
 
@@ -391,6 +393,11 @@ impl HistoryReader {
             };
             let message = match next {
                 Some(Ok(message)) => message,
+                Some(Err(error)) if self.follow => {
+                    warn!(stream = %self.stream, after = ?self.last_sequence, %error, "Following was interrupted; reading again after the last event shown.");
+                    self.reopen().await;
+                    continue;
+                }
                 Some(Err(error)) => {
                     self.finished = true;
                     return Some(Err(HistoryError::Read {
@@ -414,6 +421,7 @@ impl HistoryReader {
                     }));
                 }
             };
+            self.last_sequence = Some(record.sequence);
             if self.end.is_some_and(|end| record.sequence > end)
                 || self.selection.until.is_some_and(|u| record.published > u)
             {
@@ -435,10 +443,69 @@ impl HistoryReader {
     /// after 30 seconds of inactivity). Done by itself at the end of a
     /// bounded read; call it when stopping early (Ctrl-C, a closed pipe).
     pub async fn close(&mut self) {
-        if let Some((stream, name)) = self.cleanup.take() {
-            let _ = stream.delete_consumer(&name).await;
+        if let Some(name) = self.cleanup.take() {
+            let _ = self.handle.delete_consumer(&name).await;
         }
     }
+
+    /// Opens the follow again after the last message read, retrying until
+    /// the server takes it (the caller's shutdown ends the wait).
+    async fn reopen(&mut self) {
+        let policy = match self.last_sequence {
+            Some(last) => DeliverPolicy::ByStartSequence {
+                start_sequence: last + 1,
+            },
+            None => self.selection.deliver_policy(),
+        };
+        let mut delay = Duration::from_millis(250);
+        loop {
+            match read(&self.handle, &self.stream, &self.filter_subject, policy).await {
+                Ok((messages, name, _)) => {
+                    self.close().await;
+                    self.messages = messages;
+                    self.cleanup = Some(name);
+                    return;
+                }
+                Err(error) => {
+                    warn!(stream = %self.stream, %error, retry_in = ?delay, "Cannot follow again yet; will retry.");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+}
+
+/// Opens an ordered read of `filter_subject` on `stream`: its messages, the
+/// consumer's name and how many messages it has pending.
+async fn read(
+    stream: &async_nats::jetstream::stream::Stream,
+    stream_name: &str,
+    filter_subject: &str,
+    deliver_policy: DeliverPolicy,
+) -> Result<(Ordered, String, u64), HistoryError> {
+    let consumer = stream
+        .create_consumer(OrderedConfig {
+            filter_subject: filter_subject.to_owned(),
+            deliver_policy,
+            description: Some("wakebus history reader".to_owned()),
+            ..Default::default()
+        })
+        .await
+        .map_err(|source| HistoryError::Consumer {
+            stream: stream_name.to_owned(),
+            source,
+        })?;
+    let total = consumer.cached_info().num_pending;
+    let name = consumer.cached_info().name.clone();
+    let messages = consumer
+        .messages()
+        .await
+        .map_err(|err| HistoryError::Read {
+            stream: stream_name.to_owned(),
+            reason: err.to_string(),
+        })?;
+    Ok((messages, name, total))
 }
 
 /// Formats a time as RFC 3339 (UTC).
