@@ -24,12 +24,17 @@ pub(crate) fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    // Tools an operator runs by hand log only problems; services log progress.
-    // The NATS client's own INFO lines repeat what connect.rs logs of its
-    // events (every 4 s while the server is away), so they are left out.
+    // Tools run by hand (or by a gateway, for delegate and cancel) log only
+    // problems; services log progress. The NATS client's own INFO lines
+    // repeat what connect.rs logs of its events (every 4 s while the server
+    // is away), so they are left out.
     let tool = matches!(
         cli.command,
-        args::Command::Events(_) | args::Command::Replay(_) | args::Command::Status(_)
+        args::Command::Events(_)
+            | args::Command::Replay(_)
+            | args::Command::Status(_)
+            | args::Command::Delegate(_)
+            | args::Command::Cancel(_)
     );
     let default_level = if tool { "warn" } else { "info,async_nats=warn" };
     #[cfg_attr(not(feature = "otel"), allow(clippy::let_unit_value))]
