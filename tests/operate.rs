@@ -875,6 +875,45 @@ async fn a_worker_started_without_an_executor_refuses_to_start_and_names_the_fla
 }
 
 #[tokio::test]
+async fn a_worker_whose_task_program_cannot_run_refuses_to_start_and_says_why() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let not_executable = dir.path().join("task.sh");
+    std::fs::write(&not_executable, "#!/bin/sh\necho ok\n").unwrap();
+    std::fs::set_permissions(&not_executable, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let not_executable = not_executable.display().to_string();
+    let command = ["worker", "--executor", "command"];
+    let cases: [(Vec<&str>, &str); 4] = [
+        (
+            [&command[..], &["--", "/nonexistent/task-program"]].concat(),
+            "cannot run the task program /nonexistent/task-program",
+        ),
+        (
+            [&command[..], &["--", "no-such-task-program-on-path"]].concat(),
+            "cannot run the task program no-such-task-program-on-path",
+        ),
+        (
+            [&command[..], &["--", &not_executable]].concat(),
+            "is not an executable file",
+        ),
+        (
+            [&command[..], &["--workdir", "/nonexistent-dir", "--", "sh"]].concat(),
+            "working directory /nonexistent-dir is not a directory",
+        ),
+    ];
+    // Refused before connecting: nothing listens at this URL.
+    for (args, expected) in cases {
+        let run = wakebus("nats://127.0.0.1:1", "wakebus", &args).await;
+        assert_eq!(run.code(), Some(1), "{args:?}: {}", run.stderr());
+        assert!(
+            run.stderr().contains(expected),
+            "{args:?}: {}",
+            run.stderr()
+        );
+    }
+}
+
+#[tokio::test]
 async fn delegating_under_a_prefix_nobody_initialised_says_to_run_init() {
     init_logs();
     let nats = NatsServer::start().await;

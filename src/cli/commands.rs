@@ -119,6 +119,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     };
                     let mut config = CommandConfig::new(program, rest.to_vec());
                     config.working_dir = args.workdir.clone();
+                    config.check()?;
                     Executor::Command(CommandExecutor::new(config))
                 }
                 ExecutorKind::Llm => Executor::Llm(llm_executor(&args)?),

@@ -69,7 +69,71 @@ pub struct CommandConfig {
     pub kill_grace: Duration,
 }
 
+/// Why a command executor could run no task at all.
+#[derive(Debug, thiserror::Error)]
+pub enum CommandConfigError {
+    /// The program is not on `PATH`, not at its path, or not executable.
+    #[error("cannot run the task program {program}: {reason}")]
+    Program {
+        /// The program as given.
+        program: PathBuf,
+        /// Why not.
+        reason: String,
+    },
+    /// The working directory is missing or not a directory.
+    #[error("the task working directory {dir} is not a directory")]
+    WorkingDir {
+        /// The directory as given.
+        dir: PathBuf,
+    },
+}
+
 impl CommandConfig {
+    /// Checks that the program can be started (an executable file on
+    /// `PATH` or at its path, relative ones from the working directory or
+    /// the worker's) and that the working directory exists: a worker
+    /// deployed with a typo should refuse to start, not fail every task it
+    /// takes while healthy workers could have run them.
+    pub fn check(&self) -> Result<(), CommandConfigError> {
+        if let Some(dir) = &self.working_dir
+            && !dir.is_dir()
+        {
+            return Err(CommandConfigError::WorkingDir { dir: dir.clone() });
+        }
+        let refused = |reason: String| CommandConfigError::Program {
+            program: self.program.clone(),
+            reason,
+        };
+        let candidates: Vec<PathBuf> = if self.program.components().count() > 1 {
+            // A path: relative ones from the working directory or the worker's.
+            match &self.working_dir {
+                Some(dir) if self.program.is_relative() => {
+                    vec![dir.join(&self.program), self.program.clone()]
+                }
+                _ => vec![self.program.clone()],
+            }
+        } else {
+            let on_path = which::which(&self.program)
+                .map_err(|_| refused("not found on PATH".to_owned()))?;
+            vec![on_path]
+        };
+        // Checked by mode, not by access(2): for root that allows a file
+        // with no execute bit, which exec then refuses.
+        use std::os::unix::fs::PermissionsExt;
+        let mut reason = "no such file".to_owned();
+        for candidate in candidates {
+            match std::fs::metadata(&candidate) {
+                Ok(meta) if meta.is_file() && meta.permissions().mode() & 0o111 != 0 => {
+                    return Ok(());
+                }
+                Ok(_) => reason = format!("{} is not an executable file", candidate.display()),
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => reason = error.to_string(),
+            }
+        }
+        Err(refused(reason))
+    }
+
     /// Defaults for `program args...`.
     pub fn new(program: impl Into<PathBuf>, args: Vec<String>) -> Self {
         Self {

@@ -7,7 +7,7 @@ mod command;
 mod echo;
 mod llm;
 
-pub use command::{CommandConfig, CommandExecutor, kill_running_programs};
+pub use command::{CommandConfig, CommandConfigError, CommandExecutor, kill_running_programs};
 pub use echo::EchoExecutor;
 pub use llm::{LlmConfig, LlmConfigError, LlmExecutor};
 
