@@ -396,20 +396,14 @@ async fn counting_server(
 }
 
 #[tokio::test]
-async fn a_redirect_to_plain_http_elsewhere_is_not_followed_and_one_to_this_machine_is() {
+async fn only_redirects_that_keep_the_turn_and_meet_the_http_rule_are_followed() {
     use axum::response::IntoResponse;
     use wakebus::wake::session_api::{Post, PostResult, SessionApi, SessionApiConfig};
 
     let landed = Arc::new(AtomicUsize::new(0));
     let target = counting_server(|| StatusCode::OK.into_response(), landed.clone()).await;
-    let api = |redirect_to: String| async move {
-        let answer = move || {
-            (
-                StatusCode::TEMPORARY_REDIRECT,
-                [("location", redirect_to.clone())],
-            )
-                .into_response()
-        };
+    let api = |status: StatusCode, redirect_to: String| async move {
+        let answer = move || (status, [("location", redirect_to.clone())]).into_response();
         let redirector = counting_server(answer, Arc::default()).await;
         SessionApi::new(
             &SessionApiConfig {
@@ -434,7 +428,11 @@ async fn a_redirect_to_plain_http_elsewhere_is_not_followed_and_one_to_this_mach
 
     // 0.0.0.0 reaches this machine's listeners, but it is not loopback:
     // plain http to it is refused, so the turn must not be sent there.
-    let elsewhere = api(format!("http://0.0.0.0:{}/", target.port())).await;
+    let elsewhere = api(
+        StatusCode::TEMPORARY_REDIRECT,
+        format!("http://0.0.0.0:{}/", target.port()),
+    )
+    .await;
     match elsewhere.post(post).await {
         PostResult::Retry { reason, .. } => {
             assert!(reason.contains("plain http://"), "{reason}");
@@ -443,7 +441,26 @@ async fn a_redirect_to_plain_http_elsewhere_is_not_followed_and_one_to_this_mach
     }
     assert_eq!(landed.load(Ordering::SeqCst), 0, "the turn was re-sent");
 
-    let here = api(format!("http://{target}/")).await;
+    // 301, 302 and 303 would be followed with a GET without the turn: a
+    // 2xx to it must not count as delivered.
+    for status in [
+        StatusCode::MOVED_PERMANENTLY,
+        StatusCode::FOUND,
+        StatusCode::SEE_OTHER,
+    ] {
+        let dropping = api(status, format!("http://{target}/")).await;
+        match dropping.post(post).await {
+            PostResult::Rejected { status: got, .. } => assert_eq!(got, status.as_u16()),
+            other => panic!("a {status} ended as {other:?}"),
+        }
+    }
+    assert_eq!(
+        landed.load(Ordering::SeqCst),
+        0,
+        "followed without the turn"
+    );
+
+    let here = api(StatusCode::PERMANENT_REDIRECT, format!("http://{target}/")).await;
     assert!(matches!(here.post(post).await, PostResult::Delivered));
     assert_eq!(landed.load(Ordering::SeqCst), 1);
 }

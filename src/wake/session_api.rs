@@ -203,12 +203,21 @@ impl SessionApi {
             let ca = reqwest::Certificate::from_pem(&pem).map_err(|e| ca_error(e.to_string()))?;
             builder = builder.tls_certs_merge([ca]);
         }
-        // A redirect must meet the same rule as the URL itself: a 307 or
-        // 308 sends the turn again, wherever it points.
+        // Only 307 and 308 keep the method and the body; a client follows
+        // 301, 302 and 303 with a GET without the turn, and a 2xx to that
+        // GET would count as delivered. Those come back as themselves (a
+        // rejection naming the status). A followed redirect must meet the
+        // same rule as the URL itself: it sends the turn again.
         let redirects = security.clone();
         let http = builder
             .redirect(reqwest::redirect::Policy::custom(move |attempt| {
-                if attempt.previous().len() >= MAX_REDIRECTS {
+                let keeps_body = matches!(
+                    attempt.status(),
+                    StatusCode::TEMPORARY_REDIRECT | StatusCode::PERMANENT_REDIRECT
+                );
+                if !keeps_body {
+                    attempt.stop()
+                } else if attempt.previous().len() >= MAX_REDIRECTS {
                     attempt.error("too many redirects")
                 } else if let Err(refused) = check_url(attempt.url().as_str(), &redirects) {
                     attempt.error(refused)

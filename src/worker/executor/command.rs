@@ -113,8 +113,8 @@ impl CommandConfig {
                 _ => vec![self.program.clone()],
             }
         } else {
-            let on_path = which::which(&self.program)
-                .map_err(|_| refused("not found on PATH".to_owned()))?;
+            let on_path =
+                which::which(&self.program).map_err(|_| refused("not found on PATH".to_owned()))?;
             vec![on_path]
         };
         // Checked by mode, not by access(2): for root that allows a file
