@@ -63,6 +63,16 @@ pub enum ConnectError {
         /// Why it is invalid.
         source: std::io::Error,
     },
+    /// The server refused this client's credentials: retrying will not help.
+    #[error(
+        "NATS at {url} refused this client ({source}): check the credentials (--user/--password-file, --nkey-file, --creds, --token-file) and TLS client certificate"
+    )]
+    Refused {
+        /// The URL.
+        url: String,
+        /// The client error.
+        source: async_nats::ConnectError,
+    },
     /// The NATS client refused the options or could not connect.
     #[error("cannot connect to NATS at {url}: {source}")]
     Connect {
@@ -173,24 +183,44 @@ impl NatsConfig {
         self.connect_with(true).await
     }
 
-    /// Connects to a server that answers now, or fails saying why: for
-    /// commands run by hand, whose operator should hear at once that NATS
-    /// is unreachable rather than watch them wait. Once connected, the
-    /// client reconnects like any other.
-    pub async fn connect_now(&self) -> Result<Client, ConnectError> {
-        self.connect_with(false).await
+    /// Connects to a server that answers within `patience`, or fails saying
+    /// why: for commands run by hand, whose operator should hear soon that
+    /// NATS is unreachable rather than watch them wait (`Duration::ZERO`:
+    /// one attempt per server). Refused credentials fail at once. Once
+    /// connected, the client reconnects like any other.
+    pub async fn connect_within(&self, patience: Duration) -> Result<Client, ConnectError> {
+        let deadline = tokio::time::Instant::now() + patience;
+        let mut delay = Duration::from_millis(100);
+        loop {
+            match self.connect_with(false).await {
+                Err(ConnectError::Connect { source, .. })
+                    if matches!(
+                        source.kind(),
+                        async_nats::ConnectErrorKind::Io | async_nats::ConnectErrorKind::TimedOut
+                    ) && tokio::time::Instant::now() + delay < deadline =>
+                {
+                    info!(url = %self.url, error = %source, retry_in = ?delay, "NATS did not answer; trying again.");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(1));
+                }
+                result => return result,
+            }
+        }
     }
 
     async fn connect_with(&self, wait_for_server: bool) -> Result<Client, ConnectError> {
         let servers = self.servers()?;
         let options = self.options(wait_for_server).await?;
-        options
-            .connect(servers)
-            .await
-            .map_err(|source| ConnectError::Connect {
-                url: self.url.clone(),
-                source,
-            })
+        options.connect(servers).await.map_err(|source| {
+            let url = self.url.clone();
+            match source.kind() {
+                async_nats::ConnectErrorKind::Authentication
+                | async_nats::ConnectErrorKind::AuthorizationViolation => {
+                    ConnectError::Refused { url, source }
+                }
+                _ => ConnectError::Connect { url, source },
+            }
+        })
     }
 }
 

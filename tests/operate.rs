@@ -935,7 +935,7 @@ async fn delegating_under_a_prefix_nobody_initialised_says_to_run_init() {
 }
 
 #[tokio::test]
-async fn commands_run_by_hand_say_at_once_and_once_that_nats_is_unreachable() {
+async fn commands_run_by_hand_say_soon_and_once_that_nats_is_unreachable() {
     // Nothing listens there.
     let url = format!("nats://127.0.0.1:{}", nats::free_port());
     let commands: [&[&str]; 5] = [
@@ -1013,4 +1013,64 @@ async fn events_follow_goes_on_after_a_nats_restart_without_repeating_or_skippin
         .expect("exits after Ctrl-C")
         .unwrap();
     assert!(status.success(), "{status}");
+}
+
+#[tokio::test]
+async fn a_delegate_called_while_nats_restarts_waits_for_it_and_is_stored() {
+    init_logs();
+    let mut nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    nats.kill();
+
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .args(common::cli::tool_args(
+            &nats.url(),
+            &prefix,
+            &[
+                "delegate",
+                "--goal",
+                "during a restart",
+                "--session",
+                "s.blip",
+            ],
+        ))
+        .env("RUST_LOG", "wakebus=info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    let retried = tokio::time::timeout(WAIT, async {
+        while let Some(line) = stderr.next_line().await.unwrap() {
+            if line.contains("NATS did not answer; trying again.") {
+                return true;
+            }
+        }
+        false
+    })
+    .await
+    .expect("a retry within the timeout");
+    assert!(retried, "delegate ended without retrying");
+
+    nats.spawn();
+    nats.wait_ready().await;
+    let output = tokio::time::timeout(WAIT, child.wait_with_output())
+        .await
+        .expect("delegate ends")
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let reply: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(reply["status"], "dispatched");
+    wait_until(WAIT, "the test's client to reconnect", || async {
+        bus.client.connection_state() == async_nats::connection::State::Connected
+    })
+    .await;
+    let mut tasks = bus
+        .js
+        .get_stream(bus.subjects.tasks_stream())
+        .await
+        .unwrap();
+    assert_eq!(tasks.info().await.unwrap().state.messages, 1);
 }

@@ -1,6 +1,7 @@
 //! One function per subcommand; each builds library configs and calls `run`.
 
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use wakebus::bus::{Bus, BusSettings};
@@ -69,7 +70,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 delegation.wake_mode = wakebus::protocol::WakeMode::Independent;
             }
             delegation.notify_early_failure = args.notify_early_failure;
-            let bus = connect_now(&global, "wakebus-delegate").await?;
+            let bus = connect_within(&global, "wakebus-delegate", GATEWAY_PATIENCE).await?;
             let delegator = Delegator::new(bus)
                 .with_wait_timeout(args.wait_timeout)
                 .with_max_depth(args.max_depth)
@@ -99,7 +100,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{}", serde_json::to_string(&result)?);
         }
         Command::Cancel(args) => {
-            let bus = connect_now(&global, "wakebus-cancel").await?;
+            let bus = connect_within(&global, "wakebus-cancel", GATEWAY_PATIENCE).await?;
             let canceller = wakebus::cancel::Canceller::new(bus);
             let report = match (&args.delegation_id, &args.session) {
                 (Some(id), _) => canceller.cancel_delegation(id, args.silent).await?,
@@ -306,16 +307,29 @@ fn settings(global: &Global) -> BusSettings {
 
 /// Connects a service, or `init`: they wait for NATS to come up.
 pub(crate) async fn connect(global: &Global, name: &str) -> anyhow::Result<Bus> {
-    connect_with(global, name, true).await
+    connect_with(global, name, None).await
 }
 
-/// Connects a command run by hand (or by a gateway): it fails at once,
-/// naming the URL, when no NATS server answers.
-pub(crate) async fn connect_now(global: &Global, name: &str) -> anyhow::Result<Bus> {
-    connect_with(global, name, false).await
+/// Connects a command run by hand or by a gateway: it fails, naming the
+/// URL, when no NATS server answers within `patience`.
+pub(crate) async fn connect_within(
+    global: &Global,
+    name: &str,
+    patience: Duration,
+) -> anyhow::Result<Bus> {
+    connect_with(global, name, Some(patience)).await
 }
 
-async fn connect_with(global: &Global, name: &str, wait_for_server: bool) -> anyhow::Result<Bus> {
+/// How long `delegate` and `cancel` keep trying to reach NATS: a gateway
+/// calling them while NATS restarts should not see a failure for a blip.
+pub(crate) const GATEWAY_PATIENCE: Duration = Duration::from_secs(10);
+
+/// `None`: wait for the server as long as it takes.
+async fn connect_with(
+    global: &Global,
+    name: &str,
+    patience: Option<Duration>,
+) -> anyhow::Result<Bus> {
     let subjects = Subjects::new(&global.prefix)?;
     let config = NatsConfig {
         url: global.nats_url.clone(),
@@ -330,10 +344,9 @@ async fn connect_with(global: &Global, name: &str, wait_for_server: bool) -> any
         tls_key: global.tls_key.clone(),
         inbox_prefix: global.inbox_prefix.clone(),
     };
-    let client = if wait_for_server {
-        config.connect().await?
-    } else {
-        config.connect_now().await?
+    let client = match patience {
+        None => config.connect().await?,
+        Some(patience) => config.connect_within(patience).await?,
     };
     Ok(Bus::new(client, subjects))
 }

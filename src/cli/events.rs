@@ -29,7 +29,8 @@ pub(crate) struct EventsArgs {
 }
 
 pub(crate) async fn run(global: &Global, args: EventsArgs) -> anyhow::Result<ExitCode> {
-    let bus = super::commands::connect_now(global, "wakebus-events").await?;
+    let bus = super::commands::connect_within(global, "wakebus-events", std::time::Duration::ZERO)
+        .await?;
     let source = args
         .dead_letters
         .map_or(Source::Events, DeadLetterArg::source);

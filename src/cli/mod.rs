@@ -146,7 +146,7 @@ fn error_report(error: &anyhow::Error) -> String {
     let mut report = String::new();
     for cause in error.chain() {
         let text = cause.to_string();
-        if report.ends_with(&text) {
+        if report == text || report.ends_with(&format!(": {text}")) {
             continue;
         }
         if !report.is_empty() {
@@ -194,5 +194,7 @@ mod tests {
             error_report(&said_elsewhere),
             "the ack timed out twice: timed out"
         );
+        let a_word_of_it = anyhow::anyhow!("out").context("timed out");
+        assert_eq!(error_report(&a_word_of_it), "timed out: out");
     }
 }

@@ -140,7 +140,8 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
         force,
         dry_run: common.dry_run,
     };
-    let bus = super::commands::connect_now(global, "wakebus-replay").await?;
+    let bus = super::commands::connect_within(global, "wakebus-replay", std::time::Duration::ZERO)
+        .await?;
     let replayer = Replayer::new(bus, plan).await?;
 
     let cancel = CancellationToken::new();

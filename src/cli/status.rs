@@ -25,7 +25,8 @@ pub(crate) struct StatusArgs {
 }
 
 pub(crate) async fn run(global: &Global, args: StatusArgs) -> anyhow::Result<ExitCode> {
-    let bus = super::commands::connect_now(global, "wakebus-status").await?;
+    let bus = super::commands::connect_within(global, "wakebus-status", std::time::Duration::ZERO)
+        .await?;
     let options = StatusOptions {
         discovery_timeout: args.discovery_timeout,
         scan_limit: args.scan_limit,
