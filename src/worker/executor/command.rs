@@ -90,8 +90,8 @@ pub enum CommandConfigError {
 
 impl CommandConfig {
     /// Checks that the program can be started (an executable file on
-    /// `PATH` or at its path, relative ones from the working directory or
-    /// the worker's) and that the working directory exists: a worker
+    /// `PATH` or at its path, a relative one from the working directory)
+    /// and that the working directory exists: a worker
     /// deployed with a typo should refuse to start, not fail every task it
     /// takes while healthy workers could have run them.
     pub fn check(&self) -> Result<(), CommandConfigError> {
@@ -104,33 +104,36 @@ impl CommandConfig {
             program: self.program.clone(),
             reason,
         };
-        let candidates: Vec<PathBuf> = if self.program.components().count() > 1 {
-            // A path: relative ones from the working directory or the worker's.
+        let candidate = if self.program.components().count() > 1 {
+            // A path: a relative one is run from the working directory.
             match &self.working_dir {
-                Some(dir) if self.program.is_relative() => {
-                    vec![dir.join(&self.program), self.program.clone()]
-                }
-                _ => vec![self.program.clone()],
+                Some(dir) if self.program.is_relative() => dir.join(&self.program),
+                _ => self.program.clone(),
             }
         } else {
-            let on_path =
-                which::which(&self.program).map_err(|_| refused("not found on PATH".to_owned()))?;
-            vec![on_path]
+            // Without PATH, exec searches the default path.
+            let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into());
+            let cwd = self.working_dir.clone().unwrap_or_else(|| PathBuf::from("."));
+            which::which_in(&self.program, Some(path), cwd)
+                .map_err(|_| refused("not found on PATH".to_owned()))?
         };
-        // Checked by mode, not by access(2): for root that allows a file
-        // with no execute bit, which exec then refuses.
+        // The mode says whether it is an executable file at all (access(2)
+        // lets root pass a file with no execute bit, which exec refuses);
+        // access(2) says whether this user may run it.
         use std::os::unix::fs::PermissionsExt;
-        let mut reason = "no such file".to_owned();
-        for candidate in candidates {
-            match std::fs::metadata(&candidate) {
-                Ok(meta) if meta.is_file() && meta.permissions().mode() & 0o111 != 0 => {
-                    return Ok(());
+        let reason = match std::fs::metadata(&candidate) {
+            Ok(meta) if meta.is_file() && meta.permissions().mode() & 0o111 != 0 => {
+                match nix::unistd::access(&candidate, nix::unistd::AccessFlags::X_OK) {
+                    Ok(()) => return Ok(()),
+                    Err(errno) => format!("{}: {errno}", candidate.display()),
                 }
-                Ok(_) => reason = format!("{} is not an executable file", candidate.display()),
-                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-                Err(error) => reason = error.to_string(),
             }
-        }
+            Ok(_) => format!("{} is not an executable file", candidate.display()),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                format!("{}: no such file", candidate.display())
+            }
+            Err(error) => format!("{}: {error}", candidate.display()),
+        };
         Err(refused(reason))
     }
 
@@ -433,5 +436,64 @@ async fn terminate(pid: Option<u32>, grace: Duration, child: &mut tokio::process
         warn!(pid, "Process group ignored SIGTERM; sending SIGKILL.");
         let _ = killpg(group, Signal::SIGKILL);
         let _ = child.wait().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    /// A file `name` in `dir` with `mode`.
+    fn file(dir: &std::path::Path, name: &str, mode: u32) {
+        let path = dir.join(name);
+        std::fs::write(&path, "#!/bin/sh\necho ok\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    fn config(program: &str, working_dir: Option<&std::path::Path>) -> CommandConfig {
+        let mut config = CommandConfig::new(program, Vec::new());
+        config.working_dir = working_dir.map(std::path::Path::to_path_buf);
+        config
+    }
+
+    #[test]
+    fn a_program_that_exec_would_run_passes_the_start_check() {
+        let dir = tempfile::tempdir().unwrap();
+        file(dir.path(), "task.sh", 0o755);
+        let absolute = dir.path().join("task.sh").display().to_string();
+        for ok in [
+            config("sh", None),
+            config(&absolute, None),
+            config("./task.sh", Some(dir.path())),
+            config("./scripts/demo", None),
+            config("sh", Some(dir.path())),
+        ] {
+            assert!(ok.check().is_ok(), "{ok:?}: {:?}", ok.check());
+        }
+    }
+
+    #[test]
+    fn a_program_that_exec_would_refuse_fails_the_start_check_saying_why() {
+        let dir = tempfile::tempdir().unwrap();
+        file(dir.path(), "plain.txt", 0o644);
+        let not_executable = dir.path().join("plain.txt").display().to_string();
+        for (refused, why) in [
+            (config("no-such-program-anywhere", None), "not found on PATH"),
+            (config(&not_executable, None), "is not an executable file"),
+            (config("/nonexistent/task", None), "no such file"),
+            // Relative programs run from the working directory, not the
+            // worker's (a test's is the crate's root).
+            (config("./scripts/demo", Some(dir.path())), "no such file"),
+        ] {
+            let error = refused.check().expect_err(&format!("{refused:?}"));
+            assert!(error.to_string().contains(why), "{refused:?}: {error}");
+        }
+        let missing_dir = config("sh", Some(std::path::Path::new("/nonexistent-dir")));
+        assert!(matches!(
+            missing_dir.check(),
+            Err(CommandConfigError::WorkingDir { .. })
+        ));
     }
 }
