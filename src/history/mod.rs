@@ -284,6 +284,10 @@ pub struct HistoryReader {
     /// The stream sequence of the last message read (matching or not): a
     /// follow opened again starts after it.
     last_sequence: Option<u64>,
+    /// The wait before opening a follow again when the last reopen brought
+    /// no message (reset by each message), so a read failing at once does
+    /// not spin.
+    reopen_delay: Option<Duration>,
     /// The client-side checks.
     selection: Selection,
     /// The stream read.
@@ -354,6 +358,7 @@ impl HistoryReader {
             handle: stream,
             filter_subject,
             last_sequence: None,
+            reopen_delay: None,
             finished: !follow && total == 0,
             follow,
             selection,
@@ -422,6 +427,7 @@ impl HistoryReader {
                 }
             };
             self.last_sequence = Some(record.sequence);
+            self.reopen_delay = None;
             if self.end.is_some_and(|end| record.sequence > end)
                 || self.selection.until.is_some_and(|u| record.published > u)
             {
@@ -442,6 +448,8 @@ impl HistoryReader {
     /// Deletes the ephemeral consumer (it would otherwise expire by itself
     /// after 30 seconds of inactivity). Done by itself at the end of a
     /// bounded read; call it when stopping early (Ctrl-C, a closed pipe).
+    /// A consumer the client recreated by itself under another name (after
+    /// a reconnect) is left to that expiry.
     pub async fn close(&mut self) {
         if let Some(name) = self.cleanup.take() {
             let _ = self.handle.delete_consumer(&name).await;
@@ -451,6 +459,13 @@ impl HistoryReader {
     /// Opens the follow again after the last message read, retrying until
     /// the server takes it (the caller's shutdown ends the wait).
     async fn reopen(&mut self) {
+        if let Some(delay) = self.reopen_delay {
+            tokio::time::sleep(delay).await;
+        }
+        self.reopen_delay = Some(
+            self.reopen_delay
+                .map_or(Duration::from_millis(250), |d| (d * 2).min(Duration::from_secs(5))),
+        );
         let policy = match self.last_sequence {
             Some(last) => DeliverPolicy::ByStartSequence {
                 start_sequence: last + 1,
