@@ -462,10 +462,9 @@ impl HistoryReader {
         if let Some(delay) = self.reopen_delay {
             tokio::time::sleep(delay).await;
         }
-        self.reopen_delay = Some(
-            self.reopen_delay
-                .map_or(Duration::from_millis(250), |d| (d * 2).min(Duration::from_secs(5))),
-        );
+        self.reopen_delay = Some(self.reopen_delay.map_or(Duration::from_millis(250), |d| {
+            (d * 2).min(Duration::from_secs(5))
+        }));
         let policy = match self.last_sequence {
             Some(last) => DeliverPolicy::ByStartSequence {
                 start_sequence: last + 1,

@@ -113,7 +113,10 @@ impl CommandConfig {
         } else {
             // Without PATH, exec searches the default path.
             let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into());
-            let cwd = self.working_dir.clone().unwrap_or_else(|| PathBuf::from("."));
+            let cwd = self
+                .working_dir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("."));
             which::which_in(&self.program, Some(path), cwd)
                 .map_err(|_| refused("not found on PATH".to_owned()))?
         };
@@ -480,7 +483,10 @@ mod tests {
         file(dir.path(), "plain.txt", 0o644);
         let not_executable = dir.path().join("plain.txt").display().to_string();
         for (refused, why) in [
-            (config("no-such-program-anywhere", None), "not found on PATH"),
+            (
+                config("no-such-program-anywhere", None),
+                "not found on PATH",
+            ),
             (config(&not_executable, None), "is not an executable file"),
             (config("/nonexistent/task", None), "no such file"),
             // Relative programs run from the working directory, not the
