@@ -279,17 +279,18 @@ async fn events_of_task_dead_letters_select_by_pool() {
     services.stop().await;
 }
 
-#[tokio::test]
-async fn events_follow_streams_new_events_until_interrupted_and_leaves_no_consumer() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let (first, _, _) = publish_task(&bus, Some("s.follow"), Status::Completed).await;
+/// `wakebus events --follow --kind done` as a process, and its stdout lines.
+fn follow_completions(
+    nats_url: &str,
+    prefix: &str,
+) -> (
+    tokio::process::Child,
+    tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+) {
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
         .args(common::cli::tool_args(
-            &nats.url(),
-            &prefix,
+            nats_url,
+            prefix,
             &["events", "--follow", "--kind", "done"],
         ))
         .stdout(std::process::Stdio::piped())
@@ -297,15 +298,43 @@ async fn events_follow_streams_new_events_until_interrupted_and_leaves_no_consum
         .kill_on_drop(true)
         .spawn()
         .expect("spawn");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut next_line = async || -> Value {
-        let line = tokio::time::timeout(WAIT, lines.next_line())
-            .await
-            .expect("a line within the timeout")
-            .unwrap()
-            .expect("stdout open");
-        serde_json::from_str(&line).unwrap()
-    };
+    let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    (child, lines)
+}
+
+/// Sends SIGINT, as Ctrl-C would, and asserts a clean exit.
+async fn stop_with_ctrl_c(child: &mut tokio::process::Child) {
+    let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let status = tokio::time::timeout(WAIT, child.wait())
+        .await
+        .expect("exits after Ctrl-C")
+        .unwrap();
+    assert!(status.success(), "{status}");
+}
+
+/// The next line of `lines` as JSON, within `timeout`.
+async fn next_json(
+    lines: &mut tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+    timeout: Duration,
+) -> Value {
+    let line = tokio::time::timeout(timeout, lines.next_line())
+        .await
+        .expect("a line within the timeout")
+        .unwrap()
+        .expect("stdout open: the follow ended");
+    serde_json::from_str(&line).unwrap()
+}
+
+#[tokio::test]
+async fn events_follow_streams_new_events_until_interrupted_and_leaves_no_consumer() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let (first, _, _) = publish_task(&bus, Some("s.follow"), Status::Completed).await;
+    let (mut child, mut lines) = follow_completions(&nats.url(), &prefix);
+    let mut next_line = async || next_json(&mut lines, WAIT).await;
     assert_eq!(
         next_line().await["delegation_id"],
         first.delegation_id.as_str()
@@ -315,13 +344,7 @@ async fn events_follow_streams_new_events_until_interrupted_and_leaves_no_consum
     assert_eq!(line["delegation_id"], second.delegation_id.as_str());
     assert_eq!(line["status"], "failed");
 
-    let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
-    let status = tokio::time::timeout(WAIT, child.wait())
-        .await
-        .expect("exits after Ctrl-C")
-        .unwrap();
-    assert!(status.success(), "{status}");
+    stop_with_ctrl_c(&mut child).await;
     // Its ordered consumer is deleted on the way out, not left to expire.
     let info = bus
         .js
@@ -966,27 +989,9 @@ async fn events_follow_goes_on_after_a_nats_restart_without_repeating_or_skippin
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
     let (first, _, _) = publish_task(&bus, Some("s.follow"), Status::Completed).await;
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
-        .args(common::cli::tool_args(
-            &nats.url(),
-            &prefix,
-            &["events", "--follow", "--kind", "done"],
-        ))
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let (mut child, mut lines) = follow_completions(&nats.url(), &prefix);
     // The client notices the lost consumer some seconds after reconnecting.
-    let mut next_line = async || -> Value {
-        let line = tokio::time::timeout(Duration::from_secs(90), lines.next_line())
-            .await
-            .expect("a line within the timeout")
-            .unwrap()
-            .expect("stdout open: the follow ended");
-        serde_json::from_str(&line).unwrap()
-    };
+    let mut next_line = async || next_json(&mut lines, Duration::from_secs(90)).await;
     assert_eq!(
         next_line().await["delegation_id"],
         first.delegation_id.as_str()
@@ -1006,13 +1011,7 @@ async fn events_follow_goes_on_after_a_nats_restart_without_repeating_or_skippin
         "not the next event"
     );
 
-    let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
-    let status = tokio::time::timeout(WAIT, child.wait())
-        .await
-        .expect("exits after Ctrl-C")
-        .unwrap();
-    assert!(status.success(), "{status}");
+    stop_with_ctrl_c(&mut child).await;
 }
 
 #[tokio::test]

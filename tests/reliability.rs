@@ -417,6 +417,35 @@ async fn a_lock_taken_again_over_its_own_release_marker_still_excludes_other_ins
 /// How long instance `wake-a` waits for an answer in the lock tests below.
 const IMPATIENCE: Duration = Duration::from_secs(2);
 
+/// A server, a fresh prefix whose locks live 600 s, and two instances on
+/// its lock bucket: `a`, whose requests give up after `IMPATIENCE`, and
+/// `b`, patient.
+struct LockRig {
+    nats: NatsServer,
+    bus: Bus,
+    kv: async_nats::jetstream::kv::Store,
+    a: SessionLocks,
+    b: SessionLocks,
+}
+
+impl LockRig {
+    async fn start() -> Self {
+        let nats = NatsServer::start().await;
+        let ttl = Duration::from_secs(600);
+        let bus = bus(&nats.url(), &unique_prefix()).await;
+        let kv = session_lock_bucket(&bus, ttl).await;
+        let a = impatient_instance(&bus, ttl).await;
+        let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+        Self {
+            nats,
+            bus,
+            kv,
+            a,
+            b,
+        }
+    }
+}
+
 /// Instance `wake-a` on the lock bucket of `bus`, whose requests give up
 /// after `IMPATIENCE`, so that a frozen server's answer is lost.
 async fn impatient_instance(bus: &Bus, ttl: Duration) -> SessionLocks {
@@ -449,12 +478,13 @@ async fn take_through_errors(locks: &SessionLocks) -> wakebus::wake::lock::LockG
 
 #[tokio::test]
 async fn a_lock_created_while_its_answer_was_lost_is_taken_back_instead_of_waited_out() {
-    let nats = NatsServer::start().await;
-    let ttl = Duration::from_secs(600);
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let kv = session_lock_bucket(&bus, ttl).await;
-    let a = impatient_instance(&bus, ttl).await;
-    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+    let LockRig {
+        nats,
+        bus: _,
+        kv,
+        a,
+        b,
+    } = LockRig::start().await;
 
     // The create reaches the frozen server's socket; its answer comes too late.
     nats.signal(nix::sys::signal::Signal::SIGSTOP);
@@ -477,12 +507,13 @@ async fn a_lock_created_while_its_answer_was_lost_is_taken_back_instead_of_waite
 
 #[tokio::test]
 async fn a_lost_create_answer_that_lands_while_the_take_checks_is_adopted_not_seen_as_busy() {
-    let nats = NatsServer::start().await;
-    let ttl = Duration::from_secs(600);
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let kv = session_lock_bucket(&bus, ttl).await;
-    let a = impatient_instance(&bus, ttl).await;
-    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+    let LockRig {
+        nats,
+        bus,
+        kv,
+        a,
+        b,
+    } = LockRig::start().await;
 
     // The create times out on the frozen server; the read that follows it
     // is sent too, and only then does the server thaw: it usually applies
@@ -523,12 +554,13 @@ async fn a_lost_create_answer_that_lands_while_the_take_checks_is_adopted_not_se
 
 #[tokio::test]
 async fn an_orphaned_take_that_never_landed_does_not_adopt_another_instances_lock() {
-    let mut nats = NatsServer::start().await;
-    let ttl = Duration::from_secs(600);
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let kv = session_lock_bucket(&bus, ttl).await;
-    let a = impatient_instance(&bus, ttl).await;
-    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+    let LockRig {
+        mut nats,
+        bus: _,
+        kv,
+        a,
+        b,
+    } = LockRig::start().await;
 
     // A's create reaches the frozen server, which crashes before applying it.
     nats.signal(nix::sys::signal::Signal::SIGSTOP);
@@ -550,12 +582,13 @@ async fn an_orphaned_take_that_never_landed_does_not_adopt_another_instances_loc
 
 #[tokio::test]
 async fn a_lock_refreshed_while_its_answer_was_lost_is_taken_back_instead_of_waited_out() {
-    let nats = NatsServer::start().await;
-    let ttl = Duration::from_secs(600);
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let kv = session_lock_bucket(&bus, ttl).await;
-    let a = impatient_instance(&bus, ttl).await;
-    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+    let LockRig {
+        nats,
+        bus: _,
+        kv,
+        a,
+        b,
+    } = LockRig::start().await;
 
     let mut held = a.try_acquire("tok").await.unwrap().expect("a free lock");
     let revision = kv.entry("tok").await.unwrap().expect("the lock").revision;
@@ -582,12 +615,13 @@ async fn a_lock_refreshed_while_its_answer_was_lost_is_taken_back_instead_of_wai
 
 #[tokio::test]
 async fn a_guard_whose_refresh_was_lost_in_a_nats_crash_is_held_again_once_a_refresh_succeeds() {
-    let mut nats = NatsServer::start().await;
-    let ttl = Duration::from_secs(600);
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let kv = session_lock_bucket(&bus, ttl).await;
-    let a = impatient_instance(&bus, ttl).await;
-    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+    let LockRig {
+        mut nats,
+        bus,
+        kv,
+        a,
+        b,
+    } = LockRig::start().await;
 
     // The refresh reaches the frozen server, which crashes before applying it.
     let mut held = a.try_acquire("tok").await.unwrap().expect("a free lock");
@@ -617,12 +651,13 @@ async fn a_guard_whose_refresh_was_lost_in_a_nats_crash_is_held_again_once_a_ref
 
 #[tokio::test]
 async fn a_lock_whose_release_was_lost_in_a_nats_crash_is_taken_back_instead_of_waited_out() {
-    let mut nats = NatsServer::start().await;
-    let ttl = Duration::from_secs(600);
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let kv = session_lock_bucket(&bus, ttl).await;
-    let a = impatient_instance(&bus, ttl).await;
-    let b = SessionLocks::new(bus.js.clone(), kv.clone(), "wake-b", ttl);
+    let LockRig {
+        mut nats,
+        bus: _,
+        kv,
+        a,
+        b,
+    } = LockRig::start().await;
 
     // The release reaches the frozen server, which then crashes.
     let held = a.try_acquire("tok").await.unwrap().expect("a free lock");
