@@ -15,25 +15,6 @@ use wakebus::protocol::{HEADER_REPLAY, Status, session_token};
 
 const WAIT: Duration = Duration::from_secs(30);
 
-/// Polls `attempt` until it yields a value or `timeout` passes (then panics with `what`).
-async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut attempt: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(value) = attempt().await {
-            return value;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 // ---------------------------------------------------------------- events
 
 #[tokio::test]

@@ -461,19 +461,14 @@ async fn impatient_instance(bus: &Bus, ttl: Duration) -> SessionLocks {
 /// Takes the lock on `tok` with `locks`, retrying through errors (a client
 /// reconnecting); fails if it is busy or not taken within `WAIT`.
 async fn take_through_errors(locks: &SessionLocks) -> wakebus::wake::lock::LockGuard {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
+    eventually(WAIT, "the lock to be taken", || async {
         match locks.try_acquire("tok").await {
-            Ok(Some(guard)) => return guard,
+            Ok(Some(guard)) => Some(guard),
             Ok(None) => panic!("the lock is busy: this instance's own lock was not taken back"),
-            Err(_) => {}
+            Err(_) => None,
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "lock not taken in {WAIT:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    })
+    .await
 }
 
 #[tokio::test]

@@ -459,20 +459,20 @@ impl HistoryReader {
     /// Opens the follow again after the last message read, retrying until
     /// the server takes it (the caller's shutdown ends the wait).
     async fn reopen(&mut self) {
-        if let Some(delay) = self.reopen_delay {
-            tokio::time::sleep(delay).await;
-        }
-        self.reopen_delay = Some(self.reopen_delay.map_or(Duration::from_millis(250), |d| {
-            (d * 2).min(Duration::from_secs(5))
-        }));
         let policy = match self.last_sequence {
             Some(last) => DeliverPolicy::ByStartSequence {
                 start_sequence: last + 1,
             },
             None => self.selection.deliver_policy(),
         };
-        let mut delay = Duration::from_millis(250);
         loop {
+            if let Some(delay) = self.reopen_delay {
+                tokio::time::sleep(delay).await;
+            }
+            let delay = self.reopen_delay.map_or(Duration::from_millis(250), |d| {
+                (d * 2).min(Duration::from_secs(5))
+            });
+            self.reopen_delay = Some(delay);
             match read(&self.handle, &self.stream, &self.filter_subject, policy).await {
                 Ok((messages, name, _)) => {
                     self.close().await;
@@ -482,8 +482,6 @@ impl HistoryReader {
                 }
                 Err(error) => {
                     warn!(stream = %self.stream, %error, retry_in = ?delay, "Cannot follow again yet; will retry.");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(5));
                 }
             }
         }

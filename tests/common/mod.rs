@@ -55,6 +55,26 @@ where
     }
 }
 
+/// Polls `attempt` until it yields a value or `timeout` passes; panics
+/// with `what` then.
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut attempt: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = attempt().await {
+            return value;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A unique subject prefix, so a test never sees another test's data.
 pub fn unique_prefix() -> String {
     format!("t{}", ulid::Ulid::new().to_string().to_ascii_lowercase())
