@@ -717,7 +717,7 @@ fn is_creation_clash(error: &jetstream::context::CreateStreamError) -> bool {
 }
 
 /// Whether a stream lookup failed only because the stream does not exist yet.
-fn is_stream_not_found(error: &jetstream::context::GetStreamError) -> bool {
+pub(crate) fn is_stream_not_found(error: &jetstream::context::GetStreamError) -> bool {
     match error.kind() {
         jetstream::context::GetStreamErrorKind::JetStream(error) => {
             error.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND

@@ -996,6 +996,69 @@ async fn events_follow_goes_on_after_a_nats_restart_without_repeating_or_skippin
 }
 
 #[tokio::test]
+async fn events_follow_waits_out_a_deleted_stream_and_reads_its_successor_from_the_start() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut old = Vec::new();
+    for _ in 0..3 {
+        old.push(
+            publish_task(&bus, Some("s.gone"), Status::Completed)
+                .await
+                .0,
+        );
+    }
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .args(common::cli::tool_args(
+            &nats.url(),
+            &prefix,
+            &["events", "--follow", "--kind", "done"],
+        ))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    for request in &old {
+        let line = next_json(&mut lines, WAIT).await;
+        assert_eq!(line["delegation_id"], request.delegation_id.as_str());
+    }
+
+    let events = bus.subjects.events_stream();
+    bus.js.delete_stream(&events).await.expect("delete");
+    let told = tokio::time::timeout(WAIT, async {
+        while let Some(line) = stderr.next_line().await.unwrap() {
+            if line.contains("no longer exists") {
+                return Some(line);
+            }
+        }
+        None
+    })
+    .await
+    .expect("a warning within the timeout")
+    .expect("the follow ended instead of waiting");
+    assert!(told.contains(&events), "{told}");
+
+    // Provisioned again (as the next worker or wake to start does): a new
+    // stream whose sequences start at 1 again, below the last one shown.
+    bus.provision(&wakebus::bus::BusSettings::default())
+        .await
+        .expect("provision");
+    let (new, _, _) = publish_task(&bus, Some("s.gone"), Status::Failed).await;
+    let line = next_json(&mut lines, WAIT).await;
+    assert_eq!(
+        line["delegation_id"],
+        new.delegation_id.as_str(),
+        "the new stream's first event was skipped"
+    );
+
+    stop_with_ctrl_c(&mut child).await;
+}
+
+#[tokio::test]
 async fn a_delegate_called_while_nats_restarts_waits_for_it_and_is_stored() {
     init_logs();
     let mut nats = NatsServer::start().await;

@@ -13,7 +13,10 @@
 //!
 //! A **follow** outlives its consumer: when the server loses it (a restart
 //! of a single server drops ephemeral consumers), the read is opened again
-//! after the last sequence it saw, so nothing is skipped or shown twice.
+//! after the last sequence it saw, so nothing is skipped or shown twice. It
+//! also outlives its stream: a deleted stream is waited for (said once),
+//! and a stream created again under the same name, whose sequences start
+//! over, is read from its start.
 //!
 //! Nothing here reads `<PREFIX>_TASKS`: it is a work-queue stream on which a
 //! consumer would compete with the workers.
@@ -27,6 +30,7 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tracing::warn;
 
+mod follow;
 mod record;
 
 pub use record::{Record, RecordKind};
@@ -279,6 +283,16 @@ pub struct HistoryReader {
     messages: Ordered,
     /// The stream, to open the read again when following.
     handle: async_nats::jetstream::stream::Stream,
+    /// To look the stream up again when following.
+    js: async_nats::jetstream::Context,
+    /// When the stream read was created: a stream of the same name with
+    /// another creation time is a new one, whose sequences start over.
+    created: OffsetDateTime,
+    /// Whether the operator was told that the stream is gone (once per
+    /// absence, not at every retry).
+    told_gone: bool,
+    /// When a follow next looks the stream up between messages.
+    stream_check: tokio::time::Interval,
     /// The server-side filter, for the same.
     filter_subject: String,
     /// The stream sequence of the last message read (matching or not): a
@@ -335,6 +349,7 @@ impl HistoryReader {
                     stream: stream_name.clone(),
                     source,
                 })?;
+        let created = stream.cached_info().created;
         let last_stored = stream
             .info()
             .await
@@ -356,6 +371,10 @@ impl HistoryReader {
         Ok(Self {
             messages,
             handle: stream,
+            js: bus.js.clone(),
+            created,
+            told_gone: false,
+            stream_check: follow::stream_check(),
             filter_subject,
             last_sequence: None,
             reopen_delay: None,
@@ -384,7 +403,13 @@ impl HistoryReader {
                 return None;
             }
             let next = if self.follow {
-                self.messages.next().await
+                tokio::select! {
+                    next = self.messages.next() => next,
+                    _ = self.stream_check.tick() => {
+                        self.check_stream().await;
+                        continue;
+                    }
+                }
             } else {
                 match tokio::time::timeout(STALL_TIMEOUT, self.messages.next()).await {
                     Ok(next) => next,
@@ -453,37 +478,6 @@ impl HistoryReader {
     pub async fn close(&mut self) {
         if let Some(name) = self.cleanup.take() {
             let _ = self.handle.delete_consumer(&name).await;
-        }
-    }
-
-    /// Opens the follow again after the last message read, retrying until
-    /// the server takes it (the caller's shutdown ends the wait).
-    async fn reopen(&mut self) {
-        let policy = match self.last_sequence {
-            Some(last) => DeliverPolicy::ByStartSequence {
-                start_sequence: last + 1,
-            },
-            None => self.selection.deliver_policy(),
-        };
-        loop {
-            if let Some(delay) = self.reopen_delay {
-                tokio::time::sleep(delay).await;
-            }
-            let delay = self.reopen_delay.map_or(Duration::from_millis(250), |d| {
-                (d * 2).min(Duration::from_secs(5))
-            });
-            self.reopen_delay = Some(delay);
-            match read(&self.handle, &self.stream, &self.filter_subject, policy).await {
-                Ok((messages, name, _)) => {
-                    self.close().await;
-                    self.messages = messages;
-                    self.cleanup = Some(name);
-                    return;
-                }
-                Err(error) => {
-                    warn!(stream = %self.stream, %error, retry_in = ?delay, "Cannot follow again yet; will retry.");
-                }
-            }
         }
     }
 }

@@ -1,0 +1,122 @@
+//! Keeping a follow going: opening the read again after it failed, and
+//! noticing a stream that was deleted or created again.
+//!
+//! The client recreates a lost ordered consumer by itself, retrying
+//! forever and starting after the last sequence it delivered. That covers a
+//! restart, but not a stream that is deleted (it would retry silently) or
+//! created again under the same name (its sequences start over, so its
+//! first events would be skipped). A follow therefore looks the stream up
+//! between messages and compares its creation time.
+
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::DeliverPolicy;
+use async_nats::jetstream::context::GetStreamError;
+use tokio::time::{Instant, Interval, MissedTickBehavior};
+use tracing::{debug, info, warn};
+
+use super::{HistoryReader, read};
+
+/// How often a follow looks its stream up between messages.
+const STREAM_CHECK_PERIOD: Duration = Duration::from_secs(5);
+
+/// The first check one period after the read opens.
+pub(super) fn stream_check() -> Interval {
+    let mut interval =
+        tokio::time::interval_at(Instant::now() + STREAM_CHECK_PERIOD, STREAM_CHECK_PERIOD);
+    interval.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    interval
+}
+
+/// What looking the stream up found.
+#[derive(Debug, PartialEq, Eq)]
+enum Lookup {
+    /// The stream being read.
+    Same,
+    /// A stream of the same name created since: the read starts over.
+    New,
+    /// No such stream.
+    Gone,
+}
+
+impl HistoryReader {
+    /// Between messages of a follow: a stream created again is read from
+    /// the selection's start; a missing one is said once.
+    pub(super) async fn check_stream(&mut self) {
+        match self.find_stream().await {
+            Ok(Lookup::New) => self.reopen().await,
+            Ok(Lookup::Same | Lookup::Gone) => {}
+            // The read's own error, if any, says more; checked again later.
+            Err(error) => debug!(stream = %self.stream, %error, "Cannot look the stream up."),
+        }
+    }
+
+    /// Opens the follow again after the last message read, retrying until
+    /// the server takes it (the caller's shutdown ends the wait). A stream
+    /// that was deleted is waited for; one created again is read from its
+    /// start.
+    pub(super) async fn reopen(&mut self) {
+        loop {
+            if let Some(delay) = self.reopen_delay {
+                tokio::time::sleep(delay).await;
+            }
+            let delay = self.reopen_delay.map_or(Duration::from_millis(250), |d| {
+                (d * 2).min(STREAM_CHECK_PERIOD)
+            });
+            self.reopen_delay = Some(delay);
+            match self.find_stream().await {
+                Ok(Lookup::Same | Lookup::New) => {}
+                // Said once by `find_stream`; looked for again quietly.
+                Ok(Lookup::Gone) => continue,
+                Err(error) => {
+                    warn!(stream = %self.stream, %error, retry_in = ?delay, "Cannot follow again yet; will retry.");
+                    continue;
+                }
+            }
+            let policy = match self.last_sequence {
+                Some(last) => DeliverPolicy::ByStartSequence {
+                    start_sequence: last + 1,
+                },
+                None => self.selection.deliver_policy(),
+            };
+            match read(&self.handle, &self.stream, &self.filter_subject, policy).await {
+                Ok((messages, name, _)) => {
+                    self.close().await;
+                    self.messages = messages;
+                    self.cleanup = Some(name);
+                    return;
+                }
+                Err(error) => {
+                    warn!(stream = %self.stream, %error, retry_in = ?delay, "Cannot follow again yet; will retry.");
+                }
+            }
+        }
+    }
+
+    /// Looks the stream up again, saying once per absence that it is gone.
+    /// A stream created since the read began is taken as the one to read,
+    /// from the selection's start.
+    async fn find_stream(&mut self) -> Result<Lookup, GetStreamError> {
+        let stream = match self.js.get_stream(&self.stream).await {
+            Ok(stream) => stream,
+            Err(error) if crate::bus::is_stream_not_found(&error) => {
+                if !self.told_gone {
+                    warn!(stream = %self.stream, "The stream no longer exists; waiting for it to be created again.");
+                    self.told_gone = true;
+                }
+                return Ok(Lookup::Gone);
+            }
+            Err(error) => return Err(error),
+        };
+        self.told_gone = false;
+        let created = stream.cached_info().created;
+        self.handle = stream;
+        if created == self.created {
+            return Ok(Lookup::Same);
+        }
+        info!(stream = %self.stream, "The stream was created again; following it from its start.");
+        self.created = created;
+        self.last_sequence = None;
+        Ok(Lookup::New)
+    }
+}
