@@ -964,6 +964,52 @@ async fn commands_run_by_hand_say_soon_and_once_that_nats_is_unreachable() {
 }
 
 #[tokio::test]
+async fn a_gateway_sets_how_long_delegate_and_cancel_keep_trying_to_reach_nats() {
+    // Nothing listens there.
+    let url = format!("nats://127.0.0.1:{}", nats::free_port());
+    let commands: [&[&str]; 2] = [
+        &["delegate", "--goal", "x", "--session", "s1"],
+        &["cancel", "--session", "s1"],
+    ];
+    // (flag, environment, whether it tries again before giving up)
+    let patiences = [
+        (Some("0s"), None, false),
+        (Some("1s"), None, true),
+        (None, Some("0s"), false),
+    ];
+    for args in commands {
+        for (flag, env, retries) in patiences {
+            let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"));
+            let mut args = args.to_vec();
+            if let Some(flag) = flag {
+                args.extend(["--connect-timeout", flag]);
+            }
+            command
+                .args(common::cli::tool_args(&url, &unique_prefix(), &args))
+                .env("RUST_LOG", "wakebus=info")
+                .env_remove("WAKEBUS_CONNECT_TIMEOUT")
+                .stdin(std::process::Stdio::null());
+            if let Some(env) = env {
+                command.env("WAKEBUS_CONNECT_TIMEOUT", env);
+            }
+            let output = tokio::time::timeout(WAIT, command.output())
+                .await
+                .expect("gives up within the timeout")
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(!output.status.success(), "{args:?}: {stderr}");
+            let said = format!("cannot connect to NATS at {url}");
+            assert_eq!(stderr.matches(&said).count(), 1, "{args:?}: {stderr}");
+            assert_eq!(
+                stderr.contains("NATS did not answer; trying again."),
+                retries,
+                "{args:?} {flag:?} {env:?}: {stderr}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
 async fn events_follow_goes_on_after_a_nats_restart_without_repeating_or_skipping_events() {
     init_logs();
     let mut nats = NatsServer::start().await;

@@ -189,6 +189,20 @@ pub(crate) struct DelegateArgs {
     /// Size limits checked before publishing.
     #[command(flatten)]
     pub(crate) limits: LimitArgs,
+    /// How long to wait for NATS.
+    #[command(flatten)]
+    pub(crate) patience: PatienceArgs,
+}
+
+/// How long a command called by a gateway (`delegate`, `cancel`) keeps
+/// trying to reach NATS.
+#[derive(Debug, Args)]
+pub(crate) struct PatienceArgs {
+    /// Keep trying to reach NATS this long before failing: long enough to
+    /// ride out a NATS restart, shorter than the caller's own timeout. 0s
+    /// fails at once.
+    #[arg(long, env = "WAKEBUS_CONNECT_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10s")]
+    pub(crate) connect_timeout: Duration,
 }
 
 /// Size limits on requests (the worker refuses larger ones with an `error`
@@ -229,6 +243,9 @@ pub(crate) struct CancelArgs {
     /// Do not wake the session with the interrupted results.
     #[arg(long)]
     pub(crate) silent: bool,
+    /// How long to wait for NATS.
+    #[command(flatten)]
+    pub(crate) patience: PatienceArgs,
 }
 
 /// `wakebus worker`.

@@ -70,7 +70,8 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 delegation.wake_mode = wakebus::protocol::WakeMode::Independent;
             }
             delegation.notify_early_failure = args.notify_early_failure;
-            let bus = connect_within(&global, "wakebus-delegate", GATEWAY_PATIENCE).await?;
+            let patience = args.patience.connect_timeout;
+            let bus = connect_within(&global, "wakebus-delegate", patience).await?;
             let delegator = Delegator::new(bus)
                 .with_wait_timeout(args.wait_timeout)
                 .with_max_depth(args.max_depth)
@@ -100,7 +101,8 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{}", serde_json::to_string(&result)?);
         }
         Command::Cancel(args) => {
-            let bus = connect_within(&global, "wakebus-cancel", GATEWAY_PATIENCE).await?;
+            let patience = args.patience.connect_timeout;
+            let bus = connect_within(&global, "wakebus-cancel", patience).await?;
             let canceller = wakebus::cancel::Canceller::new(bus);
             let report = match (&args.delegation_id, &args.session) {
                 (Some(id), _) => canceller.cancel_delegation(id, args.silent).await?,
@@ -319,10 +321,6 @@ pub(crate) async fn connect_within(
 ) -> anyhow::Result<Bus> {
     connect_with(global, name, Some(patience)).await
 }
-
-/// How long `delegate` and `cancel` keep trying to reach NATS: a gateway
-/// calling them while NATS restarts should not see a failure for a blip.
-pub(crate) const GATEWAY_PATIENCE: Duration = Duration::from_secs(10);
 
 /// `None`: wait for the server as long as it takes.
 async fn connect_with(
