@@ -531,3 +531,141 @@ async fn ledger_every_delegation_wakes_its_session_exactly_once_through_crashes_
     assert!(keys_by_delegation.values().all(|keys| keys.len() == 1));
     assert_eq!(phase, 6, "every fault was injected");
 }
+
+/// A worker whose one task ends when the test says so, leaving a line in
+/// `runs` each time it starts.
+struct HeldTask {
+    script: String,
+    runs: std::path::PathBuf,
+    release: std::path::PathBuf,
+    worker: Service,
+}
+
+impl Rig {
+    /// Starts a worker (with `extra` flags) and a wake, and a task for
+    /// `session` that runs until released.
+    async fn held_task(&self, session: &str, extra: &[&str]) -> (HeldTask, Service) {
+        let runs = self.logs.path().join("runs");
+        let release = self.logs.path().join("release");
+        let script = format!(
+            "echo run >> {runs}; until [ -e {r} ]; do sleep 0.1; done; echo finished",
+            runs = runs.display(),
+            r = release.display()
+        );
+        let worker = self.worker("worker", &script, extra);
+        let wake = self.wake("wake");
+        self.delegate_and_wait_started(session, "finish while the history is full")
+            .await;
+        // Done provisioning (which would put the stream's limits back).
+        wait_until(Duration::from_secs(30), "the wake's consumer", || async {
+            wake_consumer_info(&self.bus).await.is_some()
+        })
+        .await;
+        let held = HeldTask {
+            script,
+            runs,
+            release,
+            worker,
+        };
+        (held, wake)
+    }
+
+    /// Makes the events stream refuse new messages (a limit reached with
+    /// discard=new, as on a full disk); returns its config to restore.
+    async fn fill_events_stream(&self) -> async_nats::jetstream::stream::Config {
+        let name = self.bus.subjects.events_stream();
+        let mut stream = self.bus.js.get_stream(&name).await.unwrap();
+        let info = stream.info().await.unwrap().clone();
+        assert!(info.state.messages > 0, "the started event is stored");
+        let mut full = info.config.clone();
+        full.max_messages = info.state.messages as i64;
+        full.discard = async_nats::jetstream::stream::DiscardPolicy::New;
+        self.bus.js.update_stream(&full).await.unwrap();
+        info.config
+    }
+}
+
+impl HeldTask {
+    /// Ends the run and waits until its completion was refused.
+    async fn release_and_see_the_completion_refused(&self) {
+        std::fs::write(&self.release, b"").unwrap();
+        wait_until(
+            Duration::from_secs(30),
+            "the worker to fail to publish the completion",
+            || async {
+                std::fs::read_to_string(&self.worker.log)
+                    .is_ok_and(|log| log.contains("Could not publish the completion"))
+            },
+        )
+        .await;
+    }
+
+    fn runs(&self) -> usize {
+        std::fs::read_to_string(&self.runs).unwrap().lines().count()
+    }
+}
+
+#[tokio::test]
+async fn a_task_whose_completion_cannot_be_stored_keeps_its_result_and_is_not_run_again() {
+    let rig = Rig::start().await;
+    let (task, _wake) = rig.held_task("s.full", &[]).await;
+    let config = rig.fill_events_stream().await;
+    task.release_and_see_the_completion_refused().await;
+    // The operator makes room.
+    rig.bus.js.update_stream(&config).await.unwrap();
+
+    wait_until(Duration::from_secs(60), "the wake", || async {
+        !rig.api.accepted().is_empty()
+    })
+    .await;
+    wait_until(
+        Duration::from_secs(30),
+        "the worker consumer to settle",
+        || async {
+            let info = worker_consumer_info(&rig.bus).await;
+            info.num_ack_pending == 0 && info.num_pending == 0
+        },
+    )
+    .await;
+    assert_eq!(
+        task.runs(),
+        1,
+        "the task ran again although its result was in hand:\n{}",
+        std::fs::read_to_string(&task.worker.log).unwrap()
+    );
+    let done = events(&rig.bus, ".done").await;
+    assert_eq!(done.len(), 1);
+    let done = CompletionEvent::decode(&done[0].payload).unwrap();
+    assert_eq!(done.summary.as_deref(), Some("finished"));
+    assert_eq!(rig.api.accepted().len(), 1);
+}
+
+#[tokio::test]
+async fn a_worker_stopping_while_its_completion_cannot_be_stored_hands_the_task_back() {
+    let rig = Rig::start().await;
+    let (mut task, _wake) = rig.held_task("s.full", &["--shutdown-grace", "1s"]).await;
+    let config = rig.fill_events_stream().await;
+    task.release_and_see_the_completion_refused().await;
+
+    let status = task
+        .worker
+        .signal_and_wait(Signal::SIGTERM, Duration::from_secs(30));
+    assert!(status.success(), "worker exited with {status}");
+    let log = std::fs::read_to_string(&task.worker.log).unwrap();
+    assert!(
+        log.contains("the worker is stopping; handing the task back"),
+        "{log}"
+    );
+
+    // Its result is gone with it: the next worker runs the task again, and
+    // the session is woken once.
+    rig.bus.js.update_stream(&config).await.unwrap();
+    let _next = rig.worker("next", &task.script, &[]);
+    wait_until(Duration::from_secs(60), "the wake", || async {
+        !rig.api.accepted().is_empty()
+    })
+    .await;
+    assert_eq!(task.runs(), 2);
+    assert_eq!(events(&rig.bus, ".done").await.len(), 1);
+    assert_eq!(rig.api.accepted().len(), 1);
+}

@@ -23,6 +23,9 @@ pub const TASKS_COMPLETED: &str = "wakebus_tasks_completed_total";
 pub const TASK_DURATION: &str = "wakebus_task_duration_seconds";
 /// Transient executor failures handed back for a retry, by `pool`.
 pub const TASK_RETRIES: &str = "wakebus_task_retries_total";
+/// Completions JetStream did not take, published again by the worker
+/// holding the result, by `pool`.
+pub const COMPLETION_PUBLISH_RETRIES: &str = "wakebus_completion_publish_retries_total";
 /// Requests delivered again after an earlier delivery, by `pool`.
 pub const TASK_REDELIVERIES: &str = "wakebus_task_redeliveries_total";
 /// Tasks running now, by `pool`.
@@ -85,6 +88,10 @@ fn describe() {
         "Transient executor failures handed back for a retry."
     );
     describe_counter!(
+        COMPLETION_PUBLISH_RETRIES,
+        "Completions JetStream did not take, published again by the worker holding the result."
+    );
+    describe_counter!(
         TASK_REDELIVERIES,
         "Requests delivered again after an earlier delivery."
     );
@@ -141,6 +148,11 @@ pub fn task_redelivered(pool: &str) {
 /// A transient failure of a task of `pool` was handed back for a retry.
 pub fn task_retried(pool: &str) {
     metrics::counter!(TASK_RETRIES, "pool" => pool.to_owned()).increment(1);
+}
+
+/// A completion of a task of `pool` was not stored and is published again.
+pub fn completion_publish_retried(pool: &str) {
+    metrics::counter!(COMPLETION_PUBLISH_RETRIES, "pool" => pool.to_owned()).increment(1);
 }
 
 /// A task of `pool` ended with a completion of `status` after running `duration`.

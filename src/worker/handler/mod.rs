@@ -19,6 +19,7 @@ pub(crate) use publish::token_for;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use backon::{BackoffBuilder, ExponentialBuilder};
 use time::OffsetDateTime;
 
 use async_nats::jetstream::{self};
@@ -31,7 +32,7 @@ use super::claims::{Claim, Claims};
 use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
 use crate::bus::Bus;
 use crate::ops::metrics as m;
-use crate::outcome::Outcome;
+use crate::outcome::{Outcome, keep_alive};
 use crate::protocol::{
     CompletionEvent, EventKind, HEADER_TRACEPARENT, StartedEvent, Status, TaskRequest, TraceParent,
     header,
@@ -222,7 +223,7 @@ impl TaskHandler {
                     CompletionEvent::for_request(&request, Status::Interrupted, "cancelled");
                 done.error = Some("cancelled before it started".to_owned());
                 done.suppress_wake = record.silent;
-                return self.finish(&request, trace, done).await;
+                return self.finish(message, &request, trace, done, stop).await;
             }
         };
 
@@ -303,26 +304,53 @@ impl TaskHandler {
         done.truncated = output.truncated;
         fit_to_payload(&mut done, self.bus.max_payload());
         info!(status = %done.status, duration_ms = duration.as_millis() as u64, "Task done.");
-        self.finish(&request, trace, done).await
+        self.finish(message, &request, trace, done, stop).await
     }
 
     /// Publishes the completion; acks the request only once it is stored.
+    ///
+    /// The result is in hand, so a completion JetStream does not take (an
+    /// outage, a leader election, a stream at its limits) is published
+    /// again with backoff, under the same dedupe id, while in-progress acks
+    /// keep the request here: handing it back would run the task again.
+    /// Only a worker that stops (its grace period over) hands it back.
     async fn finish(
         &self,
+        message: &jetstream::Message,
         request: &TaskRequest,
         trace: TraceParent,
         done: CompletionEvent,
+        stop: &CancellationToken,
     ) -> Outcome {
-        match self.publish(request, EventKind::Done, trace, &done).await {
-            Ok(()) => {
-                let ran = Duration::from_secs_f64(done.duration_seconds);
-                m::task_completed(&self.config.pool, done.status, ran);
-                Outcome::Ack
+        let mut backoff = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(100))
+            .with_max_delay(self.config.progress_interval().min(Duration::from_secs(5)))
+            .with_jitter()
+            .without_max_times()
+            .build();
+        let mut attempt = 1u32;
+        loop {
+            let error = match self.publish(request, EventKind::Done, trace, &done).await {
+                Ok(()) => {
+                    let ran = Duration::from_secs_f64(done.duration_seconds);
+                    m::task_completed(&self.config.pool, done.status, ran);
+                    return Outcome::Ack;
+                }
+                Err(error) => error,
+            };
+            if stop.is_cancelled() {
+                warn!(%error, attempt, "Could not publish the completion and the worker is stopping; handing the task back, it will run again.");
+                return Outcome::Nak(None);
             }
-            Err(error) => {
-                warn!(%error, "Could not publish the completion; the task will be redelivered.");
-                Outcome::Nak(Some(Duration::from_secs(1)))
+            let delay = backoff.next().unwrap_or(Duration::from_secs(5));
+            warn!(%error, attempt, retry_in = ?delay, "Could not publish the completion; keeping the result and trying again.");
+            m::completion_publish_retried(&self.config.pool);
+            keep_alive(message).await;
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = stop.cancelled() => {}
             }
+            attempt += 1;
         }
     }
 
