@@ -64,6 +64,25 @@ async fn background_delegation_wakes_the_right_session_with_the_exact_headers_an
 }
 
 #[tokio::test]
+async fn wakes_posted_one_after_another_reuse_one_connection_to_the_session_api() {
+    // A Hermes answer has a body (the chat completion); a connection whose
+    // answer was left unread cannot carry the next post, so every wake would
+    // cost a new connection (and a TLS handshake over https).
+    let p = Pipeline::start().await;
+    p.api.set_answer_size(256 * 1024);
+    let delegator = Delegator::new(p.bus.clone());
+    for n in 1..=5 {
+        delegator
+            .delegate(Delegation::new("reuse").session(format!("s.reuse.{n}")))
+            .await
+            .expect("delegate");
+        wait_until(WAIT, "the wake", || async { p.api.accepted().len() == n }).await;
+    }
+    assert_eq!(p.api.connections(), 1, "a new connection per wake");
+    p.services.stop().await;
+}
+
+#[tokio::test]
 async fn sync_delegation_returns_the_result_inline_and_posts_nothing() {
     let p = Pipeline::start().await;
     let (api, bus, services) = (p.api, p.bus, p.services);

@@ -276,6 +276,7 @@ impl SessionApi {
         };
         let status = response.status();
         if status.is_success() {
+            drain(response).await;
             return PostResult::Delivered;
         }
         let after = retry_after(response.headers().get(RETRY_AFTER));
@@ -353,6 +354,32 @@ impl SessionApi {
         Ok(request)
     }
 }
+
+/// Reads the rest of a delivered post's answer (a chat completion, often
+/// larger than what arrived with the headers), so that its connection can
+/// carry the next post: hyper closes a connection whose answer was left
+/// unread, and every wake would then open a new one (with a TLS handshake
+/// over https). Bounded in size and time; the turn was accepted whatever
+/// happens here.
+async fn drain(mut response: reqwest::Response) {
+    let reading = async {
+        let mut read = 0;
+        while let Ok(Some(chunk)) = response.chunk().await {
+            read += chunk.len();
+            if read > MAX_DRAINED_ANSWER {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(DRAIN_PATIENCE, reading).await;
+}
+
+/// Larger answers are left unread (their connection is closed).
+const MAX_DRAINED_ANSWER: usize = 1024 * 1024;
+
+/// How long a delivered post's answer may take to arrive in full before
+/// its connection is given up instead.
+const DRAIN_PATIENCE: Duration = Duration::from_secs(1);
 
 /// Redirects followed for one post (reqwest's own default).
 const MAX_REDIRECTS: usize = 10;

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::State;
+use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
@@ -67,6 +67,10 @@ struct Inner {
     max_in_flight_per_session: AtomicUsize,
     /// `Retry-After` seconds sent with refusals (0: none).
     retry_after: AtomicU64,
+    /// Roughly how long the assistant's answer in a 2xx is, in bytes.
+    answer_size: AtomicUsize,
+    /// The client address of every post: one per TCP connection.
+    peers: Mutex<HashSet<SocketAddr>>,
 }
 
 #[derive(Clone)]
@@ -86,6 +90,7 @@ impl SessionApiServer {
             .route("/v1/chat/completions", post(receive))
             .with_state(inner.clone());
         tokio::spawn(async move {
+            let app = app.into_make_service_with_connect_info::<SocketAddr>();
             let _ = axum::serve(listener, app).await;
         });
         Self { addr, inner }
@@ -138,6 +143,16 @@ impl SessionApiServer {
             .collect()
     }
 
+    /// Answer each accepted post with an assistant reply of about `bytes`.
+    pub fn set_answer_size(&self, bytes: usize) {
+        self.inner.answer_size.store(bytes, Ordering::SeqCst);
+    }
+
+    /// How many TCP connections posts came over.
+    pub fn connections(&self) -> usize {
+        self.inner.peers.lock().unwrap().len()
+    }
+
     /// Posts answered with 2xx.
     pub fn accepted(&self) -> Vec<Recorded> {
         self.inner.accepted.lock().unwrap().clone()
@@ -151,9 +166,11 @@ impl SessionApiServer {
 
 async fn receive(
     State(inner): State<Arc<Inner>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     Json(body): Json<Value>,
 ) -> Response {
+    inner.peers.lock().unwrap().insert(peer);
     let recorded = Recorded { headers, body };
     let session = recorded.session();
     {
@@ -208,7 +225,7 @@ fn answer(inner: &Inner, recorded: Recorded) -> Response {
     Json(json!({
         "id": "chatcmpl-test",
         "object": "chat.completion",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok".repeat(inner.answer_size.load(Ordering::SeqCst) / 2 + 1)}, "finish_reason": "stop"}],
     }))
     .into_response()
 }
