@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
-use serde_json::json;
+use serde::Serialize;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
@@ -130,8 +130,9 @@ pub const SESSION_HEADER: &str = "X-Hermes-Session-Id";
 pub struct SessionApi {
     /// The HTTP client (keeps connections alive between posts).
     http: reqwest::Client,
-    /// Full URL of the chat-completions endpoint.
-    url: String,
+    /// Full URL of the chat-completions endpoint (or the webhook), parsed
+    /// once.
+    url: reqwest::Url,
     /// `Bearer <key>`, prepared once.
     authorization: Option<HeaderValue>,
     /// The model name for request bodies.
@@ -245,6 +246,9 @@ impl SessionApi {
             ),
             PostShape::Webhook { .. } => config.base_url.clone(),
         };
+        let url = reqwest::Url::parse(&url).map_err(|_| SessionApiError::BadUrl {
+            url: redacted_url(&url),
+        })?;
         Ok(Self {
             http,
             url,
@@ -307,18 +311,21 @@ impl SessionApi {
     fn request(&self, post: Post<'_>) -> Result<reqwest::RequestBuilder, &'static str> {
         let mut request = self
             .http
-            .post(&self.url)
+            .post(self.url.clone())
             .header(CONTENT_TYPE, "application/json")
             .header("Idempotency-Key", post.idempotency_key);
         match &self.shape {
             PostShape::Hermes => {
                 let session = HeaderValue::from_bytes(post.session.as_bytes())
                     .map_err(|_| "origin session id cannot be sent in an HTTP header")?;
-                let body = json!({
-                    "model": self.model,
-                    "messages": [{"role": "user", "content": post.text}],
-                    "stream": false,
-                });
+                let body = HermesBody {
+                    model: &self.model,
+                    messages: [HermesMessage {
+                        role: "user",
+                        content: post.text,
+                    }],
+                    stream: false,
+                };
                 request = request.header(SESSION_HEADER, session).json(&body);
             }
             PostShape::Webhook { secrets } => {
@@ -353,6 +360,27 @@ impl SessionApi {
         }
         Ok(request)
     }
+}
+
+/// The body of a Hermes post: the turn as the user's message. Serialized
+/// from borrowed parts, so the turn's text is not copied.
+#[derive(Serialize)]
+struct HermesBody<'a> {
+    /// The model the session API should answer with.
+    model: &'a str,
+    /// The turn.
+    messages: [HermesMessage<'a>; 1],
+    /// Always `false`: the answer is awaited whole.
+    stream: bool,
+}
+
+/// One chat message.
+#[derive(Serialize)]
+struct HermesMessage<'a> {
+    /// Always `user`: the wake speaks for the delegations.
+    role: &'static str,
+    /// The turn's text.
+    content: &'a str,
 }
 
 /// Reads the rest of a delivered post's answer (a chat completion, often
