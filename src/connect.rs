@@ -186,13 +186,26 @@ impl NatsConfig {
     /// Connects to a server that answers within `patience`, or fails saying
     /// why: for commands run by hand, whose operator should hear soon that
     /// NATS is unreachable rather than watch them wait (`Duration::ZERO`:
-    /// one attempt per server). Refused credentials fail at once. Once
-    /// connected, the client reconnects like any other.
+    /// one attempt). Refused credentials fail at once. An attempt is cut
+    /// off at the deadline (given at least [`MIN_ATTEMPT`]), so a host that
+    /// drops packets does not stretch the wait. Once connected, the client
+    /// reconnects like any other.
     pub async fn connect_within(&self, patience: Duration) -> Result<Client, ConnectError> {
         let deadline = tokio::time::Instant::now() + patience;
         let mut delay = Duration::from_millis(100);
         loop {
-            match self.connect_with(false).await {
+            let left = deadline
+                .saturating_duration_since(tokio::time::Instant::now())
+                .max(MIN_ATTEMPT);
+            let attempt = tokio::time::timeout(left, self.connect_with(false))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(ConnectError::Connect {
+                        url: self.url.clone(),
+                        source: async_nats::ConnectErrorKind::TimedOut.into(),
+                    })
+                });
+            match attempt {
                 Err(ConnectError::Connect { source, .. })
                     if matches!(
                         source.kind(),
@@ -223,6 +236,10 @@ impl NatsConfig {
         })
     }
 }
+
+/// The shortest time [`NatsConfig::connect_within`] gives one attempt, so
+/// that even no patience at all tries each server once.
+pub const MIN_ATTEMPT: Duration = Duration::from_secs(1);
 
 /// How long a stopping service waits for NATS: to take what it still has
 /// to send, then to close the connection. While the server is unreachable

@@ -1010,6 +1010,46 @@ async fn a_gateway_sets_how_long_delegate_and_cancel_keep_trying_to_reach_nats()
 }
 
 #[tokio::test]
+async fn connect_timeout_bounds_the_wait_for_a_server_that_accepts_but_never_answers() {
+    // Accepts connections and never says INFO, like a host that drops
+    // packets after the handshake: each client attempt would wait for its
+    // own 5 s connection timeout.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("nats://{}", silent.local_addr().unwrap());
+    let _held = std::thread::spawn(move || {
+        let mut open = Vec::new();
+        for stream in silent.incoming() {
+            open.push(stream);
+        }
+    });
+    let begun = std::time::Instant::now();
+    let run = wakebus(
+        &url,
+        &unique_prefix(),
+        &[
+            "delegate",
+            "--goal",
+            "x",
+            "--session",
+            "s1",
+            "--connect-timeout",
+            "0s",
+        ],
+    )
+    .await;
+    let waited = begun.elapsed();
+    assert!(!run.success(), "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains(&format!("cannot connect to NATS at {url}")),
+        "{}",
+        run.stderr()
+    );
+    // One attempt, cut off at 1 s (well under the client's own 5 s).
+    assert!(waited < Duration::from_millis(4500), "waited {waited:?}");
+}
+
+#[tokio::test]
 async fn events_follow_goes_on_after_a_nats_restart_without_repeating_or_skipping_events() {
     init_logs();
     let mut nats = NatsServer::start().await;
