@@ -554,7 +554,7 @@ impl Rig {
         );
         let worker = self.worker("worker", &script, extra);
         let wake = self.wake("wake");
-        self.delegate_and_wait_started(session, "finish while the history is full")
+        self.delegate_and_wait_started(session, "held until released")
             .await;
         // Done provisioning (which would put the stream's limits back).
         wait_until(Duration::from_secs(30), "the wake's consumer", || async {
@@ -666,6 +666,33 @@ async fn a_worker_stopping_while_its_completion_cannot_be_stored_hands_the_task_
     })
     .await;
     assert_eq!(task.runs(), 2);
+    assert_eq!(events(&rig.bus, ".done").await.len(), 1);
+    assert_eq!(rig.api.accepted().len(), 1);
+}
+
+#[tokio::test]
+async fn a_task_that_ends_while_nats_is_down_is_stored_once_nats_returns_and_not_run_again() {
+    let mut rig = Rig::start().await;
+    let (task, _wake) = rig.held_task("s.outage", &[]).await;
+    rig.nats.kill();
+    task.release_and_see_the_completion_refused().await;
+    rig.nats.spawn();
+    rig.nats.wait_ready().await;
+
+    wait_until(Duration::from_secs(60), "the wake", || async {
+        !rig.api.accepted().is_empty()
+    })
+    .await;
+    wait_until(
+        Duration::from_secs(30),
+        "the worker consumer to settle",
+        || async {
+            let info = worker_consumer_info(&rig.bus).await;
+            info.num_ack_pending == 0 && info.num_pending == 0
+        },
+    )
+    .await;
+    assert_eq!(task.runs(), 1);
     assert_eq!(events(&rig.bus, ".done").await.len(), 1);
     assert_eq!(rig.api.accepted().len(), 1);
 }

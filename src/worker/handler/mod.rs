@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use time::OffsetDateTime;
 
+use async_nats::connection::State;
 use async_nats::jetstream::{self};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, error, info, info_span, warn};
@@ -30,7 +31,7 @@ use super::WorkerConfig;
 use super::cancel::{CancelRegistry, StopReason};
 use super::claims::{Claim, Claims};
 use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
-use crate::bus::Bus;
+use crate::bus::{Bus, PublishError};
 use crate::ops::metrics as m;
 use crate::outcome::{Outcome, keep_alive};
 use crate::protocol::{
@@ -311,7 +312,7 @@ impl TaskHandler {
     ///
     /// The result is in hand, so a completion JetStream does not take (an
     /// outage, a leader election, a stream at its limits) is published
-    /// again with backoff, under the same dedupe id, while in-progress acks
+    /// again until it is stored, while in-progress acks on their own clock
     /// keep the request here: handing it back would run the task again.
     /// Only a worker that stops (its grace period over) hands it back.
     async fn finish(
@@ -322,32 +323,73 @@ impl TaskHandler {
         done: CompletionEvent,
         stop: &CancellationToken,
     ) -> Outcome {
+        let keeping = async {
+            let period = self.config.progress_interval();
+            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+            loop {
+                ticks.tick().await;
+                keep_alive(message).await;
+            }
+        };
+        let stored = tokio::select! {
+            stored = self.publish_completion(request, trace, &done, stop) => stored,
+            () = keeping => unreachable!("keeps the request alive until the publish ends"),
+        };
+        match stored {
+            Ok(()) => {
+                let ran = Duration::from_secs_f64(done.duration_seconds);
+                m::task_completed(&self.config.pool, done.status, ran);
+                Outcome::Ack
+            }
+            Err(error) => {
+                warn!(%error, "Could not publish the completion and the worker is stopping; handing the task back, it will run again.");
+                Outcome::Nak(None)
+            }
+        }
+    }
+
+    /// Publishes `done` until JetStream stores it, with backoff (the same
+    /// dedupe id every time); the last error once `stop` is cancelled.
+    /// While the client is disconnected it waits instead of publishing: a
+    /// publish would only queue in the client, which does not drain its
+    /// queue while it reconnects, and a full queue would hold every later
+    /// send (the hand-back at shutdown included) until NATS returns.
+    async fn publish_completion(
+        &self,
+        request: &TaskRequest,
+        trace: TraceParent,
+        done: &CompletionEvent,
+        stop: &CancellationToken,
+    ) -> Result<(), PublishError> {
         let mut backoff = ExponentialBuilder::default()
             .with_min_delay(Duration::from_millis(100))
-            .with_max_delay(self.config.progress_interval().min(Duration::from_secs(5)))
+            .with_max_delay(Duration::from_secs(5))
             .with_jitter()
             .without_max_times()
             .build();
+        let client = self.bus.client.clone();
         let mut attempt = 1u32;
         loop {
-            let error = match self.publish(request, EventKind::Done, trace, &done).await {
-                Ok(()) => {
-                    let ran = Duration::from_secs_f64(done.duration_seconds);
-                    m::task_completed(&self.config.pool, done.status, ran);
-                    return Outcome::Ack;
-                }
+            let error = match self.publish(request, EventKind::Done, trace, done).await {
+                Ok(()) => return Ok(()),
                 Err(error) => error,
             };
             if stop.is_cancelled() {
-                warn!(%error, attempt, "Could not publish the completion and the worker is stopping; handing the task back, it will run again.");
-                return Outcome::Nak(None);
+                return Err(error);
             }
-            let delay = backoff.next().unwrap_or(Duration::from_secs(5));
-            warn!(%error, attempt, retry_in = ?delay, "Could not publish the completion; keeping the result and trying again.");
+            warn!(%error, attempt, "Could not publish the completion; keeping the result and trying again.");
             m::completion_publish_retried(&self.config.pool);
-            keep_alive(message).await;
+            let waiting = async {
+                loop {
+                    let delay = backoff.next().unwrap_or(Duration::from_secs(5));
+                    tokio::time::sleep(delay).await;
+                    if client.connection_state() == State::Connected {
+                        break;
+                    }
+                }
+            };
             tokio::select! {
-                () = tokio::time::sleep(delay) => {}
+                () = waiting => {}
                 () = stop.cancelled() => {}
             }
             attempt += 1;
