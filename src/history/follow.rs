@@ -41,11 +41,15 @@ enum Lookup {
 
 impl HistoryReader {
     /// Between messages of a follow: a stream created again is read from
-    /// the selection's start; a missing one is said once.
+    /// the selection's start. A missing one is said once and waited for
+    /// without reading the old consumer further: the client would recreate
+    /// that on the new stream after the last sequence shown, and its first
+    /// messages would come again once the new stream is read from its
+    /// start.
     pub(super) async fn check_stream(&mut self) {
-        match self.find_stream().await {
-            Ok(Lookup::New) => self.reopen().await,
-            Ok(Lookup::Same | Lookup::Gone) => {}
+        match self.refresh_stream().await {
+            Ok(Lookup::New | Lookup::Gone) => self.reopen().await,
+            Ok(Lookup::Same) => {}
             // The read's own error, if any, says more; checked again later.
             Err(error) => debug!(stream = %self.stream, %error, "Cannot look the stream up."),
         }
@@ -64,9 +68,9 @@ impl HistoryReader {
                 (d * 2).min(STREAM_CHECK_PERIOD)
             });
             self.reopen_delay = Some(delay);
-            match self.find_stream().await {
+            match self.refresh_stream().await {
                 Ok(Lookup::Same | Lookup::New) => {}
-                // Said once by `find_stream`; looked for again quietly.
+                // Said once by `refresh_stream`; looked for again quietly.
                 Ok(Lookup::Gone) => continue,
                 Err(error) => {
                     warn!(stream = %self.stream, %error, retry_in = ?delay, "Cannot follow again yet; will retry.");
@@ -93,10 +97,12 @@ impl HistoryReader {
         }
     }
 
-    /// Looks the stream up again, saying once per absence that it is gone.
-    /// A stream created since the read began is taken as the one to read,
-    /// from the selection's start.
-    async fn find_stream(&mut self) -> Result<Lookup, GetStreamError> {
+    /// Looks the stream up again and brings the reader's view of it up to
+    /// date: says once per absence that it is gone, takes the fresh handle,
+    /// and, for a stream created since the read began, records its creation
+    /// time and forgets the last sequence read (so the next read starts at
+    /// the selection's start).
+    async fn refresh_stream(&mut self) -> Result<Lookup, GetStreamError> {
         let stream = match self.js.get_stream(&self.stream).await {
             Ok(stream) => stream,
             Err(error) if crate::bus::is_stream_not_found(&error) => {
