@@ -76,7 +76,16 @@ async fn wakes_posted_one_after_another_reuse_one_connection_to_the_session_api(
             .delegate(Delegation::new("reuse").session(format!("s.reuse.{n}")))
             .await
             .expect("delegate");
-        wait_until(WAIT, "the wake", || async { p.api.accepted().len() == n }).await;
+        // Acked once its post returned, which is after its answer was read:
+        // only then is the connection free for the next post.
+        wait_until(WAIT, "the wake to be acked", || async {
+            wake_consumer_info(&p.bus).await.is_some_and(|info| {
+                info.delivered.stream_sequence > 0
+                    && info.ack_floor.stream_sequence == info.delivered.stream_sequence
+                    && p.api.accepted().len() == n
+            })
+        })
+        .await;
     }
     assert_eq!(p.api.connections(), 1, "a new connection per wake");
     p.services.stop().await;
