@@ -570,6 +570,36 @@ impl Rig {
         (held, wake)
     }
 
+    /// Waits for the wake and for the worker consumer to settle, then
+    /// checks that the held task ran `runs` times and has one completion
+    /// (its own output) and one wake.
+    async fn assert_finished_once_and_woken_once(&self, task: &HeldTask, runs: usize) {
+        wait_until(Duration::from_secs(60), "the wake", || async {
+            !self.api.accepted().is_empty()
+        })
+        .await;
+        wait_until(
+            Duration::from_secs(30),
+            "the worker consumer to settle",
+            || async {
+                let info = worker_consumer_info(&self.bus).await;
+                info.num_ack_pending == 0 && info.num_pending == 0
+            },
+        )
+        .await;
+        assert_eq!(
+            task.runs(),
+            runs,
+            "how often the task ran:\n{}",
+            std::fs::read_to_string(&task.worker.log).unwrap_or_default()
+        );
+        let done = events(&self.bus, ".done").await;
+        assert_eq!(done.len(), 1);
+        let done = CompletionEvent::decode(&done[0].payload).unwrap();
+        assert_eq!(done.summary.as_deref(), Some("finished"));
+        assert_eq!(self.api.accepted().len(), 1);
+    }
+
     /// Makes the events stream refuse new messages (a limit reached with
     /// discard=new, as on a full disk); returns its config to restore.
     async fn fill_events_stream(&self) -> async_nats::jetstream::stream::Config {
@@ -614,30 +644,7 @@ async fn a_task_whose_completion_cannot_be_stored_keeps_its_result_and_is_not_ru
     // The operator makes room.
     rig.bus.js.update_stream(&config).await.unwrap();
 
-    wait_until(Duration::from_secs(60), "the wake", || async {
-        !rig.api.accepted().is_empty()
-    })
-    .await;
-    wait_until(
-        Duration::from_secs(30),
-        "the worker consumer to settle",
-        || async {
-            let info = worker_consumer_info(&rig.bus).await;
-            info.num_ack_pending == 0 && info.num_pending == 0
-        },
-    )
-    .await;
-    assert_eq!(
-        task.runs(),
-        1,
-        "the task ran again although its result was in hand:\n{}",
-        std::fs::read_to_string(&task.worker.log).unwrap()
-    );
-    let done = events(&rig.bus, ".done").await;
-    assert_eq!(done.len(), 1);
-    let done = CompletionEvent::decode(&done[0].payload).unwrap();
-    assert_eq!(done.summary.as_deref(), Some("finished"));
-    assert_eq!(rig.api.accepted().len(), 1);
+    rig.assert_finished_once_and_woken_once(&task, 1).await;
 }
 
 #[tokio::test]
@@ -661,13 +668,7 @@ async fn a_worker_stopping_while_its_completion_cannot_be_stored_hands_the_task_
     // the session is woken once.
     rig.bus.js.update_stream(&config).await.unwrap();
     let _next = rig.worker("next", &task.script, &[]);
-    wait_until(Duration::from_secs(60), "the wake", || async {
-        !rig.api.accepted().is_empty()
-    })
-    .await;
-    assert_eq!(task.runs(), 2);
-    assert_eq!(events(&rig.bus, ".done").await.len(), 1);
-    assert_eq!(rig.api.accepted().len(), 1);
+    rig.assert_finished_once_and_woken_once(&task, 2).await;
 }
 
 #[tokio::test]
@@ -679,20 +680,5 @@ async fn a_task_that_ends_while_nats_is_down_is_stored_once_nats_returns_and_not
     rig.nats.spawn();
     rig.nats.wait_ready().await;
 
-    wait_until(Duration::from_secs(60), "the wake", || async {
-        !rig.api.accepted().is_empty()
-    })
-    .await;
-    wait_until(
-        Duration::from_secs(30),
-        "the worker consumer to settle",
-        || async {
-            let info = worker_consumer_info(&rig.bus).await;
-            info.num_ack_pending == 0 && info.num_pending == 0
-        },
-    )
-    .await;
-    assert_eq!(task.runs(), 1);
-    assert_eq!(events(&rig.bus, ".done").await.len(), 1);
-    assert_eq!(rig.api.accepted().len(), 1);
+    rig.assert_finished_once_and_woken_once(&task, 1).await;
 }
