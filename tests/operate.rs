@@ -260,10 +260,12 @@ async fn events_of_task_dead_letters_select_by_pool() {
     services.stop().await;
 }
 
-/// `wakebus events --follow --kind done` as a process, and its stdout lines.
+/// `wakebus events --follow --kind done` as a process, and its stdout lines;
+/// its stderr goes to `stderr` (a test reading the warnings pipes it).
 fn follow_completions(
     nats_url: &str,
     prefix: &str,
+    stderr: std::process::Stdio,
 ) -> (
     tokio::process::Child,
     tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
@@ -275,7 +277,7 @@ fn follow_completions(
             &["events", "--follow", "--kind", "done"],
         ))
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .stderr(stderr)
         .kill_on_drop(true)
         .spawn()
         .expect("spawn");
@@ -314,7 +316,8 @@ async fn events_follow_streams_new_events_until_interrupted_and_leaves_no_consum
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
     let (first, _, _) = publish_task(&bus, Some("s.follow"), Status::Completed).await;
-    let (mut child, mut lines) = follow_completions(&nats.url(), &prefix);
+    let (mut child, mut lines) =
+        follow_completions(&nats.url(), &prefix, std::process::Stdio::null());
     let mut next_line = async || next_json(&mut lines, WAIT).await;
     assert_eq!(
         next_line().await["delegation_id"],
@@ -1056,7 +1059,8 @@ async fn events_follow_goes_on_after_a_nats_restart_without_repeating_or_skippin
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
     let (first, _, _) = publish_task(&bus, Some("s.follow"), Status::Completed).await;
-    let (mut child, mut lines) = follow_completions(&nats.url(), &prefix);
+    let (mut child, mut lines) =
+        follow_completions(&nats.url(), &prefix, std::process::Stdio::null());
     // The client notices the lost consumer some seconds after reconnecting.
     let mut next_line = async || next_json(&mut lines, Duration::from_secs(90)).await;
     assert_eq!(
@@ -1095,18 +1099,8 @@ async fn events_follow_waits_out_a_deleted_stream_and_reads_its_successor_from_t
                 .0,
         );
     }
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
-        .args(common::cli::tool_args(
-            &nats.url(),
-            &prefix,
-            &["events", "--follow", "--kind", "done"],
-        ))
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let (mut child, mut lines) =
+        follow_completions(&nats.url(), &prefix, std::process::Stdio::piped());
     let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
     for request in &old {
         let line = next_json(&mut lines, WAIT).await;
