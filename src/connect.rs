@@ -237,6 +237,16 @@ impl NatsConfig {
     }
 }
 
+/// Whether `client` can send now. async-nats does not drain its command
+/// queue while it reconnects: a send made while disconnected only queues,
+/// and once that queue (2,048 commands) is full every later send waits for
+/// the server, a stopping service's hand-backs included. Sends that are
+/// retried anyway, or worthless after an outage, are skipped while this is
+/// false, so an outage cannot fill the queue.
+pub fn is_connected(client: &Client) -> bool {
+    client.connection_state() == State::Connected
+}
+
 /// The shortest time [`NatsConfig::connect_within`] gives one attempt, so
 /// that even no patience at all tries each server once.
 pub const MIN_ATTEMPT: Duration = Duration::from_secs(1);
@@ -267,7 +277,7 @@ pub async fn flush_before_stop(client: &Client) {
 /// not wait for the close when the client is not connected: nothing can be
 /// drained then.
 pub async fn close(client: &Client) -> Result<(), async_nats::client::DrainError> {
-    let connected = client.connection_state() == State::Connected;
+    let connected = is_connected(client);
     let closing = async {
         // Even asking can wait: for room in the client's command queue.
         client.drain().await?;

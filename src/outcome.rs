@@ -5,7 +5,6 @@
 
 use std::time::Duration;
 
-use async_nats::connection::State;
 use async_nats::jetstream::{self, AckKind};
 use tracing::warn;
 
@@ -50,10 +49,20 @@ impl Outcome {
 /// A keep-alive missed while the server is away is no loss; the next one
 /// after the reconnect counts.
 pub async fn keep_alive(message: &jetstream::Message) {
-    if message.context.client().connection_state() != State::Connected {
+    if !crate::connect::is_connected(&message.context.client()) {
         return;
     }
     if let Err(error) = message.ack_with(AckKind::Progress).await {
         warn!(%error, subject = %message.subject, "Could not send an in-progress ack.");
+    }
+}
+
+/// Hands `message` back for redelivery at once (a NAK) as a service stops,
+/// unless the client is disconnected: the NAK would only queue in a
+/// process about to exit (or wait for room in a full queue), and the
+/// server redelivers the message after its ack wait anyway.
+pub async fn hand_back(message: &jetstream::Message) {
+    if crate::connect::is_connected(&message.context.client()) {
+        Outcome::Nak(None).apply(message).await;
     }
 }

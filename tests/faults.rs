@@ -252,13 +252,61 @@ async fn a_wake_holding_hundreds_of_completions_through_an_outage_still_stops_on
     .await;
 
     rig.nats.kill();
-    // The outage itself: queued keep-alives for 600 completions would fill
-    // the NATS client's 2,048-command queue in under 3 s, after which every
-    // send, the hand-backs at shutdown included, waits for the server.
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // The outage itself, long enough for every session to find its lock
+    // refresh failing and to try to take the lock again. Each of those
+    // sends, queued in the NATS client while it reconnects, filled its
+    // 2,048-command queue within 12 s, after which every send, the
+    // hand-backs at shutdown included, waited for the server: the wake
+    // never exited. Queued keep-alives would have filled it in under 3 s.
+    tokio::time::sleep(Duration::from_secs(12)).await;
     let status = wake.signal_and_wait(Signal::SIGTERM, Duration::from_secs(30));
     assert!(status.success(), "wake exited with {status}");
-    eprintln!("WAKELOG\n{}", std::fs::read_to_string(&wake.log).unwrap());
+}
+
+#[tokio::test]
+async fn sessions_held_through_an_outage_longer_than_a_lock_refresh_are_each_woken_once_after_it() {
+    const HELD: usize = 100;
+    let mut rig = Rig::start().await;
+    rig.api.fail_always(503);
+    let _wake = rig.wake("wake");
+    for i in 0..HELD {
+        common::cli::publish_task(&rig.bus, Some(&format!("s.back.{i}")), Status::Completed).await;
+    }
+    wait_until(
+        Duration::from_secs(60),
+        "a post tried for every session",
+        || async {
+            let sessions: HashSet<String> =
+                rig.api.all_posts().iter().map(|p| p.session()).collect();
+            sessions.len() == HELD
+        },
+    )
+    .await;
+
+    // Longer than a lock refresh (every 10 s, a third of the 30 s TTL):
+    // each session's lock goes unrefreshed, is kept by the wake as its own
+    // to adopt, and is taken back after the outage.
+    rig.nats.kill();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    rig.nats.restart().await;
+    rig.api.recover();
+
+    wait_until(Duration::from_secs(60), "every session woken", || async {
+        let sessions: HashSet<String> = rig.api.accepted().iter().map(|p| p.session()).collect();
+        sessions.len() == HELD
+    })
+    .await;
+    wait_until(
+        Duration::from_secs(30),
+        "the wake consumer to settle",
+        || async {
+            wake_consumer_info(&rig.bus)
+                .await
+                .is_some_and(|info| info.num_ack_pending == 0 && info.num_pending == 0)
+        },
+    )
+    .await;
+    assert_eq!(rig.api.accepted().len(), HELD, "a session was woken twice");
 }
 
 #[tokio::test]

@@ -51,6 +51,10 @@ pub enum LockError {
     /// orphans, failed.
     #[error("cannot read the session lock: {0}")]
     Read(#[from] kv::EntryError),
+    /// The client is disconnected: nothing was sent (see
+    /// [`crate::connect::is_connected`]).
+    #[error("NATS is unreachable")]
+    Disconnected,
 }
 
 /// The lock bucket, from one instance's point of view.
@@ -152,6 +156,9 @@ impl SessionLocks {
 
     /// Takes the lock for `session_token`, or `None` if another holder has it.
     pub async fn try_acquire(&self, session_token: &str) -> Result<Option<LockGuard>, LockError> {
+        if !self.connected() {
+            return Err(LockError::Disconnected);
+        }
         // An orphan's value is written again, so that whichever unanswered
         // write was applied, the key holds the one value to adopt.
         let value = self
@@ -225,6 +232,13 @@ impl SessionLocks {
 
     /// Extends the lock's life.
     pub async fn refresh(&self, guard: &mut LockGuard) -> Result<(), LockError> {
+        if !self.connected() {
+            // Unsent: the key keeps this guard's write until it expires, or
+            // until this instance's next take adopts it.
+            guard.lost = true;
+            self.remember_orphan(&guard.key, guard.value.clone());
+            return Err(LockError::Disconnected);
+        }
         let started = tokio::time::Instant::now();
         match self
             .kv
@@ -255,6 +269,12 @@ impl SessionLocks {
     /// Releases the lock, unless it already expired and was taken by someone else.
     pub async fn release(&self, guard: LockGuard) {
         if guard.lost {
+            return;
+        }
+        if !self.connected() {
+            // Unsent: the lock expires by itself, or this instance's next
+            // take of it adopts it.
+            self.remember_orphan(&guard.key, guard.value);
             return;
         }
         // The KV delete marker, published here to learn its revision. A
@@ -291,6 +311,12 @@ impl SessionLocks {
             },
             Err(_) => self.remember_orphan(&guard.key, guard.value),
         }
+    }
+
+    /// Whether a lock write can be sent now; while NATS is unreachable it
+    /// would only wait in the client's queue.
+    fn connected(&self) -> bool {
+        crate::connect::is_connected(&self.js.client())
     }
 
     fn memory(&self) -> std::sync::MutexGuard<'_, Memory> {

@@ -237,10 +237,29 @@ pub async fn run(
     }
 
     info!("Wake service stopping; handing held completions back.");
+    if !crate::connect::is_connected(&bus.client) {
+        warn!(
+            "NATS is unreachable: held completions are not handed back; they will be redelivered after their ack wait."
+        );
+    }
     stopping.cancel();
     tracker.close();
-    tracker.wait().await;
-    debug_assert_eq!(router.live_sessions(), 0, "every actor removed its entry");
+    // A post in flight may finish (and record and ack what it delivered);
+    // nothing else an actor does while stopping should take long, but the
+    // stop is bounded whatever happens to NATS meanwhile.
+    let patience = shared.config.api.request_timeout + crate::connect::STOP_TIMEOUT;
+    if tokio::time::timeout(patience, tracker.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            sessions = router.live_sessions(),
+            timeout = ?patience,
+            "Stopping without waiting longer for sessions still handing back; their completions will be redelivered after their ack wait."
+        );
+    } else {
+        debug_assert_eq!(router.live_sessions(), 0, "every actor removed its entry");
+    }
     if let Some(registered) = registered {
         registered.stop().await;
     }

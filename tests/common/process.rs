@@ -88,7 +88,13 @@ impl Service {
             }
             if Instant::now() > deadline {
                 let _ = child.kill();
-                panic!("wakebus did not exit within {timeout:?} after {signal:?}");
+                let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(40).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                panic!(
+                    "wakebus did not exit within {timeout:?} after {signal:?}; its log ends:\n{}",
+                    tail.join("\n")
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }

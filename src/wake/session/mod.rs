@@ -28,10 +28,9 @@ use tracing::{Instrument, info, info_span, warn};
 
 use super::Shared;
 use super::ledger::WakeLedger;
-use super::lock::{LockGuard, Taken};
+use super::lock::{LockError, LockGuard, Taken};
 use super::session_api::Post;
 use crate::ops::metrics as m;
-use crate::outcome::Outcome;
 use crate::protocol::{CompletionEvent, session_token};
 
 /// A completion waiting to be woken, with the message that carries it.
@@ -312,6 +311,8 @@ impl Router {
                     return Some(guard);
                 }
                 Ok(None) => m::wake_session_lock("busy"),
+                // Not tried: waiting for the connection.
+                Err(LockError::Disconnected) => {}
                 Err(error) => {
                     m::wake_session_lock("error");
                     warn!(%error, "Could not take the session lock; will retry.");
@@ -333,6 +334,12 @@ impl Router {
         rx: &mut Inbox,
         guard: &mut LockGuard,
     ) -> bool {
+        if !crate::connect::is_connected(&self.shared.bus.client) {
+            // The ledger cannot be read; its reads would only queue.
+            return self
+                .wait(Instant::now() + Duration::from_secs(1), held, rx)
+                .await;
+        }
         let mut turns = match self.plan(held).await {
             Ok(turns) => turns,
             Err(error) => {
@@ -380,7 +387,7 @@ impl Router {
             all.push(*p);
         }
         for p in &all {
-            Outcome::Nak(None).apply(&p.message).await;
+            crate::outcome::hand_back(&p.message).await;
         }
     }
 }
