@@ -8,8 +8,8 @@ use libfuzzer_sys::fuzz_target;
 use wakebus::protocol::CompletionEvent;
 use wakebus::wake::{check_completion, turn};
 
-/// The input is the `Wakebus-Origin-Session` header line (empty: absent)
-/// followed by the body.
+// The input is the `Wakebus-Origin-Session` header line (empty: absent)
+// followed by the body.
 fuzz_target!(|data: &[u8]| {
     let (line, body) = match data.iter().position(|&b| b == b'\n') {
         Some(at) => (&data[..at], &data[at + 1..]),

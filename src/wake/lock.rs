@@ -69,6 +69,9 @@ pub struct SessionLocks {
     ttl: Duration,
     /// Publishes release markers, whose revision the KV delete would not say.
     js: jetstream::Context,
+    /// `js`'s client, whose state says whether a write can be sent now
+    /// (kept, as `Context::client` clones it on every call).
+    client: async_nats::Client,
     /// What this instance wrote and may need again, by key.
     memory: Arc<Mutex<Memory>>,
 }
@@ -144,6 +147,7 @@ impl SessionLocks {
             kv,
             owner: owner.to_owned(),
             ttl,
+            client: js.client(),
             js,
             memory: Arc::default(),
         }
@@ -316,7 +320,7 @@ impl SessionLocks {
     /// Whether a lock write can be sent now; while NATS is unreachable it
     /// would only wait in the client's queue.
     fn connected(&self) -> bool {
-        crate::connect::is_connected(&self.js.client())
+        crate::connect::is_connected(&self.client)
     }
 
     fn memory(&self) -> std::sync::MutexGuard<'_, Memory> {
