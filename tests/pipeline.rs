@@ -70,10 +70,35 @@ async fn wakes_posted_one_after_another_reuse_one_connection_to_the_session_api(
     // cost a new connection (and a TLS handshake over https).
     let p = Pipeline::start().await;
     p.api.set_answer_size(256 * 1024);
+    wake_one_after_another(&p, 5).await;
+    assert_eq!(p.api.connections(), 1, "a new connection per wake");
+    p.services.stop().await;
+}
+
+#[tokio::test]
+async fn an_answer_too_large_to_read_costs_its_connection_but_not_its_wake() {
+    // Reading an answer stops after 1 MiB: the connection is then closed,
+    // and the wake, delivered, is recorded and acked all the same.
+    let p = Pipeline::start().await;
+    p.api.set_answer_size(2 * 1024 * 1024);
+    wake_one_after_another(&p, 3).await;
+    assert_eq!(
+        p.api.connections(),
+        3,
+        "a connection reused after a 2 MiB answer"
+    );
+    let sessions: HashSet<String> = p.api.accepted().iter().map(|t| t.session()).collect();
+    assert_eq!(sessions.len(), 3, "each session woken once");
+    p.services.stop().await;
+}
+
+/// Delegates `count` tasks, each to its own session, one after another:
+/// each once the previous one's wake was posted and acked.
+async fn wake_one_after_another(p: &Pipeline, count: usize) {
     let delegator = Delegator::new(p.bus.clone());
-    for n in 1..=5 {
+    for n in 1..=count {
         delegator
-            .delegate(Delegation::new("reuse").session(format!("s.reuse.{n}")))
+            .delegate(Delegation::new("one after another").session(format!("s.next.{n}")))
             .await
             .expect("delegate");
         // Acked once its post returned, which is after its answer was read:
@@ -87,8 +112,6 @@ async fn wakes_posted_one_after_another_reuse_one_connection_to_the_session_api(
         })
         .await;
     }
-    assert_eq!(p.api.connections(), 1, "a new connection per wake");
-    p.services.stop().await;
 }
 
 #[tokio::test]
