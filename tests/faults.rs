@@ -71,6 +71,30 @@ impl Rig {
         )
     }
 
+    /// Starts a wake whose every post fails (503), so that it holds each
+    /// completion and keeps it alive while it retries, and publishes
+    /// `sessions` completions, each for its own session; returns once a
+    /// post was tried for every one.
+    async fn wake_holding_failing_sessions(&self, sessions: usize) -> Service {
+        self.api.fail_always(503);
+        let wake = self.wake("wake");
+        for i in 0..sessions {
+            common::cli::publish_task(&self.bus, Some(&format!("s.held.{i}")), Status::Completed)
+                .await;
+        }
+        wait_until(
+            Duration::from_secs(60),
+            "a post tried for every session",
+            || async {
+                let tried: HashSet<String> =
+                    self.api.all_posts().iter().map(|p| p.session()).collect();
+                tried.len() == sessions
+            },
+        )
+        .await;
+        wake
+    }
+
     /// Publishes a request for `session` and waits until it has started.
     async fn delegate_and_wait_started(&self, session: &str, goal: &str) -> TaskRequest {
         let req = request(session, goal);
@@ -231,25 +255,8 @@ async fn sigterm_hands_running_work_back_at_once_and_exits_zero() {
 
 #[tokio::test]
 async fn a_wake_holding_hundreds_of_completions_through_an_outage_still_stops_on_sigterm() {
-    const HELD: usize = 600;
     let mut rig = Rig::start().await;
-    // Every post fails, so the wake holds each completion and keeps it
-    // alive (every --ack-wait / 3, here 2 s / 3) while it retries.
-    rig.api.fail_always(503);
-    let mut wake = rig.wake("wake");
-    for i in 0..HELD {
-        common::cli::publish_task(&rig.bus, Some(&format!("s.held.{i}")), Status::Completed).await;
-    }
-    wait_until(
-        Duration::from_secs(60),
-        "a post tried for every session",
-        || async {
-            let sessions: HashSet<String> =
-                rig.api.all_posts().iter().map(|p| p.session()).collect();
-            sessions.len() == HELD
-        },
-    )
-    .await;
+    let mut wake = rig.wake_holding_failing_sessions(600).await;
 
     rig.nats.kill();
     // The outage itself, long enough for every session to find its lock
@@ -267,21 +274,7 @@ async fn a_wake_holding_hundreds_of_completions_through_an_outage_still_stops_on
 async fn sessions_held_through_an_outage_longer_than_a_lock_refresh_are_each_woken_once_after_it() {
     const HELD: usize = 100;
     let mut rig = Rig::start().await;
-    rig.api.fail_always(503);
-    let _wake = rig.wake("wake");
-    for i in 0..HELD {
-        common::cli::publish_task(&rig.bus, Some(&format!("s.back.{i}")), Status::Completed).await;
-    }
-    wait_until(
-        Duration::from_secs(60),
-        "a post tried for every session",
-        || async {
-            let sessions: HashSet<String> =
-                rig.api.all_posts().iter().map(|p| p.session()).collect();
-            sessions.len() == HELD
-        },
-    )
-    .await;
+    let _wake = rig.wake_holding_failing_sessions(HELD).await;
 
     // Longer than a lock refresh (every 10 s, a third of the 30 s TTL):
     // each session's lock goes unrefreshed, is kept by the wake as its own
