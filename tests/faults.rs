@@ -71,13 +71,20 @@ impl Rig {
         )
     }
 
-    /// Starts a wake whose every post fails (503), so that it holds each
-    /// completion and keeps it alive while it retries, and publishes
+    /// Starts a wake (with session locks living `lock_ttl`) whose every
+    /// post fails (503), so that it holds each completion and keeps it
+    /// alive while it retries, and publishes
     /// `sessions` completions, each for its own session; returns once a
     /// post was tried for every one.
-    async fn wake_holding_failing_sessions(&self, sessions: usize) -> Service {
+    async fn wake_holding_failing_sessions(&self, sessions: usize, lock_ttl: &str) -> Service {
         self.api.fail_always(503);
-        let wake = self.wake("wake");
+        let mut args = wake_args(&self.nats.url(), &self.prefix, &self.api.url());
+        let ttl = args
+            .iter()
+            .position(|arg| arg == "--session-lock-ttl")
+            .expect("wake_args sets a lock TTL");
+        args[ttl + 1] = lock_ttl.to_owned();
+        let wake = Service::spawn(args, self.logs.path().join("wake.log"));
         for i in 0..sessions {
             common::cli::publish_task(&self.bus, Some(&format!("s.held.{i}")), Status::Completed)
                 .await;
@@ -256,7 +263,7 @@ async fn sigterm_hands_running_work_back_at_once_and_exits_zero() {
 #[tokio::test]
 async fn a_wake_holding_hundreds_of_completions_through_an_outage_still_stops_on_sigterm() {
     let mut rig = Rig::start().await;
-    let mut wake = rig.wake_holding_failing_sessions(600).await;
+    let mut wake = rig.wake_holding_failing_sessions(600, "3s").await;
 
     rig.nats.kill();
     // The outage itself, long enough for every session to find its lock
@@ -268,17 +275,23 @@ async fn a_wake_holding_hundreds_of_completions_through_an_outage_still_stops_on
     tokio::time::sleep(Duration::from_secs(12)).await;
     let status = wake.signal_and_wait(Signal::SIGTERM, Duration::from_secs(30));
     assert!(status.success(), "wake exited with {status}");
+    // Not ended by the stop's last resort (the request timeout plus 5 s):
+    // nothing the sessions did while stopping waited for the server.
+    let log = std::fs::read_to_string(&wake.log).unwrap();
+    assert!(log.contains("Wake service stopped."), "{log}");
+    assert!(!log.contains("Stopping without waiting longer"), "{log}");
 }
 
 #[tokio::test]
 async fn sessions_held_through_an_outage_longer_than_a_lock_refresh_are_each_woken_once_after_it() {
     const HELD: usize = 100;
     let mut rig = Rig::start().await;
-    let _wake = rig.wake_holding_failing_sessions(HELD).await;
+    let wake = rig.wake_holding_failing_sessions(HELD, "30s").await;
 
-    // Longer than a lock refresh (every 10 s, a third of the 30 s TTL):
-    // each session's lock goes unrefreshed, is kept by the wake as its own
-    // to adopt, and is taken back after the outage.
+    // Longer than a lock refresh (every 10 s, a third of the 30 s TTL),
+    // shorter than the TTL: each session's lock goes unrefreshed but stays,
+    // is kept by the wake as its own, and is adopted after the outage
+    // instead of waited out.
     rig.nats.kill();
     tokio::time::sleep(Duration::from_secs(12)).await;
     rig.nats.restart().await;
@@ -300,6 +313,12 @@ async fn sessions_held_through_an_outage_longer_than_a_lock_refresh_are_each_wok
     )
     .await;
     assert_eq!(rig.api.accepted().len(), HELD, "a session was woken twice");
+    let log = std::fs::read_to_string(&wake.log).unwrap();
+    assert_eq!(
+        log.matches("Took back a session lock").count(),
+        HELD,
+        "every session's lock adopted:\n{log}"
+    );
 }
 
 #[tokio::test]

@@ -88,7 +88,8 @@ async fn an_answer_too_large_to_read_costs_its_connection_but_not_its_wake() {
         "a connection reused after a 2 MiB answer"
     );
     let sessions: HashSet<String> = p.api.accepted().iter().map(|t| t.session()).collect();
-    assert_eq!(sessions.len(), 3, "each session woken once");
+    assert_eq!(sessions.len(), 3, "each session woken");
+    assert_eq!(p.api.accepted().len(), 3, "a session woken twice");
     p.services.stop().await;
 }
 

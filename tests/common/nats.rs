@@ -21,35 +21,50 @@ pub fn server_binary() -> PathBuf {
 /// this run takes while its server is down for a restart: ports come from
 /// just below the kernel's ephemeral range, so no outgoing connection and no
 /// bind to port 0 gets one, and each is handed out once per test process.
-/// A start that differs per process keeps concurrent test processes apart.
+/// Under cargo-nextest, where every test is a process of its own and
+/// several run at once, each running test has its own slot
+/// (`NEXTEST_TEST_GLOBAL_SLOT`) and takes ports from its own share of the
+/// range, so no other test can take a port while its server restarts.
+/// Otherwise a start that differs per process keeps processes apart.
 pub fn free_port() -> u16 {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     static START: OnceLock<u32> = OnceLock::new();
-    const SPAN: u32 = 12_000;
+    const RANGE: u32 = 12_000;
+    const SLOTS: u32 = 8;
     let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
         .unwrap_or(32_768);
-    let Some(low) = ephemeral_low.checked_sub(SPAN).filter(|low| *low >= 1_024) else {
+    let Some(mut low) = ephemeral_low.checked_sub(RANGE).filter(|low| *low >= 1_024) else {
         return TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
             .expect("free port");
     };
+    let slot = std::env::var("NEXTEST_TEST_GLOBAL_SLOT")
+        .ok()
+        .and_then(|slot| slot.parse::<u32>().ok());
+    let span = match slot {
+        Some(slot) => {
+            low += (slot % SLOTS) * (RANGE / SLOTS);
+            RANGE / SLOTS
+        }
+        None => RANGE,
+    };
     let start = *START.get_or_init(|| {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
-        (std::process::id().wrapping_mul(7_919) ^ nanos) % SPAN
+        (std::process::id().wrapping_mul(7_919) ^ nanos) % span
     });
-    for _ in 0..SPAN {
-        let offset = (start + NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN;
+    for _ in 0..span {
+        let offset = (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
         let port = u16::try_from(low + offset).expect("a port below the ephemeral range");
         if TcpListener::bind(("127.0.0.1", port)).is_ok() {
             return port;
         }
     }
-    panic!("no free port in {low}..{}", low + SPAN);
+    panic!("no free port in {low}..{}", low + span);
 }
 
 pub struct NatsServer {
