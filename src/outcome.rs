@@ -44,8 +44,7 @@ impl Outcome {
 /// client is disconnected: async-nats does not drain its command queue
 /// while it reconnects, so during a long outage these periodic acks could
 /// fill it, after which every later send (a hand-back at shutdown
-/// included) would wait for the server to return. (A test holding 600
-/// completions through a 5 s outage did not reach that point either way.)
+/// included) would wait for the server to return.
 /// A keep-alive missed while the server is away is no loss; the next one
 /// after the reconnect counts.
 pub async fn keep_alive(message: &jetstream::Message) {

@@ -16,6 +16,7 @@
 //! A lock's value is the instance's name and a ULID that no other take
 //! writes. When a write's answer never comes (a timeout, a lost
 //! connection) it may still have been applied, and a release that failed
+//! or was not sent (the client disconnected; a refresh not sent likewise)
 //! leaves the lock in place: either way the key may hold a lock no guard
 //! knows of, and every take would see it as busy until the TTL. So a take
 //! whose create is refused reads the key, and adopts a lock holding its
