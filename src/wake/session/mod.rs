@@ -248,6 +248,19 @@ impl Router {
                 self.release(lock).await;
                 return self.hand_back(&session, held, &mut rx).await;
             }
+            if !crate::connect::is_connected(&self.shared.bus.client) {
+                // NATS is unreachable: the ledger cannot be read and lock
+                // writes would only queue. Keep what is held (and any lock:
+                // a post refreshes it first if due) and look again.
+                if !self
+                    .wait(Instant::now() + Duration::from_secs(1), &mut held, &mut rx)
+                    .await
+                {
+                    self.release(lock).await;
+                    return self.hand_back(&session, held, &mut rx).await;
+                }
+                continue;
+            }
             let mut guard = match lock.take() {
                 Some(guard) => {
                     m::wake_session_lock("kept");
@@ -334,12 +347,6 @@ impl Router {
         rx: &mut Inbox,
         guard: &mut LockGuard,
     ) -> bool {
-        if !crate::connect::is_connected(&self.shared.bus.client) {
-            // The ledger cannot be read; its reads would only queue.
-            return self
-                .wait(Instant::now() + Duration::from_secs(1), held, rx)
-                .await;
-        }
         let mut turns = match self.plan(held).await {
             Ok(turns) => turns,
             Err(error) => {
