@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use time::OffsetDateTime;
 
-use async_nats::connection::State;
 use async_nats::jetstream::{self};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, error, info, info_span, warn};
@@ -383,7 +382,7 @@ impl TaskHandler {
                 loop {
                     let delay = backoff.next().unwrap_or(Duration::from_secs(5));
                     tokio::time::sleep(delay).await;
-                    if client.connection_state() == State::Connected {
+                    if crate::connect::is_connected(&client) {
                         break;
                     }
                 }
