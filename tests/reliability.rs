@@ -837,6 +837,83 @@ async fn a_nats_server_crash_mid_run_loses_and_doubles_nothing() {
 }
 
 #[tokio::test]
+async fn a_delivery_the_ledger_refuses_to_record_is_recorded_once_it_takes_writes_again() {
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
+    api.set_delay(Duration::from_secs(1));
+    let id = delegate(&bus, Delegation::new("refused").session("s.refused")).await;
+    wait_until(WAIT, "the post to be in flight", || async {
+        api.in_flight() == 1
+    })
+    .await;
+    // The ledger refuses every write from now on (a stream at a limit).
+    let name = format!("KV_{}", bus.subjects.wake_ledger_bucket());
+    let mut stream = bus.js.get_stream(&name).await.unwrap();
+    let config = stream.info().await.unwrap().config.clone();
+    let mut refusing = config.clone();
+    refusing.max_message_size = 16;
+    bus.js.update_stream(&refusing).await.unwrap();
+    // The acks go out with the first `delivered` write, after it on the
+    // same connection: once the completion is acked, the write was refused.
+    wake_consumer_settled(&bus).await;
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    let entry = ledger.get(format!("{id}.0")).await.unwrap().unwrap();
+    assert!(
+        String::from_utf8_lossy(&entry).contains("posting"),
+        "the delivery was recorded through a refusing stream"
+    );
+
+    // The operator makes room.
+    bus.js.update_stream(&config).await.unwrap();
+    wait_until(WAIT, "the ledger to record the delivery", || async {
+        let entry = ledger.get(format!("{id}.0")).await.ok().flatten();
+        entry.is_some_and(|e| String::from_utf8_lossy(&e).contains("delivered"))
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 1, "the wake was posted again");
+}
+
+#[tokio::test]
+async fn a_wake_delivered_while_nats_is_down_is_recorded_once_nats_returns() {
+    let p = Pipeline::start().await;
+    let (mut nats, api, bus, services) = (p.nats, p.api, p.bus, p.services);
+    // The post is held long enough for NATS to go down under it.
+    api.set_delay(Duration::from_secs(2));
+    let id = delegate(&bus, Delegation::new("outage").session("s.outage")).await;
+    wait_until(WAIT, "the post to be in flight", || async {
+        api.in_flight() == 1
+    })
+    .await;
+    nats.kill();
+    wait_until(WAIT, "the post to be answered 200", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    // The outage outlasts a JetStream write's 5 s timeout: a record sent
+    // while disconnected would only queue, fail, and leave `posting`.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    nats.restart().await;
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    wait_until(WAIT, "the ledger to record the delivery", || async {
+        let entry = ledger.get(format!("{id}.0")).await.ok().flatten();
+        entry.is_some_and(|e| String::from_utf8_lossy(&e).contains("delivered"))
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 1, "the wake was posted again");
+}
+
+#[tokio::test]
 async fn malformed_completions_are_dead_lettered_and_the_wake_service_goes_on() {
     let p = Pipeline::start().await;
     let (api, bus, services) = (p.api, p.bus, p.services);

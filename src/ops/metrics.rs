@@ -35,6 +35,9 @@ pub const TASKS_IN_FLIGHT: &str = "wakebus_tasks_in_flight";
 pub const DEAD_LETTERS: &str = "wakebus_dead_letters_total";
 /// Wake posts to the session API, by `result` (`delivered`, `retry`, `rejected`).
 pub const WAKE_POSTS: &str = "wakebus_wake_posts_total";
+/// Writes of a delivered turn's `delivered` ledger record that JetStream
+/// did not store and the wake made again (the turn was already taken).
+pub const WAKE_DELIVERY_RECORD_RETRIES: &str = "wakebus_wake_delivery_record_retries_total";
 /// Attempts to take a session lock for a turn, by `result`: `taken` (it
 /// was free and is now this instance's), `retaken` (the same, in one write
 /// over this instance's own release marker), `kept` (still held from the
@@ -98,6 +101,10 @@ fn describe() {
     describe_gauge!(TASKS_IN_FLIGHT, "Tasks running now.");
     describe_counter!(DEAD_LETTERS, "Messages dead-lettered.");
     describe_counter!(WAKE_POSTS, "Wake posts to the session API, by result.");
+    describe_counter!(
+        WAKE_DELIVERY_RECORD_RETRIES,
+        "Delivered turns whose ledger record was not stored and was written again."
+    );
     describe_counter!(
         WAKE_SESSION_LOCKS,
         "Attempts to take a session lock for a turn: taken, retaken over this instance's own release, kept from the previous turn, busy elsewhere, adopted after a lost answer, error."
@@ -174,6 +181,11 @@ pub fn dead_lettered(kind: &'static str) {
 /// A wake post ended: `delivered`, `retry` or `rejected`.
 pub fn wake_posted(result: &'static str) {
     metrics::counter!(WAKE_POSTS, "result" => result).increment(1);
+}
+
+/// A delivered turn's ledger record is written again.
+pub fn wake_delivery_record_retried() {
+    metrics::counter!(WAKE_DELIVERY_RECORD_RETRIES).increment(1);
 }
 
 /// One attempt to take a session lock for a turn; `result` as

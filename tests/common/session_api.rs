@@ -128,6 +128,11 @@ impl SessionApiServer {
         self.inner.retry_after.store(seconds, Ordering::SeqCst);
     }
 
+    /// Posts received and not yet answered.
+    pub fn in_flight(&self) -> usize {
+        self.inner.in_flight.lock().unwrap().values().sum()
+    }
+
     /// The most posts ever in flight at once for one session.
     pub fn max_in_flight_per_session(&self) -> usize {
         self.inner.max_in_flight_per_session.load(Ordering::SeqCst)

@@ -146,6 +146,9 @@ pub(super) type Inbox = UnboundedReceiver<Box<Pending>>;
 enum Posted {
     /// Delivered or dead-lettered; its messages are acked.
     Done,
+    /// Delivered, but the service stopped before its ledger records were
+    /// stored; nothing of it is handed back (a copy would be posted again).
+    DoneThenShutdown,
     /// A NATS write failed; try the whole thing again shortly.
     Retry,
     /// Shutting down; hand its messages back.
@@ -372,6 +375,10 @@ impl Router {
                     return self
                         .wait(Instant::now() + Duration::from_secs(1), held, rx)
                         .await;
+                }
+                Posted::DoneThenShutdown => {
+                    held.extend(turns.into_iter().flat_map(|t| t.messages));
+                    return false;
                 }
                 Posted::Shutdown => {
                     held.extend(turn.messages);

@@ -2,6 +2,8 @@
 //! post runs), with retries and backoff, then the ledger records and acks;
 //! a refusal is dead-lettered for replay.
 
+use std::time::Duration;
+
 use backon::{BackoffBuilder, ExponentialBuilder};
 use futures::future::join_all;
 use tokio::time::Instant;
@@ -69,27 +71,13 @@ impl Router {
             match result {
                 PostResult::Delivered => {
                     m::wake_posted("delivered");
-                    // The records and the acks go out together: an ack does
-                    // not depend on its record (a failed record only leaves
-                    // the entry at `posting`), and the session lock, which
-                    // another copy of a completion would need, is released
-                    // only after both.
-                    let records = join_all(
-                        turn.covers
-                            .iter()
-                            .map(|covered| shared.ledger.mark_delivered(covered, &turn.key)),
-                    );
-                    let acks = join_all(
-                        turn.messages
-                            .iter()
-                            .map(|pending| Outcome::Ack.apply(&pending.message)),
-                    );
-                    let (records, _) = tokio::join!(records, acks);
-                    if let Some(Err(error)) = records.into_iter().find(Result::is_err) {
-                        warn!(%error, "Could not record the delivery; a redelivery will re-send with the same Idempotency-Key.");
-                    }
+                    let recorded = self.record_delivery(turn, held, rx).await;
                     info!(completions = turn.covers.len(), attempt, idempotency_key = %turn.key, "Wake delivered.");
-                    return Posted::Done;
+                    return if recorded {
+                        Posted::Done
+                    } else {
+                        Posted::DoneThenShutdown
+                    };
                 }
                 PostResult::Rejected { status, body } => {
                     error!(status, body = %body, completions = turn.covers.len(), "Session API rejected the wake; dead-lettering it for replay.");
@@ -121,6 +109,93 @@ impl Router {
                         return Posted::Shutdown;
                     }
                 }
+            }
+        }
+    }
+
+    /// Records a delivered turn in the ledger and acks its messages.
+    ///
+    /// The `delivered` records are what keep a copy of a covered completion
+    /// (a redelivery, a re-published completion) from being posted again, so
+    /// they are written until JetStream stores them: a write that fails (a
+    /// leader election, NATS unreachable) is made again with backoff, and
+    /// while the client is disconnected nothing is sent, as it would only
+    /// queue. The acks go out with the first write: an ack does not depend on
+    /// its record, and once the messages are acked no copy circulates to be
+    /// re-posted. Completions arriving meanwhile are kept alive in `held`.
+    ///
+    /// Returns false if the service stopped first. With the records unwritten
+    /// the entries stay at `posting`, and a copy of a completion is posted
+    /// again under the same `Idempotency-Key` (GUARANTEES.md, "The one
+    /// window").
+    async fn record_delivery(&self, turn: &Turn, held: &mut Vec<Pending>, rx: &mut Inbox) -> bool {
+        let shared = &self.shared;
+        let mut backoff = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(100))
+            .with_max_delay(Duration::from_secs(5))
+            .with_jitter()
+            .without_max_times()
+            .build();
+        let mut unrecorded: Vec<&str> = turn.covers.iter().map(String::as_str).collect();
+        let mut acked = false;
+        let mut attempt = 0u32;
+        loop {
+            let delay = if crate::connect::is_connected(&shared.bus.client) {
+                attempt += 1;
+                let records = join_all(
+                    unrecorded
+                        .iter()
+                        .map(|covered| shared.ledger.mark_delivered(covered, &turn.key)),
+                );
+                let results = if acked {
+                    records.await
+                } else {
+                    let acks = join_all(
+                        turn.messages
+                            .iter()
+                            .map(|pending| Outcome::Ack.apply(&pending.message)),
+                    );
+                    acked = true;
+                    tokio::join!(records, acks).0
+                };
+                let mut failure = None;
+                let mut results = results.into_iter();
+                unrecorded.retain(|_| match results.next() {
+                    Some(Err(error)) => {
+                        failure = Some(error);
+                        true
+                    }
+                    _ => false,
+                });
+                let Some(error) = failure else {
+                    return true;
+                };
+                m::wake_delivery_record_retried();
+                let delay = backoff.next().unwrap_or(Duration::from_secs(5));
+                warn!(%error, attempt, retry_in = ?delay, "Could not record the delivery; keeping the session and trying again.");
+                delay
+            } else {
+                // Looked at again soon: the records wait for the connection.
+                Duration::from_millis(250)
+            };
+            let mut arrivals = Vec::new();
+            let alive = self
+                .wait_holding(Instant::now() + delay, &[], &mut arrivals, rx)
+                .await;
+            held.append(&mut arrivals);
+            if !alive {
+                if acked {
+                    warn!(
+                        unrecorded = unrecorded.len(),
+                        "Stopping before the delivery was recorded; its completions were acked, but a copy published again would be posted again under the same Idempotency-Key."
+                    );
+                } else {
+                    warn!(
+                        unrecorded = unrecorded.len(),
+                        "Stopping before the delivery was recorded or acked (NATS unreachable); its completions will be redelivered and posted again under the same Idempotency-Key."
+                    );
+                }
+                return false;
             }
         }
     }

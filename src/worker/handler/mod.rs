@@ -32,7 +32,7 @@ use super::claims::{Claim, Claims};
 use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
 use crate::bus::{Bus, PublishError};
 use crate::ops::metrics as m;
-use crate::outcome::{Outcome, keep_alive};
+use crate::outcome::{Outcome, hand_back, keep_alive};
 use crate::protocol::{
     CompletionEvent, EventKind, HEADER_TRACEPARENT, StartedEvent, Status, TaskRequest, TraceParent,
     header,
@@ -86,7 +86,7 @@ impl TaskHandler {
     /// stopped and the request handed back.
     pub(crate) async fn settle(&self, message: &jetstream::Message, stop: &CancellationToken) {
         let (outcome, claim) = self.handle(message, stop).await;
-        outcome.apply(message).await;
+        send(&outcome, message).await;
         // Given up only now that the ack (or NAK) is on its way.
         drop(claim);
     }
@@ -103,7 +103,7 @@ impl TaskHandler {
                 "Task redelivered during shutdown while it still runs here; leaving it to the running attempt."
             );
         }
-        outcome.apply(message).await;
+        send(&outcome, message).await;
     }
 
     /// Decides one delivery of a request; the claim it returns (if any) must
@@ -463,5 +463,17 @@ impl TaskHandler {
         }
         m::task_completed(&self.config.pool, Status::Error, Duration::ZERO);
         Outcome::Term(rejected.reason)
+    }
+}
+
+/// Sends `outcome` for `message`. A NAK without delay is a worker handing a
+/// task back as it stops, and goes through [`hand_back`]: skipped while the
+/// client is disconnected, when it would only queue in a process about to
+/// exit.
+async fn send(outcome: &Outcome, message: &jetstream::Message) {
+    if *outcome == Outcome::Nak(None) {
+        hand_back(message).await;
+    } else {
+        outcome.apply(message).await;
     }
 }
