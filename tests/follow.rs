@@ -1,0 +1,247 @@
+//! `wakebus events --follow`: a follow that streams new events until
+//! interrupted and rides out what happens to the server and the stream
+//! meanwhile (a restart, a frozen server, a deleted stream), as the real
+//! `wakebus` binary against real nats-server processes.
+
+mod common;
+
+use std::time::Duration;
+
+use common::cli::publish_task;
+use common::*;
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use wakebus::protocol::Status;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// `wakebus events --follow --kind done` as a process, and its stdout lines;
+/// its stderr goes to `stderr` (a test reading the warnings pipes it).
+fn follow_completions(
+    nats_url: &str,
+    prefix: &str,
+    stderr: std::process::Stdio,
+) -> (
+    tokio::process::Child,
+    tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+) {
+    follow_completions_logging(nats_url, prefix, stderr, "wakebus=info")
+}
+
+/// [`follow_completions`] logging at `rust_log` (`RUST_LOG`).
+fn follow_completions_logging(
+    nats_url: &str,
+    prefix: &str,
+    stderr: std::process::Stdio,
+    rust_log: &str,
+) -> (
+    tokio::process::Child,
+    tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+) {
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .args(common::cli::tool_args(
+            nats_url,
+            prefix,
+            &["events", "--follow", "--kind", "done"],
+        ))
+        .env("RUST_LOG", rust_log)
+        .stdout(std::process::Stdio::piped())
+        .stderr(stderr)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    (child, lines)
+}
+
+/// Sends SIGINT, as Ctrl-C would, and asserts a clean exit.
+async fn stop_with_ctrl_c(child: &mut tokio::process::Child) {
+    let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let status = tokio::time::timeout(WAIT, child.wait())
+        .await
+        .expect("exits after Ctrl-C")
+        .unwrap();
+    assert!(status.success(), "{status}");
+}
+
+/// The next line of `lines` as JSON, within `timeout`.
+async fn next_json(
+    lines: &mut tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+    timeout: Duration,
+) -> Value {
+    let line = tokio::time::timeout(timeout, lines.next_line())
+        .await
+        .expect("a line within the timeout")
+        .unwrap()
+        .expect("stdout open: the follow ended");
+    serde_json::from_str(&line).unwrap()
+}
+
+#[tokio::test]
+async fn events_follow_streams_new_events_until_interrupted_and_leaves_no_consumer() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let (first, _, _) = publish_task(&bus, Some("s.follow"), Status::Completed).await;
+    let (mut child, mut lines) =
+        follow_completions(&nats.url(), &prefix, std::process::Stdio::null());
+    let mut next_line = async || next_json(&mut lines, WAIT).await;
+    assert_eq!(
+        next_line().await["delegation_id"],
+        first.delegation_id.as_str()
+    );
+    let (second, _, _) = publish_task(&bus, Some("s.follow"), Status::Failed).await;
+    let line = next_line().await;
+    assert_eq!(line["delegation_id"], second.delegation_id.as_str());
+    assert_eq!(line["status"], "failed");
+
+    stop_with_ctrl_c(&mut child).await;
+    // Its ordered consumer is deleted on the way out, not left to expire.
+    let info = bus
+        .js
+        .get_stream(bus.subjects.events_stream())
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .clone();
+    assert_eq!(info.state.consumer_count, 0, "consumers left on EVENTS");
+}
+
+#[tokio::test]
+async fn events_follow_goes_on_after_a_nats_restart_without_repeating_or_skipping_events() {
+    init_logs();
+    let mut nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let (first, _, _) = publish_task(&bus, Some("s.follow"), Status::Completed).await;
+    let (mut child, mut lines) =
+        follow_completions(&nats.url(), &prefix, std::process::Stdio::null());
+    // The client notices the lost consumer some seconds after reconnecting.
+    let mut next_line = async || next_json(&mut lines, Duration::from_secs(90)).await;
+    assert_eq!(
+        next_line().await["delegation_id"],
+        first.delegation_id.as_str()
+    );
+
+    // A restarted single server has forgotten the follow's ephemeral consumer.
+    nats.restart().await;
+    wait_until(WAIT, "the test's client to reconnect", || async {
+        bus.client.connection_state() == async_nats::connection::State::Connected
+    })
+    .await;
+    let (second, _, _) = publish_task(&bus, Some("s.follow"), Status::Failed).await;
+    let line = next_line().await;
+    assert_eq!(
+        line["delegation_id"],
+        second.delegation_id.as_str(),
+        "not the next event"
+    );
+
+    stop_with_ctrl_c(&mut child).await;
+}
+
+#[tokio::test]
+async fn events_follow_waits_out_a_deleted_stream_and_reads_its_successor_from_the_start() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut old = Vec::new();
+    for _ in 0..3 {
+        old.push(
+            publish_task(&bus, Some("s.gone"), Status::Completed)
+                .await
+                .0,
+        );
+    }
+    let (mut child, mut lines) =
+        follow_completions(&nats.url(), &prefix, std::process::Stdio::piped());
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    for request in &old {
+        let line = next_json(&mut lines, WAIT).await;
+        assert_eq!(line["delegation_id"], request.delegation_id.as_str());
+    }
+
+    let events = bus.subjects.events_stream();
+    bus.js.delete_stream(&events).await.expect("delete");
+    let told = tokio::time::timeout(WAIT, async {
+        while let Some(line) = stderr.next_line().await.unwrap() {
+            if line.contains("no longer exists") {
+                return Some(line);
+            }
+        }
+        None
+    })
+    .await
+    .expect("a warning within the timeout")
+    .expect("the follow ended instead of waiting");
+    assert!(told.contains(&events), "{told}");
+
+    // Provisioned again (as the next worker or wake to start does): a new
+    // stream whose sequences start at 1 again, below the last one shown.
+    bus.provision(&wakebus::bus::BusSettings::default())
+        .await
+        .expect("provision");
+    let (new, _, _) = publish_task(&bus, Some("s.gone"), Status::Failed).await;
+    let line = next_json(&mut lines, WAIT).await;
+    assert_eq!(
+        line["delegation_id"],
+        new.delegation_id.as_str(),
+        "the new stream's first event was skipped"
+    );
+
+    stop_with_ctrl_c(&mut child).await;
+}
+
+#[tokio::test]
+async fn events_follow_rides_out_a_frozen_server_whose_stream_lookups_fail() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let (first, _, _) = publish_task(&bus, Some("s.frozen"), Status::Completed).await;
+    let (mut child, mut lines) = follow_completions_logging(
+        &nats.url(),
+        &prefix,
+        std::process::Stdio::piped(),
+        "wakebus=debug",
+    );
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    let (failed_tx, failed_rx) = tokio::sync::oneshot::channel();
+    // Drained throughout, so debug lines never fill the pipe.
+    tokio::spawn(async move {
+        let mut failed_tx = Some(failed_tx);
+        while let Ok(Some(line)) = stderr.next_line().await {
+            let lookup_failed = line.contains("Cannot look the stream up")
+                || line.contains("Cannot follow again yet");
+            if lookup_failed && let Some(tx) = failed_tx.take() {
+                let _ = tx.send(line);
+            }
+        }
+    });
+    let line = next_json(&mut lines, WAIT).await;
+    assert_eq!(line["delegation_id"], first.delegation_id.as_str());
+
+    // Frozen, the server takes bytes but answers nothing: the follow's
+    // stream lookups (every 5 s, or on reopening a read) time out.
+    nats.signal(nix::sys::signal::Signal::SIGSTOP);
+    let failed = tokio::time::timeout(Duration::from_secs(60), failed_rx)
+        .await
+        .expect("a failed stream lookup while the server is frozen")
+        .expect("the follow ended instead of retrying");
+    nats.signal(nix::sys::signal::Signal::SIGCONT);
+    assert!(failed.contains(&bus.subjects.events_stream()), "{failed}");
+
+    let (second, _, _) = publish_task(&bus, Some("s.frozen"), Status::Failed).await;
+    let line = next_json(&mut lines, Duration::from_secs(60)).await;
+    assert_eq!(
+        line["delegation_id"],
+        second.delegation_id.as_str(),
+        "not the next event"
+    );
+    stop_with_ctrl_c(&mut child).await;
+}
