@@ -99,16 +99,21 @@ async fn events_follow_streams_new_events_until_interrupted_and_leaves_no_consum
 
     stop_with_ctrl_c(&mut child).await;
     // Its ordered consumer is deleted on the way out, not left to expire.
-    let info = bus
+    assert_eq!(
+        consumers_on_events(&bus).await,
+        0,
+        "consumers left on EVENTS"
+    );
+}
+
+/// How many consumers the events stream has.
+async fn consumers_on_events(bus: &wakebus::bus::Bus) -> usize {
+    let mut stream = bus
         .js
         .get_stream(bus.subjects.events_stream())
         .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .clone();
-    assert_eq!(info.state.consumer_count, 0, "consumers left on EVENTS");
+        .unwrap();
+    stream.info().await.unwrap().state.consumer_count
 }
 
 #[tokio::test]
@@ -142,6 +147,13 @@ async fn events_follow_goes_on_after_a_nats_restart_without_repeating_or_skippin
     );
 
     stop_with_ctrl_c(&mut child).await;
+    // Whichever read replaced the lost one (the follow's own, or the one
+    // the client created by itself), it is deleted on the way out.
+    assert_eq!(
+        consumers_on_events(&bus).await,
+        0,
+        "consumers left on EVENTS"
+    );
 }
 
 #[tokio::test]
@@ -193,6 +205,55 @@ async fn events_follow_waits_out_a_deleted_stream_and_reads_its_successor_from_t
         new.delegation_id.as_str(),
         "the new stream's first event was skipped"
     );
+
+    stop_with_ctrl_c(&mut child).await;
+}
+
+#[tokio::test]
+async fn events_follow_shows_each_event_once_when_its_stream_is_deleted_and_created_again_at_once()
+{
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut old = Vec::new();
+    for _ in 0..3 {
+        old.push(
+            publish_task(&bus, Some("s.again"), Status::Completed)
+                .await
+                .0,
+        );
+    }
+    let (mut child, mut lines) =
+        follow_completions(&nats.url(), &prefix, std::process::Stdio::null());
+    for request in &old {
+        let line = next_json(&mut lines, WAIT).await;
+        assert_eq!(line["delegation_id"], request.delegation_id.as_str());
+    }
+
+    // Deleted and provisioned again at once, well within the 5 s between
+    // the follow's looks at its stream. The client's own new read would go
+    // on after the last sequence shown, in the middle of the new events.
+    let events = bus.subjects.events_stream();
+    bus.js.delete_stream(&events).await.expect("delete");
+    bus.provision(&wakebus::bus::BusSettings::default())
+        .await
+        .expect("provision");
+    let mut new = Vec::new();
+    for _ in 0..5 {
+        new.push(publish_task(&bus, Some("s.again"), Status::Failed).await.0);
+    }
+    // The last one shows that nothing came twice before it.
+    let (last, _, _) = publish_task(&bus, Some("s.again"), Status::Completed).await;
+    new.push(last);
+    for request in &new {
+        let line = next_json(&mut lines, WAIT).await;
+        assert_eq!(
+            line["delegation_id"],
+            request.delegation_id.as_str(),
+            "not the next event of the new stream"
+        );
+    }
 
     stop_with_ctrl_c(&mut child).await;
 }

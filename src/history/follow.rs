@@ -6,10 +6,12 @@
 //! restart, but not a stream that is deleted (it would retry silently) or
 //! created again under the same name (its sequences start over, so its
 //! first events would be skipped). A follow therefore looks the stream up
-//! between messages and compares its creation time.
+//! between messages, and before showing the first message of a consumer
+//! the client created in place of its own, and compares its creation time.
 
 use std::time::Duration;
 
+use async_nats::jetstream;
 use async_nats::jetstream::consumer::DeliverPolicy;
 use async_nats::jetstream::context::GetStreamError;
 use tokio::time::{Instant, Interval, MissedTickBehavior};
@@ -53,6 +55,43 @@ impl HistoryReader {
             // The read's own error, if any, says more; checked again later.
             Err(error) => debug!(stream = %self.stream, %error, "Cannot look the stream up."),
         }
+    }
+
+    /// Whether `message` is to be shown. The first message of a consumer
+    /// the client created by itself (a new name: after a restart, or a
+    /// stream deleted and created again) is checked before it is shown: if
+    /// the stream is a new one, the message is dropped and the new stream
+    /// is read from the selection's start, where the message comes again in
+    /// its place, instead of going on after the last sequence shown and
+    /// then starting over at the next periodic check, which would show it
+    /// twice. The new consumer becomes the one deleted at the end.
+    pub(super) async fn same_read(&mut self, message: &jetstream::Message) -> bool {
+        let Ok(info) = message.info() else {
+            return true;
+        };
+        if self.cleanup.as_deref() == Some(info.consumer) {
+            return true;
+        }
+        let consumer = info.consumer.to_owned();
+        if self.follow {
+            match self.refresh_stream().await {
+                Ok(Lookup::New) => {
+                    // Deleted with the rest at the reopen.
+                    self.cleanup = Some(consumer);
+                    self.reopen().await;
+                    return false;
+                }
+                // Shown: from the same stream, or from one gone since (the
+                // periodic check waits for its successor); a stream that
+                // cannot be looked up is looked at again periodically.
+                Ok(Lookup::Same | Lookup::Gone) => {}
+                Err(error) => {
+                    debug!(stream = %self.stream, %error, "Cannot look the stream up.");
+                }
+            }
+        }
+        self.cleanup = Some(consumer);
+        true
     }
 
     /// Opens the follow again after the last message read, retrying until

@@ -316,7 +316,8 @@ pub struct HistoryReader {
     follow: bool,
     /// Set once the read is over.
     finished: bool,
-    /// The ephemeral consumer to delete at the end.
+    /// The ephemeral consumer to delete at the end: the one the read
+    /// opened, or the one the client created in its place since.
     cleanup: Option<String>,
 }
 
@@ -422,7 +423,8 @@ impl HistoryReader {
                 }
             };
             let message = match next {
-                Some(Ok(message)) => message,
+                Some(Ok(message)) if self.same_read(&message).await => message,
+                Some(Ok(_)) => continue,
                 Some(Err(error)) if self.follow => {
                     warn!(stream = %self.stream, after = ?self.last_sequence, %error, "Following was interrupted; reading again after the last event shown.");
                     self.reopen().await;
@@ -474,7 +476,7 @@ impl HistoryReader {
     /// after 30 seconds of inactivity). Done by itself at the end of a
     /// bounded read; call it when stopping early (Ctrl-C, a closed pipe).
     /// A consumer the client recreated by itself under another name (after
-    /// a reconnect) is left to that expiry.
+    /// a reconnect) is the one deleted once a message came through it.
     pub async fn close(&mut self) {
         if let Some(name) = self.cleanup.take() {
             let _ = self.handle.delete_consumer(&name).await;
