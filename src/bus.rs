@@ -541,6 +541,20 @@ fn setup_backoff() -> ExponentialBuilder {
         .with_max_times(usize::MAX)
 }
 
+/// How a write whose result is already in hand (a worker's completion, a
+/// delivered wake's ledger record) is made again until JetStream stores it:
+/// from 100 ms, doubling up to every 5 s, with jitter, for as long as the
+/// service runs.
+pub(crate) fn until_stored_backoff() -> backon::ExponentialBackoff {
+    use backon::BackoffBuilder;
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(5))
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
 /// How many queued requests [`Bus::is_queued`] scans before it assumes the
 /// answer is yes.
 const QUEUE_SCAN_LIMIT: u64 = 10_000;

@@ -54,6 +54,29 @@ fn follow_completions_logging(
     (child, lines)
 }
 
+/// Three completions stored, then a follow of them: returned once it has
+/// shown all three.
+async fn follow_after_three_events(
+    bus: &wakebus::bus::Bus,
+    nats_url: &str,
+    prefix: &str,
+    stderr: std::process::Stdio,
+) -> (
+    tokio::process::Child,
+    tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+) {
+    let mut old = Vec::new();
+    for _ in 0..3 {
+        old.push(publish_task(bus, Some("s.old"), Status::Completed).await.0);
+    }
+    let (child, mut lines) = follow_completions(nats_url, prefix, stderr);
+    for request in &old {
+        let line = next_json(&mut lines, WAIT).await;
+        assert_eq!(line["delegation_id"], request.delegation_id.as_str());
+    }
+    (child, lines)
+}
+
 /// Sends SIGINT, as Ctrl-C would, and asserts a clean exit.
 async fn stop_with_ctrl_c(child: &mut tokio::process::Child) {
     let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
@@ -162,21 +185,9 @@ async fn events_follow_waits_out_a_deleted_stream_and_reads_its_successor_from_t
     let nats = NatsServer::start().await;
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
-    let mut old = Vec::new();
-    for _ in 0..3 {
-        old.push(
-            publish_task(&bus, Some("s.gone"), Status::Completed)
-                .await
-                .0,
-        );
-    }
     let (mut child, mut lines) =
-        follow_completions(&nats.url(), &prefix, std::process::Stdio::piped());
+        follow_after_three_events(&bus, &nats.url(), &prefix, std::process::Stdio::piped()).await;
     let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
-    for request in &old {
-        let line = next_json(&mut lines, WAIT).await;
-        assert_eq!(line["delegation_id"], request.delegation_id.as_str());
-    }
 
     let events = bus.subjects.events_stream();
     bus.js.delete_stream(&events).await.expect("delete");
@@ -216,20 +227,8 @@ async fn events_follow_shows_each_event_once_when_its_stream_is_deleted_and_crea
     let nats = NatsServer::start().await;
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
-    let mut old = Vec::new();
-    for _ in 0..3 {
-        old.push(
-            publish_task(&bus, Some("s.again"), Status::Completed)
-                .await
-                .0,
-        );
-    }
     let (mut child, mut lines) =
-        follow_completions(&nats.url(), &prefix, std::process::Stdio::null());
-    for request in &old {
-        let line = next_json(&mut lines, WAIT).await;
-        assert_eq!(line["delegation_id"], request.delegation_id.as_str());
-    }
+        follow_after_three_events(&bus, &nats.url(), &prefix, std::process::Stdio::null()).await;
 
     // Deleted and provisioned again at once, well within the 5 s between
     // the follow's looks at its stream. The client's own new read would go

@@ -869,11 +869,7 @@ async fn a_delivery_the_ledger_refuses_to_record_is_recorded_once_it_takes_write
 
     // The operator makes room.
     bus.js.update_stream(&config).await.unwrap();
-    wait_until(WAIT, "the ledger to record the delivery", || async {
-        let entry = ledger.get(format!("{id}.0")).await.ok().flatten();
-        entry.is_some_and(|e| String::from_utf8_lossy(&e).contains("delivered"))
-    })
-    .await;
+    ledger_records_delivery(&bus, &id).await;
     services.stop().await;
     assert_eq!(api.all_posts().len(), 1, "the wake was posted again");
 }
@@ -894,20 +890,12 @@ async fn a_wake_delivered_while_nats_is_down_is_recorded_once_nats_returns() {
         api.accepted().len() == 1
     })
     .await;
-    // The outage outlasts a JetStream write's 5 s timeout: a record sent
-    // while disconnected would only queue, fail, and leave `posting`.
+    // The outage (its length is the scenario) outlasts a JetStream write's
+    // 5 s timeout: the delivery is recorded by a write made after the
+    // reconnect, not by one queued during the outage.
     tokio::time::sleep(Duration::from_secs(7)).await;
     nats.restart().await;
-    let ledger = bus
-        .js
-        .get_key_value(bus.subjects.wake_ledger_bucket())
-        .await
-        .unwrap();
-    wait_until(WAIT, "the ledger to record the delivery", || async {
-        let entry = ledger.get(format!("{id}.0")).await.ok().flatten();
-        entry.is_some_and(|e| String::from_utf8_lossy(&e).contains("delivered"))
-    })
-    .await;
+    ledger_records_delivery(&bus, &id).await;
     wake_consumer_settled(&bus).await;
     services.stop().await;
     assert_eq!(api.all_posts().len(), 1, "the wake was posted again");

@@ -37,16 +37,7 @@ async fn delivered_wake(bus: &wakebus::bus::Bus, api: &SessionApiServer, session
         api.accepted().len() == 1
     })
     .await;
-    let ledger = bus
-        .js
-        .get_key_value(bus.subjects.wake_ledger_bucket())
-        .await
-        .unwrap();
-    wait_until(WAIT, "the ledger to record the delivery", || async {
-        let entry = ledger.get(format!("{id}.0")).await.ok().flatten();
-        entry.is_some_and(|e| String::from_utf8_lossy(&e).contains("delivered"))
-    })
-    .await;
+    ledger_records_delivery(bus, &id).await;
     id
 }
 

@@ -287,6 +287,25 @@ pub async fn wake_consumer_settled(bus: &Bus) {
     .await;
 }
 
+/// Waits until the wake ledger says that task 0 of delegation `id` was
+/// delivered.
+pub async fn ledger_records_delivery(bus: &Bus, id: &str) {
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    wait_until(
+        Duration::from_secs(30),
+        "the ledger to record the delivery",
+        || async {
+            let entry = ledger.get(format!("{id}.0")).await.ok().flatten();
+            entry.is_some_and(|e| String::from_utf8_lossy(&e).contains("delivered"))
+        },
+    )
+    .await;
+}
+
 /// A one-task request for `session`, as any publisher would build it.
 pub fn request(session: &str, goal: &str) -> wakebus::protocol::TaskRequest {
     let mut request =

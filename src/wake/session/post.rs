@@ -130,12 +130,7 @@ impl Router {
     /// window").
     async fn record_delivery(&self, turn: &Turn, held: &mut Vec<Pending>, rx: &mut Inbox) -> bool {
         let shared = &self.shared;
-        let mut backoff = ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(100))
-            .with_max_delay(Duration::from_secs(5))
-            .with_jitter()
-            .without_max_times()
-            .build();
+        let mut backoff = crate::bus::until_stored_backoff();
         let mut unrecorded: Vec<&str> = turn.covers.iter().map(String::as_str).collect();
         let mut acked = false;
         let mut attempt = 0u32;

@@ -19,7 +19,6 @@ pub(crate) use publish::token_for;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use backon::{BackoffBuilder, ExponentialBuilder};
 use time::OffsetDateTime;
 
 use async_nats::jetstream::{self};
@@ -360,12 +359,7 @@ impl TaskHandler {
         done: &CompletionEvent,
         stop: &CancellationToken,
     ) -> Result<(), PublishError> {
-        let mut backoff = ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(100))
-            .with_max_delay(Duration::from_secs(5))
-            .with_jitter()
-            .without_max_times()
-            .build();
+        let mut backoff = crate::bus::until_stored_backoff();
         let client = self.bus.client.clone();
         let mut attempt = 1u32;
         loop {
