@@ -8,10 +8,12 @@
 //!
 //! - this file: routing completions to actors, the actor loop, the lock;
 //! - [`actors`]: the table of live actors (and the sessions gauge);
+//! - [`hold`]: what an actor has in hand, kept alive through every wait;
 //! - [`plan`]: sorting held completions into turns, with the ledger;
 //! - [`post`]: posting one turn, retrying, recording and acking it.
 
 mod actors;
+mod hold;
 mod plan;
 mod post;
 
@@ -26,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
 
+use self::hold::Hold;
 use super::Shared;
 use super::ledger::WakeLedger;
 use super::lock::{LockError, LockGuard, Taken};
@@ -198,29 +201,29 @@ impl Router {
         self.actors.len()
     }
 
-    async fn actor(self: Arc<Self>, session: String, mut rx: Inbox) {
+    async fn actor(self: Arc<Self>, session: String, rx: Inbox) {
         let config = &self.shared.config;
-        let mut held: Vec<Pending> = Vec::new();
+        let mut hold = Hold::new(rx, config.progress_interval());
         // The session lock, kept for `lock_linger` after a turn so that the
         // session's next completion does not pay for a release and a take.
         let mut lock: Option<LockGuard> = None;
         loop {
-            if held.is_empty() && lock.is_none() {
+            if hold.held.is_empty() && lock.is_none() {
                 // Nothing in hand and no lock to keep: the actor ends (a
                 // session's next completion starts a new one), so memory
                 // follows the sessions being woken, not every session seen.
-                match rx.try_recv() {
-                    Ok(p) => held.push(*p),
+                match hold.rx.try_recv() {
+                    Ok(p) => hold.held.push(*p),
                     Err(TryRecvError::Disconnected) => return,
-                    Err(TryRecvError::Empty) if self.actors.retire(&session, &rx) => return,
+                    Err(TryRecvError::Empty) if self.actors.retire(&session, &hold.rx) => return,
                     Err(TryRecvError::Empty) => continue,
                 }
-            } else if held.is_empty() {
+            } else if hold.held.is_empty() {
                 let linger = config.lock_linger.min(self.shared.locks.refresh_interval());
                 tokio::select! {
                     biased;
-                    next = rx.recv() => match next {
-                        Some(p) => held.push(*p),
+                    next = hold.rx.recv() => match next {
+                        Some(p) => hold.held.push(*p),
                         None => return self.release(lock).await,
                     },
                     () = self.shutdown.cancelled() => {
@@ -239,28 +242,22 @@ impl Router {
             if config.coalesce_window.is_zero() {
                 if self.shutdown.is_cancelled() {
                     self.release(lock).await;
-                    return self.hand_back(&session, held, &mut rx).await;
+                    return self.hand_back(&session, hold).await;
                 }
-                while let Ok(p) = rx.try_recv() {
-                    held.push(*p);
+                while let Ok(p) = hold.rx.try_recv() {
+                    hold.held.push(*p);
                 }
-            } else if !self
-                .wait(Instant::now() + config.coalesce_window, &mut held, &mut rx)
-                .await
-            {
+            } else if !self.wait(&mut hold, config.coalesce_window).await {
                 self.release(lock).await;
-                return self.hand_back(&session, held, &mut rx).await;
+                return self.hand_back(&session, hold).await;
             }
             if !crate::connect::is_connected(&self.shared.bus.client) {
                 // NATS is unreachable: the ledger cannot be read and lock
                 // writes would only queue. Keep what is held (and any lock:
                 // a post refreshes it first if due) and look again.
-                if !self
-                    .wait(Instant::now() + Duration::from_secs(1), &mut held, &mut rx)
-                    .await
-                {
+                if !self.wait(&mut hold, Duration::from_secs(1)).await {
                     self.release(lock).await;
-                    return self.hand_back(&session, held, &mut rx).await;
+                    return self.hand_back(&session, hold).await;
                 }
                 continue;
             }
@@ -269,14 +266,14 @@ impl Router {
                     m::wake_session_lock("kept");
                     guard
                 }
-                None => match self.acquire_lock(&mut held, &mut rx).await {
+                None => match self.acquire_lock(&mut hold).await {
                     Some(guard) => guard,
-                    None => return self.hand_back(&session, held, &mut rx).await,
+                    None => return self.hand_back(&session, hold).await,
                 },
             };
-            if !self.deliver(&session, &mut held, &mut rx, &mut guard).await {
+            if !self.deliver(&session, &mut hold, &mut guard).await {
                 self.release(Some(guard)).await;
-                return self.hand_back(&session, held, &mut rx).await;
+                return self.hand_back(&session, hold).await;
             }
             // A lock whose refresh failed is never reused: the next turn
             // takes the lock anew.
@@ -291,25 +288,14 @@ impl Router {
         }
     }
 
-    /// Waits until `until` while keeping `held` alive and collecting arrivals.
-    /// Returns false if the service is shutting down.
-    async fn wait(&self, until: Instant, held: &mut Vec<Pending>, rx: &mut Inbox) -> bool {
-        let mut keepalive = tokio::time::interval_at(
-            Instant::now() + self.shared.config.progress_interval(),
-            self.shared.config.progress_interval(),
-        );
-        loop {
-            tokio::select! {
-                () = tokio::time::sleep_until(until) => return true,
-                Some(p) = rx.recv() => held.push(*p),
-                _ = keepalive.tick() => keep_alive(held).await,
-                () = self.shutdown.cancelled() => return false,
-            }
-        }
+    /// Waits for `delay` while keeping what `hold` has alive and collecting
+    /// arrivals. Returns false if the service is shutting down.
+    async fn wait(&self, hold: &mut Hold, delay: Duration) -> bool {
+        hold.wait(Instant::now() + delay, &[], &self.shutdown).await
     }
 
-    async fn acquire_lock(&self, held: &mut Vec<Pending>, rx: &mut Inbox) -> Option<LockGuard> {
-        let token = session_token(&held[0].session);
+    async fn acquire_lock(&self, hold: &mut Hold) -> Option<LockGuard> {
+        let token = session_token(&hold.held[0].session);
         let mut delay = Duration::from_millis(20);
         loop {
             match self.shared.locks.try_acquire(&token).await {
@@ -334,55 +320,50 @@ impl Router {
                     warn!(%error, "Could not take the session lock; will retry.");
                 }
             }
-            if !self.wait(Instant::now() + delay, held, rx).await {
+            if !self.wait(hold, delay).await {
                 return None;
             }
             delay = (delay * 2).min(Duration::from_secs(1));
         }
     }
 
-    /// Delivers everything in `held`. Returns false if shutdown interrupted
-    /// it; `held` then keeps what is left to hand back.
-    async fn deliver(
-        &self,
-        session: &str,
-        held: &mut Vec<Pending>,
-        rx: &mut Inbox,
-        guard: &mut LockGuard,
-    ) -> bool {
-        let mut turns = match self.plan(held).await {
+    /// Delivers everything held. Returns false if shutdown interrupted it;
+    /// `hold` then keeps what is left to hand back.
+    async fn deliver(&self, session: &str, hold: &mut Hold, guard: &mut LockGuard) -> bool {
+        let mut turns = match self.plan(&mut hold.held).await {
             Ok(turns) => turns,
             Err(error) => {
                 warn!(%error, "Wake ledger unavailable; will retry.");
-                return self
-                    .wait(Instant::now() + Duration::from_secs(1), held, rx)
-                    .await;
+                return self.wait(hold, Duration::from_secs(1)).await;
             }
         };
         let mut refresh_at = guard.written_at() + self.shared.locks.refresh_interval();
         while !turns.is_empty() {
+            // The turns after this one stay in `turns`, for its waits to
+            // keep them alive too.
             let mut turn = turns.remove(0);
             let span = turn.span();
-            match self
-                .post_turn(session, &turn, guard, &mut refresh_at, held, rx)
-                .instrument(span)
-                .await
-            {
+            let mut posting = post::Posting {
+                session,
+                turn: &turn,
+                later: &turns,
+                guard: &mut *guard,
+                refresh_at: &mut refresh_at,
+            };
+            match self.post_turn(&mut posting, hold).instrument(span).await {
                 Posted::Done => {}
                 Posted::Retry => {
-                    held.extend(turn.messages);
-                    held.extend(turns.into_iter().flat_map(|t| t.messages));
-                    return self
-                        .wait(Instant::now() + Duration::from_secs(1), held, rx)
-                        .await;
+                    hold.held.extend(turn.messages);
+                    hold.held.extend(turns.into_iter().flat_map(|t| t.messages));
+                    return self.wait(hold, Duration::from_secs(1)).await;
                 }
                 Posted::DoneThenShutdown => {
-                    held.extend(turns.into_iter().flat_map(|t| t.messages));
+                    hold.held.extend(turns.into_iter().flat_map(|t| t.messages));
                     return false;
                 }
                 Posted::Shutdown => {
-                    held.extend(turn.messages);
-                    held.extend(turns.into_iter().flat_map(|t| t.messages));
+                    hold.held.extend(turn.messages);
+                    hold.held.extend(turns.into_iter().flat_map(|t| t.messages));
                     return false;
                 }
             }
@@ -393,7 +374,8 @@ impl Router {
     /// Shutdown: hand every held message back at once so another instance
     /// takes it. The closed inbox takes nothing more, so the actor's entry
     /// goes too.
-    async fn hand_back(&self, session: &str, held: Vec<Pending>, rx: &mut Inbox) {
+    async fn hand_back(&self, session: &str, hold: Hold) {
+        let Hold { held, mut rx, .. } = hold;
         rx.close();
         self.actors.forget(session);
         let mut all = held;
@@ -403,11 +385,5 @@ impl Router {
         for p in &all {
             crate::outcome::hand_back(&p.message).await;
         }
-    }
-}
-
-async fn keep_alive(held: &[Pending]) {
-    for p in held {
-        crate::outcome::keep_alive(&p.message).await;
     }
 }

@@ -9,24 +9,45 @@ use futures::future::join_all;
 use tokio::time::Instant;
 use tracing::{error, info, warn};
 
-use super::{Inbox, Pending, Posted, Router, Turn, keep_alive};
+use super::hold::Hold;
+use super::{Pending, Posted, Router, Turn};
 use crate::ops::metrics as m;
 use crate::outcome::Outcome;
 use crate::protocol::session_token;
-use crate::wake::lock::LockGuard;
+use crate::wake::lock::{LockError, LockGuard, SessionLocks};
 use crate::wake::session_api::PostResult;
+
+/// A turn being posted, with what its post needs from the actor.
+pub(super) struct Posting<'a> {
+    /// The origin session.
+    pub(super) session: &'a str,
+    /// The turn.
+    pub(super) turn: &'a Turn,
+    /// The turns to post after it: kept alive while this one is posted.
+    pub(super) later: &'a [Turn],
+    /// The session lock, refreshed when due.
+    pub(super) guard: &'a mut LockGuard,
+    /// When the lock is next due for a refresh.
+    pub(super) refresh_at: &'a mut Instant,
+}
+
+impl Posting<'_> {
+    /// Refreshes the lock if due. Returns false if that failed: the lock
+    /// may be another instance's now, and `refresh_at` stays due, so the
+    /// next post tries again first.
+    async fn refresh_lock_if_due(&mut self, locks: &SessionLocks) -> Result<(), LockError> {
+        if Instant::now() < *self.refresh_at && !self.guard.is_lost() {
+            return Ok(());
+        }
+        locks.refresh(self.guard).await?;
+        *self.refresh_at = self.guard.written_at() + locks.refresh_interval();
+        Ok(())
+    }
+}
 
 impl Router {
     /// Posts one turn until it is delivered, refused for good, or shutdown.
-    pub(super) async fn post_turn(
-        &self,
-        session: &str,
-        turn: &Turn,
-        guard: &mut LockGuard,
-        refresh_at: &mut Instant,
-        held: &mut Vec<Pending>,
-        rx: &mut Inbox,
-    ) -> Posted {
+    pub(super) async fn post_turn(&self, posting: &mut Posting<'_>, hold: &mut Hold) -> Posted {
         let shared = &self.shared;
         let mut backoff = ExponentialBuilder::default()
             .with_min_delay(shared.config.retry_min)
@@ -34,32 +55,31 @@ impl Router {
             .with_jitter()
             .without_max_times()
             .build();
+        let turn = posting.turn;
+        let in_flight = [std::slice::from_ref(turn), posting.later];
         let events = turn.events();
         let mut attempt = 0u32;
         loop {
             attempt += 1;
-            // Post only while the lock is surely ours: refresh it when due,
-            // and give up the turn (it is re-planned under a new lock) if
-            // that fails, since another instance may hold the session now.
-            if Instant::now() >= *refresh_at {
-                if let Err(error) = shared.locks.refresh(guard).await {
-                    warn!(%error, "Session lock lost; re-planning under a new lock.");
-                    return Posted::Retry;
-                }
-                *refresh_at = guard.written_at() + shared.locks.refresh_interval();
+            // Post only while the lock is surely ours: refresh it when due
+            // (or when a refresh failed), and give up the turn (it is
+            // re-planned under a new lock) if that fails, since another
+            // instance may hold the session now.
+            if let Err(error) = posting.refresh_lock_if_due(&shared.locks).await {
+                warn!(%error, "Session lock lost; re-planning under a new lock.");
+                return Posted::Retry;
             }
-            let posting = m::InFlight::wake_post(&shared.posting);
-            let post = shared.api.post(turn.post(session, &events));
-            tokio::pin!(post);
-            let mut lock_lost = false;
-            let result = loop {
-                tokio::select! {
-                    result = &mut post => break result,
-                    () = tokio::time::sleep_until(*refresh_at), if !lock_lost => {
-                        // A slow post keeps the lock alive.
-                        match shared.locks.refresh(guard).await {
-                            Ok(()) => *refresh_at = guard.written_at() + shared.locks.refresh_interval(),
-                            Err(error) => {
+            let posting_gauge = m::InFlight::wake_post(&shared.posting);
+            let post = async {
+                let post = shared.api.post(turn.post(posting.session, &events));
+                tokio::pin!(post);
+                let mut lock_lost = false;
+                loop {
+                    tokio::select! {
+                        result = &mut post => break result,
+                        () = tokio::time::sleep_until(*posting.refresh_at), if !lock_lost => {
+                            // A slow post keeps the lock alive.
+                            if let Err(error) = posting.refresh_lock_if_due(&shared.locks).await {
                                 warn!(%error, "Session lock lost during a post; another instance may post for this session.");
                                 lock_lost = true;
                             }
@@ -67,13 +87,13 @@ impl Router {
                     }
                 }
             };
-            drop(posting);
+            let result = hold.during(post, &in_flight).await;
+            drop(posting_gauge);
             match result {
                 PostResult::Delivered => {
                     m::wake_posted("delivered");
-                    let recorded = self.record_delivery(turn, held, rx).await;
                     info!(completions = turn.covers.len(), attempt, idempotency_key = %turn.key, "Wake delivered.");
-                    return if recorded {
+                    return if self.record_delivery(posting, hold).await {
                         Posted::Done
                     } else {
                         Posted::DoneThenShutdown
@@ -100,12 +120,8 @@ impl Router {
                         after.unwrap_or_else(|| backoff.next().unwrap_or(shared.config.retry_max));
                     warn!(%reason, attempt, retry_in = ?delay, "Wake post failed, will retry.");
                     m::wake_posted("retry");
-                    let mut arrivals = Vec::new();
-                    let alive = self
-                        .wait_holding(Instant::now() + delay, &turn.messages, &mut arrivals, rx)
-                        .await;
-                    held.append(&mut arrivals);
-                    if !alive {
+                    let until = Instant::now() + delay;
+                    if !self.keep_session(posting, hold, until, &in_flight).await {
                         return Posted::Shutdown;
                     }
                 }
@@ -122,14 +138,17 @@ impl Router {
     /// while the client is disconnected nothing is sent, as it would only
     /// queue. The acks go out with the first write: an ack does not depend on
     /// its record, and once the messages are acked no copy circulates to be
-    /// re-posted. Completions arriving meanwhile are kept alive in `held`.
+    /// re-posted. Meanwhile the actor keeps the session: the lock is
+    /// refreshed when due, and the completions held and the turns still to
+    /// post are kept alive.
     ///
     /// Returns false if the service stopped first. With the records unwritten
     /// the entries stay at `posting`, and a copy of a completion is posted
     /// again under the same `Idempotency-Key` (GUARANTEES.md, "The one
     /// window").
-    async fn record_delivery(&self, turn: &Turn, held: &mut Vec<Pending>, rx: &mut Inbox) -> bool {
+    async fn record_delivery(&self, posting: &mut Posting<'_>, hold: &mut Hold) -> bool {
         let shared = &self.shared;
+        let turn = posting.turn;
         let mut backoff = crate::bus::until_stored_backoff();
         let mut unrecorded: Vec<&str> = turn.covers.iter().map(String::as_str).collect();
         let mut acked = false;
@@ -173,12 +192,17 @@ impl Router {
                 // Looked at again soon: the records wait for the connection.
                 Duration::from_millis(250)
             };
-            let mut arrivals = Vec::new();
-            let alive = self
-                .wait_holding(Instant::now() + delay, &[], &mut arrivals, rx)
-                .await;
-            held.append(&mut arrivals);
-            if !alive {
+            // Once acked, the turn's own messages need no keep-alives.
+            let turn_alone = std::slice::from_ref(turn);
+            let in_hand: &[&[Turn]] = if acked {
+                &[posting.later]
+            } else {
+                &[turn_alone, posting.later]
+            };
+            if !self
+                .keep_session(posting, hold, Instant::now() + delay, in_hand)
+                .await
+            {
                 if acked {
                     warn!(
                         unrecorded = unrecorded.len(),
@@ -195,25 +219,28 @@ impl Router {
         }
     }
 
-    /// Like [`Self::wait`], also keeping `group` alive.
-    async fn wait_holding(
+    /// Waits until `until` keeping the session: what `hold` has and the
+    /// messages of `in_hand` stay alive, and the lock is refreshed when due.
+    /// A refresh that fails leaves the lock lost, and the next post tries
+    /// it first. Returns false if the service is shutting down.
+    async fn keep_session(
         &self,
+        posting: &mut Posting<'_>,
+        hold: &mut Hold,
         until: Instant,
-        group: &[Pending],
-        arrivals: &mut Vec<Pending>,
-        rx: &mut Inbox,
+        in_hand: &[&[Turn]],
     ) -> bool {
-        let interval = self.shared.config.progress_interval();
-        let mut keepalive = tokio::time::interval_at(Instant::now() + interval, interval);
         loop {
-            tokio::select! {
-                () = tokio::time::sleep_until(until) => return true,
-                Some(p) = rx.recv() => arrivals.push(*p),
-                _ = keepalive.tick() => {
-                    keep_alive(group).await;
-                    keep_alive(arrivals).await;
-                }
-                () = self.shutdown.cancelled() => return false,
+            let lock_due = (!posting.guard.is_lost()).then_some(*posting.refresh_at);
+            let next = lock_due.map_or(until, |due| due.min(until));
+            if !hold.wait(next, in_hand, &self.shutdown).await {
+                return false;
+            }
+            if Instant::now() >= until {
+                return true;
+            }
+            if let Err(error) = posting.refresh_lock_if_due(&self.shared.locks).await {
+                warn!(%error, "Could not refresh the session lock; the next post takes it again first.");
             }
         }
     }

@@ -1,0 +1,85 @@
+//! What a session's actor has in hand: the completions it holds, its inbox,
+//! and when their in-progress acks are next due.
+//!
+//! Everything the actor waits on (the coalesce window, the lock, a post, a
+//! retry's backoff, a ledger record written again) runs through
+//! [`Hold::wait`] or [`Hold::during`], so whatever it has in hand, and
+//! whatever arrives meanwhile, stays with this instance for as long as the
+//! actor lives, not just until the consumer's AckWait.
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::{Inbox, Pending, Turn};
+
+/// An actor's completions in hand, and their keep-alive schedule.
+#[derive(Debug)]
+pub(super) struct Hold {
+    /// Completions not in a turn being posted: waiting for the next plan.
+    pub(super) held: Vec<Pending>,
+    /// Where the session's next completions arrive.
+    pub(super) rx: Inbox,
+    /// When everything in hand next gets an in-progress ack. One schedule
+    /// for all waits: a timer started afresh by each wait would never fire
+    /// through a run of waits shorter than the interval.
+    keep_alive_at: Instant,
+    /// How often: a third of the consumer's AckWait.
+    interval: Duration,
+}
+
+impl Hold {
+    /// An empty hand for the actor reading `rx`.
+    pub(super) fn new(rx: Inbox, interval: Duration) -> Self {
+        Self {
+            held: Vec::new(),
+            rx,
+            keep_alive_at: Instant::now() + interval,
+            interval,
+        }
+    }
+
+    /// Waits until `until`, collecting arrivals and keeping alive what is
+    /// held and the messages of `turns` (those being posted). Returns false
+    /// if `shutdown` came first.
+    pub(super) async fn wait(
+        &mut self,
+        until: Instant,
+        turns: &[&[Turn]],
+        shutdown: &CancellationToken,
+    ) -> bool {
+        tokio::select! {
+            () = self.during(tokio::time::sleep_until(until), turns) => true,
+            () = shutdown.cancelled() => false,
+        }
+    }
+
+    /// Runs `work` to its end while collecting arrivals and keeping alive
+    /// what is held and the messages of `turns`.
+    pub(super) async fn during<F: Future>(&mut self, work: F, turns: &[&[Turn]]) -> F::Output {
+        tokio::pin!(work);
+        loop {
+            tokio::select! {
+                output = &mut work => return output,
+                Some(p) = self.rx.recv() => self.held.push(*p),
+                () = tokio::time::sleep_until(self.keep_alive_at) => {
+                    for p in in_hand(&self.held, turns) {
+                        crate::outcome::keep_alive(&p.message).await;
+                    }
+                    self.keep_alive_at = Instant::now() + self.interval;
+                }
+            }
+        }
+    }
+}
+
+/// The held completions and those of `turns`.
+fn in_hand<'a>(held: &'a [Pending], turns: &'a [&'a [Turn]]) -> impl Iterator<Item = &'a Pending> {
+    let turns = turns
+        .iter()
+        .flat_map(|turns| turns.iter())
+        .flat_map(|turn| turn.messages.iter());
+    held.iter().chain(turns)
+}

@@ -1,0 +1,206 @@
+//! A delivered wake's ledger record: written until JetStream stores it,
+//! with the session kept meanwhile, so that no copy of a woken completion
+//! is posted again (GUARANTEES.md, "The one window").
+
+mod common;
+
+use std::time::Duration;
+
+use async_nats::jetstream::stream::Config as StreamConfig;
+use common::*;
+use wakebus::bus::{Bus, BusSettings};
+use wakebus::delegate::Delegation;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Makes the wake ledger refuse every write, as a stream at a limit would
+/// (a 16-byte message limit), and returns its config for the operator's
+/// fix: `room_again`.
+async fn refuse_ledger_writes(bus: &Bus) -> StreamConfig {
+    let name = format!("KV_{}", bus.subjects.wake_ledger_bucket());
+    let mut stream = bus.js.get_stream(&name).await.unwrap();
+    let config = stream.info().await.unwrap().config.clone();
+    let mut refusing = config.clone();
+    refusing.max_message_size = 16;
+    bus.js.update_stream(&refusing).await.unwrap();
+    config
+}
+
+/// Gives the ledger its room back.
+async fn room_again(bus: &Bus, config: &StreamConfig) {
+    bus.js.update_stream(config).await.unwrap();
+}
+
+/// The ledger's entry for task 0 of delegation `id`.
+async fn ledger_entry(bus: &Bus, id: &str) -> String {
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    let entry = ledger.get(format!("{id}.0")).await.unwrap();
+    String::from_utf8_lossy(&entry.expect("a ledger entry")).into_owned()
+}
+
+#[tokio::test]
+async fn a_delivery_the_ledger_refuses_to_record_is_recorded_once_it_takes_writes_again() {
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
+    api.set_delay(Duration::from_secs(1));
+    let id = delegate(&bus, Delegation::new("refused").session("s.refused")).await;
+    wait_until(WAIT, "the post to be in flight", || async {
+        api.in_flight() == 1
+    })
+    .await;
+    let config = refuse_ledger_writes(&bus).await;
+    // The acks go out with the first `delivered` write, after it on the
+    // same connection: once the completion is acked, the write was refused.
+    wake_consumer_settled(&bus).await;
+    api.set_delay(Duration::ZERO);
+    assert!(
+        ledger_entry(&bus, &id).await.contains("posting"),
+        "the delivery was recorded through a refusing stream"
+    );
+
+    room_again(&bus, &config).await;
+    ledger_records_delivery(&bus, &id).await;
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 1, "the wake was posted again");
+}
+
+#[tokio::test]
+async fn a_wake_delivered_while_nats_is_down_is_recorded_by_a_write_made_after_it_returns() {
+    let p = Pipeline::start().await;
+    let (mut nats, api, bus, services) = (p.nats, p.api, p.bus, p.services);
+    // The post is held long enough for NATS to go down under it.
+    api.set_delay(Duration::from_secs(2));
+    let id = delegate(&bus, Delegation::new("outage").session("s.outage")).await;
+    wait_until(WAIT, "the post to be in flight", || async {
+        api.in_flight() == 1
+    })
+    .await;
+    // The ledger refuses writes through the outage and after it (the stream
+    // keeps its config across the restart), so that a write queued by the
+    // client during the outage cannot be what records the delivery.
+    let config = refuse_ledger_writes(&bus).await;
+    nats.kill();
+    wait_until(WAIT, "the post to be answered 200", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    api.set_delay(Duration::ZERO);
+    // The outage (its length is the scenario) outlasts a JetStream write's
+    // 5 s timeout.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    nats.restart().await;
+    wake_consumer_settled(&bus).await;
+    assert!(
+        ledger_entry(&bus, &id).await.contains("posting"),
+        "the delivery was recorded through a refusing stream"
+    );
+    room_again(&bus, &config).await;
+    ledger_records_delivery(&bus, &id).await;
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 1, "the wake was posted again");
+}
+
+#[tokio::test]
+async fn a_session_stays_with_its_wake_and_keeps_its_lock_while_a_delivery_record_is_refused() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    // A lock TTL shorter than the refusal: only refreshes keep it.
+    let settings = BusSettings {
+        session_lock_ttl: Duration::from_secs(4),
+        ..Default::default()
+    };
+    let config = test_wake_config(&api.url());
+    let ack_wait = config.ack_wait;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake_with(&bus, settings.clone(), config);
+    api.set_delay(Duration::from_secs(1));
+    let first = delegate(&bus, Delegation::new("first").session("s.kept")).await;
+    wait_until(WAIT, "the first post to be in flight", || async {
+        api.in_flight() == 1
+    })
+    .await;
+    let room = refuse_ledger_writes(&bus).await;
+    let second = delegate(&bus, Delegation::new("second").session("s.kept")).await;
+    wait_until(WAIT, "both completions to be published", || async {
+        done_events(&bus).await.len() == 2
+    })
+    .await;
+    // The first is acked with its refused record; the second waits in the
+    // wake for the session.
+    wait_until(
+        WAIT,
+        "the second completion to wait in the wake",
+        || async {
+            wake_consumer_info(&bus)
+                .await
+                .is_some_and(|info| info.num_ack_pending == 1 && info.num_pending == 0)
+        },
+    )
+    .await;
+    api.set_delay(Duration::ZERO);
+    assert_eq!(api.accepted().len(), 1);
+
+    // The refusal (its length is the scenario) lasts three AckWaits.
+    tokio::time::sleep(3 * ack_wait).await;
+    let info = wake_consumer_info(&bus).await.unwrap();
+    assert_eq!(
+        info.num_redelivered, 0,
+        "a completion the wake held was redelivered"
+    );
+    assert_eq!(
+        info.num_ack_pending, 1,
+        "the second completion left the wake"
+    );
+    let locks = session_lock_bucket(&bus, settings.session_lock_ttl).await;
+    let token = wakebus::protocol::session_token("s.kept");
+    assert!(
+        locks
+            .get(&token)
+            .await
+            .unwrap()
+            .is_some_and(|v| !v.is_empty()),
+        "the session lock lapsed"
+    );
+    assert!(ledger_entry(&bus, &first).await.contains("posting"));
+
+    room_again(&bus, &room).await;
+    ledger_records_delivery(&bus, &first).await;
+    ledger_records_delivery(&bus, &second).await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let posts = api.all_posts();
+    assert_eq!(posts.len(), 2, "a wake was posted twice or not at all");
+    assert_eq!(posts[1].delegation_ids(), [second]);
+}
+
+#[tokio::test]
+async fn a_wake_stopped_while_its_delivery_record_is_refused_stops_without_handing_it_back() {
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
+    api.set_delay(Duration::from_secs(1));
+    let id = delegate(&bus, Delegation::new("stopped").session("s.stopped")).await;
+    wait_until(WAIT, "the post to be in flight", || async {
+        api.in_flight() == 1
+    })
+    .await;
+    refuse_ledger_writes(&bus).await;
+    wake_consumer_settled(&bus).await;
+    api.set_delay(Duration::ZERO);
+
+    tokio::time::timeout(WAIT, services.stop())
+        .await
+        .expect("the wake stopped");
+    // Acked with the first write and not handed back: nothing redelivers it.
+    let info = wake_consumer_info(&bus).await.unwrap();
+    assert_eq!((info.num_ack_pending, info.num_pending), (0, 0));
+    assert_eq!(info.num_redelivered, 0);
+    assert!(ledger_entry(&bus, &id).await.contains("posting"));
+    assert_eq!(api.all_posts().len(), 1);
+}
