@@ -543,8 +543,8 @@ fn setup_backoff() -> ExponentialBuilder {
 
 /// How a write whose result is already in hand (a worker's completion, a
 /// delivered wake's ledger record) is made again until JetStream stores it:
-/// from 100 ms, doubling up to every 5 s, with jitter, for as long as the
-/// service runs.
+/// from 100 ms, doubling up to 5 s, each delay plus up to as much again in
+/// jitter (so waits reach 10 s), for as long as the service runs.
 pub(crate) fn until_stored_backoff() -> backon::ExponentialBackoff {
     use backon::BackoffBuilder;
     ExponentialBuilder::default()

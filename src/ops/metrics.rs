@@ -35,8 +35,10 @@ pub const TASKS_IN_FLIGHT: &str = "wakebus_tasks_in_flight";
 pub const DEAD_LETTERS: &str = "wakebus_dead_letters_total";
 /// Wake posts to the session API, by `result` (`delivered`, `retry`, `rejected`).
 pub const WAKE_POSTS: &str = "wakebus_wake_posts_total";
-/// Writes of a delivered turn's `delivered` ledger record that JetStream
-/// did not store and the wake made again (the turn was already taken).
+/// Rounds of writing a delivered turn's `delivered` ledger records that
+/// JetStream did not store all of, so the wake writes them again (the turn
+/// was already taken); none while the client is disconnected, as no write
+/// is made then.
 pub const WAKE_DELIVERY_RECORD_RETRIES: &str = "wakebus_wake_delivery_record_retries_total";
 /// Attempts to take a session lock for a turn, by `result`: `taken` (it
 /// was free and is now this instance's), `retaken` (the same, in one write
@@ -103,7 +105,7 @@ fn describe() {
     describe_counter!(WAKE_POSTS, "Wake posts to the session API, by result.");
     describe_counter!(
         WAKE_DELIVERY_RECORD_RETRIES,
-        "Delivered turns whose ledger record was not stored and was written again."
+        "Rounds of a delivered turn's ledger records that were not all stored and are written again."
     );
     describe_counter!(
         WAKE_SESSION_LOCKS,
@@ -183,7 +185,7 @@ pub fn wake_posted(result: &'static str) {
     metrics::counter!(WAKE_POSTS, "result" => result).increment(1);
 }
 
-/// A delivered turn's ledger record is written again.
+/// A round of a delivered turn's ledger records was not all stored.
 pub fn wake_delivery_record_retried() {
     metrics::counter!(WAKE_DELIVERY_RECORD_RETRIES).increment(1);
 }
