@@ -15,6 +15,12 @@ pub enum Outcome {
     Ack,
     /// Not done: deliver it again after the delay (at once if `None`).
     Nak(Option<Duration>),
+    /// Handed back as the service stops, to be delivered again at once
+    /// elsewhere (a NAK). Not sent while the client is disconnected: it
+    /// would only queue in a process about to exit (or wait for room in a
+    /// full queue), and the server redelivers the message after its ack
+    /// wait anyway.
+    HandBack,
     /// Poison: never deliver it again. The reason has been recorded (a dead
     /// letter and, where possible, an `error` completion) before this is returned.
     Term(String),
@@ -32,6 +38,8 @@ impl Outcome {
             Self::Ack => AckKind::Ack,
             Self::Nak(delay) => AckKind::Nak(*delay),
             Self::Term(_) => AckKind::Term,
+            Self::HandBack if !crate::connect::is_connected(&message.context.client()) => return,
+            Self::HandBack => AckKind::Nak(None),
             Self::Leave => return,
         };
         if let Err(error) = message.ack_with(kind).await {
@@ -53,15 +61,5 @@ pub async fn keep_alive(message: &jetstream::Message) {
     }
     if let Err(error) = message.ack_with(AckKind::Progress).await {
         warn!(%error, subject = %message.subject, "Could not send an in-progress ack.");
-    }
-}
-
-/// Hands `message` back for redelivery at once (a NAK) as a service stops,
-/// unless the client is disconnected: the NAK would only queue in a
-/// process about to exit (or wait for room in a full queue), and the
-/// server redelivers the message after its ack wait anyway.
-pub async fn hand_back(message: &jetstream::Message) {
-    if crate::connect::is_connected(&message.context.client()) {
-        Outcome::Nak(None).apply(message).await;
     }
 }

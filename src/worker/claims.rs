@@ -53,7 +53,7 @@ impl Claims {
             Some(sequence) if self.held.lock().expect("claims").contains(&sequence) => {
                 Outcome::Leave
             }
-            _ => Outcome::Nak(None),
+            _ => Outcome::HandBack,
         }
     }
 }
@@ -88,9 +88,9 @@ mod tests {
         let claims = Claims::default();
         let running = claims.claim(7).expect("a fresh sequence is claimed");
         assert_eq!(claims.after_stop(Some(7)), Outcome::Leave);
-        assert_eq!(claims.after_stop(Some(8)), Outcome::Nak(None));
-        assert_eq!(claims.after_stop(None), Outcome::Nak(None));
+        assert_eq!(claims.after_stop(Some(8)), Outcome::HandBack);
+        assert_eq!(claims.after_stop(None), Outcome::HandBack);
         drop(running);
-        assert_eq!(claims.after_stop(Some(7)), Outcome::Nak(None));
+        assert_eq!(claims.after_stop(Some(7)), Outcome::HandBack);
     }
 }

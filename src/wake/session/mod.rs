@@ -383,7 +383,7 @@ impl Router {
             all.push(*p);
         }
         for p in &all {
-            crate::outcome::hand_back(&p.message).await;
+            crate::outcome::Outcome::HandBack.apply(&p.message).await;
         }
     }
 }

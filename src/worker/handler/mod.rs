@@ -31,7 +31,7 @@ use super::claims::{Claim, Claims};
 use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
 use crate::bus::{Bus, PublishError};
 use crate::ops::metrics as m;
-use crate::outcome::{Outcome, hand_back, keep_alive};
+use crate::outcome::{Outcome, keep_alive};
 use crate::protocol::{
     CompletionEvent, EventKind, HEADER_TRACEPARENT, StartedEvent, Status, TaskRequest, TraceParent,
     header,
@@ -85,7 +85,7 @@ impl TaskHandler {
     /// stopped and the request handed back.
     pub(crate) async fn settle(&self, message: &jetstream::Message, stop: &CancellationToken) {
         let (outcome, claim) = self.handle(message, stop).await;
-        send(&outcome, message).await;
+        outcome.apply(message).await;
         // Given up only now that the ack (or NAK) is on its way.
         drop(claim);
     }
@@ -102,7 +102,7 @@ impl TaskHandler {
                 "Task redelivered during shutdown while it still runs here; leaving it to the running attempt."
             );
         }
-        send(&outcome, message).await;
+        outcome.apply(message).await;
     }
 
     /// Decides one delivery of a request; the claim it returns (if any) must
@@ -274,7 +274,7 @@ impl TaskHandler {
             }
             (Err(ExecError::Stopped { .. }), None) => {
                 info!("Worker is shutting down; handing the task back.");
-                return Outcome::Nak(None);
+                return Outcome::HandBack;
             }
             (Err(ExecError::Transient(reason)), _) if attempt < self.config.max_deliver => {
                 let delay = self.config.retry_delay(attempt);
@@ -341,7 +341,7 @@ impl TaskHandler {
             }
             Err(error) => {
                 warn!(%error, "Could not publish the completion and the worker is stopping; handing the task back, it will run again.");
-                Outcome::Nak(None)
+                Outcome::HandBack
             }
         }
     }
@@ -457,17 +457,5 @@ impl TaskHandler {
         }
         m::task_completed(&self.config.pool, Status::Error, Duration::ZERO);
         Outcome::Term(rejected.reason)
-    }
-}
-
-/// Sends `outcome` for `message`. A NAK without delay is a worker handing a
-/// task back as it stops, and goes through [`hand_back`]: skipped while the
-/// client is disconnected, when it would only queue in a process about to
-/// exit.
-async fn send(outcome: &Outcome, message: &jetstream::Message) {
-    if *outcome == Outcome::Nak(None) {
-        hand_back(message).await;
-    } else {
-        outcome.apply(message).await;
     }
 }
