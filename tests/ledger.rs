@@ -18,7 +18,11 @@ const WAIT: Duration = Duration::from_secs(30);
 /// fix: `room_again`.
 async fn refuse_ledger_writes(bus: &Bus) -> StreamConfig {
     let name = format!("KV_{}", bus.subjects.wake_ledger_bucket());
-    let mut stream = bus.js.get_stream(&name).await.unwrap();
+    // Created by the wake service as it starts.
+    let mut stream = eventually(WAIT, "the wake ledger", || async {
+        bus.js.get_stream(&name).await.ok()
+    })
+    .await;
     let config = stream.info().await.unwrap().config.clone();
     let mut refusing = config.clone();
     refusing.max_message_size = 16;
@@ -42,11 +46,32 @@ async fn ledger_entry(bus: &Bus, id: &str) -> String {
     String::from_utf8_lossy(&entry.expect("a ledger entry")).into_owned()
 }
 
+/// Publishes the stored completion again under a new `Nats-Msg-Id`, as a
+/// worker that crashed after publishing it and ran the task again after
+/// the dedupe window would, and waits until the wake has settled it.
+async fn publish_completion_again(bus: &Bus) {
+    let stored = all_messages(bus, &bus.subjects.events_stream())
+        .await
+        .into_iter()
+        .find(|m| m.subject.ends_with(".done"))
+        .expect("a stored completion");
+    let mut headers = stored.headers.clone();
+    headers.insert("Nats-Msg-Id", "a-later-rerun");
+    bus.js
+        .publish_with_headers(stored.subject.to_string(), headers, stored.payload.clone())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wake_consumer_settled(bus).await;
+}
+
 #[tokio::test]
 async fn a_delivery_the_ledger_refuses_to_record_is_recorded_once_it_takes_writes_again() {
     let p = Pipeline::start().await;
     let (api, bus, services) = (p.api, p.bus, p.services);
-    api.set_delay(Duration::from_secs(1));
+    // Time for the refusal's API calls before the post is answered.
+    api.set_delay(Duration::from_secs(3));
     let id = delegate(&bus, Delegation::new("refused").session("s.refused")).await;
     wait_until(WAIT, "the post to be in flight", || async {
         api.in_flight() == 1
@@ -64,6 +89,8 @@ async fn a_delivery_the_ledger_refuses_to_record_is_recorded_once_it_takes_write
 
     room_again(&bus, &config).await;
     ledger_records_delivery(&bus, &id).await;
+    // What the record is for: a copy of the completion is not posted.
+    publish_completion_again(&bus).await;
     services.stop().await;
     assert_eq!(api.all_posts().len(), 1, "the wake was posted again");
 }
@@ -73,7 +100,7 @@ async fn a_wake_delivered_while_nats_is_down_is_recorded_by_a_write_made_after_i
     let p = Pipeline::start().await;
     let (mut nats, api, bus, services) = (p.nats, p.api, p.bus, p.services);
     // The post is held long enough for NATS to go down under it.
-    api.set_delay(Duration::from_secs(2));
+    api.set_delay(Duration::from_secs(3));
     let id = delegate(&bus, Delegation::new("outage").session("s.outage")).await;
     wait_until(WAIT, "the post to be in flight", || async {
         api.in_flight() == 1
@@ -100,6 +127,8 @@ async fn a_wake_delivered_while_nats_is_down_is_recorded_by_a_write_made_after_i
     );
     room_again(&bus, &config).await;
     ledger_records_delivery(&bus, &id).await;
+    // What the record is for: a copy of the completion is not posted.
+    publish_completion_again(&bus).await;
     services.stop().await;
     assert_eq!(api.all_posts().len(), 1, "the wake was posted again");
 }
@@ -120,7 +149,8 @@ async fn a_session_stays_with_its_wake_and_keeps_its_lock_while_a_delivery_recor
     let mut services = Services::new();
     services.echo_worker(&bus);
     services.wake_with(&bus, settings.clone(), config);
-    api.set_delay(Duration::from_secs(1));
+    // Time for the refusal's API calls before the post is answered.
+    api.set_delay(Duration::from_secs(3));
     let first = delegate(&bus, Delegation::new("first").session("s.kept")).await;
     wait_until(WAIT, "the first post to be in flight", || async {
         api.in_flight() == 1
@@ -181,10 +211,11 @@ async fn a_session_stays_with_its_wake_and_keeps_its_lock_while_a_delivery_recor
 }
 
 #[tokio::test]
-async fn a_wake_stopped_while_its_delivery_record_is_refused_stops_without_handing_it_back() {
+async fn a_wake_stopped_while_its_delivery_record_is_refused_stops_and_leaves_the_entry_posting() {
     let p = Pipeline::start().await;
     let (api, bus, services) = (p.api, p.bus, p.services);
-    api.set_delay(Duration::from_secs(1));
+    // Time for the refusal's API calls before the post is answered.
+    api.set_delay(Duration::from_secs(3));
     let id = delegate(&bus, Delegation::new("stopped").session("s.stopped")).await;
     wait_until(WAIT, "the post to be in flight", || async {
         api.in_flight() == 1
@@ -194,13 +225,56 @@ async fn a_wake_stopped_while_its_delivery_record_is_refused_stops_without_handi
     wake_consumer_settled(&bus).await;
     api.set_delay(Duration::ZERO);
 
+    // The record loop ends at the stop instead of retrying forever.
     tokio::time::timeout(WAIT, services.stop())
         .await
         .expect("the wake stopped");
-    // Acked with the first write and not handed back: nothing redelivers it.
-    let info = wake_consumer_info(&bus).await.unwrap();
-    assert_eq!((info.num_ack_pending, info.num_pending), (0, 0));
-    assert_eq!(info.num_redelivered, 0);
     assert!(ledger_entry(&bus, &id).await.contains("posting"));
     assert_eq!(api.all_posts().len(), 1);
+}
+
+#[tokio::test]
+async fn completions_whose_turn_the_ledger_refuses_to_record_stay_with_the_wake_until_woken() {
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
+    let ack_wait = test_wake_config(&api.url()).ack_wait;
+    // Refused before the completions arrive: their plan cannot record the
+    // turn (two of them: a combined turn, whose intent is written first),
+    // and the wake keeps them and plans again.
+    let config = refuse_ledger_writes(&bus).await;
+    let mut ids = Vec::new();
+    for goal in ["one", "two"] {
+        ids.push(delegate(&bus, Delegation::new(goal).session("s.unplanned")).await);
+    }
+    wait_until(WAIT, "both completions to reach the wake", || async {
+        done_events(&bus).await.len() == 2
+            && wake_consumer_info(&bus)
+                .await
+                .is_some_and(|info| info.num_ack_pending == 2 && info.num_pending == 0)
+    })
+    .await;
+    // The refusal (its length is the scenario) lasts three AckWaits.
+    tokio::time::sleep(3 * ack_wait).await;
+    let info = wake_consumer_info(&bus).await.unwrap();
+    assert_eq!(
+        info.num_redelivered, 0,
+        "a completion was dropped and redelivered"
+    );
+    assert_eq!(info.num_ack_pending, 2);
+    assert!(api.all_posts().is_empty(), "posted without a ledger entry");
+
+    room_again(&bus, &config).await;
+    for id in &ids {
+        ledger_records_delivery(&bus, id).await;
+    }
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let mut woken: Vec<String> = api
+        .all_posts()
+        .iter()
+        .flat_map(|post| post.delegation_ids())
+        .collect();
+    woken.sort();
+    ids.sort();
+    assert_eq!(woken, ids, "each delegation is woken once");
 }

@@ -1,11 +1,14 @@
 //! What a session's actor has in hand: the completions it holds, its inbox,
 //! and when their in-progress acks are next due.
 //!
-//! Everything the actor waits on (the coalesce window, the lock, a post, a
-//! retry's backoff, a ledger record written again) runs through
+//! Everything the actor waits on (the coalesce window, a busy lock, a post,
+//! a retry's backoff, a ledger record written again) runs through
 //! [`Hold::wait`] or [`Hold::during`], so whatever it has in hand, and
 //! whatever arrives meanwhile, stays with this instance for as long as the
-//! actor lives, not just until the consumer's AckWait.
+//! actor lives, not just until the consumer's AckWait. The single NATS
+//! round trips in between (a ledger read or write, a lock take, a dead
+//! letter) do not; each is bounded by the 5 s JetStream timeout, so with
+//! the default AckWait (30 s) a few of them in a row cannot outlast it.
 
 use std::future::Future;
 use std::time::Duration;

@@ -351,6 +351,12 @@ impl Router {
                 refresh_at: &mut refresh_at,
             };
             match self.post_turn(&mut posting, hold).instrument(span).await {
+                Posted::Done if self.shutdown.is_cancelled() && !turns.is_empty() => {
+                    // Stopped while this turn was posted: the rest is
+                    // handed back, not posted.
+                    hold.held.extend(turns.into_iter().flat_map(|t| t.messages));
+                    return false;
+                }
                 Posted::Done => {}
                 Posted::Retry => {
                     hold.held.extend(turn.messages);

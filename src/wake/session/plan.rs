@@ -2,7 +2,7 @@
 //! which must be re-sent exactly as an earlier post in doubt, and which
 //! become one new turn (recorded in the ledger before it is posted).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use futures::future::join_all;
 use tracing::{info, warn};
@@ -29,40 +29,59 @@ impl Router {
     /// Sorts held completions into turns: already delivered ones are acked,
     /// ones whose earlier post ended in doubt are re-sent as recorded, the
     /// rest become one new turn.
+    ///
+    /// Every message ends up in a turn, acked, or (on an error) back in
+    /// `held`, where the actor keeps it alive and plans it again: each step
+    /// reads what it needs before it takes a message out of `held`, and a
+    /// new turn's ledger writes put its messages back if they fail.
     pub(super) async fn plan(&self, held: &mut Vec<Pending>) -> Result<Vec<Turn>, PlanError> {
-        let (members, singles): (Vec<Pending>, Vec<Pending>) = std::mem::take(held)
-            .into_iter()
-            .partition(|p| p.event.task_count > 1 && p.event.wake_mode == WakeMode::Batch);
-        *held = singles;
-        let mut turns = self.plan_batches(members).await?;
-        turns.extend(self.plan_singles(held).await?);
-        Ok(turns)
+        let mut turns = Vec::new();
+        let planned = match self.plan_batches(held, &mut turns).await {
+            Ok(()) => self.plan_singles(held, &mut turns).await,
+            Err(error) => Err(error),
+        };
+        match planned {
+            Ok(()) => Ok(turns),
+            Err(error) => {
+                // Planned again next time; entries already written say
+                // `posting`, so those turns are re-sent as recorded.
+                held.extend(turns.into_iter().flat_map(|t| t.messages));
+                Err(error)
+            }
+        }
     }
 
     /// Batch members: one consolidated turn once every task has a
     /// completion in the history (whoever handles the last one sees them
     /// all); until then each member is acked, or reported early if it failed
     /// and the batch asked for that.
-    async fn plan_batches(&self, members: Vec<Pending>) -> Result<Vec<Turn>, PlanError> {
+    async fn plan_batches(
+        &self,
+        held: &mut Vec<Pending>,
+        turns: &mut Vec<Turn>,
+    ) -> Result<(), PlanError> {
         let ledger = &self.shared.ledger;
-        let mut by_delegation: BTreeMap<String, Vec<Pending>> = BTreeMap::new();
-        for pending in members {
-            by_delegation
-                .entry(pending.event.delegation_id.clone())
-                .or_default()
-                .push(pending);
-        }
-        let mut turns = Vec::new();
-        for (delegation_id, group) in by_delegation {
+        let mut delegations: Vec<String> = held
+            .iter()
+            .filter(|p| is_batch_member(p))
+            .map(|p| p.event.delegation_id.clone())
+            .collect();
+        delegations.sort_unstable();
+        delegations.dedup();
+        for delegation_id in delegations {
+            let of_batch =
+                |p: &Pending| is_batch_member(p) && p.event.delegation_id == delegation_id;
             let batch_key = WakeLedger::batch_key(&delegation_id);
             if let Some(LedgerState::Delivered { .. }) = ledger.get(&batch_key).await? {
-                for pending in &group {
+                for pending in take_where(held, of_batch) {
                     Outcome::Ack.apply(&pending.message).await;
                 }
                 continue;
             }
-            if let Some(all) = self.batch_completions(&group[0]).await? {
+            let first = held.iter().find(|p| of_batch(p)).expect("a member");
+            if let Some(all) = self.batch_completions(first).await? {
                 info!(delegation_id = %delegation_id, tasks = all.len(), "Every task of the batch has ended; waking once.");
+                let group = take_where(held, of_batch);
                 let key = group.iter().find_map(|p| p.forced_key(&batch_key));
                 turns.push(Turn {
                     traceparent: group[0].traceparent.clone(),
@@ -73,30 +92,39 @@ impl Router {
                 });
                 continue;
             }
-            for pending in group {
-                let event = &pending.event;
-                let early_key = format!("{}.{}.early", event.delegation_id, event.task_index);
-                // A failure, not a cancel: the canceller knows already.
-                let notify = event.notify_early_failure
-                    && matches!(
-                        event.status,
-                        Status::Failed | Status::Timeout | Status::Error
-                    );
-                if notify && ledger.get(&early_key).await?.is_none() {
+            // Not complete yet: a failure is reported early if the batch
+            // asked for that and it was not reported before; the rest is
+            // recorded in the history, and the batch's last task reports it.
+            let asking: BTreeSet<String> = held
+                .iter()
+                .filter(|p| of_batch(p) && notify_early(p))
+                .map(early_key)
+                .collect();
+            let mut unreported = BTreeSet::new();
+            for key in asking {
+                if ledger.get(&key).await?.is_none() {
+                    unreported.insert(key);
+                }
+            }
+            for pending in take_where(held, of_batch) {
+                let early_key = early_key(&pending);
+                if !notify_early(&pending) || !unreported.contains(&early_key) {
+                    Outcome::Ack.apply(&pending.message).await;
+                } else if let Some(turn) = turns.iter_mut().find(|t| t.key == early_key) {
+                    // The same failure twice (a redelivery while held).
+                    turn.messages.push(pending);
+                } else {
                     turns.push(Turn {
                         traceparent: pending.traceparent.clone(),
-                        key: early_key.clone(),
-                        text: turn::render_early_failure(event),
-                        covers: vec![early_key],
+                        text: turn::render_early_failure(&pending.event),
+                        covers: vec![early_key.clone()],
+                        key: early_key,
                         messages: vec![pending],
                     });
-                } else {
-                    // Recorded in the history; the batch's last task reports it.
-                    Outcome::Ack.apply(&pending.message).await;
                 }
             }
         }
-        Ok(turns)
+        Ok(())
     }
 
     /// Every completion of `member`'s batch, by task index, if all exist.
@@ -133,7 +161,11 @@ impl Router {
         Ok(Some(all))
     }
 
-    async fn plan_singles(&self, held: &mut Vec<Pending>) -> Result<Vec<Turn>, PlanError> {
+    async fn plan_singles(
+        &self,
+        held: &mut Vec<Pending>,
+        turns: &mut Vec<Turn>,
+    ) -> Result<(), PlanError> {
         let ledger = &self.shared.ledger;
         // The common case: one completion, never seen before. Creating its
         // `posting` entry both tells that nothing was recorded for it and
@@ -143,15 +175,17 @@ impl Router {
             let key = only.event_key();
             if ledger.mark_posting_if_new(&only.ledger_key(), &key).await? {
                 let pending = held.pop().expect("one held");
-                return Ok(vec![Turn {
+                turns.push(Turn {
                     traceparent: pending.traceparent.clone(),
                     text: turn::render(&[&pending.event]),
                     covers: vec![pending.ledger_key()],
                     key,
                     messages: vec![pending],
-                }]);
+                });
+                return Ok(());
             }
         }
+        // Everything read first, so that an error leaves `held` whole.
         let states = join_all(
             held.iter()
                 .map(|p| async move { ledger.get(&p.ledger_key()).await }),
@@ -159,6 +193,15 @@ impl Router {
         .await
         .into_iter()
         .collect::<Result<Vec<_>, _>>()?;
+        let mut intents: BTreeMap<String, Option<Intent>> = BTreeMap::new();
+        for state in &states {
+            if let Some(LedgerState::Posting { idempotency_key }) = state
+                && !intents.contains_key(idempotency_key)
+            {
+                let intent = ledger.intent(idempotency_key).await?;
+                intents.insert(idempotency_key.clone(), intent);
+            }
+        }
         let mut recovering: Vec<Turn> = Vec::new();
         let mut fresh: Vec<Pending> = Vec::new();
         for (pending, state) in std::mem::take(held).into_iter().zip(states) {
@@ -170,7 +213,7 @@ impl Router {
                 Some(LedgerState::Posting { idempotency_key }) => {
                     if let Some(turn) = recovering.iter_mut().find(|t| t.key == idempotency_key) {
                         turn.messages.push(pending);
-                    } else if let Some(intent) = ledger.intent(&idempotency_key).await? {
+                    } else if let Some(Some(intent)) = intents.remove(&idempotency_key) {
                         warn!(idempotency_key = %idempotency_key, "An earlier post ended in doubt; re-sending it with the same Idempotency-Key.");
                         recovering.push(Turn {
                             traceparent: pending.traceparent.clone(),
@@ -204,6 +247,7 @@ impl Router {
                 None => remaining.push(pending),
             }
         }
+        turns.append(&mut recovering);
         // A redelivered completion may have been posted alone before (its
         // ledger entry lost with the instance that posted it): post it alone
         // again, under the same key, never inside a new combined turn.
@@ -217,28 +261,44 @@ impl Router {
                 .push(pending);
         }
         let mut first_time = Vec::new();
+        let mut alone = Vec::new();
         for messages in by_task.into_values() {
             // A forced replay is posted alone too, under its own key.
-            let alone = messages.iter().any(|p| {
+            if messages.iter().any(|p| {
                 p.message.info().is_ok_and(|info| info.delivered > 1) || p.forced_key("").is_some()
-            });
-            if alone {
-                recovering.extend(self.new_turn(messages).await?);
+            }) {
+                alone.push(messages);
             } else {
                 first_time.extend(messages);
             }
         }
-        if let Some(turn) = self.new_turn(first_time).await? {
-            recovering.push(turn);
+        // A failed write puts the messages of the turn it was for, and of
+        // those not tried yet, back in `held`.
+        if !first_time.is_empty() {
+            alone.push(first_time);
         }
-        Ok(recovering)
+        let mut groups = alone.into_iter();
+        while let Some(messages) = groups.next() {
+            if let Err(error) = self.new_turn(messages, held, turns).await {
+                held.extend(groups.flatten());
+                return Err(error.into());
+            }
+        }
+        Ok(())
     }
 
-    /// One turn for completions never posted before. A combined turn's
-    /// intent is recorded first, so a post that ends in doubt can be repeated exactly.
-    async fn new_turn(&self, mut messages: Vec<Pending>) -> Result<Option<Turn>, LedgerError> {
+    /// One turn for completions never posted before, added to `turns`; if
+    /// its ledger writes fail, its messages go back to `held`. A combined
+    /// turn's intent is recorded first, so a post that ends in doubt can be
+    /// repeated exactly.
+    async fn new_turn(
+        &self,
+        mut messages: Vec<Pending>,
+        held: &mut Vec<Pending>,
+        turns: &mut Vec<Turn>,
+    ) -> Result<(), LedgerError> {
         if messages.is_empty() {
-            return Ok(None);
+            return Ok(());
         }
         // A stable order: by delegation id (ULIDs sort by creation), then task.
         messages.sort_by_key(Pending::ledger_key);
@@ -253,40 +313,89 @@ impl Router {
             }
         }
         let text = turn::render(&events);
-        let key = match events.as_slice() {
+        let recorded = match events.as_slice() {
             [_] => {
                 // Recorded before the post: if the post's outcome is lost
                 // (ledger write failed, ack lost, even a redelivery count
                 // lost in a failover), the completion is re-sent alone under
                 // this key and never joins a new combined turn.
                 let key = messages[0].event_key();
-                self.shared.ledger.mark_posting(&covers[0], &key).await?;
-                key
+                self.shared
+                    .ledger
+                    .mark_posting(&covers[0], &key)
+                    .await
+                    .map(|()| key)
             }
             _ => {
                 let key = format!("wake.{}", ulid::Ulid::new());
-                let ledger = &self.shared.ledger;
-                ledger
-                    .put_intent(
-                        &key,
-                        &Intent {
-                            text: text.clone(),
-                            covers: covers.clone(),
-                        },
-                    )
-                    .await?;
-                for covered in &covers {
-                    ledger.mark_posting(covered, &key).await?;
-                }
-                key
+                self.record_intent(&key, &text, &covers).await.map(|()| key)
             }
         };
-        Ok(Some(Turn {
-            traceparent: messages[0].traceparent.clone(),
-            key,
-            text,
-            covers,
-            messages,
-        }))
+        match recorded {
+            Ok(key) => {
+                turns.push(Turn {
+                    traceparent: messages[0].traceparent.clone(),
+                    key,
+                    text,
+                    covers,
+                    messages,
+                });
+                Ok(())
+            }
+            Err(error) => {
+                held.extend(messages);
+                Err(error)
+            }
+        }
     }
+
+    /// Records a combined turn before its post: the intent, then each
+    /// covered completion's `posting` entry.
+    async fn record_intent(
+        &self,
+        key: &str,
+        text: &str,
+        covers: &[String],
+    ) -> Result<(), LedgerError> {
+        let ledger = &self.shared.ledger;
+        let intent = Intent {
+            text: text.to_owned(),
+            covers: covers.to_vec(),
+        };
+        ledger.put_intent(key, &intent).await?;
+        for covered in covers {
+            ledger.mark_posting(covered, key).await?;
+        }
+        Ok(())
+    }
+}
+
+fn is_batch_member(pending: &Pending) -> bool {
+    pending.event.task_count > 1 && pending.event.wake_mode == WakeMode::Batch
+}
+
+/// Whether a batch member's failure is reported before the batch ends: a
+/// failure, not a cancel (the canceller knows already), if the batch asked.
+fn notify_early(pending: &Pending) -> bool {
+    let event = &pending.event;
+    event.notify_early_failure
+        && matches!(
+            event.status,
+            Status::Failed | Status::Timeout | Status::Error
+        )
+}
+
+/// The ledger key of a batch member's early failure report.
+fn early_key(pending: &Pending) -> String {
+    format!(
+        "{}.{}.early",
+        pending.event.delegation_id, pending.event.task_index
+    )
+}
+
+/// Takes the messages `matching` out of `held`, keeping the order of both.
+fn take_where(held: &mut Vec<Pending>, matching: impl Fn(&Pending) -> bool) -> Vec<Pending> {
+    let (taken, kept) = std::mem::take(held).into_iter().partition(|p| matching(p));
+    *held = kept;
+    taken
 }

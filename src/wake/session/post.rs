@@ -32,9 +32,9 @@ pub(super) struct Posting<'a> {
 }
 
 impl Posting<'_> {
-    /// Refreshes the lock if due. Returns false if that failed: the lock
-    /// may be another instance's now, and `refresh_at` stays due, so the
-    /// next post tries again first.
+    /// Refreshes the lock if due, or if an earlier refresh failed. An error
+    /// leaves the guard lost (the lock may be another instance's now) and
+    /// `refresh_at` due, so the next post tries again first.
     async fn refresh_lock_if_due(&mut self, locks: &SessionLocks) -> Result<(), LockError> {
         if Instant::now() < *self.refresh_at && !self.guard.is_lost() {
             return Ok(());
@@ -116,8 +116,10 @@ impl Router {
                     return Posted::Done;
                 }
                 PostResult::Retry { reason, after } => {
+                    // Jitter may add up to as much again: `retry_max` caps it.
+                    let retry_max = shared.config.retry_max;
                     let delay =
-                        after.unwrap_or_else(|| backoff.next().unwrap_or(shared.config.retry_max));
+                        after.unwrap_or_else(|| backoff.next().unwrap_or(retry_max).min(retry_max));
                     warn!(%reason, attempt, retry_in = ?delay, "Wake post failed, will retry.");
                     m::wake_posted("retry");
                     let until = Instant::now() + delay;
