@@ -791,6 +791,69 @@ async fn a_wake_stopped_while_its_post_is_failing_hands_the_completion_to_the_ne
 }
 
 #[tokio::test]
+async fn a_wake_stopped_while_it_posts_one_of_a_sessions_turns_hands_the_others_back_unposted() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    // Two tasks of a batch fail at once, each reported early (its own
+    // turn); the third runs on, so the batch's own turn does not come.
+    let script = r#"input=$(cat); case "$input" in *FAIL*) exit 1;; *) sleep 600;; esac"#;
+    let mut services = Services::new();
+    services.worker(&bus, shell(script), test_worker_config("default"));
+    services.wake(&bus, test_wake_config(&api.url()));
+    // Another instance holds the session, so the wake collects both
+    // failures before it plans: two turns in one plan.
+    let locks = SessionLocks::new(
+        bus.js.clone(),
+        session_lock_bucket(&bus, Duration::from_secs(30)).await,
+        "another-wake",
+        Duration::from_secs(30),
+    );
+    let token = wakebus::protocol::session_token("s.turns");
+    let guard = locks.try_acquire(&token).await.unwrap().expect("free");
+    let goals = ["first FAIL", "second FAIL", "third runs on"].map(String::from);
+    let mut delegation = Delegation::batch(goals).session("s.turns");
+    delegation.notify_early_failure = true;
+    delegate(&bus, delegation).await;
+    wait_until(WAIT, "both failures to wait in the wake", || async {
+        done_events(&bus).await.len() == 2
+            && wake_consumer_info(&bus)
+                .await
+                .is_some_and(|info| info.num_ack_pending == 2 && info.num_pending == 0)
+    })
+    .await;
+    api.set_delay(Duration::from_secs(2));
+    locks.release(guard).await;
+    wait_until(WAIT, "the first turn's post", || async {
+        api.in_flight() == 1
+    })
+    .await;
+    api.set_delay(Duration::ZERO);
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 1, "a turn was posted after the stop");
+
+    // The next instance posts the other one.
+    let mut next = Services::new();
+    next.wake(&bus, test_wake_config(&api.url()));
+    wait_until(WAIT, "the second turn", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    next.stop().await;
+    let texts: Vec<String> = api.all_posts().iter().map(|p| p.text()).collect();
+    assert_eq!(texts.len(), 2);
+    for task in ["Task 0 of 3", "Task 1 of 3"] {
+        assert_eq!(
+            texts.iter().filter(|t| t.contains(task)).count(),
+            1,
+            "{task}: {texts:?}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn services_started_before_the_server_wait_for_it() {
     init_logs();
     let port = nats::free_port();
