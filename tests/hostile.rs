@@ -213,6 +213,114 @@ async fn a_request_at_the_servers_max_payload_completes_with_its_context_cut_to_
 }
 
 #[tokio::test]
+async fn completions_too_large_to_combine_into_one_turn_are_each_woken_alone() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let max_payload = bus.client.server_info().max_payload;
+    // Each result fits in a completion; two of them do not fit in the one
+    // ledger entry a combined turn records before its post.
+    let script = format!("head -c {} /dev/zero | tr '\\0' x", max_payload * 3 / 5);
+    let mut services = Services::new();
+    services.worker(&bus, shell(&script), test_worker_config("default"));
+    services.wake(&bus, test_wake_config(&api.url()));
+    // Another instance holds the session until both are in the wake, so
+    // that they are planned together.
+    let locks = wakebus::wake::lock::SessionLocks::new(
+        bus.js.clone(),
+        session_lock_bucket(&bus, Duration::from_secs(30)).await,
+        "another-wake",
+        Duration::from_secs(30),
+    );
+    let guard = locks
+        .try_acquire(&session_token("s.large"))
+        .await
+        .unwrap()
+        .expect("free");
+    let mut ids = Vec::new();
+    for goal in ["one", "two"] {
+        ids.push(delegate(&bus, Delegation::new(goal).session("s.large")).await);
+    }
+    wait_until(WAIT, "both completions to wait in the wake", || async {
+        done_events(&bus).await.len() == 2
+            && wake_consumer_info(&bus)
+                .await
+                .is_some_and(|info| info.num_ack_pending == 2 && info.num_pending == 0)
+    })
+    .await;
+    locks.release(guard).await;
+    wait_until(WAIT, "both wakes", || async { api.accepted().len() == 2 }).await;
+    wake_consumer_settled(&bus).await;
+    let info = wake_consumer_info(&bus).await.unwrap();
+    services.stop().await;
+    assert_eq!(
+        info.delivered.consumer_sequence, 2,
+        "a completion was redelivered"
+    );
+    let mut woken: Vec<Vec<String>> = api.all_posts().iter().map(|p| p.delegation_ids()).collect();
+    woken.sort();
+    ids.sort();
+    assert_eq!(woken, [vec![ids[0].clone()], vec![ids[1].clone()]]);
+}
+
+#[tokio::test]
+async fn a_batch_whose_sibling_completion_is_garbled_is_woken_reporting_that_task_as_an_error() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let gate = tempfile::tempdir().unwrap();
+    let open = gate.path().join("open");
+    // The first task ends once the gate opens; the second runs on.
+    let script = format!(
+        r#"input=$(cat); case "$input" in *GATE*) while [ ! -f '{}' ]; do sleep 0.05; done; echo done;; *) sleep 600;; esac"#,
+        open.display()
+    );
+    let mut services = Services::new();
+    services.worker(&bus, shell(&script), test_worker_config("default"));
+    services.wake(&bus, test_wake_config(&api.url()));
+    let goals = ["first GATE", "second runs on"].map(String::from);
+    let id = delegate(&bus, Delegation::batch(goals).session("s.garbled")).await;
+    // Garbage where the second task's completion will be read from.
+    let mut headers = HeaderMap::new();
+    headers.insert("Wakebus-Origin-Session", "s.garbled");
+    let subject = bus.subjects.event(
+        &session_token("s.garbled"),
+        &id,
+        1,
+        wakebus::protocol::EventKind::Done,
+    );
+    bus.js
+        .publish_with_headers(subject, headers, "\u{0}garbage".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let dlq = bus.subjects.dead_letter_stream();
+    wait_until(WAIT, "the garbage to be dead-lettered", || async {
+        all_messages(&bus, &dlq).await.len() == 1
+    })
+    .await;
+
+    std::fs::write(&open, "").unwrap();
+    wait_until(WAIT, "the batch's wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    services.stop().await;
+    let posts = api.all_posts();
+    assert_eq!(posts.len(), 1);
+    let text = posts[0].text();
+    assert!(
+        text.starts_with(&format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]")),
+        "{text}"
+    );
+    assert!(text.contains("1 completed, 1 not completed"), "{text}");
+    assert!(text.contains("cannot be read"), "{text}");
+}
+
+#[tokio::test]
 async fn a_rejected_request_too_large_to_store_again_is_dead_lettered_without_its_body() {
     init_logs();
     let nats = NatsServer::start().await;

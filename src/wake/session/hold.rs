@@ -5,10 +5,11 @@
 //! a retry's backoff, a ledger record written again) runs through
 //! [`Hold::wait`] or [`Hold::during`], so whatever it has in hand, and
 //! whatever arrives meanwhile, stays with this instance for as long as the
-//! actor lives, not just until the consumer's AckWait. The single NATS
-//! round trips in between (a ledger read or write, a lock take, a dead
-//! letter) do not; each is bounded by the 5 s JetStream timeout, so with
-//! the default AckWait (30 s) a few of them in a row cannot outlast it.
+//! actor lives, not just until the consumer's AckWait. The NATS round
+//! trips in between (planning's ledger and history reads and writes, a lock
+//! take, a dead letter) do not: each is bounded by the 5 s JetStream
+//! timeout, and a JetStream slow enough to string them past AckWait gets
+//! the completions redelivered, which the ledger then settles.
 
 use std::future::Future;
 use std::time::Duration;

@@ -148,10 +148,13 @@ impl Router {
                 .get_last_raw_message_by_subject(&subject)
                 .await
             {
-                Ok(message) => all.push(
-                    CompletionEvent::decode(&message.payload)
-                        .map_err(|e| PlanError::History(e.to_string()))?,
-                ),
+                Ok(message) => match CompletionEvent::decode(&message.payload) {
+                    Ok(done) => all.push(done),
+                    Err(error) => {
+                        warn!(delegation_id = %member.event.delegation_id, task_index = index, %error, "A batch task's stored completion cannot be read; the batch reports it as an error.");
+                        all.push(unreadable(&member.event, index, &error));
+                    }
+                },
                 Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
                     return Ok(None);
                 }
@@ -269,14 +272,29 @@ impl Router {
             }) {
                 alone.push(messages);
             } else {
-                first_time.extend(messages);
+                first_time.push(messages);
             }
+        }
+        // The rest is one combined turn, if its intent fits in one ledger
+        // entry; if not, it could never be recorded (and so never posted),
+        // so each task goes alone.
+        if first_time.len() > 1 {
+            let budget = self.shared.bus.max_payload().saturating_sub(INTENT_MARGIN);
+            if combined_intent_size(&first_time) <= budget {
+                alone.push(first_time.into_iter().flatten().collect());
+            } else {
+                warn!(
+                    tasks = first_time.len(),
+                    budget,
+                    "Completions too large to record as one combined turn; posting each alone."
+                );
+                alone.append(&mut first_time);
+            }
+        } else {
+            alone.append(&mut first_time);
         }
         // A failed write puts the messages of the turn it was for, and of
         // those not tried yet, back in `held`.
-        if !first_time.is_empty() {
-            alone.push(first_time);
-        }
         let mut groups = alone.into_iter();
         while let Some(messages) = groups.next() {
             if let Err(error) = self.new_turn(messages, held, turns).await {
@@ -368,6 +386,49 @@ impl Router {
         }
         Ok(())
     }
+}
+
+/// Stands in for a batch task whose stored completion cannot be decoded (a
+/// garbled or forged publish, dead-lettered itself when the wake met it):
+/// retrying cannot change what is stored, so rather than never waking the
+/// batch, its turn reports that task as an error.
+fn unreadable(
+    member: &CompletionEvent,
+    task_index: u32,
+    error: &serde_json::Error,
+) -> CompletionEvent {
+    CompletionEvent {
+        event_id: CompletionEvent::id_for(&member.delegation_id, task_index),
+        task_index,
+        goal: String::new(),
+        context: String::new(),
+        model: None,
+        status: Status::Error,
+        summary: None,
+        error: Some(format!("its stored completion cannot be read: {error}")),
+        api_calls: 0,
+        prompt_tokens: None,
+        completion_tokens: None,
+        duration_seconds: 0.0,
+        truncated: false,
+        suppress_wake: false,
+        exit_reason: "unreadable_completion".to_owned(),
+        ..member.clone()
+    }
+}
+
+/// Room left in a ledger entry for the KV layer beyond the intent's JSON.
+const INTENT_MARGIN: usize = 1024;
+
+/// The size of the intent a combined turn of these tasks (one group of
+/// messages each) would record.
+fn combined_intent_size(tasks: &[Vec<Pending>]) -> usize {
+    let events: Vec<&CompletionEvent> = tasks.iter().map(|group| &group[0].event).collect();
+    let intent = Intent {
+        text: turn::render(&events),
+        covers: tasks.iter().map(|group| group[0].ledger_key()).collect(),
+    };
+    serde_json::to_vec(&intent).map_or(usize::MAX, |json| json.len())
 }
 
 fn is_batch_member(pending: &Pending) -> bool {

@@ -49,14 +49,21 @@ impl Router {
     /// Posts one turn until it is delivered, refused for good, or shutdown.
     pub(super) async fn post_turn(&self, posting: &mut Posting<'_>, hold: &mut Hold) -> Posted {
         let shared = &self.shared;
+        // Jitter adds up to as much again: doubling up to half of
+        // `retry_max` keeps the waits below it, and spread out at the top.
+        let retry_max = shared.config.retry_max;
         let mut backoff = ExponentialBuilder::default()
-            .with_min_delay(shared.config.retry_min)
-            .with_max_delay(shared.config.retry_max)
+            .with_min_delay(shared.config.retry_min.min(retry_max / 2))
+            .with_max_delay(retry_max / 2)
             .with_jitter()
             .without_max_times()
             .build();
         let turn = posting.turn;
         let in_flight = [std::slice::from_ref(turn), posting.later];
+        if self.shutdown.is_cancelled() {
+            // Stopped while the turn was planned: handed back, not posted.
+            return Posted::Shutdown;
+        }
         let events = turn.events();
         let mut attempt = 0u32;
         loop {
@@ -116,8 +123,6 @@ impl Router {
                     return Posted::Done;
                 }
                 PostResult::Retry { reason, after } => {
-                    // Jitter may add up to as much again: `retry_max` caps it.
-                    let retry_max = shared.config.retry_max;
                     let delay =
                         after.unwrap_or_else(|| backoff.next().unwrap_or(retry_max).min(retry_max));
                     warn!(%reason, attempt, retry_in = ?delay, "Wake post failed, will retry.");
