@@ -217,7 +217,7 @@ impl Router {
                     if let Some(turn) = recovering.iter_mut().find(|t| t.key == idempotency_key) {
                         turn.messages.push(pending);
                     } else if let Some(Some(intent)) = intents.remove(&idempotency_key) {
-                        warn!(idempotency_key = %idempotency_key, "An earlier post ended in doubt; re-sending it with the same Idempotency-Key.");
+                        warn!(idempotency_key = %idempotency_key, "A post was recorded but never confirmed (it may not have been sent at all); sending it with the same Idempotency-Key.");
                         recovering.push(Turn {
                             traceparent: pending.traceparent.clone(),
                             key: idempotency_key,
@@ -228,7 +228,7 @@ impl Router {
                     } else {
                         // A single post in doubt (singles record no
                         // intent): repeat it alone, under the same key.
-                        warn!(idempotency_key = %idempotency_key, "An earlier post ended in doubt; re-sending it with the same Idempotency-Key.");
+                        warn!(idempotency_key = %idempotency_key, "A post was recorded but never confirmed (it may not have been sent at all); sending it with the same Idempotency-Key.");
                         recovering.push(Turn {
                             traceparent: pending.traceparent.clone(),
                             text: turn::render(&[&pending.event]),
