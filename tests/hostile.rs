@@ -265,24 +265,26 @@ async fn completions_too_large_to_combine_into_one_turn_are_each_woken_alone() {
 }
 
 #[tokio::test]
-async fn a_batch_whose_sibling_completion_is_garbled_is_woken_reporting_that_task_as_an_error() {
+async fn a_garbled_completion_of_a_batch_task_neither_wakes_the_batch_early_nor_holds_up_the_session()
+ {
     init_logs();
     let nats = NatsServer::start().await;
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
-    let gate = tempfile::tempdir().unwrap();
-    let open = gate.path().join("open");
-    // The first task ends once the gate opens; the second runs on.
+    let gates = tempfile::tempdir().unwrap();
+    let gate = |name: &str| gates.path().join(name);
+    // Batch tasks end when their gate opens; anything else at once.
     let script = format!(
-        r#"input=$(cat); case "$input" in *GATE*) while [ ! -f '{}' ]; do sleep 0.05; done; echo done;; *) sleep 600;; esac"#,
-        open.display()
+        r#"input=$(cat); case "$input" in *first*) g='{}';; *second*) g='{}';; *) echo fine; exit 0;; esac; while [ ! -f "$g" ]; do sleep 0.05; done; echo done"#,
+        gate("first").display(),
+        gate("second").display()
     );
     let mut services = Services::new();
     services.worker(&bus, shell(&script), test_worker_config("default"));
     services.wake(&bus, test_wake_config(&api.url()));
-    let goals = ["first GATE", "second runs on"].map(String::from);
+    let goals = ["first task", "second task"].map(String::from);
     let id = delegate(&bus, Delegation::batch(goals).session("s.garbled")).await;
-    // Garbage where the second task's completion will be read from.
+    // Garbage where the second task's completion is read from, while it runs.
     let mut headers = HeaderMap::new();
     headers.insert("Wakebus-Origin-Session", "s.garbled");
     let subject = bus.subjects.event(
@@ -303,21 +305,42 @@ async fn a_batch_whose_sibling_completion_is_garbled_is_woken_reporting_that_tas
     })
     .await;
 
-    std::fs::write(&open, "").unwrap();
-    wait_until(WAIT, "the batch's wake", || async {
+    // The first task ends: the batch is not complete, and says nothing yet.
+    std::fs::write(gate("first"), "").unwrap();
+    wait_until(WAIT, "the first task's completion", || async {
+        all_messages(&bus, &bus.subjects.events_stream())
+            .await
+            .iter()
+            .filter(|m| m.subject.ends_with(".0.done"))
+            .count()
+            == 1
+    })
+    .await;
+    // The session's other work is not held up meanwhile.
+    let single = delegate(&bus, Delegation::new("single").session("s.garbled")).await;
+    wait_until(WAIT, "the single task's wake", || async {
         !api.accepted().is_empty()
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    assert_eq!(api.all_posts().len(), 1, "the batch was woken early");
+    assert_eq!(api.all_posts()[0].delegation_ids(), [single]);
+
+    // The second task's real completion ends the batch.
+    std::fs::write(gate("second"), "").unwrap();
+    wait_until(WAIT, "the batch's wake", || async {
+        api.accepted().len() == 2
     })
     .await;
     services.stop().await;
     let posts = api.all_posts();
-    assert_eq!(posts.len(), 1);
-    let text = posts[0].text();
+    assert_eq!(posts.len(), 2);
+    let text = posts[1].text();
     assert!(
         text.starts_with(&format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]")),
         "{text}"
     );
-    assert!(text.contains("1 completed, 1 not completed"), "{text}");
-    assert!(text.contains("cannot be read"), "{text}");
+    assert!(text.contains("2 completed, 0 not completed"), "{text}");
 }
 
 #[tokio::test]

@@ -799,9 +799,13 @@ async fn a_wake_stopped_while_it_posts_one_of_a_sessions_turns_hands_the_others_
     // Two tasks of a batch fail at once, each reported early (its own
     // turn); the third runs on, so the batch's own turn does not come.
     let script = r#"input=$(cat); case "$input" in *FAIL*) exit 1;; *) sleep 600;; esac"#;
+    // AckWait far beyond the waits below: only a hand-back gets the
+    // second turn to the next instance in time.
+    let mut config = test_wake_config(&api.url());
+    config.ack_wait = Duration::from_secs(120);
     let mut services = Services::new();
     services.worker(&bus, shell(script), test_worker_config("default"));
-    services.wake(&bus, test_wake_config(&api.url()));
+    services.wake(&bus, config.clone());
     // Another instance holds the session, so the wake collects both
     // failures before it plans: two turns in one plan.
     let locks = SessionLocks::new(
@@ -835,7 +839,7 @@ async fn a_wake_stopped_while_it_posts_one_of_a_sessions_turns_hands_the_others_
 
     // The next instance posts the other one.
     let mut next = Services::new();
-    next.wake(&bus, test_wake_config(&api.url()));
+    next.wake(&bus, config);
     wait_until(WAIT, "the second turn", || async {
         api.accepted().len() == 2
     })

@@ -53,9 +53,11 @@ pub struct WakeConfig {
     pub ack_wait: Duration,
     /// Most completions held unacknowledged at once (across all instances).
     pub max_in_flight: i64,
-    /// First retry delay after a failed post.
+    /// First retry delay after a failed post (plus jitter); it doubles up
+    /// to half of `retry_max`.
     pub retry_min: Duration,
-    /// Longest retry delay (a `Retry-After` may ask for longer).
+    /// Longest retry delay, jitter included (a `Retry-After` may ask for
+    /// longer).
     pub retry_max: Duration,
     /// This instance's name, in lock values and logs.
     pub instance: String,

@@ -7,7 +7,8 @@
 //! whatever arrives meanwhile, stays with this instance for as long as the
 //! actor lives, not just until the consumer's AckWait. The NATS round
 //! trips in between (planning's ledger and history reads and writes, a lock
-//! take, a dead letter) do not: each is bounded by the 5 s JetStream
+//! take or the refresh before a post, a delivery's record and acks, a dead
+//! letter) do not: each is bounded by the 5 s JetStream
 //! timeout, and a JetStream slow enough to string them past AckWait gets
 //! the completions redelivered, which the ledger then settles.
 

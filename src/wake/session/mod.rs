@@ -158,6 +158,17 @@ enum Posted {
     Shutdown,
 }
 
+/// How one round of [`Router::deliver`] ended.
+enum Round {
+    /// Everything held was posted (or settled).
+    Done,
+    /// Planning or a NATS write failed; what was held is held again, for
+    /// the next round.
+    Again,
+    /// The service is stopping; what is held is to be handed back.
+    Stopped,
+}
+
 /// Routes completions to their session's actor, starting actors on demand.
 #[derive(Debug)]
 pub(crate) struct Router {
@@ -207,6 +218,9 @@ impl Router {
         // The session lock, kept for `lock_linger` after a turn so that the
         // session's next completion does not pay for a release and a take.
         let mut lock: Option<LockGuard> = None;
+        // The last round planned or posted nothing, and is tried again
+        // under the lock it kept: not a new turn for the lock metric.
+        let mut again = false;
         loop {
             if hold.held.is_empty() && lock.is_none() {
                 // Nothing in hand and no lock to keep: the actor ends (a
@@ -263,7 +277,9 @@ impl Router {
             }
             let mut guard = match lock.take() {
                 Some(guard) => {
-                    m::wake_session_lock("kept");
+                    if !again {
+                        m::wake_session_lock("kept");
+                    }
                     guard
                 }
                 None => match self.acquire_lock(&mut hold).await {
@@ -271,9 +287,13 @@ impl Router {
                     None => return self.hand_back(&session, hold).await,
                 },
             };
-            if !self.deliver(&session, &mut hold, &mut guard).await {
-                self.release(Some(guard)).await;
-                return self.hand_back(&session, hold).await;
+            match self.deliver(&session, &mut hold, &mut guard).await {
+                Round::Done => again = false,
+                Round::Again => again = true,
+                Round::Stopped => {
+                    self.release(Some(guard)).await;
+                    return self.hand_back(&session, hold).await;
+                }
             }
             // A lock whose refresh failed is never reused: the next turn
             // takes the lock anew.
@@ -327,14 +347,14 @@ impl Router {
         }
     }
 
-    /// Delivers everything held. Returns false if shutdown interrupted it;
-    /// `hold` then keeps what is left to hand back.
-    async fn deliver(&self, session: &str, hold: &mut Hold, guard: &mut LockGuard) -> bool {
+    /// Delivers everything held. If shutdown interrupted it, `hold` keeps
+    /// what is left to hand back.
+    async fn deliver(&self, session: &str, hold: &mut Hold, guard: &mut LockGuard) -> Round {
         let mut turns = match self.plan(&mut hold.held).await {
             Ok(turns) => turns,
             Err(error) => {
-                warn!(%error, "Wake ledger unavailable; will retry.");
-                return self.wait(hold, Duration::from_secs(1)).await;
+                warn!(%error, "Could not plan the session's turns; will retry.");
+                return self.again_after(hold, Duration::from_secs(1)).await;
             }
         };
         let mut refresh_at = guard.written_at() + self.shared.locks.refresh_interval();
@@ -351,30 +371,34 @@ impl Router {
                 refresh_at: &mut refresh_at,
             };
             match self.post_turn(&mut posting, hold).instrument(span).await {
-                Posted::Done if self.shutdown.is_cancelled() && !turns.is_empty() => {
-                    // Stopped while this turn was posted: the rest is
-                    // handed back, not posted.
-                    hold.held.extend(turns.into_iter().flat_map(|t| t.messages));
-                    return false;
-                }
                 Posted::Done => {}
                 Posted::Retry => {
                     hold.held.extend(turn.messages);
                     hold.held.extend(turns.into_iter().flat_map(|t| t.messages));
-                    return self.wait(hold, Duration::from_secs(1)).await;
+                    return self.again_after(hold, Duration::from_secs(1)).await;
                 }
                 Posted::DoneThenShutdown => {
                     hold.held.extend(turns.into_iter().flat_map(|t| t.messages));
-                    return false;
+                    return Round::Stopped;
                 }
                 Posted::Shutdown => {
                     hold.held.extend(turn.messages);
                     hold.held.extend(turns.into_iter().flat_map(|t| t.messages));
-                    return false;
+                    return Round::Stopped;
                 }
             }
         }
-        true
+        Round::Done
+    }
+
+    /// [`Round::Again`] after `delay`, or [`Round::Stopped`] if the service
+    /// stops first.
+    async fn again_after(&self, hold: &mut Hold, delay: Duration) -> Round {
+        if self.wait(hold, delay).await {
+            Round::Again
+        } else {
+            Round::Stopped
+        }
     }
 
     /// Shutdown: hand every held message back at once so another instance

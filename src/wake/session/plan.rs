@@ -1,6 +1,8 @@
 //! Planning: which of the completions an actor holds are already woken,
 //! which must be re-sent exactly as an earlier post in doubt, and which
-//! become one new turn (recorded in the ledger before it is posted).
+//! become a new turn (recorded in the ledger before it is posted): one
+//! combined turn, or one each when that would be too large to record, or
+//! for copies that may have been posted alone before.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -28,7 +30,7 @@ pub(super) enum PlanError {
 impl Router {
     /// Sorts held completions into turns: already delivered ones are acked,
     /// ones whose earlier post ended in doubt are re-sent as recorded, the
-    /// rest become one new turn.
+    /// rest become new turns (see the module doc).
     ///
     /// Every message ends up in a turn, acked, or (on an error) back in
     /// `held`, where the actor keeps it alive and plans it again: each step
@@ -151,8 +153,12 @@ impl Router {
                 Ok(message) => match CompletionEvent::decode(&message.payload) {
                     Ok(done) => all.push(done),
                     Err(error) => {
-                        warn!(delegation_id = %member.event.delegation_id, task_index = index, %error, "A batch task's stored completion cannot be read; the batch reports it as an error.");
-                        all.push(unreadable(&member.event, index, &error));
+                        // Garbage on the task's subject (dead-lettered when
+                        // the wake met it): the task has not ended as far
+                        // as the batch can tell, and its real completion,
+                        // stored after it, ends the batch.
+                        warn!(delegation_id = %member.event.delegation_id, task_index = index, %error, "A batch task's last stored completion cannot be read; the batch waits for a readable one.");
+                        return Ok(None);
                     }
                 },
                 Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
@@ -164,6 +170,9 @@ impl Router {
         Ok(Some(all))
     }
 
+    /// Completions woken one by one (single tasks, tasks of `independent`
+    /// batches): duplicates of delivered ones are acked, posts in doubt
+    /// re-sent under their key, the rest recorded as new turns.
     async fn plan_singles(
         &self,
         held: &mut Vec<Pending>,
@@ -264,13 +273,14 @@ impl Router {
                 .push(pending);
         }
         let mut first_time = Vec::new();
-        let mut alone = Vec::new();
+        // Each entry becomes one new turn.
+        let mut new_turns = Vec::new();
         for messages in by_task.into_values() {
             // A forced replay is posted alone too, under its own key.
             if messages.iter().any(|p| {
                 p.message.info().is_ok_and(|info| info.delivered > 1) || p.forced_key("").is_some()
             }) {
-                alone.push(messages);
+                new_turns.push(messages);
             } else {
                 first_time.push(messages);
             }
@@ -281,21 +291,21 @@ impl Router {
         if first_time.len() > 1 {
             let budget = self.shared.bus.max_payload().saturating_sub(INTENT_MARGIN);
             if combined_intent_size(&first_time) <= budget {
-                alone.push(first_time.into_iter().flatten().collect());
+                new_turns.push(first_time.into_iter().flatten().collect());
             } else {
                 warn!(
                     tasks = first_time.len(),
                     budget,
                     "Completions too large to record as one combined turn; posting each alone."
                 );
-                alone.append(&mut first_time);
+                new_turns.append(&mut first_time);
             }
         } else {
-            alone.append(&mut first_time);
+            new_turns.append(&mut first_time);
         }
         // A failed write puts the messages of the turn it was for, and of
         // those not tried yet, back in `held`.
-        let mut groups = alone.into_iter();
+        let mut groups = new_turns.into_iter();
         while let Some(messages) = groups.next() {
             if let Err(error) = self.new_turn(messages, held, turns).await {
                 held.extend(groups.flatten());
@@ -385,35 +395,6 @@ impl Router {
             ledger.mark_posting(covered, key).await?;
         }
         Ok(())
-    }
-}
-
-/// Stands in for a batch task whose stored completion cannot be decoded (a
-/// garbled or forged publish, dead-lettered itself when the wake met it):
-/// retrying cannot change what is stored, so rather than never waking the
-/// batch, its turn reports that task as an error.
-fn unreadable(
-    member: &CompletionEvent,
-    task_index: u32,
-    error: &serde_json::Error,
-) -> CompletionEvent {
-    CompletionEvent {
-        event_id: CompletionEvent::id_for(&member.delegation_id, task_index),
-        task_index,
-        goal: String::new(),
-        context: String::new(),
-        model: None,
-        status: Status::Error,
-        summary: None,
-        error: Some(format!("its stored completion cannot be read: {error}")),
-        api_calls: 0,
-        prompt_tokens: None,
-        completion_tokens: None,
-        duration_seconds: 0.0,
-        truncated: false,
-        suppress_wake: false,
-        exit_reason: "unreadable_completion".to_owned(),
-        ..member.clone()
     }
 }
 

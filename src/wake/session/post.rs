@@ -59,9 +59,10 @@ impl Router {
             .without_max_times()
             .build();
         let turn = posting.turn;
-        let in_flight = [std::slice::from_ref(turn), posting.later];
+        let in_hand = [std::slice::from_ref(turn), posting.later];
         if self.shutdown.is_cancelled() {
-            // Stopped while the turn was planned: handed back, not posted.
+            // Stopped while the turn was planned or an earlier turn of the
+            // session was posted: handed back, not posted.
             return Posted::Shutdown;
         }
         let events = turn.events();
@@ -94,7 +95,7 @@ impl Router {
                     }
                 }
             };
-            let result = hold.during(post, &in_flight).await;
+            let result = hold.during(post, &in_hand).await;
             drop(posting_gauge);
             match result {
                 PostResult::Delivered => {
@@ -123,12 +124,11 @@ impl Router {
                     return Posted::Done;
                 }
                 PostResult::Retry { reason, after } => {
-                    let delay =
-                        after.unwrap_or_else(|| backoff.next().unwrap_or(retry_max).min(retry_max));
+                    let delay = after.unwrap_or_else(|| backoff.next().unwrap_or(retry_max));
                     warn!(%reason, attempt, retry_in = ?delay, "Wake post failed, will retry.");
                     m::wake_posted("retry");
                     let until = Instant::now() + delay;
-                    if !self.keep_session(posting, hold, until, &in_flight).await {
+                    if !self.keep_session(posting, hold, until, &in_hand).await {
                         return Posted::Shutdown;
                     }
                 }
