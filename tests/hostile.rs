@@ -227,28 +227,12 @@ async fn completions_too_large_to_combine_into_one_turn_are_each_woken_alone() {
     services.wake(&bus, test_wake_config(&api.url()));
     // Another instance holds the session until both are in the wake, so
     // that they are planned together.
-    let locks = wakebus::wake::lock::SessionLocks::new(
-        bus.js.clone(),
-        session_lock_bucket(&bus, Duration::from_secs(30)).await,
-        "another-wake",
-        Duration::from_secs(30),
-    );
-    let guard = locks
-        .try_acquire(&session_token("s.large"))
-        .await
-        .unwrap()
-        .expect("free");
+    let (locks, guard) = hold_session_elsewhere(&bus, "s.large").await;
     let mut ids = Vec::new();
     for goal in ["one", "two"] {
         ids.push(delegate(&bus, Delegation::new(goal).session("s.large")).await);
     }
-    wait_until(WAIT, "both completions to wait in the wake", || async {
-        done_events(&bus).await.len() == 2
-            && wake_consumer_info(&bus)
-                .await
-                .is_some_and(|info| info.num_ack_pending == 2 && info.num_pending == 0)
-    })
-    .await;
+    completions_waiting_in_wake(&bus, 2).await;
     locks.release(guard).await;
     wait_until(WAIT, "both wakes", || async { api.accepted().len() == 2 }).await;
     wake_consumer_settled(&bus).await;

@@ -46,24 +46,12 @@ async fn ledger_entry(bus: &Bus, id: &str) -> String {
     String::from_utf8_lossy(&entry.expect("a ledger entry")).into_owned()
 }
 
-/// Publishes the stored completion again under a new `Nats-Msg-Id`, as a
-/// worker that crashed after publishing it and ran the task again after
-/// the dedupe window would, and waits until the wake has settled it.
-async fn publish_completion_again(bus: &Bus) {
-    let stored = all_messages(bus, &bus.subjects.events_stream())
-        .await
-        .into_iter()
-        .find(|m| m.subject.ends_with(".done"))
-        .expect("a stored completion");
-    let mut headers = stored.headers.clone();
-    headers.insert("Nats-Msg-Id", "a-later-rerun");
-    bus.js
-        .publish_with_headers(stored.subject.to_string(), headers, stored.payload.clone())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    wake_consumer_settled(bus).await;
+/// The operator makes room: the delivery is then recorded, and a copy of
+/// the completion published after that is settled without a post.
+async fn recorded_once_there_is_room(bus: &Bus, config: &StreamConfig, id: &str) {
+    room_again(bus, config).await;
+    ledger_records_delivery(bus, id).await;
+    publish_completion_again(bus).await;
 }
 
 #[tokio::test]
@@ -87,10 +75,7 @@ async fn a_delivery_the_ledger_refuses_to_record_is_recorded_once_it_takes_write
         "the delivery was recorded through a refusing stream"
     );
 
-    room_again(&bus, &config).await;
-    ledger_records_delivery(&bus, &id).await;
-    // What the record is for: a copy of the completion is not posted.
-    publish_completion_again(&bus).await;
+    recorded_once_there_is_room(&bus, &config, &id).await;
     services.stop().await;
     assert_eq!(api.all_posts().len(), 1, "the wake was posted again");
 }
@@ -125,10 +110,7 @@ async fn a_wake_delivered_while_nats_is_down_is_recorded_by_a_write_made_after_i
         ledger_entry(&bus, &id).await.contains("posting"),
         "the delivery was recorded through a refusing stream"
     );
-    room_again(&bus, &config).await;
-    ledger_records_delivery(&bus, &id).await;
-    // What the record is for: a copy of the completion is not posted.
-    publish_completion_again(&bus).await;
+    recorded_once_there_is_room(&bus, &config, &id).await;
     services.stop().await;
     assert_eq!(api.all_posts().len(), 1, "the wake was posted again");
 }
@@ -246,13 +228,7 @@ async fn completions_whose_turn_the_ledger_refuses_to_record_stay_with_the_wake_
     for goal in ["one", "two"] {
         ids.push(delegate(&bus, Delegation::new(goal).session("s.unplanned")).await);
     }
-    wait_until(WAIT, "both completions to reach the wake", || async {
-        done_events(&bus).await.len() == 2
-            && wake_consumer_info(&bus)
-                .await
-                .is_some_and(|info| info.num_ack_pending == 2 && info.num_pending == 0)
-    })
-    .await;
+    completions_waiting_in_wake(&bus, 2).await;
     // The refusal (its length is the scenario) lasts three AckWaits.
     tokio::time::sleep(3 * ack_wait).await;
     let info = wake_consumer_info(&bus).await.unwrap();

@@ -163,24 +163,8 @@ async fn a_completion_published_again_after_its_wake_does_not_wake_twice() {
     let (api, bus, services) = (p.api, p.bus, p.services);
     let id = delegate(&bus, Delegation::new("once").session("s.dup")).await;
     wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
-    // A worker that crashed after publishing `done` and ran the task again
-    // after the dedupe window publishes a second completion: re-publish the
-    // stored one under a new Nats-Msg-Id, as that would.
-    let stored = all_messages(&bus, &bus.subjects.events_stream())
-        .await
-        .into_iter()
-        .find(|m| m.subject.ends_with(".done"))
-        .unwrap();
-    let mut headers = stored.headers.clone();
-    headers.insert("Nats-Msg-Id", "a-later-rerun");
-    bus.js
-        .publish_with_headers(stored.subject.to_string(), headers, stored.payload.clone())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    publish_completion_again(&bus).await;
     assert_eq!(completions(&bus).await[&id].len(), 2);
-    wake_consumer_settled(&bus).await;
     services.stop().await;
     assert_eq!(
         api.all_posts().len(),
@@ -808,25 +792,12 @@ async fn a_wake_stopped_while_it_posts_one_of_a_sessions_turns_hands_the_others_
     services.wake(&bus, config.clone());
     // Another instance holds the session, so the wake collects both
     // failures before it plans: two turns in one plan.
-    let locks = SessionLocks::new(
-        bus.js.clone(),
-        session_lock_bucket(&bus, Duration::from_secs(30)).await,
-        "another-wake",
-        Duration::from_secs(30),
-    );
-    let token = wakebus::protocol::session_token("s.turns");
-    let guard = locks.try_acquire(&token).await.unwrap().expect("free");
+    let (locks, guard) = hold_session_elsewhere(&bus, "s.turns").await;
     let goals = ["first FAIL", "second FAIL", "third runs on"].map(String::from);
     let mut delegation = Delegation::batch(goals).session("s.turns");
     delegation.notify_early_failure = true;
     delegate(&bus, delegation).await;
-    wait_until(WAIT, "both failures to wait in the wake", || async {
-        done_events(&bus).await.len() == 2
-            && wake_consumer_info(&bus)
-                .await
-                .is_some_and(|info| info.num_ack_pending == 2 && info.num_pending == 0)
-    })
-    .await;
+    completions_waiting_in_wake(&bus, 2).await;
     api.set_delay(Duration::from_secs(2));
     locks.release(guard).await;
     wait_until(WAIT, "the first turn's post", || async {

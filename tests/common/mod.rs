@@ -306,6 +306,67 @@ pub async fn ledger_records_delivery(bus: &Bus, id: &str) {
     .await;
 }
 
+/// Waits until `n` completions are in the history and the wake service has
+/// all of them in hand, unacknowledged, with none left to deliver.
+pub async fn completions_waiting_in_wake(bus: &Bus, n: usize) {
+    wait_until(
+        Duration::from_secs(30),
+        "the completions to wait in the wake",
+        || async {
+            done_events(bus).await.len() == n
+                && wake_consumer_info(bus)
+                    .await
+                    .is_some_and(|info| info.num_ack_pending == n && info.num_pending == 0)
+        },
+    )
+    .await;
+}
+
+/// Publishes the stored completion again under a new `Nats-Msg-Id`, as a
+/// worker that crashed after publishing it and ran the task again after
+/// the dedupe window would, and waits until the wake has settled it.
+pub async fn publish_completion_again(bus: &Bus) {
+    let stored = all_messages(bus, &bus.subjects.events_stream())
+        .await
+        .into_iter()
+        .find(|m| m.subject.ends_with(".done"))
+        .expect("a stored completion");
+    let mut headers = stored.headers.clone();
+    headers.insert("Nats-Msg-Id", "a-later-rerun");
+    bus.js
+        .publish_with_headers(stored.subject.to_string(), headers, stored.payload.clone())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wake_consumer_settled(bus).await;
+}
+
+/// Takes `session`'s lock as another wake instance would, so that the wake
+/// under test collects what arrives for the session until it is released.
+pub async fn hold_session_elsewhere(
+    bus: &Bus,
+    session: &str,
+) -> (
+    wakebus::wake::lock::SessionLocks,
+    wakebus::wake::lock::LockGuard,
+) {
+    let ttl = Duration::from_secs(30);
+    let locks = wakebus::wake::lock::SessionLocks::new(
+        bus.js.clone(),
+        session_lock_bucket(bus, ttl).await,
+        "another-wake",
+        ttl,
+    );
+    let token = wakebus::protocol::session_token(session);
+    let guard = locks
+        .try_acquire(&token)
+        .await
+        .unwrap()
+        .expect("a free lock");
+    (locks, guard)
+}
+
 /// A one-task request for `session`, as any publisher would build it.
 pub fn request(session: &str, goal: &str) -> wakebus::protocol::TaskRequest {
     let mut request =
