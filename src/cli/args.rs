@@ -389,8 +389,9 @@ pub(crate) struct WakeArgs {
     /// AckWait of the wake consumer.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub(crate) ack_wait: Duration,
-    /// First delay before re-posting a failed wake; it doubles up to half of
-    /// `--retry-max`, and jitter adds up to as much again to each wait.
+    /// First delay before re-posting a failed wake (at most half of
+    /// `--retry-max`); it doubles up to half of `--retry-max`, and jitter
+    /// adds up to as much again to each wait.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "500ms")]
     pub(crate) retry_min: Duration,
     /// Longest delay between wake posts, jitter included (a Retry-After may

@@ -53,8 +53,8 @@ pub struct WakeConfig {
     pub ack_wait: Duration,
     /// Most completions held unacknowledged at once (across all instances).
     pub max_in_flight: i64,
-    /// First retry delay after a failed post (plus jitter); it doubles up
-    /// to half of `retry_max`.
+    /// First retry delay after a failed post (plus jitter, and at most half
+    /// of `retry_max`); it doubles up to half of `retry_max`.
     pub retry_min: Duration,
     /// Longest retry delay, jitter included (a `Retry-After` may ask for
     /// longer).

@@ -56,8 +56,10 @@ impl Hold {
         shutdown: &CancellationToken,
     ) -> bool {
         tokio::select! {
-            () = self.during(tokio::time::sleep_until(until), turns) => true,
+            // A stop wins over a deadline reached at the same moment.
+            biased;
             () = shutdown.cancelled() => false,
+            () = self.during(tokio::time::sleep_until(until), turns) => true,
         }
     }
 

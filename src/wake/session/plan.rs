@@ -80,8 +80,8 @@ impl Router {
                 }
                 continue;
             }
-            let first = held.iter().find(|p| of_batch(p)).expect("a member");
-            if let Some(all) = self.batch_completions(first).await? {
+            let members: Vec<&Pending> = held.iter().filter(|p| of_batch(p)).collect();
+            if let Some(all) = self.batch_completions(&members).await? {
                 info!(delegation_id = %delegation_id, tasks = all.len(), "Every task of the batch has ended; waking once.");
                 let group = take_where(held, of_batch);
                 let key = group.iter().find_map(|p| p.forced_key(&batch_key));
@@ -129,17 +129,20 @@ impl Router {
         Ok(())
     }
 
-    /// Every completion of `member`'s batch, by task index, if all exist.
+    /// Every completion of a batch, by task index, if all exist: those of
+    /// `members` (the batch's completions in hand) as they are, the others
+    /// from the history.
     async fn batch_completions(
         &self,
-        member: &Pending,
+        members: &[&Pending],
     ) -> Result<Option<Vec<CompletionEvent>>, PlanError> {
+        let member = members[0];
         let subjects = &self.shared.bus.subjects;
         let token = session_token(&member.session);
         let mut all = Vec::with_capacity(member.event.task_count as usize);
         for index in 0..member.event.task_count {
-            if index == member.event.task_index {
-                all.push(member.event.clone());
+            if let Some(held) = members.iter().find(|p| p.event.task_index == index) {
+                all.push(held.event.clone());
                 continue;
             }
             let subject =
@@ -156,7 +159,9 @@ impl Router {
                         // Garbage on the task's subject (dead-lettered when
                         // the wake met it): the task has not ended as far
                         // as the batch can tell, and its real completion,
-                        // stored after it, ends the batch.
+                        // stored after it, ends the batch. Garbage stored
+                        // after the real completion leaves the batch
+                        // unwoken: this warning is then what says so.
                         warn!(delegation_id = %member.event.delegation_id, task_index = index, %error, "A batch task's last stored completion cannot be read; the batch waits for a readable one.");
                         return Ok(None);
                     }

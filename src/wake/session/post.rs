@@ -60,11 +60,6 @@ impl Router {
             .build();
         let turn = posting.turn;
         let in_hand = [std::slice::from_ref(turn), posting.later];
-        if self.shutdown.is_cancelled() {
-            // Stopped while the turn was planned or an earlier turn of the
-            // session was posted: handed back, not posted.
-            return Posted::Shutdown;
-        }
         let events = turn.events();
         let mut attempt = 0u32;
         loop {
@@ -76,6 +71,12 @@ impl Router {
             if let Err(error) = posting.refresh_lock_if_due(&shared.locks).await {
                 warn!(%error, "Session lock lost; re-planning under a new lock.");
                 return Posted::Retry;
+            }
+            if self.shutdown.is_cancelled() {
+                // Stopped while the turn was planned, an earlier turn of
+                // the session was posted, or this one waited to be tried
+                // again: handed back, not posted.
+                return Posted::Shutdown;
             }
             let posting_gauge = m::InFlight::wake_post(&shared.posting);
             let post = async {
