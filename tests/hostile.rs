@@ -328,6 +328,59 @@ async fn a_garbled_completion_of_a_batch_task_neither_wakes_the_batch_early_nor_
 }
 
 #[tokio::test]
+async fn garbage_stored_after_a_batch_completion_the_wake_has_in_hand_does_not_keep_the_batch_unwoken()
+ {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    // Another instance holds the session: both completions wait in hand.
+    let (locks, guard) = hold_session_elsewhere(&bus, "s.after").await;
+    let goals = ["first", "second"].map(String::from);
+    let id = delegate(&bus, Delegation::batch(goals).session("s.after")).await;
+    completions_waiting_in_wake(&bus, 2).await;
+    // Garbage on the second task's subject, stored after its completion.
+    let mut headers = HeaderMap::new();
+    headers.insert("Wakebus-Origin-Session", "s.after");
+    let subject = bus.subjects.event(
+        &session_token("s.after"),
+        &id,
+        1,
+        wakebus::protocol::EventKind::Done,
+    );
+    bus.js
+        .publish_with_headers(subject, headers, "\u{0}garbage".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let dlq = bus.subjects.dead_letter_stream();
+    wait_until(WAIT, "the garbage to be dead-lettered", || async {
+        all_messages(&bus, &dlq).await.len() == 1
+    })
+    .await;
+
+    locks.release(guard).await;
+    wait_until(WAIT, "the batch's wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let posts = api.all_posts();
+    assert_eq!(posts.len(), 1);
+    let text = posts[0].text();
+    assert!(
+        text.starts_with(&format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]")),
+        "{text}"
+    );
+    assert!(text.contains("2 completed, 0 not completed"), "{text}");
+}
+
+#[tokio::test]
 async fn a_rejected_request_too_large_to_store_again_is_dead_lettered_without_its_body() {
     init_logs();
     let nats = NatsServer::start().await;
