@@ -248,6 +248,40 @@ async fn completions_too_large_to_combine_into_one_turn_are_each_woken_alone() {
     assert_eq!(woken, [vec![ids[0].clone()], vec![ids[1].clone()]]);
 }
 
+/// A task program: goals containing `first` or `second` end once the file
+/// of that name appears in `gates`; anything else at once.
+fn gated_script(gates: &std::path::Path) -> String {
+    format!(
+        r#"input=$(cat); case "$input" in *first*) g='{0}/first';; *second*) g='{0}/second';; *) echo fine; exit 0;; esac; while [ ! -f "$g" ]; do sleep 0.05; done; echo done"#,
+        gates.display()
+    )
+}
+
+/// Publishes garbage on the `done` subject of task `index` of delegation
+/// `id`, and waits until the wake has dead-lettered it.
+async fn publish_garbled_completion(bus: &Bus, session: &str, id: &str, index: u32) {
+    let dlq = bus.subjects.dead_letter_stream();
+    let before = all_messages(bus, &dlq).await.len();
+    let mut headers = HeaderMap::new();
+    headers.insert("Wakebus-Origin-Session", session);
+    let subject = bus.subjects.event(
+        &session_token(session),
+        id,
+        index,
+        wakebus::protocol::EventKind::Done,
+    );
+    bus.js
+        .publish_with_headers(subject, headers, "\u{0}garbage".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wait_until(WAIT, "the garbage to be dead-lettered", || async {
+        all_messages(bus, &dlq).await.len() > before
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_garbled_completion_of_a_batch_task_neither_wakes_the_batch_early_nor_holds_up_the_session()
  {
@@ -257,37 +291,14 @@ async fn a_garbled_completion_of_a_batch_task_neither_wakes_the_batch_early_nor_
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let gates = tempfile::tempdir().unwrap();
     let gate = |name: &str| gates.path().join(name);
-    // Batch tasks end when their gate opens; anything else at once.
-    let script = format!(
-        r#"input=$(cat); case "$input" in *first*) g='{}';; *second*) g='{}';; *) echo fine; exit 0;; esac; while [ ! -f "$g" ]; do sleep 0.05; done; echo done"#,
-        gate("first").display(),
-        gate("second").display()
-    );
+    let script = gated_script(gates.path());
     let mut services = Services::new();
     services.worker(&bus, shell(&script), test_worker_config("default"));
     services.wake(&bus, test_wake_config(&api.url()));
     let goals = ["first task", "second task"].map(String::from);
     let id = delegate(&bus, Delegation::batch(goals).session("s.garbled")).await;
     // Garbage where the second task's completion is read from, while it runs.
-    let mut headers = HeaderMap::new();
-    headers.insert("Wakebus-Origin-Session", "s.garbled");
-    let subject = bus.subjects.event(
-        &session_token("s.garbled"),
-        &id,
-        1,
-        wakebus::protocol::EventKind::Done,
-    );
-    bus.js
-        .publish_with_headers(subject, headers, "\u{0}garbage".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    let dlq = bus.subjects.dead_letter_stream();
-    wait_until(WAIT, "the garbage to be dead-lettered", || async {
-        all_messages(&bus, &dlq).await.len() == 1
-    })
-    .await;
+    publish_garbled_completion(&bus, "s.garbled", &id, 1).await;
 
     // The first task ends: the batch is not complete, and says nothing yet.
     std::fs::write(gate("first"), "").unwrap();
@@ -343,25 +354,7 @@ async fn garbage_stored_after_a_batch_completion_the_wake_has_in_hand_does_not_k
     let id = delegate(&bus, Delegation::batch(goals).session("s.after")).await;
     completions_waiting_in_wake(&bus, 2).await;
     // Garbage on the second task's subject, stored after its completion.
-    let mut headers = HeaderMap::new();
-    headers.insert("Wakebus-Origin-Session", "s.after");
-    let subject = bus.subjects.event(
-        &session_token("s.after"),
-        &id,
-        1,
-        wakebus::protocol::EventKind::Done,
-    );
-    bus.js
-        .publish_with_headers(subject, headers, "\u{0}garbage".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    let dlq = bus.subjects.dead_letter_stream();
-    wait_until(WAIT, "the garbage to be dead-lettered", || async {
-        all_messages(&bus, &dlq).await.len() == 1
-    })
-    .await;
+    publish_garbled_completion(&bus, "s.after", &id, 1).await;
 
     locks.release(guard).await;
     wait_until(WAIT, "the batch's wake", || async {
@@ -369,6 +362,48 @@ async fn garbage_stored_after_a_batch_completion_the_wake_has_in_hand_does_not_k
     })
     .await;
     wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let posts = api.all_posts();
+    assert_eq!(posts.len(), 1);
+    let text = posts[0].text();
+    assert!(
+        text.starts_with(&format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]")),
+        "{text}"
+    );
+    assert!(text.contains("2 completed, 0 not completed"), "{text}");
+}
+
+#[tokio::test]
+async fn garbage_stored_after_a_batch_completion_already_acked_is_read_past() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let gates = tempfile::tempdir().unwrap();
+    let mut services = Services::new();
+    services.worker(
+        &bus,
+        shell(&gated_script(gates.path())),
+        test_worker_config("default"),
+    );
+    services.wake(&bus, test_wake_config(&api.url()));
+    let goals = ["first task", "second task"].map(String::from);
+    let id = delegate(&bus, Delegation::batch(goals).session("s.past")).await;
+    // The second task ends first; the wake acks it, as the batch is not done.
+    std::fs::write(gates.path().join("second"), "").unwrap();
+    wait_until(WAIT, "the second task's completion", || async {
+        done_events(&bus).await.len() == 1
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    // Garbage on its subject, stored after its completion.
+    publish_garbled_completion(&bus, "s.past", &id, 1).await;
+
+    std::fs::write(gates.path().join("first"), "").unwrap();
+    wait_until(WAIT, "the batch's wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
     services.stop().await;
     let posts = api.all_posts();
     assert_eq!(posts.len(), 1);

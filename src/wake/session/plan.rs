@@ -157,13 +157,17 @@ impl Router {
                     Ok(done) => all.push(done),
                     Err(error) => {
                         // Garbage on the task's subject (dead-lettered when
-                        // the wake met it): the task has not ended as far
-                        // as the batch can tell, and its real completion,
-                        // stored after it, ends the batch. Garbage stored
-                        // after the real completion leaves the batch
-                        // unwoken: this warning is then what says so.
-                        warn!(delegation_id = %member.event.delegation_id, task_index = index, %error, "A batch task's last stored completion cannot be read; the batch waits for a readable one.");
-                        return Ok(None);
+                        // the wake met it): the newest readable completion
+                        // stored before it counts. With none, the task has
+                        // not ended as far as the batch can tell, and its
+                        // real completion, stored later, ends the batch.
+                        match self.readable_before(&subject, message.sequence).await? {
+                            Some(done) => all.push(done),
+                            None => {
+                                warn!(delegation_id = %member.event.delegation_id, task_index = index, %error, "A batch task's last stored completion cannot be read; the batch waits for a readable one.");
+                                return Ok(None);
+                            }
+                        }
                     }
                 },
                 Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
@@ -173,6 +177,41 @@ impl Router {
             }
         }
         Ok(Some(all))
+    }
+
+    /// The newest completion on `subject` stored before `sequence` that can
+    /// be read, walking the subject's messages from its first (usually one
+    /// or two: a completion, a duplicate, garbage).
+    async fn readable_before(
+        &self,
+        subject: &str,
+        sequence: u64,
+    ) -> Result<Option<CompletionEvent>, PlanError> {
+        let mut newest = None;
+        let mut from = 1;
+        while from < sequence {
+            let message = match self
+                .shared
+                .events
+                .raw_message_builder()
+                .sequence(from)
+                .next_by_subject(subject)
+                .send()
+                .await
+            {
+                Ok(message) => message,
+                Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => break,
+                Err(error) => return Err(PlanError::History(error.to_string())),
+            };
+            if message.sequence >= sequence {
+                break;
+            }
+            if let Ok(done) = CompletionEvent::decode(&message.payload) {
+                newest = Some(done);
+            }
+            from = message.sequence + 1;
+        }
+        Ok(newest)
     }
 
     /// Completions woken one by one (single tasks, tasks of `independent`
