@@ -404,6 +404,7 @@ async fn garbage_stored_after_a_batch_completion_already_acked_is_read_past() {
         !api.accepted().is_empty()
     })
     .await;
+    wake_consumer_settled(&bus).await;
     services.stop().await;
     let posts = api.all_posts();
     assert_eq!(posts.len(), 1);

@@ -181,7 +181,8 @@ impl Router {
 
     /// The newest completion on `subject` stored before `sequence` that can
     /// be read, walking the subject's messages from its first (usually one
-    /// or two: a completion, a duplicate, garbage).
+    /// or two: a completion, a duplicate, garbage), at most
+    /// [`WALK_LIMIT`] of them.
     async fn readable_before(
         &self,
         subject: &str,
@@ -189,7 +190,10 @@ impl Router {
     ) -> Result<Option<CompletionEvent>, PlanError> {
         let mut newest = None;
         let mut from = 1;
-        while from < sequence {
+        for _ in 0..WALK_LIMIT {
+            if from >= sequence {
+                break;
+            }
             let message = match self
                 .shared
                 .events
@@ -209,7 +213,7 @@ impl Router {
             if let Ok(done) = CompletionEvent::decode(&message.payload) {
                 newest = Some(done);
             }
-            from = message.sequence + 1;
+            from = from.max(message.sequence) + 1;
         }
         Ok(newest)
     }
@@ -441,6 +445,10 @@ impl Router {
         Ok(())
     }
 }
+
+/// Most messages [`Router::readable_before`] reads on one subject: a task's
+/// `done` subject holds one or two, unless someone floods it.
+const WALK_LIMIT: usize = 64;
 
 /// Room left in a ledger entry for the KV layer beyond the intent's JSON.
 const INTENT_MARGIN: usize = 1024;
