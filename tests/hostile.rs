@@ -257,6 +257,30 @@ fn gated_script(gates: &std::path::Path) -> String {
     )
 }
 
+/// Checks that `text` is the turn of batch `id` with both its tasks completed.
+fn assert_both_tasks_reported(text: &str, id: &str) {
+    assert!(
+        text.starts_with(&format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]")),
+        "{text}"
+    );
+    assert!(text.contains("2 completed, 0 not completed"), "{text}");
+}
+
+/// Waits for the batch's wake, stops `services` once the wake consumer has
+/// settled, and checks that this turn, with both tasks completed, was the
+/// only post.
+async fn batch_woken_once(bus: &Bus, api: &SessionApiServer, services: Services, id: &str) {
+    wait_until(WAIT, "the batch's wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    wake_consumer_settled(bus).await;
+    services.stop().await;
+    let posts = api.all_posts();
+    assert_eq!(posts.len(), 1);
+    assert_both_tasks_reported(&posts[0].text(), id);
+}
+
 /// Publishes garbage on the `done` subject of task `index` of delegation
 /// `id`, and waits until the wake has dead-lettered it.
 async fn publish_garbled_completion(bus: &Bus, session: &str, id: &str, index: u32) {
@@ -330,12 +354,7 @@ async fn a_garbled_completion_of_a_batch_task_neither_wakes_the_batch_early_nor_
     services.stop().await;
     let posts = api.all_posts();
     assert_eq!(posts.len(), 2);
-    let text = posts[1].text();
-    assert!(
-        text.starts_with(&format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]")),
-        "{text}"
-    );
-    assert!(text.contains("2 completed, 0 not completed"), "{text}");
+    assert_both_tasks_reported(&posts[1].text(), &id);
 }
 
 #[tokio::test]
@@ -357,20 +376,7 @@ async fn garbage_stored_after_a_batch_completion_the_wake_has_in_hand_does_not_k
     publish_garbled_completion(&bus, "s.after", &id, 1).await;
 
     locks.release(guard).await;
-    wait_until(WAIT, "the batch's wake", || async {
-        !api.accepted().is_empty()
-    })
-    .await;
-    wake_consumer_settled(&bus).await;
-    services.stop().await;
-    let posts = api.all_posts();
-    assert_eq!(posts.len(), 1);
-    let text = posts[0].text();
-    assert!(
-        text.starts_with(&format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]")),
-        "{text}"
-    );
-    assert!(text.contains("2 completed, 0 not completed"), "{text}");
+    batch_woken_once(&bus, &api, services, &id).await;
 }
 
 #[tokio::test]
@@ -400,20 +406,7 @@ async fn garbage_stored_after_a_batch_completion_already_acked_is_read_past() {
     publish_garbled_completion(&bus, "s.past", &id, 1).await;
 
     std::fs::write(gates.path().join("first"), "").unwrap();
-    wait_until(WAIT, "the batch's wake", || async {
-        !api.accepted().is_empty()
-    })
-    .await;
-    wake_consumer_settled(&bus).await;
-    services.stop().await;
-    let posts = api.all_posts();
-    assert_eq!(posts.len(), 1);
-    let text = posts[0].text();
-    assert!(
-        text.starts_with(&format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]")),
-        "{text}"
-    );
-    assert!(text.contains("2 completed, 0 not completed"), "{text}");
+    batch_woken_once(&bus, &api, services, &id).await;
 }
 
 #[tokio::test]
