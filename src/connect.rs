@@ -247,6 +247,78 @@ pub fn is_connected(client: &Client) -> bool {
     client.connection_state() == State::Connected
 }
 
+/// How often [`connection_ended`] checks the client.
+const CONNECTION_CHECK: Duration = Duration::from_secs(2);
+
+/// Completes once `client` has stopped working for good: its connection
+/// task has ended, so it will never reconnect and every request fails at
+/// once. async-nats ends that task by panicking when it receives a message
+/// whose header value holds a carriage return (which nats-server stores and
+/// delivers without checking); a long-running service must then exit with
+/// an error, so that it is restarted with a new client (which removes such
+/// a message first: [`crate::quarantine`]). Checks with a flush every
+/// [`CONNECTION_CHECK`]: a flush fails only once that task is gone, and
+/// only waits while the client reconnects.
+pub async fn connection_ended(client: &Client) {
+    let mut every = tokio::time::interval(CONNECTION_CHECK);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        if client.flush().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// A service's stop signal, which also fires when its NATS client stops
+/// working for good ([`connection_ended`]): the service then stops as it
+/// would on a signal, and [`ConnectionLoss::check`] tells it to fail.
+pub fn stop_or_connection_loss(
+    client: &Client,
+    shutdown: impl Future<Output = ()>,
+) -> (impl Future<Output = ()>, ConnectionLoss) {
+    let lost = ConnectionLoss::default();
+    let (client, flag) = (client.clone(), lost.clone());
+    let stop = async move {
+        tokio::select! {
+            () = shutdown => {}
+            () = connection_ended(&client) => {
+                error!("The NATS client stopped working for good and cannot reconnect (async-nats ends it on a message whose headers it cannot parse); stopping, so that the process is restarted. On its restart it removes such a message from its consumer: see docs/OPERATIONS.md, \"Poison messages\".");
+                flag.0.store(true, std::sync::atomic::Ordering::Release);
+            }
+        }
+    };
+    (stop, lost)
+}
+
+/// Whether a service stopped because its NATS client stopped working.
+#[derive(Debug, Clone, Default)]
+pub struct ConnectionLoss(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+/// A service's NATS client stopped working for good; restart the process.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the NATS client stopped working for good and cannot reconnect; restart the process (see docs/OPERATIONS.md, \"Poison messages\")"
+)]
+pub struct ConnectionLost;
+
+impl ConnectionLoss {
+    /// `Err` if the client stopped working: the service must exit with an
+    /// error rather than report a clean stop.
+    pub fn check(&self) -> Result<(), ConnectionLost> {
+        if self.happened() {
+            Err(ConnectionLost)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Whether the client stopped working (nothing can be sent any more).
+    pub fn happened(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
 /// The shortest time [`NatsConfig::connect_within`] gives one attempt, so
 /// that even no patience at all tries each server once.
 pub const MIN_ATTEMPT: Duration = Duration::from_secs(1);

@@ -5,14 +5,19 @@
 //! protocol error and drops the connection whenever one is delivered. On a
 //! durable consumer the message comes back after every AckWait, and the
 //! connection with it: the service stalls. No handler ever sees the message,
-//! so it cannot be terminated the usual way.
+//! so it cannot be terminated the usual way. A header value holding a
+//! carriage return is worse: async-nats panics in its connection task, and
+//! the client never works again. The services notice
+//! ([`crate::connect::connection_ended`]) and exit with an error, so that
+//! they are restarted.
 //!
-//! After a reconnect, [`sweep`] reads the consumer's unacknowledged messages
-//! through the JetStream API (whose JSON answer the client can parse), copies
-//! each unreadable one to a dead-letter subject with the reason, and deletes
-//! it from the stream. Deleting needs `$JS.API.STREAM.MSG.DELETE.<stream>`;
-//! a NATS user without it (the least-privileged roles) logs at ERROR the
-//! command an operator can run instead.
+//! At start and after a reconnect, [`sweep`] reads the consumer's
+//! unacknowledged messages through the JetStream API (whose JSON answer the
+//! client can parse), copies each unreadable one to a dead-letter subject
+//! with the reason, and deletes it from the stream. Deleting needs
+//! `$JS.API.STREAM.MSG.DELETE.<stream>`; a NATS user without it (the
+//! least-privileged roles) logs at ERROR the command an operator can run
+//! instead.
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -53,16 +58,21 @@ pub fn unreadable_headers(block: &[u8]) -> Option<&'static str> {
         if line.is_empty() {
             continue;
         }
-        let Some((name, _)) = line.split_once(':') else {
+        let Some((name, value)) = line.split_once(':') else {
             return Some("a NATS header line has no ':'");
         };
         if async_nats::HeaderName::from_str(name).is_err() {
             return Some("a NATS header name is invalid");
         }
-        while lines
-            .next_if(|l| l.starts_with(char::is_whitespace))
-            .is_some()
-        {}
+        // Joined as async-nats joins continuation lines, which then panics
+        // on a carriage return left inside the value.
+        let mut joined = value.trim_start().to_owned();
+        while let Some(more) = lines.next_if(|l| l.starts_with(char::is_whitespace)) {
+            joined.push_str(more);
+        }
+        if joined.trim_end().contains('\r') {
+            return Some("a NATS header value holds a carriage return");
+        }
     }
     None
 }
@@ -154,6 +164,15 @@ pub fn sweep_after_reconnect(
         }
         sweeping.store(false, Ordering::Release);
     });
+}
+
+/// Sweeps once before a service starts consuming: a message that made the
+/// previous process's client stop working is still unacknowledged then.
+/// Logs instead of failing.
+pub async fn sweep_at_start(bus: &Bus, stream: &str, consumer: &str, dead_letter_subject: &str) {
+    if let Err(error) = sweep(bus, stream, consumer, dead_letter_subject).await {
+        warn!(%error, stream, consumer, "Could not look for unreadable messages at start; if the service keeps stopping, an operator should look for one (see docs/OPERATIONS.md, \"Poison messages\").");
+    }
 }
 
 /// Why a sweep could not finish (it is retried after the next reconnect).
@@ -314,6 +333,7 @@ mod tests {
             b"NATS/1.0 503\r\n\r\n",
             b"NATS/1.0\r\nA: b\r\n  continued\r\n\r\n",
             "NATS/1.0\r\nWakebus-Origin-Session: ünïcode\r\n\r\n".as_bytes(),
+            b"NATS/1.0\r\nA: trailing\r\r\n\r\n",
         ] {
             assert_eq!(
                 unreadable_headers(ok),
@@ -328,6 +348,9 @@ mod tests {
             b"NATS/1.0\r\nno colon here\r\n\r\n",
             b"NATS/1.0 abc\r\n\r\n",
             b"NATS/1.0\r\nbad name: x\r\n\r\n",
+            b"NATS/1.0\r\nA: one\rtwo\r\n\r\n",
+            b"NATS/1.0\r\nA: one\r\n \rtwo\r\n\r\n",
+            b"NATS/1.0\r\nA: one\r\r\n two\r\n\r\n",
         ] {
             assert!(
                 unreadable_headers(bad).is_some(),

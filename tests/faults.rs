@@ -9,6 +9,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use common::process::{Service, wake_args, worker_args};
+use common::raw;
 use common::*;
 use nix::sys::signal::Signal;
 use wakebus::bus::Bus;
@@ -741,4 +742,88 @@ async fn a_task_that_ends_while_nats_is_down_is_stored_once_nats_returns_and_not
     rig.nats.wait_ready().await;
 
     rig.assert_finished_once_and_woken_once(&task, 1).await;
+}
+
+/// async-nats panics in its connection task when a message's header value
+/// holds a carriage return (nats-server stores and delivers it without
+/// checking), and that client never works again. Each service notices,
+/// exits with an error so that it is restarted, and on its restart removes
+/// the message before it consumes anything.
+#[tokio::test]
+async fn a_message_that_breaks_the_nats_client_stops_the_services_and_their_restarts_remove_it() {
+    let rig = Rig::start().await;
+    let (bus, api) = (&rig.bus, &rig.api);
+    let mut worker = rig.worker("worker", "echo finished", &[]);
+    let mut wake = rig.wake("wake");
+    publish_until_stored(bus, &request("s.before", "before")).await;
+    wait_until(Duration::from_secs(30), "the first wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+
+    let breaking = b"NATS/1.0\r\nWakebus-Origin-Session: s.cr\r\nX-Note: one\rtwo\r\n\r\n";
+    let task = serde_json::to_vec(&request("s.cr", "never run")).unwrap();
+    let refused = raw::hpub(
+        rig.nats.port,
+        &bus.subjects.task("default"),
+        breaking,
+        &task,
+    )
+    .await;
+    assert_eq!(refused, None, "nats-server stores it without complaint");
+    let token = wakebus::protocol::session_token("s.cr");
+    let completion = format!("{}.evt.{token}.crdone.0.done", bus.subjects.prefix());
+    let refused = raw::hpub(rig.nats.port, &completion, breaking, b"{}").await;
+    assert_eq!(refused, None);
+
+    for (name, service) in [("worker", &mut worker), ("wake", &mut wake)] {
+        let status = service.wait_exit(Duration::from_secs(30), "once its NATS client broke");
+        assert!(!status.success(), "{name} exited with {status}");
+        let log = std::fs::read_to_string(&service.log).unwrap();
+        assert!(
+            log.contains("The NATS client stopped working for good"),
+            "{name}:\n{log}"
+        );
+    }
+    worker.restart();
+    wake.restart();
+    publish_until_stored(bus, &request("s.after", "after")).await;
+    wait_until(
+        Duration::from_secs(30),
+        "the wake after the restarts",
+        || async { api.accepted().iter().any(|p| p.session() == "s.after") },
+    )
+    .await;
+    // Nothing left for either consumer, and neither service broke again.
+    wake_consumer_settled(bus).await;
+    wait_until(
+        Duration::from_secs(30),
+        "the worker consumer settled",
+        || async {
+            let info = worker_consumer_info(bus).await;
+            info.num_ack_pending == 0 && info.num_pending == 0
+        },
+    )
+    .await;
+    for service in [&worker, &wake] {
+        let log = std::fs::read_to_string(&service.log).unwrap();
+        assert_eq!(
+            log.matches("The NATS client stopped working").count(),
+            1,
+            "{log}"
+        );
+    }
+    let dead = all_messages(bus, &bus.subjects.dead_letter_stream()).await;
+    let reasons: Vec<String> = dead
+        .iter()
+        .filter_map(|m| m.headers.get("Wakebus-Dead-Letter-Reason"))
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(reasons.len(), 2, "{reasons:?}");
+    assert!(
+        reasons.iter().all(|r| r.contains("carriage return")),
+        "{reasons:?}"
+    );
+    let woken: Vec<String> = api.accepted().iter().map(|p| p.session()).collect();
+    assert_eq!(woken, ["s.before", "s.after"]);
 }

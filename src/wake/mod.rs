@@ -30,7 +30,7 @@ use crate::protocol::{
     CompletionEvent, HEADER_ORIGIN_SESSION, HEADER_TRACEPARENT, TraceParent, bounded,
     validate_delegation_id, validate_session_id,
 };
-use crate::quarantine::{ReconnectWatch, sweep_after_reconnect};
+use crate::quarantine::{ReconnectWatch, sweep_after_reconnect, sweep_at_start};
 use ledger::WakeLedger;
 use lock::SessionLocks;
 use origin::OriginGate;
@@ -114,6 +114,9 @@ pub enum WakeError {
     /// The session API client could not be built.
     #[error(transparent)]
     SessionApi(#[from] SessionApiError),
+    /// The NATS client stopped working for good; the service stopped.
+    #[error(transparent)]
+    ConnectionLost(#[from] crate::connect::ConnectionLost),
 }
 
 /// What every session actor shares.
@@ -144,7 +147,12 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), WakeError> {
     let api = SessionApi::new(&config.api, &config.shape, &config.http)?;
+    let (shutdown, lost) = crate::connect::stop_or_connection_loss(&bus.client, shutdown);
     tokio::pin!(shutdown);
+    let (events_stream, poison) = (
+        bus.subjects.events_stream(),
+        bus.subjects.dead_letter_wake("poison"),
+    );
     // Provisioning waits for NATS as long as it takes; a stop must not.
     let starting = async {
         let streams = bus.provision(&settings).await?;
@@ -152,13 +160,15 @@ pub async fn run(
         let consumer = bus
             .wake_consumer(config.ack_wait, config.max_in_flight)
             .await?;
+        let wake = bus.subjects.wake_consumer();
+        sweep_at_start(&bus, &events_stream, wake, &poison).await;
         Ok::<_, WakeError>((streams, provisioned, consumer))
     };
     let (streams, provisioned, consumer) = tokio::select! {
         started = starting => started?,
         () = &mut shutdown => {
             info!("Wake service stopped before it started.");
-            return Ok(());
+            return Ok(lost.check()?);
         }
     };
     info!(api = %session_api::redacted_url(&config.api.base_url), instance = %config.instance, verify_origin = config.verify_origin, "Wake service started.");
@@ -189,10 +199,6 @@ pub async fn run(
 
     let mut reconnects = ReconnectWatch::new(&bus.client);
     let mut sweep_check = tokio::time::interval(Duration::from_secs(2));
-    let (events_stream, poison) = (
-        bus.subjects.events_stream(),
-        bus.subjects.dead_letter_wake("poison"),
-    );
 
     'consume: loop {
         let mut messages = match consumer
@@ -265,6 +271,7 @@ pub async fn run(
     if let Some(registered) = registered {
         registered.stop().await;
     }
+    lost.check()?;
     crate::connect::flush_before_stop(&bus.client).await;
     info!("Wake service stopped.");
     Ok(())

@@ -28,7 +28,7 @@ pub use handler::{Rejected, decode_request};
 use crate::bus::{Bus, BusSettings, ProvisionError};
 use crate::ops::service::{Registration, register};
 use crate::protocol::Limits;
-use crate::quarantine::{ReconnectWatch, sweep_after_reconnect};
+use crate::quarantine::{ReconnectWatch, sweep_after_reconnect, sweep_at_start};
 use executor::{Executor, TaskEnv};
 
 /// How a worker behaves.
@@ -120,6 +120,9 @@ pub enum WorkerError {
     /// The cancel records could not be followed.
     #[error("cannot follow cancel records: {0}")]
     Cancels(async_nats::Error),
+    /// The NATS client stopped working for good; the worker stopped.
+    #[error(transparent)]
+    ConnectionLost(#[from] crate::connect::ConnectionLost),
 }
 
 /// Runs a worker until `shutdown` completes, then stops taking work, lets
@@ -132,18 +135,25 @@ pub async fn run(
     config: WorkerConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), WorkerError> {
+    let (shutdown, lost) = crate::connect::stop_or_connection_loss(&bus.client, shutdown);
     tokio::pin!(shutdown);
+    let (tasks_stream, consumer_name, dead_letters) = (
+        bus.subjects.tasks_stream(),
+        bus.subjects.worker_consumer(&config.pool),
+        bus.subjects.dead_letter_task(&config.pool),
+    );
     // Provisioning waits for NATS as long as it takes; a stop must not.
     let starting = async {
         let cancels_store = bus.provision_for_worker(&settings).await?;
         let consumer = bus.worker_consumer(&config.pool, config.ack_wait).await?;
+        sweep_at_start(&bus, &tasks_stream, &consumer_name, &dead_letters).await;
         Ok::<_, WorkerError>((cancels_store, consumer))
     };
     let (cancels_store, consumer) = tokio::select! {
         started = starting => started?,
         () = &mut shutdown => {
             info!("Worker stopped before it started.");
-            return Ok(());
+            return Ok(lost.check()?);
         }
     };
     info!(pool = %config.pool, concurrency = config.concurrency, executor = executor.name(), instance = %config.instance, "Worker started.");
@@ -156,7 +166,6 @@ pub async fn run(
         .await
         .map_err(WorkerError::Cancels)?;
     let concurrency = config.concurrency.max(1);
-    let pool = config.pool.clone();
     let grace = config.shutdown_grace;
     let tracker = TaskTracker::new();
     let registration = Registration::worker(
@@ -179,11 +188,6 @@ pub async fn run(
     let stopping = CancellationToken::new();
 
     let mut reconnects = ReconnectWatch::new(&bus.client);
-    let (tasks_stream, consumer_name, dead_letters) = (
-        bus.subjects.tasks_stream(),
-        bus.subjects.worker_consumer(&pool),
-        bus.subjects.dead_letter_task(&pool),
-    );
 
     'pull: loop {
         // An unreadable message drops the connection; find and remove it.
@@ -254,6 +258,12 @@ pub async fn run(
         }
     }
 
+    // With the client gone, no result could be stored: nothing to wait for.
+    let grace = if lost.happened() {
+        Duration::ZERO
+    } else {
+        grace
+    };
     info!(running = tracker.len(), grace = ?grace, "Worker stopping: no new tasks; waiting for running ones.");
     tracker.close();
     if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
@@ -267,6 +277,7 @@ pub async fn run(
     if let Some(registered) = registered {
         registered.stop().await;
     }
+    lost.check()?;
     crate::connect::flush_before_stop(&bus.client).await;
     info!("Worker stopped.");
     Ok(())

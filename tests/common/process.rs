@@ -79,8 +79,16 @@ impl Service {
 
     /// Sends `signal` and waits up to `timeout` for the exit status.
     pub fn signal_and_wait(&mut self, signal: Signal, timeout: Duration) -> ExitStatus {
-        let mut child = self.child.take().expect("running");
+        let child = self.child.as_ref().expect("running");
         let _ = kill(Pid::from_raw(child.id() as i32), signal);
+        self.wait_exit(timeout, &format!("after {signal:?}"))
+    }
+
+    /// Waits up to `timeout` for it to exit by itself, and returns its exit
+    /// status; panics with its log's end if it does not (`when` says what
+    /// it was expected to exit after).
+    pub fn wait_exit(&mut self, timeout: Duration, when: &str) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = child.try_wait().expect("wait") {
@@ -92,7 +100,7 @@ impl Service {
                 let tail: Vec<&str> = log.lines().rev().take(40).collect();
                 let tail: Vec<&str> = tail.into_iter().rev().collect();
                 panic!(
-                    "wakebus did not exit within {timeout:?} after {signal:?}; its log ends:\n{}",
+                    "wakebus did not exit within {timeout:?} {when}; its log ends:\n{}",
                     tail.join("\n")
                 );
             }
