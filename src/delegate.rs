@@ -24,11 +24,14 @@ use crate::bus::{Bus, PublishError};
 use crate::protocol::{
     CompletionEvent, DEFAULT_MAX_DEPTH, EventHeaders, EventKind, IdError, Limits, Role,
     SubmittedRecord, TaskRequest, TooLarge, TraceParent, WakeMode, new_delegation_id,
-    validate_pool, validate_session_id,
+    validate_delegation_id, validate_pool, validate_session_id,
 };
 
 /// The largest batch accepted by default.
 pub const DEFAULT_MAX_BATCH: usize = 10;
+
+/// The waits before publishing again what JetStream did not confirm.
+const PUBLISH_RETRY_WAITS: [Duration; 2] = [Duration::from_millis(250), Duration::from_secs(1)];
 
 /// One task of a delegation.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -71,6 +74,14 @@ pub struct Delegation {
     pub notify_early_failure: bool,
     /// A JSON Schema every answer must satisfy.
     pub output_schema: Option<serde_json::Value>,
+    /// The delegation's id; a new one when `None`. Giving the id of a
+    /// delegation whose `delegate` call failed with
+    /// [`DelegateError::NotStored`] stores what is missing without running
+    /// any task twice, as long as it is done within the streams' duplicate
+    /// window (2 minutes by default): every message's dedupe id derives
+    /// from the delegation id, so JetStream drops the copies of what was
+    /// stored.
+    pub delegation_id: Option<String>,
 }
 
 impl Default for Delegation {
@@ -91,6 +102,7 @@ impl Default for Delegation {
             wake_mode: WakeMode::default(),
             notify_early_failure: false,
             output_schema: None,
+            delegation_id: None,
         }
     }
 }
@@ -225,9 +237,22 @@ pub enum DelegateError {
     /// the NATS server carries.
     #[error("delegation refused: {0}")]
     TooLarge(#[from] TooLarge),
-    /// JetStream did not confirm a request.
-    #[error("the request was not accepted by JetStream: {0}")]
+    /// A request could not be encoded.
+    #[error("the request could not be published: {0}")]
     Publish(#[from] PublishError),
+    /// JetStream did not confirm every message of the delegation, after
+    /// retries: some of its tasks may be stored (and will run), others
+    /// not. Delegating again with the same [`Delegation::delegation_id`]
+    /// soon stores the rest without running any task twice.
+    #[error(
+        "delegation {delegation_id} was not fully stored ({source}); some of its tasks may run: delegate it again with the same delegation id (--delegation-id {delegation_id}) within the duplicate window (2 minutes by default) to store the rest without running any task twice, or cancel it"
+    )]
+    NotStored {
+        /// The delegation's id, to delegate again with.
+        delegation_id: String,
+        /// The last publish failure.
+        source: PublishError,
+    },
     /// No stream stores the subject: the bus was never provisioned under
     /// this prefix (or the prefix is wrong).
     #[error(
@@ -389,7 +414,13 @@ impl Delegator {
                 max: self.max_depth,
             });
         }
-        let delegation_id = new_delegation_id();
+        let delegation_id = match &delegation.delegation_id {
+            Some(id) => {
+                validate_delegation_id(id)?;
+                id.clone()
+            }
+            None => new_delegation_id(),
+        };
         let created_at = Some(OffsetDateTime::now_utc());
         Ok(delegation
             .tasks
@@ -468,10 +499,37 @@ impl Delegator {
             self.check_size(payload.len(), request)?;
             pending.push((subject.clone(), Self::task_headers(request, trace), payload));
         }
-        self.publish_stored(records, |i| Self::record_headers(&requests[i], trace))
-            .await?;
-        self.publish_stored(pending, |i| Self::task_headers(&requests[i], trace))
+        let stored = match self
+            .publish_stored(records, |i| Self::record_headers(&requests[i], trace))
             .await
+        {
+            Ok(()) => {
+                self.publish_stored(pending, |i| Self::task_headers(&requests[i], trace))
+                    .await
+            }
+            failed => failed,
+        };
+        let Err((subject, error)) = stored else {
+            return Ok(());
+        };
+        // "No responders" can also mean a stream between leaders; say to
+        // run `init` only when no stream takes the subject at all.
+        if error.kind() == PublishErrorKind::StreamNotFound
+            && self
+                .bus
+                .js
+                .stream_by_subject(&subject)
+                .await
+                .is_err_and(|e| {
+                    e.kind() == async_nats::jetstream::context::GetStreamByNameErrorKind::NotFound
+                })
+        {
+            return Err(DelegateError::NoStream { subject });
+        }
+        Err(DelegateError::NotStored {
+            delegation_id: requests[0].delegation_id.clone(),
+            source: PublishError::Publish(error),
+        })
     }
 
     /// The headers of a task's `submitted` record. Built the same way on a
@@ -507,7 +565,11 @@ impl Delegator {
         .to_header_map()
     }
 
-    /// Publishes every message, then waits for all acks (pipelined).
+    /// Publishes every message, then waits for all acks (pipelined), and
+    /// publishes again what was not confirmed: up to three attempts, 250 ms
+    /// and then 1 s apart, so that a stream leader election (which refuses
+    /// writes for about a second) does not fail the delegation. Returns the
+    /// subject and error of the last failure.
     ///
     /// A lost ack is retried with the same id: JetStream drops duplicates.
     /// The first attempt gives each message's headers away (cloning a
@@ -515,55 +577,54 @@ impl Delegator {
     /// `i`'s again with `headers_again(i)`.
     async fn publish_stored(
         &self,
-        mut pending: Vec<(String, async_nats::HeaderMap, Bytes)>,
+        messages: Vec<(String, async_nats::HeaderMap, Bytes)>,
         headers_again: impl Fn(usize) -> async_nats::HeaderMap,
-    ) -> Result<(), DelegateError> {
-        let mut last_error: Option<(String, _)> = None;
-        for attempt in 0..3 {
-            let mut acks = Vec::with_capacity(pending.len());
-            for (i, (subject, headers, payload)) in pending.iter_mut().enumerate() {
-                let headers = match attempt {
-                    0 => std::mem::take(headers),
-                    _ => headers_again(i),
-                };
-                acks.push(
-                    self.bus
-                        .js
-                        .publish_with_headers(subject.clone(), headers, payload.clone())
-                        .await,
-                );
-            }
-            let mut failed = false;
-            for (ack, (subject, ..)) in acks.into_iter().zip(&pending) {
-                let result = match ack {
-                    Ok(ack) => ack.await.map(drop),
-                    Err(error) => Err(error),
-                };
-                if let Err(error) = result {
-                    failed = true;
-                    last_error = Some((subject.clone(), error));
-                }
-            }
-            if !failed {
+    ) -> Result<(), (String, async_nats::jetstream::context::PublishError)> {
+        let mut unconfirmed: Vec<_> = messages.into_iter().enumerate().collect();
+        let mut last_error = None;
+        for (attempt, wait) in [Duration::ZERO]
+            .iter()
+            .chain(&PUBLISH_RETRY_WAITS)
+            .enumerate()
+        {
+            if unconfirmed.is_empty() {
                 return Ok(());
             }
+            tokio::time::sleep(*wait).await;
+            let mut acks = Vec::with_capacity(unconfirmed.len());
+            for (i, (subject, headers, payload)) in &mut unconfirmed {
+                let headers = match attempt {
+                    0 => std::mem::take(headers),
+                    _ => headers_again(*i),
+                };
+                let ack = self
+                    .bus
+                    .js
+                    .publish_with_headers(subject.clone(), headers, payload.clone())
+                    .await;
+                acks.push(ack);
+            }
+            let mut results = Vec::with_capacity(acks.len());
+            for ack in acks {
+                results.push(match ack {
+                    Ok(ack) => ack.await.map(drop),
+                    Err(error) => Err(error),
+                });
+            }
+            let mut results = results.into_iter();
+            unconfirmed.retain(|(_, (subject, ..))| match results.next() {
+                Some(Err(error)) => {
+                    last_error = Some((subject.clone(), error));
+                    true
+                }
+                _ => false,
+            });
         }
-        let (subject, error) = last_error.expect("a publish failed");
-        // "No responders" can also mean a stream between leaders; say to
-        // run `init` only when no stream takes the subject at all.
-        if error.kind() == PublishErrorKind::StreamNotFound
-            && self
-                .bus
-                .js
-                .stream_by_subject(&subject)
-                .await
-                .is_err_and(|e| {
-                    e.kind() == async_nats::jetstream::context::GetStreamByNameErrorKind::NotFound
-                })
-        {
-            return Err(DelegateError::NoStream { subject });
+        if unconfirmed.is_empty() {
+            Ok(())
+        } else {
+            Err(last_error.expect("an unconfirmed message has its error"))
         }
-        Err(PublishError::Publish(error).into())
     }
 
     /// Reads the delegation's completions from the events stream (stored or

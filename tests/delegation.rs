@@ -671,3 +671,83 @@ async fn an_unusable_member_still_completes_its_batch() {
         "{text}"
     );
 }
+
+#[tokio::test]
+async fn a_batch_stored_only_in_part_is_completed_by_delegating_it_again_under_its_id_and_runs_each_task_once()
+ {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    // The task queue takes one request and refuses the others.
+    let mut tasks = bus
+        .js
+        .get_stream(bus.subjects.tasks_stream())
+        .await
+        .unwrap();
+    let config = tasks.info().await.unwrap().config.clone();
+    let mut refusing = config.clone();
+    refusing.max_messages = 1;
+    refusing.discard = async_nats::jetstream::stream::DiscardPolicy::New;
+    bus.js.update_stream(&refusing).await.unwrap();
+    let goals = ["first", "second", "third"].map(String::from);
+    let delegation = || Delegation::batch(goals.clone()).session("s.part");
+    let error = Delegator::new(bus.clone())
+        .delegate(delegation())
+        .await
+        .unwrap_err();
+    let DelegateError::NotStored { delegation_id, .. } = &error else {
+        panic!("{error}");
+    };
+    assert!(
+        error
+            .to_string()
+            .contains(&format!("--delegation-id {delegation_id}")),
+        "{error}"
+    );
+    assert_eq!(tasks.info().await.unwrap().state.messages, 1);
+
+    bus.js.update_stream(&config).await.unwrap();
+    let mut again = delegation();
+    again.delegation_id = Some(delegation_id.clone());
+    let result = Delegator::new(bus.clone()).delegate(again).await.unwrap();
+    assert_eq!(result.delegation_id(), delegation_id);
+    assert_eq!(tasks.info().await.unwrap().state.messages, 3);
+
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    wait_until(WAIT, "the batch's wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let posts = api.all_posts();
+    assert_eq!(posts.len(), 1);
+    assert!(
+        posts[0].text().contains("3 completed"),
+        "{}",
+        posts[0].text()
+    );
+    let mut ran: Vec<u32> = done_events(&bus)
+        .await
+        .iter()
+        .map(|d| d.task_index)
+        .collect();
+    ran.sort_unstable();
+    assert_eq!(ran, [0, 1, 2], "each task ran once");
+}
+
+#[tokio::test]
+async fn a_delegation_id_given_by_the_caller_must_be_a_valid_id() {
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut delegation = Delegation::new("work").session("s");
+    delegation.delegation_id = Some("not.an id".to_owned());
+    let error = Delegator::new(bus.clone())
+        .delegate(delegation)
+        .await
+        .unwrap_err();
+    assert!(matches!(error, DelegateError::InvalidId(_)), "{error}");
+}

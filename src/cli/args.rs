@@ -179,6 +179,11 @@ pub(crate) struct DelegateArgs {
     /// Also wait for the completion in background mode and print it.
     #[arg(long)]
     pub(crate) wait: bool,
+    /// The delegation's id (a new one by default). Give the id from a
+    /// failed call's "was not fully stored" error to store the rest of that
+    /// delegation without running any of its tasks twice.
+    #[arg(long)]
+    pub(crate) delegation_id: Option<String>,
     /// W3C trace context of the caller: the delegation's spans and events
     /// join this trace (a new one is started when absent).
     #[arg(long, env = "TRACEPARENT")]

@@ -90,6 +90,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             delegation.timeout_seconds = args.timeout_seconds;
             delegation.wait = args.wait;
+            delegation.delegation_id = args.delegation_id;
             delegation.traceparent = match args.traceparent.as_deref() {
                 Some(value) => Some(wakebus::protocol::TraceParent::parse(value).with_context(
                     || format!("--traceparent {value:?} is not a W3C traceparent"),
