@@ -400,10 +400,8 @@ impl Delegator {
             self.limits.check_fields(&task.goal, &task.context)?;
         }
         validate_pool(&delegation.pool)?;
-        if let Some(schema) = &delegation.output_schema
-            && let Err(error) = jsonschema::validator_for(schema)
-        {
-            return Err(DelegateError::OutputSchema(error.to_string()));
+        if let Some(schema) = &delegation.output_schema {
+            crate::protocol::check_output_schema(schema).map_err(DelegateError::OutputSchema)?;
         }
         if let Some(session) = &delegation.origin_session_id {
             validate_session_id(session)?;
@@ -668,12 +666,19 @@ impl Delegator {
             let mut done = BTreeMap::new();
             while done.len() < tasks {
                 match messages.next().await {
-                    Some(Ok(message)) => {
-                        let event = CompletionEvent::decode(&message.payload).map_err(|e| {
-                            DelegateError::Wait(format!("completion is not valid: {e}"))
-                        })?;
-                        done.insert(event.task_index, event);
-                    }
+                    // Garbage on the subject (anyone may publish there)
+                    // neither ends the wait early nor fails it.
+                    Some(Ok(message)) => match CompletionEvent::decode(&message.payload) {
+                        Ok(event) if (event.task_index as usize) < tasks => {
+                            done.insert(event.task_index, event);
+                        }
+                        Ok(event) => {
+                            tracing::warn!(subject = %message.subject, task_index = event.task_index, tasks, "A completion names a task this delegation does not have; ignoring it.");
+                        }
+                        Err(error) => {
+                            tracing::warn!(subject = %message.subject, %error, "A completion cannot be read; ignoring it.");
+                        }
+                    },
                     Some(Err(error)) => {
                         tracing::debug!(%error, "Ordered consumer hiccup; it recreates itself.");
                     }

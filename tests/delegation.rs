@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use common::*;
 use wakebus::cancel::{Canceller, DelegationState};
-use wakebus::delegate::{DelegateError, Delegation, Delegator};
-use wakebus::protocol::{CompletionEvent, Status};
+use wakebus::delegate::{DelegateError, DelegateResult, Delegation, Delegator};
+use wakebus::protocol::{CompletionEvent, EventKind, Status, TaskRequest};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -750,4 +750,42 @@ async fn a_delegation_id_given_by_the_caller_must_be_a_valid_id() {
         .await
         .unwrap_err();
     assert!(matches!(error, DelegateError::InvalidId(_)), "{error}");
+}
+
+#[tokio::test]
+async fn waiting_for_a_delegation_reads_past_garbage_and_strangers_on_its_subjects() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let id = wakebus::protocol::new_delegation_id();
+    let token = wakebus::protocol::session_token("s.wait");
+    let subject = |index| bus.subjects.event(&token, &id, index, EventKind::Done);
+    // Stored before the task runs: garbage on its completion subject, and a
+    // completion of a task index the delegation does not have.
+    let garbage = bus.js.publish(subject(0), "garbage".into()).await.unwrap();
+    garbage.await.unwrap();
+    let mut stranger = TaskRequest::new(id.clone(), "stranger");
+    stranger.task_index = 3;
+    stranger.task_count = 4;
+    let stranger = CompletionEvent::for_request(&stranger, Status::Completed, "completed");
+    let body = serde_json::to_vec(&stranger).unwrap();
+    let stored = bus.js.publish(subject(3), body.into()).await.unwrap();
+    stored.await.unwrap();
+
+    let mut delegation = Delegation::new("real work").session("s.wait");
+    delegation.delegation_id = Some(id.clone());
+    delegation.wait = true;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    let result = tokio::time::timeout(WAIT, Delegator::new(bus.clone()).delegate(delegation))
+        .await
+        .expect("the wait ends")
+        .unwrap();
+    services.stop().await;
+    let DelegateResult::Dispatched { results, .. } = result else {
+        panic!("{result:?}");
+    };
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0].task_index, 0);
+    assert_eq!(results[0].status, Status::Completed);
 }

@@ -26,7 +26,10 @@ pub use limits::{
     DEFAULT_MAX_CONTEXT_BYTES, DEFAULT_MAX_GOAL_BYTES, DEFAULT_MAX_REQUEST_BYTES, Limits, TooLarge,
     bounded,
 };
-pub use request::{DEFAULT_MAX_DEPTH, DecodeError, PROTOCOL_VERSION, Role, TaskRequest, WakeMode};
+pub use request::{
+    DEFAULT_MAX_DEPTH, DecodeError, PROTOCOL_VERSION, Role, TaskRequest, WakeMode,
+    check_output_schema,
+};
 pub use subjects::{PrefixError, Subjects};
 
 /// Formats a timestamp the way every wakebus body does (RFC 3339, UTC).

@@ -202,10 +202,8 @@ impl TaskRequest {
         if self.goal.trim().is_empty() {
             return Err(DecodeError::EmptyGoal);
         }
-        if let Some(schema) = &self.output_schema
-            && let Err(error) = jsonschema::validator_for(schema)
-        {
-            return Err(DecodeError::OutputSchema(error.to_string()));
+        if let Some(schema) = &self.output_schema {
+            check_output_schema(schema).map_err(DecodeError::OutputSchema)?;
         }
         if self.task_count == 0 || self.task_index >= self.task_count {
             return Err(DecodeError::TaskIndex {
@@ -224,6 +222,18 @@ impl TaskRequest {
             _ => Err(DecodeError::OriginMismatch),
         }
     }
+}
+
+/// Checks that `schema` can be an `output_schema`: a JSON object that is a
+/// valid JSON Schema. (`true` and `false` are valid schemas too, but the
+/// contract allows only objects: `false` would refuse every answer.)
+pub fn check_output_schema(schema: &serde_json::Value) -> Result<(), String> {
+    if !schema.is_object() {
+        return Err(format!("it must be a JSON object, not {schema}"));
+    }
+    jsonschema::validator_for(schema)
+        .map(drop)
+        .map_err(|error| error.to_string())
 }
 
 #[cfg(test)]
@@ -262,6 +272,14 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(err, DecodeError::OutputSchema(_)), "{err}");
+        // Valid JSON Schemas, but not objects: `false` would refuse every answer.
+        for boolean in ["true", "false"] {
+            let body = format!(
+                r#"{{"version":1,"delegation_id":"d1","goal":"g","output_schema":{boolean}}}"#
+            );
+            let err = TaskRequest::decode(body.as_bytes()).unwrap_err();
+            assert!(err.to_string().contains("must be a JSON object"), "{err}");
+        }
         assert!(
             TaskRequest::decode(
                 br#"{"version":1,"delegation_id":"d1","goal":"g","output_schema":{"type":"object"}}"#
