@@ -54,6 +54,7 @@ use crate::protocol::{
     session_token,
 };
 use crate::wake::ledger::{LedgerError, LedgerState, WakeLedger};
+use crate::wake::{Admission, check_completion};
 
 /// On a `replay wakes --force` copy of a delivered completion: the copy's
 /// ULID (the one in its `Nats-Msg-Id`). The wake service posts such a copy
@@ -347,21 +348,26 @@ impl Replayer {
         if !matches!(record.kind(), RecordKind::Done | RecordKind::WakeDeadLetter) {
             return Ok(item.skipped("not a completion"));
         }
-        let event = match CompletionEvent::decode(&record.payload) {
-            Ok(event) => event,
-            Err(error) => return Ok(item.skipped(format!("not a valid completion: {error}"))),
+        // The wake service's own admission rules: a copy it would only
+        // dead-letter again (a wake dead letter of `dlq.wake.poison` is
+        // exactly such a completion) is not published.
+        let (event, session) = match check_completion(&record.payload, record.origin_session()) {
+            Ok(admitted) => admitted,
+            Err(Admission::NothingToWake) => {
+                let sync = CompletionEvent::decode(&record.payload)
+                    .is_ok_and(|event| event.origin_session_id.is_none());
+                return Ok(item.skipped(if sync {
+                    "sync mode: there is no session to wake"
+                } else {
+                    "cancelled silently: nobody is to be woken"
+                }));
+            }
+            Err(Admission::Poison(reason)) => {
+                return Ok(item.skipped(format!(
+                    "the wake service cannot use it ({reason}); it stays where it is"
+                )));
+            }
         };
-        let Some(session) = event.origin_session_id.clone() else {
-            return Ok(item.skipped("sync mode: there is no session to wake"));
-        };
-        if event.suppress_wake {
-            return Ok(item.skipped("cancelled silently: nobody is to be woken"));
-        }
-        if record.origin_session() != Some(session.as_str()) {
-            return Ok(item.skipped(
-                "its Wakebus-Origin-Session header does not match origin_session_id (poison)",
-            ));
-        }
         // A batch wakes once for all its tasks: one copy of any member
         // makes the wake service post the consolidated turn again.
         let batch = event.task_count > 1 && event.wake_mode == WakeMode::Batch;
@@ -411,8 +417,10 @@ impl Replayer {
         let copy = ulid::Ulid::new().to_string();
         let msg_id = format!("{event_id}.replay.{copy}");
         headers.insert(HEADER_MSG_ID, msg_id.as_str());
-        if item.ledger_cleared {
-            // Posted before: the usual key would be a repeat to the session API.
+        if self.plan.force {
+            // Posted before (or by an earlier forced replay that cleared
+            // the ledger and then failed): the usual key would be a repeat
+            // to the session API.
             headers.insert(HEADER_FORCED_REPLAY, copy.as_str());
             let base = if batch {
                 key.as_str()

@@ -632,6 +632,15 @@ async fn forged_and_inconsistent_completions_are_dead_lettered_once_and_real_wak
             with_origin(victim),
             completion("wrongtype", serde_json::json!({"task_index": "zero"})),
         ),
+        // A task index the delegation does not have.
+        (
+            "index",
+            with_origin(victim),
+            completion(
+                "index",
+                serde_json::json!({"task_index": 2, "task_count": 2}),
+            ),
+        ),
         // So large that its dead letter cannot carry the body.
         (
             "huge",
@@ -685,6 +694,7 @@ async fn forged_and_inconsistent_completions_are_dead_lettered_once_and_real_wak
         "no Wakebus-Origin-Session header",
         "completion is not valid",
         "invalid type: string \"zero\"",
+        "task_index 2 is not below its task_count 2",
         "left out: too large to store again",
     ] {
         assert!(

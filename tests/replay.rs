@@ -845,3 +845,80 @@ no_auth_user: all
     run_the_requeued_task(&mut services, &bus, &api, &derived).await;
     services.stop().await;
 }
+
+#[tokio::test]
+async fn replay_does_not_redrive_a_dead_lettered_completion_the_wake_service_cannot_use() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    // A delegation id with a dot: a copy on its subject would have a token
+    // too many for the wake consumer's filter, and never be woken.
+    let mut request = wakebus::protocol::TaskRequest::new("bad.id".to_owned(), "g");
+    request.origin_session_id = Some("s.bad".to_owned());
+    let event = wakebus::protocol::CompletionEvent::for_request(&request, Status::Completed, "ok");
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Wakebus-Origin-Session", "s.bad");
+    let subject = format!(
+        "{}.evt.{}.badid.0.done",
+        bus.subjects.prefix(),
+        session_token("s.bad")
+    );
+    let body = serde_json::to_vec(&event).unwrap();
+    let ack = bus.js.publish_with_headers(subject, headers, body.into());
+    ack.await.unwrap().await.unwrap();
+    wait_until(WAIT, "the dead letter", || async {
+        !all_messages(&bus, &bus.subjects.dead_letter_stream())
+            .await
+            .is_empty()
+    })
+    .await;
+    services.stop().await;
+
+    let lines = wakebus(&nats.url(), &prefix, &["replay", "wakes", "--dead-letters"])
+        .await
+        .ok_json();
+    assert_eq!(lines[0]["action"], "skipped", "{lines:#?}");
+    let reason = lines[0]["reason"].as_str().unwrap();
+    assert!(reason.contains("invalid delegation id"), "{reason}");
+    assert!(replay_copies(&bus).await.is_empty());
+    assert!(api.all_posts().is_empty());
+}
+
+/// An earlier `--force` run deleted the wake's ledger entry and then
+/// failed to publish its copy: a second `--force` run must still post a
+/// second turn, not a repeat the session API drops.
+#[tokio::test]
+async fn replay_with_force_posts_a_second_turn_even_when_an_earlier_forced_run_cleared_the_ledger()
+{
+    let p = Pipeline::start().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
+    let id = delivered_wake(&bus, &api, "s.forced.twice").await;
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    ledger.delete(format!("{id}.0")).await.unwrap();
+
+    let forced = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id, "--force"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
+    let key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
+    assert!(key.starts_with(&format!("{id}.0.done.replay.")), "{key}");
+    wait_until(WAIT, "the forced second wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(api.accepted()[1].header("idempotency-key"), Some(key));
+    assert_eq!(api.turns().len(), 2, "a second turn, not a repeat");
+}

@@ -345,6 +345,12 @@ pub fn check_completion(
     validate_delegation_id(&event.delegation_id).map_err(|err| {
         Admission::Poison(format!("completion has an invalid delegation id: {err}"))
     })?;
+    if event.task_index >= event.task_count {
+        return Err(Admission::Poison(format!(
+            "completion's task_index {} is not below its task_count {}",
+            event.task_index, event.task_count
+        )));
+    }
     // The event id becomes the Idempotency-Key header: only the documented
     // value is accepted (or filled in when absent).
     let event_id = CompletionEvent::id_for(&event.delegation_id, event.task_index);
