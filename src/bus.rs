@@ -566,6 +566,15 @@ impl Bus {
     /// than the scan limit: callers use it to avoid a second copy, and
     /// better a skip too many than a task that runs twice.
     pub(crate) async fn is_queued(&self, delegation_id: &str) -> Result<bool, async_nats::Error> {
+        Ok(self.find_queued(delegation_id).await?.unwrap_or(true))
+    }
+
+    /// Whether a request of `delegation_id` is in the task queue, or `None`
+    /// when the queue is longer than the scan limit and it cannot tell.
+    pub(crate) async fn find_queued(
+        &self,
+        delegation_id: &str,
+    ) -> Result<Option<bool>, async_nats::Error> {
         let mut tasks = self.js.get_stream(self.subjects.tasks_stream()).await?;
         let state = tasks.info().await?.state.clone();
         let first = state.first_sequence.max(1);
@@ -573,17 +582,17 @@ impl Bus {
             .last_sequence
             .min(first.saturating_add(QUEUE_SCAN_LIMIT));
         if last < state.last_sequence {
-            return Ok(true);
+            return Ok(None);
         }
         for seq in first..=last {
             if let Ok(message) = tasks.get_raw_message(seq).await {
                 let id = message.headers.get(crate::protocol::HEADER_DELEGATION_ID);
                 if id.is_some_and(|id| id.as_str() == delegation_id) {
-                    return Ok(true);
+                    return Ok(Some(true));
                 }
             }
         }
-        Ok(false)
+        Ok(Some(false))
     }
 
     /// The server's max payload, or NATS's default (1 MiB) while it is not

@@ -42,6 +42,7 @@
 use std::collections::HashSet;
 
 use async_nats::HeaderMap;
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
@@ -516,29 +517,40 @@ impl Replayer {
             .as_ref()
             .expect("task replays open the events stream");
         let token = crate::worker::token_for(request.origin_session_id.as_deref());
+        // Whether an event of `kind` exists; a failed read is no answer.
         let has = |kind| {
             let subject = self
                 .bus
                 .subjects
                 .event(&token, new_id, request.task_index, kind);
             async move {
-                events
-                    .get_last_raw_message_by_subject(&subject)
-                    .await
-                    .is_ok()
+                match events.get_last_raw_message_by_subject(&subject).await {
+                    Ok(_) => Ok(true),
+                    Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                        Ok(false)
+                    }
+                    Err(error) => Err(error.to_string()),
+                }
             }
         };
-        if has(EventKind::Done).await || has(EventKind::Started).await {
-            return Requeued::Yes;
-        }
-        if !has(EventKind::Submitted).await {
-            return Requeued::No;
-        }
-        match self.bus.is_queued(new_id).await {
-            Ok(true) => Requeued::Yes,
-            Ok(false) => Requeued::RecordOnly,
-            Err(error) => Requeued::Unknown(error.to_string()),
-        }
+        let answer = async {
+            if has(EventKind::Done).await? || has(EventKind::Started).await? {
+                return Ok(Requeued::Yes);
+            }
+            if !has(EventKind::Submitted).await? {
+                return Ok(Requeued::No);
+            }
+            match self.bus.find_queued(new_id).await {
+                Ok(Some(true)) => Ok(Requeued::Yes),
+                Ok(Some(false)) => Ok(Requeued::RecordOnly),
+                Ok(None) => Err(
+                    "the task queue is longer than this check reads; try again when it is shorter"
+                        .to_owned(),
+                ),
+                Err(error) => Err(error.to_string()),
+            }
+        };
+        answer.await.unwrap_or_else(Requeued::Unknown)
     }
 
     async fn copy(

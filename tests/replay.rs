@@ -771,13 +771,32 @@ async fn replay_sends_the_task_again_when_an_earlier_requeue_stored_only_its_rec
 
 #[tokio::test]
 async fn replay_skips_a_task_it_cannot_check_against_the_queue_and_can_send_it_later() {
+    // A user who may not read the task stream's state: `replay tasks`
+    // cannot tell whether an earlier re-queue's task waits.
+    replay_tasks_as_a_user_denied(|subjects| {
+        format!("$JS.API.STREAM.INFO.{}", subjects.tasks_stream())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn replay_skips_a_task_it_cannot_check_against_the_history_and_can_send_it_later() {
+    // A user who may not read single events: `replay tasks` cannot tell
+    // whether an earlier re-queue's task ran.
+    replay_tasks_as_a_user_denied(|subjects| {
+        format!("$JS.API.STREAM.MSG.GET.{}", subjects.events_stream())
+    })
+    .await;
+}
+
+/// Half re-queues a dead letter, then runs `replay tasks` as a user who may
+/// do everything except publish to the API subject `denied` returns; the
+/// task must be skipped, not sent on a guess, and sent by a later replay
+/// with a user who may.
+async fn replay_tasks_as_a_user_denied(denied: impl Fn(&wakebus::protocol::Subjects) -> String) {
     init_logs();
-    // A user who may do everything except read the task stream's state, so
-    // `replay tasks` cannot tell whether an earlier re-queue's task waits.
     let prefix = unique_prefix();
-    let tasks_stream = wakebus::protocol::Subjects::new(&prefix)
-        .unwrap()
-        .tasks_stream();
+    let denied = denied(&wakebus::protocol::Subjects::new(&prefix).unwrap());
     let dir = tempfile::tempdir().unwrap();
     let conf = dir.path().join("nats.conf");
     std::fs::write(
@@ -787,7 +806,7 @@ async fn replay_skips_a_task_it_cannot_check_against_the_queue_and_can_send_it_l
   users: [
     {{ user: all, password: "all-pw" }}
     {{ user: blind, password: "blind-pw", permissions: {{
-        publish: {{ allow: [">"], deny: ["$JS.API.STREAM.INFO.{tasks_stream}"] }}
+        publish: {{ allow: [">"], deny: ["{denied}"] }}
         subscribe: {{ allow: [">"] }} }} }}
   ]
 }}
