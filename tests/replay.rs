@@ -261,6 +261,23 @@ async fn replay_of_wake_dead_letters_delivers_them_once_the_session_api_recovers
             .contains("403"),
         "{listed:#?}"
     );
+    // Replayed while the session API still refuses: refused again, and
+    // recorded again (not dropped as a duplicate of the first dead letter).
+    let early = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--dead-letters", "--session", session],
+    )
+    .await
+    .ok_json();
+    assert_eq!(early[0]["action"], "replayed", "{early:#?}");
+    wait_until(WAIT, "the second wake dead letter", || async {
+        all_messages(&bus, &bus.subjects.dead_letter_stream())
+            .await
+            .len()
+            == 2
+    })
+    .await;
     api.recover();
 
     let lines = wakebus(

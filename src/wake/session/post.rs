@@ -266,7 +266,16 @@ impl Router {
             subject,
             &pending.message,
             reason,
-            &format!("dlq.wake.{}", pending.event.event_id),
+            // Per stored message: a redelivery of this one is dropped as
+            // a duplicate, a replayed copy refused again is recorded again.
+            &format!(
+                "dlq.wake.{}.{}",
+                pending.event.event_id,
+                pending
+                    .message
+                    .info()
+                    .map_or(0, |info| info.stream_sequence)
+            ),
         )
         .await
     }
