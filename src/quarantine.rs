@@ -79,10 +79,47 @@ pub fn unreadable_headers(block: &[u8]) -> Option<&'static str> {
 
 #[derive(Deserialize)]
 struct ConsumerInfo {
+    config: ConsumerFilters,
     ack_floor: SequencePair,
     delivered: SequencePair,
     #[serde(default)]
     num_ack_pending: u64,
+}
+
+#[derive(Deserialize)]
+struct ConsumerFilters {
+    #[serde(default)]
+    filter_subject: Option<String>,
+    #[serde(default)]
+    filter_subjects: Vec<String>,
+}
+
+impl ConsumerFilters {
+    /// Whether the consumer reads `subject`.
+    fn take(&self, subject: &str) -> bool {
+        let mut filters = self
+            .filter_subject
+            .iter()
+            .chain(&self.filter_subjects)
+            .filter(|f| !f.is_empty())
+            .peekable();
+        filters.peek().is_none() || filters.any(|filter| subject_matches(filter, subject))
+    }
+}
+
+/// Whether `subject` matches the NATS subject filter `filter` (`*` is one
+/// token, a last `>` one or more).
+fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut tokens = subject.split('.');
+    for wanted in filter.split('.') {
+        match (wanted, tokens.next()) {
+            (">", Some(_)) => return true,
+            ("*", Some(_)) => {}
+            (wanted, Some(token)) if wanted == token => {}
+            _ => return false,
+        }
+    }
+    tokens.next().is_none()
 }
 
 #[derive(Deserialize)]
@@ -97,6 +134,8 @@ struct MsgGet {
 
 #[derive(Deserialize)]
 struct StoredMessage {
+    #[serde(default)]
+    subject: String,
     #[serde(default)]
     hdrs: Option<String>,
     #[serde(default)]
@@ -237,7 +276,9 @@ pub async fn sweep(
                 format!(r#"{{"seq":{seq}}}"#),
             )
             .await?;
-        let Some(message) = got.message else {
+        // The range holds other consumers' messages too (another pool's
+        // tasks, events the wake does not read): only this one's are its.
+        let Some(message) = got.message.filter(|m| info.config.take(&m.subject)) else {
             continue;
         };
         let headers = message
@@ -324,6 +365,26 @@ async fn quarantine(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn subjects_match_filters_token_by_token() {
+        for (filter, subject) in [
+            ("a.task.default", "a.task.default"),
+            ("a.evt.*.*.*.done", "a.evt.s.d.0.done"),
+            ("a.>", "a.b.c"),
+        ] {
+            assert!(subject_matches(filter, subject), "{filter} {subject}");
+        }
+        for (filter, subject) in [
+            ("a.task.default", "a.task.other"),
+            ("a.task.default", "a.task.default.more"),
+            ("a.evt.*.*.*.done", "a.evt.s.d.x.0.done"),
+            ("a.evt.*.*.*.done", "a.evt.s.d.0.started"),
+            ("a.>", "a"),
+        ] {
+            assert!(!subject_matches(filter, subject), "{filter} {subject}");
+        }
+    }
 
     #[test]
     fn readable_header_blocks_pass_like_async_nats_parses_them() {
