@@ -11,10 +11,11 @@
 //! ([`crate::connect::connection_ended`]) and exit with an error, so that
 //! they are restarted.
 //!
-//! At start and after a reconnect, [`sweep`] reads the consumer's
-//! unacknowledged messages through the JetStream API (whose JSON answer the
-//! client can parse), copies each unreadable one to a dead-letter subject
-//! with the reason, and deletes it from the stream. Deleting needs
+//! At start and after a reconnect, [`sweep`] reads the consumer's messages
+//! after its ack floor (unacknowledged, or next to be delivered) through the
+//! JetStream API (whose JSON answer the client can parse), copies each
+//! unreadable one to a dead-letter subject with the reason, and deletes it
+//! from the stream. Deleting needs
 //! `$JS.API.STREAM.MSG.DELETE.<stream>`; a NATS user without it (the
 //! least-privileged roles) logs at ERROR the command an operator can run
 //! instead.
@@ -33,7 +34,7 @@ use tracing::{error, info, warn};
 use crate::bus::Bus;
 use crate::protocol::{HEADER_DEAD_LETTER_REASON, HEADER_MSG_ID, header_safe};
 
-/// Most unacknowledged messages looked at in one sweep.
+/// Most stream sequences after a consumer's ack floor looked at in one sweep.
 const MAX_SCAN: u64 = 512;
 /// Limit for each JetStream API request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -81,9 +82,6 @@ pub fn unreadable_headers(block: &[u8]) -> Option<&'static str> {
 struct ConsumerInfo {
     config: ConsumerFilters,
     ack_floor: SequencePair,
-    delivered: SequencePair,
-    #[serde(default)]
-    num_ack_pending: u64,
 }
 
 #[derive(Deserialize)]
@@ -120,6 +118,16 @@ fn subject_matches(filter: &str, subject: &str) -> bool {
         }
     }
     tokens.next().is_none()
+}
+
+#[derive(Deserialize)]
+struct StreamInfo {
+    state: StreamState,
+}
+
+#[derive(Deserialize)]
+struct StreamState {
+    last_seq: u64,
 }
 
 #[derive(Deserialize)]
@@ -206,7 +214,7 @@ pub fn sweep_after_reconnect(
 }
 
 /// Sweeps once before a service starts consuming: a message that made the
-/// previous process's client stop working is still unacknowledged then.
+/// previous process's client stop working is still after the ack floor.
 /// Logs instead of failing.
 pub async fn sweep_at_start(bus: &Bus, stream: &str, consumer: &str, dead_letter_subject: &str) {
     if let Err(error) = sweep(bus, stream, consumer, dead_letter_subject).await {
@@ -263,11 +271,15 @@ pub async fn sweep(
             String::new(),
         )
         .await?;
-    if info.num_ack_pending == 0 {
-        return Ok(0);
-    }
+    // Everything after the ack floor: what is unacknowledged, and what is
+    // delivered next. (Not just up to the consumer's `delivered`: once the
+    // AckWait of a message whose client died has passed, nats-server 2.9
+    // may report `delivered` below it.)
+    let state: StreamInfo = bus
+        .api(format!("$JS.API.STREAM.INFO.{stream}"), String::new())
+        .await?;
     let first = info.ack_floor.stream_seq + 1;
-    let last = info.delivered.stream_seq.min(first + MAX_SCAN - 1);
+    let last = state.state.last_seq.min(first + MAX_SCAN - 1);
     let mut removed = 0;
     for seq in first..=last {
         let got: MsgGet = bus

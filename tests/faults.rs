@@ -8,7 +8,7 @@ mod common;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use common::process::{Service, wake_args, worker_args};
+use common::process::{LogsOnPanic, Service, wake_args, worker_args};
 use common::raw;
 use common::*;
 use nix::sys::signal::Signal;
@@ -785,8 +785,13 @@ async fn a_message_that_breaks_the_nats_client_stops_the_services_and_their_rest
             "{name}:\n{log}"
         );
     }
+    // Restarted by a supervisor after the message's AckWait (2 s here) has
+    // passed, as a restart usually is: nats-server 2.9 then reports the
+    // consumer's `delivered` below the message.
+    tokio::time::sleep(Duration::from_secs(3)).await;
     worker.restart();
     wake.restart();
+    let _logs = LogsOnPanic(vec![worker.log.clone(), wake.log.clone()]);
     publish_until_stored(bus, &request("s.after", "after")).await;
     wait_until(
         Duration::from_secs(30),

@@ -166,3 +166,18 @@ pub fn wake_args(nats_url: &str, prefix: &str, api_url: &str) -> Vec<String> {
     );
     args
 }
+
+/// Prints these log files if the test panics while it is alive, so that a
+/// failure in CI shows what the processes did.
+pub struct LogsOnPanic(pub Vec<PathBuf>);
+
+impl Drop for LogsOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for log in &self.0 {
+                let text = std::fs::read_to_string(log).unwrap_or_default();
+                eprintln!("--- {} ---\n{text}", log.display());
+            }
+        }
+    }
+}
