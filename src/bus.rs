@@ -82,6 +82,16 @@ pub enum ProvisionError {
         /// The JetStream error.
         source: jetstream::stream::ConsumerError,
     },
+    /// Whether a consumer exists could not be read.
+    #[error("cannot read consumer {name} on {stream}: {source}")]
+    ConsumerInfo {
+        /// The consumer.
+        name: String,
+        /// Its stream.
+        stream: String,
+        /// The JetStream error.
+        source: jetstream::context::ConsumerInfoError,
+    },
     /// A stream that should exist could not be read.
     #[error("cannot read stream {name}: {source}")]
     GetStream {
@@ -453,9 +463,35 @@ impl Bus {
         pool: &str,
         ack_wait: Duration,
     ) -> Result<consumer::PullConsumer, ProvisionError> {
+        let consumer = self.worker_consumer_with(pool, ack_wait, Existing::Update);
+        Ok(consumer.await?.expect("an updated consumer is returned"))
+    }
+
+    /// Creates the consumers a deployment needs (the wake service's, and the
+    /// workers' of `pools`) where they are missing, with the defaults (30 s
+    /// AckWait); existing ones keep their settings, which the running
+    /// services chose with `--ack-wait` and `--max-in-flight`.
+    pub async fn init_consumers(&self, pools: &[String]) -> Result<(), ProvisionError> {
+        let ack_wait = Duration::from_secs(30);
+        for pool in pools {
+            self.worker_consumer_with(pool, ack_wait, Existing::Keep)
+                .await?;
+        }
+        self.wake_consumer_with(ack_wait, crate::wake::DEFAULT_MAX_IN_FLIGHT, Existing::Keep)
+            .await?;
+        Ok(())
+    }
+
+    async fn worker_consumer_with(
+        &self,
+        pool: &str,
+        ack_wait: Duration,
+        existing: Existing,
+    ) -> Result<Option<consumer::PullConsumer>, ProvisionError> {
         let stream = self.subjects.tasks_stream();
         let name = self.subjects.worker_consumer(pool);
         self.ensure_consumer(
+            existing,
             &stream,
             consumer::pull::Config {
                 durable_name: Some(name.clone()),
@@ -480,8 +516,19 @@ impl Bus {
         ack_wait: Duration,
         max_ack_pending: i64,
     ) -> Result<consumer::PullConsumer, ProvisionError> {
+        let consumer = self.wake_consumer_with(ack_wait, max_ack_pending, Existing::Update);
+        Ok(consumer.await?.expect("an updated consumer is returned"))
+    }
+
+    async fn wake_consumer_with(
+        &self,
+        ack_wait: Duration,
+        max_ack_pending: i64,
+        existing: Existing,
+    ) -> Result<Option<consumer::PullConsumer>, ProvisionError> {
         let stream = self.subjects.events_stream();
         self.ensure_consumer(
+            existing,
             &stream,
             consumer::pull::Config {
                 durable_name: Some(self.subjects.wake_consumer().to_owned()),
@@ -497,31 +544,55 @@ impl Bus {
         .await
     }
 
+    /// The consumer, or `None` when it existed and was kept.
     async fn ensure_consumer(
         &self,
+        existing: Existing,
         stream: &str,
         config: consumer::pull::Config,
-    ) -> Result<consumer::PullConsumer, ProvisionError> {
+    ) -> Result<Option<consumer::PullConsumer>, ProvisionError> {
         let name = config.durable_name.clone().unwrap_or_default();
-        let attempt =
-            || async {
-                let handle = self.js.get_stream(stream).await.map_err(|source| {
-                    ProvisionError::GetStream {
+        let attempt = || async {
+            let handle =
+                self.js
+                    .get_stream(stream)
+                    .await
+                    .map_err(|source| ProvisionError::GetStream {
                         name: stream.to_owned(),
                         source,
-                    }
-                })?;
-                let consumer = handle
-                    .create_consumer(config.clone())
-                    .await
-                    .map_err(|source| ProvisionError::Consumer {
+                    })?;
+            match handle.consumer_info(&name).await {
+                Ok(_) if existing == Existing::Keep => {
+                    info!(consumer = %name, stream, "Consumer exists; its settings are kept.");
+                    return Ok(None);
+                }
+                Ok(current) if current.config.ack_wait != config.ack_wait => {
+                    warn!(consumer = %name, stream, was = ?current.config.ack_wait, now = ?config.ack_wait, "The consumer's AckWait changes: every instance sharing it must run with the same --ack-wait, or work held longer than the shortest one's is redelivered.");
+                }
+                Err(error)
+                    if existing == Existing::Keep
+                        && error.kind() != jetstream::context::ConsumerInfoErrorKind::NotFound =>
+                {
+                    // Not knowing whether it exists, do not overwrite it.
+                    return Err(ProvisionError::ConsumerInfo {
                         name: name.clone(),
                         stream: stream.to_owned(),
-                        source,
-                    })?;
-                info!(consumer = %name, stream, "Consumer ready.");
-                Ok(consumer)
-            };
+                        source: error,
+                    });
+                }
+                _ => {}
+            }
+            let consumer = handle
+                .create_consumer(config.clone())
+                .await
+                .map_err(|source| ProvisionError::Consumer {
+                    name: name.clone(),
+                    stream: stream.to_owned(),
+                    source,
+                })?;
+            info!(consumer = %name, stream, "Consumer ready.");
+            Ok(Some(consumer))
+        };
         attempt
             .retry(setup_backoff())
             .when(is_transient)
@@ -530,6 +601,15 @@ impl Bus {
             })
             .await
     }
+}
+
+/// What provisioning does with a consumer that exists already.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Existing {
+    /// Update it to this service's settings (a starting service).
+    Update,
+    /// Leave it as it is (`wakebus init`).
+    Keep,
 }
 
 /// How set-up steps retry while NATS is not up yet or what they need is

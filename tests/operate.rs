@@ -1029,3 +1029,44 @@ async fn a_delegate_called_while_nats_restarts_waits_for_it_and_is_stored() {
         .unwrap();
     assert_eq!(tasks.info().await.unwrap().state.messages, 1);
 }
+
+/// The consumers' AckWait and in-flight limit are the running services'
+/// (`--ack-wait`, `--max-in-flight`): `wakebus init`, run again after a
+/// settings change, must not put them back to its defaults, or long tasks
+/// would be redelivered while they run.
+#[tokio::test]
+async fn init_run_again_keeps_the_settings_the_services_gave_their_consumers() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let long = Duration::from_secs(600);
+    let mut worker = bus.worker_consumer("default", long).await.unwrap();
+    let mut wake = bus.wake_consumer(long, 50).await.unwrap();
+
+    let run = wakebus(
+        &nats.url(),
+        &prefix,
+        &["init", "--pool", "default", "--pool", "gpu"],
+    )
+    .await;
+    assert!(run.success(), "{}", run.stderr());
+
+    let worker = worker.info().await.unwrap().config.clone();
+    assert_eq!(worker.ack_wait, long);
+    let wake = wake.info().await.unwrap().config.clone();
+    assert_eq!((wake.ack_wait, wake.max_ack_pending), (long, 50));
+    // A missing one is created, with the defaults.
+    let mut gpu: async_nats::jetstream::consumer::PullConsumer = bus
+        .js
+        .get_consumer_from_stream(
+            bus.subjects.worker_consumer("gpu"),
+            bus.subjects.tasks_stream(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        gpu.info().await.unwrap().config.ack_wait,
+        Duration::from_secs(30)
+    );
+}

@@ -47,14 +47,8 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             bus.provision_wake_state(&settings(&global)).await?;
             for pool in &args.pools {
                 wakebus::protocol::validate_pool(pool)?;
-                bus.worker_consumer(pool, std::time::Duration::from_secs(30))
-                    .await?;
             }
-            bus.wake_consumer(
-                std::time::Duration::from_secs(30),
-                wakebus::wake::DEFAULT_MAX_IN_FLIGHT,
-            )
-            .await?;
+            bus.init_consumers(&args.pools).await?;
             println!(
                 "{}",
                 serde_json::json!({"status": "ok", "prefix": global.prefix})
