@@ -25,6 +25,12 @@ pub struct BusSettings {
     pub replicas: Option<usize>,
     /// Time-to-live of a session lock that its holder stops refreshing.
     pub session_lock_ttl: Duration,
+    /// Whether provisioning may shorten the max age of an existing stream
+    /// or bucket (which deletes at once what is older): `wakebus init` may,
+    /// on the operator's word; a starting service never does, so that one
+    /// started with a shorter `--history` than the others cannot delete
+    /// their history.
+    pub shorten_retention: bool,
 }
 
 impl Default for BusSettings {
@@ -35,6 +41,7 @@ impl Default for BusSettings {
             duplicate_window: Duration::from_secs(120),
             replicas: None,
             session_lock_ttl: Duration::from_secs(30),
+            shorten_retention: false,
         }
     }
 }
@@ -247,21 +254,24 @@ impl Bus {
 
     async fn provision_streams(&self, settings: &BusSettings) -> Result<Streams, ProvisionError> {
         let s = &self.subjects;
-        self.ensure_stream(self.tasks_config(settings).await?)
+        self.ensure_stream(self.tasks_config(settings).await?, settings)
             .await?;
         let events = self
-            .ensure_stream(stream::Config {
-                num_replicas: self.replicas_for(settings, &s.events_stream()).await?,
-                name: s.events_stream(),
-                subjects: vec![s.events_all()],
-                retention: stream::RetentionPolicy::Limits,
-                storage: stream::StorageType::File,
-                max_age: settings.history_max_age,
-                duplicate_window: settings.duplicate_window.min(settings.history_max_age),
-                ..Default::default()
-            })
+            .ensure_stream(
+                stream::Config {
+                    num_replicas: self.replicas_for(settings, &s.events_stream()).await?,
+                    name: s.events_stream(),
+                    subjects: vec![s.events_all()],
+                    retention: stream::RetentionPolicy::Limits,
+                    storage: stream::StorageType::File,
+                    max_age: settings.history_max_age,
+                    duplicate_window: settings.duplicate_window.min(settings.history_max_age),
+                    ..Default::default()
+                },
+                settings,
+            )
             .await?;
-        self.ensure_stream(self.dead_letters_config(settings).await?)
+        self.ensure_stream(self.dead_letters_config(settings).await?, settings)
             .await?;
         let cancels = self.ensure_cancels(settings).await?;
         Ok(Streams { events, cancels })
@@ -316,6 +326,7 @@ impl Bus {
                 ..Default::default()
             },
             Direct::AnyReplica,
+            settings,
         )
         .await
     }
@@ -325,9 +336,9 @@ impl Bus {
         &self,
         settings: &BusSettings,
     ) -> Result<kv::Store, ProvisionError> {
-        self.ensure_stream(self.tasks_config(settings).await?)
+        self.ensure_stream(self.tasks_config(settings).await?, settings)
             .await?;
-        self.ensure_stream(self.dead_letters_config(settings).await?)
+        self.ensure_stream(self.dead_letters_config(settings).await?, settings)
             .await?;
         self.ensure_cancels(settings).await
     }
@@ -350,6 +361,7 @@ impl Bus {
                     ..Default::default()
                 },
                 Direct::LeaderOnly,
+                settings,
             )
             .await?;
         let session_locks = self
@@ -367,6 +379,7 @@ impl Bus {
                     ..Default::default()
                 },
                 Direct::LeaderOnly,
+                settings,
             )
             .await?;
         Ok(WakeState {
@@ -386,7 +399,8 @@ impl Bus {
     /// operator has run `wakebus init`.
     async fn ensure_stream(
         &self,
-        config: stream::Config,
+        mut config: stream::Config,
+        settings: &BusSettings,
     ) -> Result<stream::Stream, ProvisionError> {
         let name = config.name.clone();
         match self.js.get_stream(&name).await {
@@ -394,6 +408,14 @@ impl Bus {
                 return Ok(existing);
             }
             Ok(existing) => {
+                let kept = existing.cached_info().config.max_age;
+                if !settings.shorten_retention && shortens(kept, config.max_age) {
+                    warn!(stream = %name, kept = ?kept, asked = ?config.max_age, "This service keeps history for less time than the stream does; the stream keeps its max age, as shortening it deletes what is older at once. Run `wakebus init` with the shorter setting to shorten it on purpose.");
+                    config.max_age = kept;
+                    if stream_matches(&existing.cached_info().config, &config) {
+                        return Ok(existing);
+                    }
+                }
                 if let Err(error) = self.js.update_stream(config).await {
                     warn!(stream = %name, %error, "Stream settings differ from this service's and could not be updated (does this NATS user manage streams? run `wakebus init` as operator); using it as it is.");
                     return Ok(existing);
@@ -433,23 +455,27 @@ impl Bus {
         &self,
         config: kv::Config,
         direct: Direct,
+        settings: &BusSettings,
     ) -> Result<kv::Store, ProvisionError> {
         let name = config.bucket.clone();
-        self.ensure_stream(stream::Config {
-            name: format!("KV_{name}"),
-            description: Some(config.description),
-            subjects: vec![format!("$KV.{name}.>")],
-            max_messages_per_subject: config.history.max(1),
-            max_age: config.max_age,
-            storage: config.storage,
-            allow_rollup: true,
-            deny_delete: true,
-            deny_purge: false,
-            allow_direct: direct == Direct::AnyReplica,
-            num_replicas: config.num_replicas.max(1),
-            discard: stream::DiscardPolicy::New,
-            ..Default::default()
-        })
+        self.ensure_stream(
+            stream::Config {
+                name: format!("KV_{name}"),
+                description: Some(config.description),
+                subjects: vec![format!("$KV.{name}.>")],
+                max_messages_per_subject: config.history.max(1),
+                max_age: config.max_age,
+                storage: config.storage,
+                allow_rollup: true,
+                deny_delete: true,
+                deny_purge: false,
+                allow_direct: direct == Direct::AnyReplica,
+                num_replicas: config.num_replicas.max(1),
+                discard: stream::DiscardPolicy::New,
+                ..Default::default()
+            },
+            settings,
+        )
         .await?;
         self.js
             .get_key_value(&name)
@@ -785,6 +811,12 @@ fn stream_matches(existing: &stream::Config, wanted: &stream::Config) -> bool {
         // Zero means "server default", which the server fills in.
         && (wanted.duplicate_window.is_zero()
             || existing.duplicate_window == wanted.duplicate_window)
+}
+
+/// Whether a stream keeping messages for `kept` would lose some with a max
+/// age of `asked` (zero is unlimited).
+fn shortens(kept: Duration, asked: Duration) -> bool {
+    !asked.is_zero() && (kept.is_zero() || asked < kept)
 }
 
 /// Limits of 0 (client default) and -1 (server's "unlimited") mean the same.

@@ -1070,3 +1070,39 @@ async fn init_run_again_keeps_the_settings_the_services_gave_their_consumers() {
         Duration::from_secs(30)
     );
 }
+
+/// Shortening a stream's max age deletes at once what is older: a service
+/// started with a shorter `--history` than the deployment's must not do it;
+/// `wakebus init` with the shorter setting does, on the operator's word.
+#[tokio::test]
+async fn only_init_shortens_the_history_a_stream_keeps() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let month = Duration::from_secs(30 * 24 * 3600);
+    let long = wakebus::bus::BusSettings {
+        history_max_age: month,
+        ..Default::default()
+    };
+    bus.provision(&long).await.unwrap();
+    let max_age = || async {
+        let mut events = bus
+            .js
+            .get_stream(bus.subjects.events_stream())
+            .await
+            .unwrap();
+        events.info().await.unwrap().config.max_age
+    };
+    assert_eq!(max_age().await, month);
+
+    // A service with the default week.
+    bus.provision(&wakebus::bus::BusSettings::default())
+        .await
+        .unwrap();
+    assert_eq!(max_age().await, month, "a service shortened the history");
+
+    let run = wakebus(&nats.url(), &prefix, &["--history", "7d", "init"]).await;
+    assert!(run.success(), "{}", run.stderr());
+    assert_eq!(max_age().await, Duration::from_secs(7 * 24 * 3600));
+}

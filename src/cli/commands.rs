@@ -43,8 +43,13 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Init(args) => {
             let bus = connect(&global, "wakebus-init").await?;
-            bus.provision(&settings(&global)).await?;
-            bus.provision_wake_state(&settings(&global)).await?;
+            // The operator's word: init may shorten what streams keep.
+            let settings = BusSettings {
+                shorten_retention: true,
+                ..settings(&global)
+            };
+            bus.provision(&settings).await?;
+            bus.provision_wake_state(&settings).await?;
             for pool in &args.pools {
                 wakebus::protocol::validate_pool(pool)?;
             }
