@@ -16,7 +16,7 @@ use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
-use crate::bus::Bus;
+use crate::bus::{Bus, is_stream_not_found};
 use crate::history::{HistoryReader, Selection, Source};
 use crate::ops::service::{ServiceSnapshot, WAKE_SERVICE, WORKER_SERVICE};
 use crate::protocol::{EventKind, SYNC_SESSION_TOKEN};
@@ -229,21 +229,28 @@ async fn stream_status(
     bus: &Bus,
     name: &str,
 ) -> Result<(StreamStatus, Vec<ConsumerStatus>), StatusError> {
-    let Ok(mut stream) = bus.js.get_stream(name).await else {
-        return Ok((
-            StreamStatus {
-                name: name.to_owned(),
-                present: false,
-                messages: 0,
-                bytes: 0,
-                first_time: None,
-                last_time: None,
-                first_seq: 0,
-                last_seq: 0,
-                consumer_count: 0,
-            },
-            Vec::new(),
-        ));
+    let mut stream = match bus.js.get_stream(name).await {
+        Ok(stream) => stream,
+        // Only a stream the server says does not exist is absent: a timeout
+        // or a refused request reported as "absent" would send an operator
+        // to re-create what is there.
+        Err(error) if !is_stream_not_found(&error) => return Err(read_error(name, error)),
+        Err(_) => {
+            return Ok((
+                StreamStatus {
+                    name: name.to_owned(),
+                    present: false,
+                    messages: 0,
+                    bytes: 0,
+                    first_time: None,
+                    last_time: None,
+                    first_seq: 0,
+                    last_seq: 0,
+                    consumer_count: 0,
+                },
+                Vec::new(),
+            ));
+        }
     };
     let info = stream.info().await.map_err(|e| read_error(name, e))?;
     let state = &info.state;
@@ -286,8 +293,10 @@ async fn stream_status(
 async fn dead_letter_counts(bus: &Bus) -> Result<DeadLetterCounts, StatusError> {
     let s = &bus.subjects;
     let name = s.dead_letter_stream();
-    let Ok(stream) = bus.js.get_stream(&name).await else {
-        return Ok(DeadLetterCounts::default());
+    let stream = match bus.js.get_stream(&name).await {
+        Ok(stream) => stream,
+        Err(error) if is_stream_not_found(&error) => return Ok(DeadLetterCounts::default()),
+        Err(error) => return Err(read_error(&name, error)),
     };
     let mut subjects = stream
         .info_with_subjects(s.dead_letters_all())

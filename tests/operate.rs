@@ -1106,3 +1106,55 @@ async fn only_init_shortens_the_history_a_stream_keeps() {
     assert!(run.success(), "{}", run.stderr());
     assert_eq!(max_age().await, Duration::from_secs(7 * 24 * 3600));
 }
+
+/// A stream `status` cannot read (a refused request, a timeout) is an
+/// error, never reported as absent: that would send an operator to
+/// re-create what is there.
+#[tokio::test]
+async fn status_fails_on_a_stream_it_cannot_read_instead_of_calling_it_absent() {
+    init_logs();
+    let prefix = unique_prefix();
+    let events = wakebus::protocol::Subjects::new(&prefix)
+        .unwrap()
+        .events_stream();
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("nats.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            r#"authorization {{
+  users: [
+    {{ user: all, password: "all-pw" }}
+    {{ user: blind, password: "blind-pw", permissions: {{
+        publish: {{ allow: [">"], deny: ["$JS.API.STREAM.INFO.{events}"] }}
+        subscribe: {{ allow: [">"] }} }} }}
+  ]
+}}
+no_auth_user: all
+"#
+        ),
+    )
+    .unwrap();
+    let password = dir.path().join("blind.password");
+    std::fs::write(&password, "blind-pw").unwrap();
+    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let bus = bus(&nats.url(), &prefix).await;
+    bus.provision(&Default::default()).await.unwrap();
+
+    let password = password.display().to_string();
+    let blind = [
+        "--user",
+        "blind",
+        "--password-file",
+        &password,
+        "status",
+        "--json",
+    ];
+    let run = wakebus(&nats.url(), &prefix, &blind).await;
+    assert!(!run.success(), "{}", run.stdout());
+    assert!(
+        run.stderr().contains(&format!("cannot read {events}")),
+        "{}",
+        run.stderr()
+    );
+}
