@@ -1158,3 +1158,54 @@ no_auth_user: all
         run.stderr()
     );
 }
+
+/// A worker whose consumer cannot be created (its NATS user may not, and
+/// `init` was not run for its pool) retries without end; it must not say
+/// it is ready while it does, even though the streams exist.
+#[tokio::test]
+async fn a_worker_without_its_consumer_is_not_ready() {
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("nats.conf");
+    std::fs::write(
+        &conf,
+        r#"authorization {
+  users: [
+    { user: all, password: "all-pw" }
+    { user: worker, password: "worker-pw", permissions: {
+        publish: { allow: [">"], deny: ["$JS.API.CONSUMER.CREATE.>", "$JS.API.CONSUMER.DURABLE.CREATE.>"] }
+        subscribe: { allow: [">"] } } }
+  ]
+}
+no_auth_user: all
+"#,
+    )
+    .unwrap();
+    let password = dir.path().join("worker.password");
+    std::fs::write(&password, "worker-pw").unwrap();
+    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    bus.provision(&Default::default()).await.unwrap();
+
+    let mut args = common::process::base_args(&nats.url(), &prefix);
+    let password = password.display().to_string();
+    args.extend(["--user", "worker", "--password-file", &password].map(String::from));
+    args.extend(["worker", "--pool", "gpu", "--executor", "echo"].map(String::from));
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let (_worker, base) = spawn_with_metrics(args, log.path().to_owned());
+    wait_until(
+        WAIT,
+        "the worker to fail to create its consumer",
+        || async {
+            std::fs::read_to_string(log.path()).is_ok_and(|log| log.contains("setup failed"))
+        },
+    )
+    .await;
+    let (status, body) = eventually(WAIT, "/readyz to answer", || async {
+        http_get(&format!("{base}/readyz")).await
+    })
+    .await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("consumer worker-gpu"), "{body}");
+}

@@ -1,6 +1,6 @@
 //! The operations HTTP server: `/metrics` (Prometheus text format),
-//! `/healthz` (the process is alive) and `/readyz` (connected to NATS and
-//! the deployment's streams exist).
+//! `/healthz` (the process is alive) and `/readyz` (connected to NATS, and
+//! the deployment's streams and the service's consumer exist).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -55,7 +55,10 @@ impl Probe {
         }
     }
 
-    /// `Ok` when connected and every stream exists, else why not.
+    /// `Ok` when connected and every stream and the service's consumer
+    /// exist, else why not. (A service whose consumer cannot be created,
+    /// say a pool its NATS user may not use, retries without end: it is
+    /// not ready while it does.)
     pub async fn ready(&self) -> Result<(), String> {
         let state = self.bus.client.connection_state();
         if state != async_nats::connection::State::Connected {
@@ -68,6 +71,29 @@ impl Probe {
                 Err(_) => {
                     return Err(format!(
                         "stream {stream}: no answer within {CHECK_TIMEOUT:?}"
+                    ));
+                }
+            }
+        }
+        for (stream, consumer) in &self.consumers {
+            let info = async {
+                let handle = self
+                    .bus
+                    .js
+                    .get_stream(stream)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                handle
+                    .consumer_info(consumer)
+                    .await
+                    .map_err(|e| e.to_string())
+            };
+            match tokio::time::timeout(CHECK_TIMEOUT, info).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => return Err(format!("consumer {consumer}: {error}")),
+                Err(_) => {
+                    return Err(format!(
+                        "consumer {consumer}: no answer within {CHECK_TIMEOUT:?}"
                     ));
                 }
             }
