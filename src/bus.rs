@@ -416,8 +416,17 @@ impl Bus {
                         return Ok(existing);
                     }
                 }
-                if let Err(error) = self.js.update_stream(config).await {
-                    warn!(stream = %name, %error, "Stream settings differ from this service's and could not be updated (does this NATS user manage streams? run `wakebus init` as operator); using it as it is.");
+                let current = &existing.cached_info().config;
+                // Where the stream's messages come from and how they are
+                // kept: with these different, the service would not work.
+                let unusable = current.subjects != config.subjects
+                    || current.retention != config.retention
+                    || current.storage != config.storage;
+                if let Err(source) = self.js.update_stream(managed_update(current, config)).await {
+                    if unusable {
+                        return Err(ProvisionError::Stream { name, source });
+                    }
+                    warn!(stream = %name, error = %source, "Stream settings differ from this service's and could not be updated (does this NATS user manage streams? run `wakebus init` as operator); using it as it is.");
                     return Ok(existing);
                 }
             }
@@ -824,6 +833,34 @@ fn stream_matches(existing: &stream::Config, wanted: &stream::Config) -> bool {
         // Zero means "server default", which the server fills in.
         && (wanted.duplicate_window.is_zero()
             || existing.duplicate_window == wanted.duplicate_window)
+}
+
+/// `wanted`'s settings on top of the stream's `current` ones: the fields
+/// wakebus manages (those [`stream_matches`] compares, and the description)
+/// from `wanted`, every other one (limits an operator set by hand, such as
+/// `max_bytes` or `max_msgs`) as it is.
+fn managed_update(current: &stream::Config, wanted: stream::Config) -> stream::Config {
+    stream::Config {
+        name: wanted.name,
+        description: wanted.description,
+        subjects: wanted.subjects,
+        retention: wanted.retention,
+        storage: wanted.storage,
+        max_age: wanted.max_age,
+        num_replicas: wanted.num_replicas,
+        max_messages_per_subject: wanted.max_messages_per_subject,
+        discard: wanted.discard,
+        allow_rollup: wanted.allow_rollup,
+        deny_delete: wanted.deny_delete,
+        deny_purge: wanted.deny_purge,
+        allow_direct: wanted.allow_direct,
+        duplicate_window: if wanted.duplicate_window.is_zero() {
+            current.duplicate_window
+        } else {
+            wanted.duplicate_window
+        },
+        ..current.clone()
+    }
 }
 
 /// Whether a stream keeping messages for `kept` would lose some with a max

@@ -1209,3 +1209,34 @@ no_auth_user: all
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("consumer worker-gpu"), "{body}");
 }
+
+#[tokio::test]
+async fn updating_a_stream_keeps_the_limits_an_operator_set_by_hand() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    bus.provision(&Default::default()).await.unwrap();
+    let config = || async {
+        let mut events = bus
+            .js
+            .get_stream(bus.subjects.events_stream())
+            .await
+            .unwrap();
+        events.info().await.unwrap().config.clone()
+    };
+    let mut capped = config().await;
+    capped.max_bytes = 1 << 30;
+    bus.js.update_stream(&capped).await.unwrap();
+
+    // A service that keeps history longer updates the stream.
+    let month = Duration::from_secs(30 * 24 * 3600);
+    let longer = wakebus::bus::BusSettings {
+        history_max_age: month,
+        ..Default::default()
+    };
+    bus.provision(&longer).await.unwrap();
+    let updated = config().await;
+    assert_eq!(updated.max_age, month);
+    assert_eq!(updated.max_bytes, 1 << 30, "the operator's cap was cleared");
+}
