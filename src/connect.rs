@@ -55,6 +55,9 @@ pub enum ConnectError {
     /// `user` was given without a password file, or the other way round.
     #[error("user/password authentication needs both a user and a password file")]
     IncompleteUserPassword,
+    /// `tls_cert` was given without `tls_key`, or the other way round.
+    #[error("a TLS client certificate needs both --tls-cert and --tls-key")]
+    IncompleteClientCertificate,
     /// A server URL cannot be parsed.
     #[error("invalid NATS server URL {url:?}: {source}")]
     InvalidUrl {
@@ -128,8 +131,15 @@ impl NatsConfig {
         if let Some(ca) = &self.tls_ca {
             options = options.add_root_certificates(ca.clone()).require_tls(true);
         }
-        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
-            options = options.add_client_certificate(cert.clone(), key.clone());
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => {
+                // A client certificate is only ever sent over TLS.
+                options = options
+                    .add_client_certificate(cert.clone(), key.clone())
+                    .require_tls(true);
+            }
+            (None, None) => {}
+            _ => return Err(ConnectError::IncompleteClientCertificate),
         }
         if let Some(name) = &self.name {
             options = options.name(name);
@@ -387,6 +397,22 @@ mod tests {
         let servers = config.servers().expect("valid");
         let ports: Vec<u16> = servers.iter().map(ServerAddr::port).collect();
         assert_eq!(ports, vec![4222, 4223]);
+    }
+
+    #[tokio::test]
+    async fn half_a_client_certificate_is_a_clear_error() {
+        for (cert, key) in [(Some("client.pem"), None), (None, Some("client-key.pem"))] {
+            let config = NatsConfig {
+                tls_cert: cert.map(PathBuf::from),
+                tls_key: key.map(PathBuf::from),
+                ..NatsConfig::new("nats://127.0.0.1:1")
+            };
+            let error = config.options(false).await.expect_err("refused");
+            assert!(
+                matches!(error, ConnectError::IncompleteClientCertificate),
+                "{error}"
+            );
+        }
     }
 
     #[test]
