@@ -37,7 +37,9 @@ use crate::protocol::{HEADER_DEAD_LETTER_REASON, HEADER_MSG_ID, header_safe};
 /// Most stream sequences after a consumer's ack floor looked at in one sweep.
 const MAX_SCAN: u64 = 512;
 /// Limit for each JetStream API request.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Short: a NATS user that may not read messages gets no answer at all,
+/// and a starting service waits this long before it consumes.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Why a header block cannot be read by async-nats, mirroring its parser.
 pub fn unreadable_headers(block: &[u8]) -> Option<&'static str> {
@@ -82,6 +84,9 @@ pub fn unreadable_headers(block: &[u8]) -> Option<&'static str> {
 struct ConsumerInfo {
     config: ConsumerFilters,
     ack_floor: SequencePair,
+    delivered: SequencePair,
+    #[serde(default)]
+    num_ack_pending: u64,
 }
 
 #[derive(Deserialize)]
@@ -271,6 +276,11 @@ pub async fn sweep(
             String::new(),
         )
         .await?;
+    // Nothing unacknowledged: nothing can have dropped a connection (and a
+    // NATS user that may not read messages is not asked to).
+    if info.num_ack_pending == 0 && info.delivered.stream_seq <= info.ack_floor.stream_seq {
+        return Ok(0);
+    }
     // Everything after the ack floor: what is unacknowledged, and what is
     // delivered next. (Not just up to the consumer's `delivered`: once the
     // AckWait of a message whose client died has passed, nats-server 2.9
