@@ -417,11 +417,11 @@ impl Bus {
                     }
                 }
                 let current = &existing.cached_info().config;
-                // Where the stream's messages come from and how they are
-                // kept: with these different, the service would not work.
-                let unusable = current.subjects != config.subjects
-                    || current.retention != config.retention
-                    || current.storage != config.storage;
+                // Which messages the stream takes and when it lets them go:
+                // with these different, the service would not work as
+                // documented (storage, say, is the operator's choice).
+                let unusable =
+                    current.subjects != config.subjects || current.retention != config.retention;
                 if let Err(source) = self.js.update_stream(managed_update(current, config)).await {
                     if unusable {
                         return Err(ProvisionError::Stream { name, source });

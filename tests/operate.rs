@@ -1240,3 +1240,33 @@ async fn updating_a_stream_keeps_the_limits_an_operator_set_by_hand() {
     assert_eq!(updated.max_age, month);
     assert_eq!(updated.max_bytes, 1 << 30, "the operator's cap was cleared");
 }
+
+/// A stream that takes other subjects or lets messages go otherwise than
+/// wakebus needs, and that cannot be updated, is an error: a service
+/// using it as it is would lose work (a tasks stream with limits
+/// retention keeps every acked request and hands nothing to a second pool).
+#[tokio::test]
+async fn a_stream_whose_retention_cannot_be_made_right_is_an_error_not_a_warning() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let subjects = wakebus::protocol::Subjects::new(&unique_prefix()).unwrap();
+    let bus = wakebus::bus::Bus::new(client, subjects);
+    bus.js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: bus.subjects.tasks_stream(),
+            subjects: vec![bus.subjects.tasks_all()],
+            retention: async_nats::jetstream::stream::RetentionPolicy::Limits,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let error = bus
+        .provision_for_worker(&Default::default())
+        .await
+        .expect_err("the server refuses to change a stream's retention");
+    assert!(
+        error.to_string().contains(&bus.subjects.tasks_stream()),
+        "{error}"
+    );
+}
