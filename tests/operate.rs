@@ -1117,40 +1117,16 @@ async fn status_fails_on_a_stream_it_cannot_read_instead_of_calling_it_absent() 
     let events = wakebus::protocol::Subjects::new(&prefix)
         .unwrap()
         .events_stream();
-    let dir = tempfile::tempdir().unwrap();
-    let conf = dir.path().join("nats.conf");
-    std::fs::write(
-        &conf,
-        format!(
-            r#"authorization {{
-  users: [
-    {{ user: all, password: "all-pw" }}
-    {{ user: blind, password: "blind-pw", permissions: {{
-        publish: {{ allow: [">"], deny: ["$JS.API.STREAM.INFO.{events}"] }}
-        subscribe: {{ allow: [">"] }} }} }}
-  ]
-}}
-no_auth_user: all
-"#
-        ),
-    )
-    .unwrap();
-    let password = dir.path().join("blind.password");
-    std::fs::write(&password, "blind-pw").unwrap();
-    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let server =
+        common::nats::LimitedUserServer::start(&[format!("$JS.API.STREAM.INFO.{events}")]).await;
+    let nats = &server.nats;
     let bus = bus(&nats.url(), &prefix).await;
     bus.provision(&Default::default()).await.unwrap();
 
-    let password = password.display().to_string();
-    let blind = [
-        "--user",
-        "blind",
-        "--password-file",
-        &password,
-        "status",
-        "--json",
-    ];
-    let run = wakebus(&nats.url(), &prefix, &blind).await;
+    let mut limited = server.limited_args();
+    limited.extend(["status", "--json"].map(String::from));
+    let limited: Vec<&str> = limited.iter().map(String::as_str).collect();
+    let run = wakebus(&nats.url(), &prefix, &limited).await;
     assert!(!run.success(), "{}", run.stdout());
     assert!(
         run.stderr().contains(&format!("cannot read {events}")),
@@ -1165,32 +1141,18 @@ no_auth_user: all
 #[tokio::test]
 async fn a_worker_without_its_consumer_is_not_ready() {
     init_logs();
-    let dir = tempfile::tempdir().unwrap();
-    let conf = dir.path().join("nats.conf");
-    std::fs::write(
-        &conf,
-        r#"authorization {
-  users: [
-    { user: all, password: "all-pw" }
-    { user: worker, password: "worker-pw", permissions: {
-        publish: { allow: [">"], deny: ["$JS.API.CONSUMER.CREATE.>", "$JS.API.CONSUMER.DURABLE.CREATE.>"] }
-        subscribe: { allow: [">"] } } }
-  ]
-}
-no_auth_user: all
-"#,
-    )
-    .unwrap();
-    let password = dir.path().join("worker.password");
-    std::fs::write(&password, "worker-pw").unwrap();
-    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let denied = [
+        "$JS.API.CONSUMER.CREATE.>",
+        "$JS.API.CONSUMER.DURABLE.CREATE.>",
+    ];
+    let server = common::nats::LimitedUserServer::start(&denied.map(String::from)).await;
+    let nats = &server.nats;
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
     bus.provision(&Default::default()).await.unwrap();
 
     let mut args = common::process::base_args(&nats.url(), &prefix);
-    let password = password.display().to_string();
-    args.extend(["--user", "worker", "--password-file", &password].map(String::from));
+    args.extend(server.limited_args());
     args.extend(["worker", "--pool", "gpu", "--executor", "echo"].map(String::from));
     let log = tempfile::NamedTempFile::new().unwrap();
     let (_worker, base) = spawn_with_metrics(args, log.path().to_owned());

@@ -814,27 +814,8 @@ async fn replay_tasks_as_a_user_denied(denied: impl Fn(&wakebus::protocol::Subje
     init_logs();
     let prefix = unique_prefix();
     let denied = denied(&wakebus::protocol::Subjects::new(&prefix).unwrap());
-    let dir = tempfile::tempdir().unwrap();
-    let conf = dir.path().join("nats.conf");
-    std::fs::write(
-        &conf,
-        format!(
-            r#"authorization {{
-  users: [
-    {{ user: all, password: "all-pw" }}
-    {{ user: blind, password: "blind-pw", permissions: {{
-        publish: {{ allow: [">"], deny: ["{denied}"] }}
-        subscribe: {{ allow: [">"] }} }} }}
-  ]
-}}
-no_auth_user: all
-"#
-        ),
-    )
-    .unwrap();
-    let password = dir.path().join("blind.password");
-    std::fs::write(&password, "blind-pw").unwrap();
-    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let server = common::nats::LimitedUserServer::start(&[denied]).await;
+    let nats = &server.nats;
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &prefix).await;
     let session = "s.unreadable-queue";
@@ -842,16 +823,10 @@ no_auth_user: all
     services.wake(&bus, test_wake_config(&api.url()));
     let derived = half_requeue_a_dead_letter(&nats.url(), &prefix, &bus, &api, session).await;
 
-    let password_arg = password.display().to_string();
-    let blind = [
-        "--user",
-        "blind",
-        "--password-file",
-        &password_arg,
-        "replay",
-        "tasks",
-    ];
-    let lines = wakebus(&nats.url(), &prefix, &blind).await.ok_json();
+    let mut limited = server.limited_args();
+    limited.extend(["replay", "tasks"].map(String::from));
+    let limited: Vec<&str> = limited.iter().map(String::as_str).collect();
+    let lines = wakebus(&nats.url(), &prefix, &limited).await.ok_json();
     assert_eq!(lines[0]["action"], "skipped", "{lines:#?}");
     let reason = lines[0]["reason"].as_str().unwrap();
     assert!(

@@ -297,3 +297,51 @@ impl Drop for NatsServer {
         self.kill();
     }
 }
+
+/// A server on which an anonymous client may do everything and the user
+/// `limited` everything but publish to some subjects (JetStream API
+/// requests, say), as a role without a permission would be.
+pub struct LimitedUserServer {
+    pub nats: NatsServer,
+    /// Holds the configuration and the password file.
+    dir: TempDir,
+}
+
+impl LimitedUserServer {
+    /// Starts one whose user `limited` may not publish to `denied`.
+    pub async fn start(denied: &[String]) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let denied = serde_json::to_string(denied).expect("subjects");
+        let conf = dir.path().join("nats.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                r#"authorization {{
+  users: [
+    {{ user: all, password: "all-pw" }}
+    {{ user: limited, password: "limited-pw", permissions: {{
+        publish: {{ allow: [">"], deny: {denied} }}
+        subscribe: {{ allow: [">"] }} }} }}
+  ]
+}}
+no_auth_user: all
+"#
+            ),
+        )
+        .expect("config");
+        std::fs::write(dir.path().join("limited.password"), "limited-pw").expect("password");
+        let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+        Self { nats, dir }
+    }
+
+    /// The global `wakebus` arguments that authenticate as `limited`.
+    pub fn limited_args(&self) -> Vec<String> {
+        let password = self.dir.path().join("limited.password");
+        vec![
+            "--user".into(),
+            "limited".into(),
+            "--password-file".into(),
+            password.display().to_string(),
+        ]
+    }
+}
