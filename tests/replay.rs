@@ -243,6 +243,11 @@ async fn replay_of_wake_dead_letters_delivers_them_once_the_session_api_recovers
     let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     api.fail_always(403);
     let session = "s.refused";
+    let url = nats.url();
+    let replay_dead_letters = || async {
+        let args = ["replay", "wakes", "--dead-letters", "--session", session];
+        wakebus(&url, &prefix, &args).await.ok_json()
+    };
     let id = delegate(&bus, Delegation::new("refused at first").session(session)).await;
     wait_until(WAIT, "the wake dead letter", || async {
         !all_messages(&bus, &bus.subjects.dead_letter_stream())
@@ -263,13 +268,7 @@ async fn replay_of_wake_dead_letters_delivers_them_once_the_session_api_recovers
     );
     // Replayed while the session API still refuses: refused again, and
     // recorded again (not dropped as a duplicate of the first dead letter).
-    let early = wakebus(
-        &nats.url(),
-        &prefix,
-        &["replay", "wakes", "--dead-letters", "--session", session],
-    )
-    .await
-    .ok_json();
+    let early = replay_dead_letters().await;
     assert_eq!(early[0]["action"], "replayed", "{early:#?}");
     wait_until(WAIT, "the second wake dead letter", || async {
         all_messages(&bus, &bus.subjects.dead_letter_stream())
@@ -280,13 +279,7 @@ async fn replay_of_wake_dead_letters_delivers_them_once_the_session_api_recovers
     .await;
     api.recover();
 
-    let lines = wakebus(
-        &nats.url(),
-        &prefix,
-        &["replay", "wakes", "--dead-letters", "--session", session],
-    )
-    .await
-    .ok_json();
+    let lines = replay_dead_letters().await;
     assert_eq!(lines[0]["action"], "replayed", "{lines:#?}");
     wait_until(WAIT, "the re-driven wake", || async {
         api.accepted().len() == 1
@@ -308,13 +301,7 @@ async fn replay_of_wake_dead_letters_delivers_them_once_the_session_api_recovers
         ledger.get(format!("{id}.0")).await.ok().flatten().is_some()
     })
     .await;
-    let again = wakebus(
-        &nats.url(),
-        &prefix,
-        &["replay", "wakes", "--dead-letters", "--session", session],
-    )
-    .await
-    .ok_json();
+    let again = replay_dead_letters().await;
     assert_eq!(again[0]["action"], "skipped", "{again:#?}");
     services.stop().await;
     assert_eq!(api.accepted().len(), 1);
