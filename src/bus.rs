@@ -430,7 +430,7 @@ impl Bus {
                     return Ok(existing);
                 }
             }
-            Err(error) if is_not_found(&error) => {
+            Err(error) if is_stream_not_found(&error) => {
                 match self.js.create_stream(config).await {
                     Ok(_) => {}
                     // On a cluster, another service may just have created it.
@@ -806,15 +806,6 @@ fn dead_letter_parts(
     headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(&reason).as_str());
     headers.insert(HEADER_MSG_ID, msg_id);
     (headers, payload)
-}
-
-/// Whether a stream lookup failed because the stream does not exist.
-fn is_not_found(error: &jetstream::context::GetStreamError) -> bool {
-    matches!(
-        error.kind(),
-        jetstream::context::GetStreamErrorKind::JetStream(e)
-            if e.code() == 404
-    )
 }
 
 /// Whether `existing` already has every setting wakebus asks for in `wanted`.
