@@ -588,7 +588,9 @@ impl Delegator {
             if unconfirmed.is_empty() {
                 return Ok(());
             }
-            tokio::time::sleep(*wait).await;
+            if !wait.is_zero() {
+                tokio::time::sleep(*wait).await;
+            }
             let mut acks = Vec::with_capacity(unconfirmed.len());
             for (i, (subject, headers, payload)) in &mut unconfirmed {
                 let headers = match attempt {

@@ -34,7 +34,7 @@ use tracing::{error, info, warn};
 use crate::bus::Bus;
 use crate::protocol::{HEADER_DEAD_LETTER_REASON, HEADER_MSG_ID, header_safe};
 
-/// Most stream sequences after a consumer's ack floor looked at in one sweep.
+/// Most messages after a consumer's ack floor read in one sweep.
 const MAX_SCAN: u64 = 512;
 /// Limit for each JetStream API request.
 /// Short: a NATS user that may not read messages gets no answer at all,
@@ -98,6 +98,19 @@ struct ConsumerFilters {
 }
 
 impl ConsumerFilters {
+    /// The consumer's filter, when it has exactly one.
+    fn only_filter(&self) -> Option<&str> {
+        let mut filters = self
+            .filter_subject
+            .iter()
+            .chain(&self.filter_subjects)
+            .filter(|f| !f.is_empty());
+        match (filters.next(), filters.next()) {
+            (Some(only), None) => Some(only),
+            _ => None,
+        }
+    }
+
     /// Whether the consumer reads `subject`.
     fn take(&self, subject: &str) -> bool {
         let mut filters = self
@@ -149,6 +162,8 @@ struct MsgGet {
 struct StoredMessage {
     #[serde(default)]
     subject: String,
+    #[serde(default)]
+    seq: u64,
     #[serde(default)]
     hdrs: Option<String>,
     #[serde(default)]
@@ -288,21 +303,40 @@ pub async fn sweep(
     let state: StreamInfo = bus
         .api(format!("$JS.API.STREAM.INFO.{stream}"), String::new())
         .await?;
-    let first = info.ack_floor.stream_seq + 1;
-    let last = state.state.last_seq.min(first + MAX_SCAN - 1);
+    let last = state.state.last_seq;
+    // With one filter (as wakebus's consumers have), each read skips to the
+    // next message the consumer takes, past other subjects and gaps.
+    let filter = info.config.only_filter();
+    let mut seq = info.ack_floor.stream_seq + 1;
     let mut removed = 0;
-    for seq in first..=last {
+    for _ in 0..MAX_SCAN {
+        if seq > last {
+            break;
+        }
+        let request = match filter {
+            Some(filter) => serde_json::json!({"seq": seq, "next_by_subj": filter}),
+            None => serde_json::json!({"seq": seq}),
+        };
         let got: MsgGet = bus
             .api(
                 format!("$JS.API.STREAM.MSG.GET.{stream}"),
-                format!(r#"{{"seq":{seq}}}"#),
+                request.to_string(),
             )
             .await?;
-        // The range holds other consumers' messages too (another pool's
-        // tasks, events the wake does not read): only this one's are its.
-        let Some(message) = got.message.filter(|m| info.config.take(&m.subject)) else {
+        let Some(message) = got.message else {
+            if filter.is_some() {
+                break; // nothing more this consumer takes
+            }
+            seq += 1; // deleted
             continue;
         };
+        let at = if message.seq == 0 { seq } else { message.seq };
+        seq = at + 1;
+        // The stream holds other consumers' messages too (another pool's
+        // tasks, events the wake does not read): only this one's are its.
+        if at > last || !info.config.take(&message.subject) {
+            continue;
+        }
         let headers = message
             .hdrs
             .as_deref()
@@ -323,7 +357,7 @@ pub async fn sweep(
             .as_deref()
             .and_then(|d| BASE64.decode(d).ok())
             .unwrap_or_default();
-        if quarantine(bus, stream, seq, dead_letter_subject, &reason, body).await? {
+        if quarantine(bus, stream, at, dead_letter_subject, &reason, body).await? {
             removed += 1;
         }
     }
