@@ -262,11 +262,12 @@ const CONNECTION_CHECK: Duration = Duration::from_secs(2);
 
 /// Completes once `client` has stopped working for good: its connection
 /// task has ended, so it will never reconnect and every request fails at
-/// once. async-nats ends that task by panicking when it receives a message
-/// whose header value holds a carriage return (which nats-server stores and
-/// delivers without checking); a long-running service must then exit with
-/// an error, so that it is restarted with a new client (which removes such
-/// a message first: [`crate::quarantine`]). Checks with a flush every
+/// once. That task ends when it panics (async-nats 0.51 did on a header
+/// value holding a carriage return; 0.52 reads one as a space) or when the
+/// client is drained. A long-running service must then exit with an error,
+/// so that it is restarted with a new client (which first removes what it
+/// cannot read from its consumer: [`crate::quarantine`]), instead of
+/// running on with requests that all fail. Checks with a flush every
 /// [`CONNECTION_CHECK`]: a flush fails only once that task is gone, and
 /// only waits while the client reconnects.
 pub async fn connection_ended(client: &Client) {
@@ -293,7 +294,7 @@ pub fn stop_or_connection_loss(
         tokio::select! {
             () = shutdown => {}
             () = connection_ended(&client) => {
-                error!("The NATS client stopped working for good and cannot reconnect (async-nats ends it on a message whose headers it cannot parse); stopping, so that the process is restarted. On its restart it removes such a message from its consumer: see docs/OPERATIONS.md, \"Poison messages\".");
+                error!("The NATS client stopped working for good and cannot reconnect; stopping, so that the process is restarted with a new client. See docs/OPERATIONS.md, \"Poison messages\".");
                 flag.0.store(true, std::sync::atomic::Ordering::Release);
             }
         }

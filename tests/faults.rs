@@ -744,62 +744,41 @@ async fn a_task_that_ends_while_nats_is_down_is_stored_once_nats_returns_and_not
     rig.assert_finished_once_and_woken_once(&task, 1).await;
 }
 
-/// async-nats panics in its connection task when a message's header value
-/// holds a carriage return (nats-server stores and delivers it without
-/// checking), and that client never works again. Each service notices,
-/// exits with an error so that it is restarted, and on its restart removes
-/// the message before it consumes anything.
+/// async-nats 0.51 panicked in its connection task on a header value
+/// holding a carriage return (nats-server stores and delivers it without
+/// checking), and the client never worked again: every such message
+/// stopped the service it reached. 0.52 reads the value with a space in
+/// place of the carriage return, so the request runs and wakes its session,
+/// the completion that cannot be decoded is dead-lettered, and neither
+/// service stops.
 #[tokio::test]
-async fn a_message_that_breaks_the_nats_client_stops_the_services_and_their_restarts_remove_it() {
+async fn a_header_value_with_a_carriage_return_is_handled_like_any_other_message() {
     let rig = Rig::start().await;
     let (bus, api) = (&rig.bus, &rig.api);
     let mut worker = rig.worker("worker", "echo finished", &[]);
     let mut wake = rig.wake("wake");
-    publish_until_stored(bus, &request("s.before", "before")).await;
-    wait_until(Duration::from_secs(30), "the first wake", || async {
-        api.accepted().len() == 1
-    })
-    .await;
+    let _logs = LogsOnPanic(vec![worker.log.clone(), wake.log.clone()]);
 
-    let breaking = b"NATS/1.0\r\nWakebus-Origin-Session: s.cr\r\nX-Note: one\rtwo\r\n\r\n";
-    let task = serde_json::to_vec(&request("s.cr", "never run")).unwrap();
-    let refused = raw::hpub(
-        rig.nats.port,
-        &bus.subjects.task("default"),
-        breaking,
-        &task,
-    )
-    .await;
+    let headers = b"NATS/1.0\r\nWakebus-Origin-Session: s.cr\r\nX-Note: one\rtwo\r\n\r\n";
+    let task = serde_json::to_vec(&request("s.cr", "run despite its header")).unwrap();
+    let refused = raw::hpub(rig.nats.port, &bus.subjects.task("default"), headers, &task).await;
     assert_eq!(refused, None, "nats-server stores it without complaint");
     let token = wakebus::protocol::session_token("s.cr");
     let completion = format!("{}.evt.{token}.crdone.0.done", bus.subjects.prefix());
-    let refused = raw::hpub(rig.nats.port, &completion, breaking, b"{}").await;
+    let refused = raw::hpub(rig.nats.port, &completion, headers, b"{}").await;
     assert_eq!(refused, None);
 
-    for (name, service) in [("worker", &mut worker), ("wake", &mut wake)] {
-        let status = service.wait_exit(Duration::from_secs(30), "once its NATS client broke");
-        assert!(!status.success(), "{name} exited with {status}");
-        let log = std::fs::read_to_string(&service.log).unwrap();
-        assert!(
-            log.contains("The NATS client stopped working for good"),
-            "{name}:\n{log}"
-        );
-    }
-    // Restarted by a supervisor after the message's AckWait (2 s here) has
-    // passed, as a restart usually is: nats-server 2.9 then reports the
-    // consumer's `delivered` below the message.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    worker.restart();
-    wake.restart();
-    let _logs = LogsOnPanic(vec![worker.log.clone(), wake.log.clone()]);
-    publish_until_stored(bus, &request("s.after", "after")).await;
     wait_until(
         Duration::from_secs(30),
-        "the wake after the restarts",
-        || async { api.accepted().iter().any(|p| p.session() == "s.after") },
+        "the request with the carriage return woken",
+        || async { api.accepted().iter().any(|p| p.session() == "s.cr") },
     )
     .await;
-    // Nothing left for either consumer, and neither service broke again.
+    publish_until_stored(bus, &request("s.after", "after")).await;
+    wait_until(Duration::from_secs(30), "the later wake", || async {
+        api.accepted().iter().any(|p| p.session() == "s.after")
+    })
+    .await;
     wake_consumer_settled(bus).await;
     wait_until(
         Duration::from_secs(30),
@@ -810,25 +789,22 @@ async fn a_message_that_breaks_the_nats_client_stops_the_services_and_their_rest
         },
     )
     .await;
-    for service in [&worker, &wake] {
+
+    for (name, service) in [("worker", &mut worker), ("wake", &mut wake)] {
+        assert!(service.is_running(), "{name} exited");
         let log = std::fs::read_to_string(&service.log).unwrap();
-        assert_eq!(
-            log.matches("The NATS client stopped working").count(),
-            1,
-            "{log}"
-        );
+        assert!(!log.contains("stopped working"), "{name}:\n{log}");
     }
     let dead = all_messages(bus, &bus.subjects.dead_letter_stream()).await;
-    let reasons: Vec<String> = dead
+    let dead: Vec<(&str, Option<String>)> = dead
         .iter()
-        .filter_map(|m| m.headers.get("Wakebus-Dead-Letter-Reason"))
-        .map(ToString::to_string)
+        .map(|m| {
+            let reason = m.headers.get("Wakebus-Dead-Letter-Reason");
+            (m.subject.as_str(), reason.map(ToString::to_string))
+        })
         .collect();
-    assert_eq!(reasons.len(), 2, "{reasons:?}");
-    assert!(
-        reasons.iter().all(|r| r.contains("carriage return")),
-        "{reasons:?}"
-    );
+    assert_eq!(dead.len(), 1, "only the undecodable completion: {dead:?}");
+    assert!(dead[0].0.ends_with(".dlq.wake.poison"), "{dead:?}");
     let woken: Vec<String> = api.accepted().iter().map(|p| p.session()).collect();
-    assert_eq!(woken, ["s.before", "s.after"]);
+    assert_eq!(woken, ["s.cr", "s.after"]);
 }

@@ -971,3 +971,37 @@ async fn malformed_completions_are_dead_lettered_and_the_wake_service_goes_on() 
         assert!(!reason.contains('\n'), "{reason:?}");
     }
 }
+
+/// A service must not run on with a NATS client that can never send again:
+/// its stop signal fires, and says the service must fail, once the client's
+/// connection task has ended (drained here; async-nats 0.51 ended it by
+/// panicking on some messages), but not while the client only reconnects.
+#[tokio::test]
+async fn a_service_is_stopped_to_fail_once_its_nats_client_has_ended_but_not_while_it_reconnects() {
+    init_logs();
+    let mut nats = NatsServer::start().await;
+    let client = wakebus::connect::NatsConfig::new(nats.url())
+        .connect()
+        .await
+        .unwrap();
+    let (stop, lost) =
+        wakebus::connect::stop_or_connection_loss(&client, std::future::pending::<()>());
+    tokio::pin!(stop);
+
+    nats.restart().await;
+    wait_until(WAIT, "the client reconnected", || async {
+        wakebus::connect::is_connected(&client)
+    })
+    .await;
+    // Not a wait for a condition: the stop must not fire through a few of
+    // the client checks (every 2 s) after a reconnect.
+    let early = tokio::time::timeout(Duration::from_secs(5), &mut stop).await;
+    assert!(early.is_err(), "the stop fired on a reconnect");
+    assert!(lost.check().is_ok());
+
+    client.drain().await.unwrap();
+    tokio::time::timeout(WAIT, &mut stop)
+        .await
+        .expect("the stop fires once the client has ended");
+    assert!(lost.check().is_err());
+}

@@ -84,6 +84,13 @@ impl Service {
         self.wait_exit(timeout, &format!("after {signal:?}"))
     }
 
+    /// Whether it is still running (it has not exited by itself).
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|child| child.try_wait().expect("wait").is_none())
+    }
+
     /// Waits up to `timeout` for it to exit by itself, and returns its exit
     /// status; panics with its log's end if it does not (`when` says what
     /// it was expected to exit after).
