@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{DeliverPolicy, pull::OrderedConfig};
 use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::stream::RawMessageErrorKind;
 use bytes::Bytes;
 use futures::StreamExt;
 use serde::Serialize;
@@ -245,7 +246,7 @@ pub enum DelegateError {
     /// not. Delegating again with the same [`Delegation::delegation_id`]
     /// soon stores the rest without running any task twice.
     #[error(
-        "delegation {delegation_id} was not fully stored ({source}); some of its tasks may run: delegate it again with the same delegation id (--delegation-id {delegation_id}) within the duplicate window (2 minutes by default) to store the rest without running any task twice, or cancel it"
+        "delegation {delegation_id} was not fully stored ({source}); some of its tasks may run: delegate it again with the same delegation id (--delegation-id {delegation_id}) to store the rest without running any task twice, or cancel it"
     )]
     NotStored {
         /// The delegation's id, to delegate again with.
@@ -325,7 +326,14 @@ impl Delegator {
     /// Publishes the requests and, in sync mode (or with `wait`), waits for
     /// every completion.
     pub async fn delegate(&self, delegation: Delegation) -> Result<DelegateResult, DelegateError> {
-        let requests = self.requests(&delegation)?;
+        let mut requests = self.requests(&delegation)?;
+        if delegation.delegation_id.is_some()
+            && let Some(first) = self.first_submitted_at(&requests[0]).await
+        {
+            for request in &mut requests {
+                request.created_at = Some(first);
+            }
+        }
         // The delegation's span, parent of its tasks' spans (`otel` feature).
         let span = tracing::info_span!(
             "delegate",
@@ -447,6 +455,44 @@ impl Delegator {
                 request
             })
             .collect())
+    }
+
+    /// When a delegation sent again under its id (a retry after
+    /// [`DelegateError::NotStored`]) was first submitted: the server's time
+    /// of its earliest `submitted` record. Its requests keep that as their
+    /// `created_at`, so that a worker recognises a copy JetStream stored
+    /// after its duplicate window and first asks whether the task already
+    /// ran. `None` for an id not used before, or when this NATS user may not
+    /// read the events stream (then a copy stored after the window may run
+    /// again).
+    async fn first_submitted_at(&self, first: &TaskRequest) -> Option<OffsetDateTime> {
+        let token = crate::worker::token_for(first.origin_session_id.as_deref());
+        let subject = format!(
+            "{}.evt.{token}.{}.*.{}",
+            self.bus.subjects.prefix(),
+            first.delegation_id,
+            crate::protocol::EventKind::Submitted.as_str()
+        );
+        let events = self
+            .bus
+            .js
+            .get_stream_no_info(self.bus.subjects.events_stream())
+            .await;
+        let found = match events {
+            Ok(events) => events.get_first_raw_message_by_subject(&subject, 1).await,
+            Err(error) => {
+                tracing::warn!(%error, delegation_id = %first.delegation_id, "Cannot read the events stream to tell whether this delegation was submitted before; a copy of a task stored after the duplicate window may run again.");
+                return None;
+            }
+        };
+        match found {
+            Ok(record) => Some(record.time),
+            Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => None,
+            Err(error) => {
+                tracing::warn!(%error, delegation_id = %first.delegation_id, "Cannot read this delegation's earlier submission; a copy of a task stored after the duplicate window may run again.");
+                None
+            }
+        }
     }
 
     /// Checks the encoded request against the limits and the server's max payload.

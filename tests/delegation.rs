@@ -739,6 +739,87 @@ async fn a_batch_stored_only_in_part_is_completed_by_delegating_it_again_under_i
     assert_eq!(ran, [0, 1, 2], "each task ran once");
 }
 
+/// JetStream drops a request sent again under its `Nats-Msg-Id` only within
+/// the requests stream's duplicate window (1 s here). A copy stored later,
+/// by a delegation sent again under its id or by a publisher sending the
+/// same request again, is checked against the history before it runs, and
+/// does not run again.
+#[tokio::test]
+async fn a_task_sent_again_after_the_duplicate_window_does_not_run_again() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let settings = wakebus::bus::BusSettings {
+        duplicate_window: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let client = wakebus::connect::NatsConfig::new(nats.url())
+        .connect()
+        .await
+        .unwrap();
+    let prefix = unique_prefix();
+    let bus = wakebus::bus::Bus::new(client, wakebus::protocol::Subjects::new(&prefix).unwrap());
+    bus.provision(&settings).await.unwrap();
+    let mut services = Services::new();
+    services.worker_with_settings(
+        &bus,
+        settings.clone(),
+        Executor::Echo(wakebus::worker::executor::EchoExecutor),
+        test_worker_config("default"),
+    );
+    let tasks = bus
+        .js
+        .get_stream(bus.subjects.tasks_stream())
+        .await
+        .unwrap();
+    // The requests stream has stored `stored` requests, all acknowledged.
+    let settled = |stored: u64| {
+        let mut tasks = tasks.clone();
+        async move {
+            let info = tasks.info().await.unwrap();
+            info.state.last_sequence == stored && info.state.messages == 0
+        }
+    };
+
+    // A delegation with an id of the caller's, and a request from another
+    // publisher that does not say when it was created.
+    let id = wakebus::protocol::new_delegation_id();
+    let delegation = || {
+        let mut delegation = Delegation::new("once").session("s.again");
+        delegation.delegation_id = Some(id.clone());
+        delegation
+    };
+    let mut raw = request("s.raw", "once too");
+    raw.created_at = None;
+    Delegator::new(bus.clone())
+        .delegate(delegation())
+        .await
+        .unwrap();
+    publish_until_stored(&bus, &raw).await;
+    wait_until(WAIT, "both tasks done", || settled(2)).await;
+    assert_eq!(done_events(&bus).await.len(), 2);
+
+    // Not a wait for a condition: the window is time itself.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    Delegator::new(bus.clone())
+        .delegate(delegation())
+        .await
+        .unwrap();
+    publish_until_stored(&bus, &raw).await;
+    // JetStream stored both copies (sequences 3 and 4), and the worker
+    // settled them.
+    wait_until(WAIT, "both copies settled", || settled(4)).await;
+    services.stop().await;
+    let mut ran: Vec<String> = done_events(&bus)
+        .await
+        .into_iter()
+        .map(|d| d.delegation_id)
+        .collect();
+    ran.sort_unstable();
+    let mut expected = vec![id.clone(), raw.delegation_id.clone()];
+    expected.sort_unstable();
+    assert_eq!(ran, expected, "each task ran once");
+}
+
 #[tokio::test]
 async fn a_delegation_id_given_by_the_caller_must_be_a_valid_id() {
     let nats = NatsServer::start().await;

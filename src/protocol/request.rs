@@ -81,7 +81,9 @@ pub struct TaskRequest {
     /// The session of the agent that delegated, when it differs from the origin.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent_session_id: Option<String>,
-    /// When the delegation was created.
+    /// When the delegation was created. A worker asks the history before
+    /// running a request stored long after this (a copy sent after the
+    /// duplicate window) or without it, so a copy keeps the original's.
     #[serde(
         default,
         with = "super::rfc3339::option",

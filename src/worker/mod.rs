@@ -147,9 +147,10 @@ pub async fn run(
         let cancels_store = bus.provision_for_worker(&settings).await?;
         let consumer = bus.worker_consumer(&config.pool, config.ack_wait).await?;
         sweep_at_start(&bus, &tasks_stream, &consumer_name, &dead_letters).await;
-        Ok::<_, WorkerError>((cancels_store, consumer))
+        let duplicate_window = duplicate_window(&bus, &tasks_stream, &settings).await;
+        Ok::<_, WorkerError>((cancels_store, consumer, duplicate_window))
     };
-    let (cancels_store, consumer) = tokio::select! {
+    let (cancels_store, consumer, duplicate_window) = tokio::select! {
         started = starting => started?,
         () = &mut shutdown => {
             info!("Worker stopped before it started.");
@@ -178,6 +179,7 @@ pub async fn run(
     let registered = register(&bus.client, registration, move || running.len()).await;
     let handler = Arc::new(TaskHandler::new(
         bus.clone(),
+        duplicate_window,
         executor,
         config,
         env,
@@ -281,4 +283,16 @@ pub async fn run(
     crate::connect::flush_before_stop(&bus.client).await;
     info!("Worker stopped.");
     Ok(())
+}
+
+/// The requests stream's duplicate window, as the server has it (an operator
+/// may have changed it by hand); the configured one if it cannot be read.
+async fn duplicate_window(bus: &Bus, tasks_stream: &str, settings: &BusSettings) -> Duration {
+    match bus.js.get_stream(tasks_stream).await {
+        Ok(stream) => stream.cached_info().config.duplicate_window,
+        Err(error) => {
+            warn!(%error, configured = ?settings.duplicate_window, "Could not read the requests stream's duplicate window; assuming the configured one.");
+            settings.duplicate_window
+        }
+    }
 }

@@ -146,10 +146,32 @@ impl Services {
         self.worker_with_env(bus, executor, config, "");
     }
 
+    /// Starts a worker with bus `settings` (e.g. a short duplicate window).
+    pub fn worker_with_settings(
+        &mut self,
+        bus: &Bus,
+        settings: BusSettings,
+        executor: Executor,
+        config: WorkerConfig,
+    ) {
+        self.spawn_worker(bus, settings, executor, config, "");
+    }
+
     /// Starts a worker that tells its tasks to reach NATS at `nats_url`.
     pub fn worker_with_env(
         &mut self,
         bus: &Bus,
+        executor: Executor,
+        config: WorkerConfig,
+        nats_url: &str,
+    ) {
+        self.spawn_worker(bus, BusSettings::default(), executor, config, nats_url);
+    }
+
+    fn spawn_worker(
+        &mut self,
+        bus: &Bus,
+        settings: BusSettings,
         executor: Executor,
         config: WorkerConfig,
         nats_url: &str,
@@ -161,7 +183,7 @@ impl Services {
         };
         let run = worker::run(
             bus.clone(),
-            BusSettings::default(),
+            settings,
             executor,
             env,
             config,

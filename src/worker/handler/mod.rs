@@ -42,6 +42,10 @@ use crate::protocol::{
 pub(crate) struct TaskHandler {
     /// Where to publish events.
     bus: Bus,
+    /// The requests stream's duplicate window: a request stored later than
+    /// this after it was created may be a re-send JetStream did not drop
+    /// ([`may_have_run_before`]).
+    duplicate_window: Duration,
     /// What runs the tasks.
     executor: Executor,
     /// Limits and timings.
@@ -61,6 +65,7 @@ impl TaskHandler {
     /// A handler publishing through `bus`.
     pub(crate) fn new(
         bus: Bus,
+        duplicate_window: Duration,
         executor: Executor,
         config: WorkerConfig,
         env: TaskEnv,
@@ -69,6 +74,7 @@ impl TaskHandler {
         let source = format!("wakebus/worker/{}", config.instance);
         Self {
             bus,
+            duplicate_window,
             executor,
             config,
             env,
@@ -115,6 +121,7 @@ impl TaskHandler {
         let info = message.info().ok();
         let attempt = info.as_ref().map_or(1, |info| info.delivered).max(1) as u64;
         let sequence = info.as_ref().map(|info| info.stream_sequence);
+        let stored_at = info.as_ref().map(|info| info.published);
         let _in_flight = m::InFlight::task(&self.config.pool);
         if attempt > 1 {
             m::task_redelivered(&self.config.pool);
@@ -150,7 +157,7 @@ impl TaskHandler {
             None => None,
         };
         let outcome = self
-            .run_request(message, request, next, attempt, stop)
+            .run_request(message, request, next, (attempt, stored_at), stop)
             .instrument(span)
             .await;
         (outcome, claim)
@@ -161,11 +168,19 @@ impl TaskHandler {
         message: &jetstream::Message,
         request: TaskRequest,
         trace: TraceParent,
-        attempt: u64,
+        (attempt, stored_at): (u64, Option<OffsetDateTime>),
         stop: &CancellationToken,
     ) -> Outcome {
-        if attempt > 1 && self.already_done(&request).await {
-            info!("Completion already published by an earlier attempt; acking the redelivery.");
+        let late = may_have_run_before(
+            attempt,
+            request.created_at,
+            stored_at,
+            self.duplicate_window,
+        );
+        if late && self.already_done(&request).await {
+            info!(
+                "Completion already published by an earlier attempt or copy; acking this delivery."
+            );
             return Outcome::Ack;
         }
         if request.depth > self.config.max_depth {
@@ -457,5 +472,51 @@ impl TaskHandler {
         }
         m::task_completed(&self.config.pool, Status::Error, Duration::ZERO);
         Outcome::Term(rejected.reason)
+    }
+}
+
+/// Whether a delivery may be of a request that already ran, so the history
+/// is asked for its completion before it runs ([`TaskHandler::already_done`]):
+/// a redelivery; or a request JetStream stored so long after it was created
+/// (`stored_at - created_at` above half the `duplicate_window`) that it may
+/// be a re-send the window no longer caught (half, because the publisher's
+/// clock may run ahead of the server's); or one that does not say when it
+/// was created. A first delivery of a fresh request skips the round trip.
+fn may_have_run_before(
+    attempt: u64,
+    created_at: Option<OffsetDateTime>,
+    stored_at: Option<OffsetDateTime>,
+    duplicate_window: Duration,
+) -> bool {
+    if attempt > 1 {
+        return true;
+    }
+    let (Some(created_at), Some(stored_at)) = (created_at, stored_at) else {
+        return true;
+    };
+    stored_at - created_at > duplicate_window / 2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_redelivery_or_a_request_stored_late_or_undated_asks_the_history() {
+        let window = Duration::from_secs(120);
+        let created = OffsetDateTime::now_utc();
+        let at = |seconds: i64| Some(created + time::Duration::seconds(seconds));
+        // A first delivery stored soon after it was created: no question,
+        // whatever the clocks say (the publisher's may be ahead).
+        assert!(!may_have_run_before(1, Some(created), at(0), window));
+        assert!(!may_have_run_before(1, Some(created), at(60), window));
+        assert!(!may_have_run_before(1, Some(created), at(-30), window));
+        // Stored later: maybe a re-send after the window.
+        assert!(may_have_run_before(1, Some(created), at(61), window));
+        assert!(may_have_run_before(1, Some(created), at(3600), window));
+        // A redelivery, or nothing to compare.
+        assert!(may_have_run_before(2, Some(created), at(0), window));
+        assert!(may_have_run_before(1, None, at(0), window));
+        assert!(may_have_run_before(1, Some(created), None, window));
     }
 }
