@@ -268,7 +268,7 @@ const CONNECTION_CHECK: Duration = Duration::from_secs(2);
 /// so that it is restarted with a new client (which first removes what it
 /// cannot read from its consumer: [`crate::quarantine`]), instead of
 /// running on with requests that all fail. Checks with a flush every
-/// [`CONNECTION_CHECK`]: a flush fails only once that task is gone, and
+/// `CONNECTION_CHECK` (2 s): a flush fails only once that task is gone, and
 /// only waits while the client reconnects.
 pub async fn connection_ended(client: &Client) {
     let mut every = tokio::time::interval(CONNECTION_CHECK);

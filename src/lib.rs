@@ -19,7 +19,8 @@
 //!
 //! - [`protocol`]: the wire contract: subjects, headers, request and event bodies.
 //! - [`connect`]: connecting and authenticating to NATS.
-//! - [`bus`]: provisioning streams, KV buckets and consumers.
+//! - [`bus`]: the connection to a deployment; provisioning streams, KV buckets
+//!   and consumers; the queue check and dead letters.
 //! - [`delegate`]: submitting delegations ([`delegate::Delegator`]).
 //! - [`worker`]: the worker loop, one-task handler and [`worker::executor`]s.
 //! - [`wake`]: the wake service: session API client, ledger, locks, turn text.

@@ -1,0 +1,124 @@
+//! Copying an unusable message to a dead-letter subject, with the reason,
+//! in a form that always fits in one message.
+
+use async_nats::HeaderMap;
+use async_nats::jetstream;
+
+use super::{Bus, PublishError};
+use crate::protocol::{HEADER_DEAD_LETTER_REASON, HEADER_MSG_ID, header_safe};
+
+impl Bus {
+    /// Copies `message` to the dead-letter `subject` with `reason`, deduped
+    /// by `msg_id`, and waits until JetStream has stored it.
+    ///
+    /// The copy keeps the original headers and body when they fit in one
+    /// message. A message that was already near the server's max payload
+    /// would not fit with the added headers, and a dead letter that can never
+    /// be stored would make the original come back forever: then the body
+    /// (and, if still too large, the original headers) are left out and the
+    /// reason says so.
+    pub async fn dead_letter(
+        &self,
+        subject: String,
+        message: &jetstream::Message,
+        reason: &str,
+        msg_id: &str,
+    ) -> Result<(), PublishError> {
+        let max_payload = self.max_payload();
+        let (headers, payload) = dead_letter_parts(
+            message.headers.as_ref(),
+            &message.payload,
+            reason,
+            msg_id,
+            max_payload,
+        );
+        self.js
+            .publish_with_headers(subject, headers, payload)
+            .await?
+            .await?;
+        Ok(())
+    }
+}
+
+/// Room kept free below the max payload for the headers a dead letter adds.
+const DEAD_LETTER_MARGIN: usize = 4 * 1024;
+
+/// The headers and body of a dead letter that fits in `max_payload`.
+fn dead_letter_parts(
+    original: Option<&HeaderMap>,
+    payload: &bytes::Bytes,
+    reason: &str,
+    msg_id: &str,
+    max_payload: usize,
+) -> (HeaderMap, bytes::Bytes) {
+    let budget = max_payload.saturating_sub(DEAD_LETTER_MARGIN);
+    let header_bytes = original.map_or(0, |headers| {
+        headers
+            .iter()
+            .map(|(name, values)| {
+                values
+                    .iter()
+                    .map(|v| AsRef::<str>::as_ref(name).len() + v.as_str().len() + 4)
+                    .sum::<usize>()
+            })
+            .sum()
+    });
+    let mut reason = reason.to_owned();
+    let (mut headers, payload) = if header_bytes + payload.len() <= budget {
+        (original.cloned().unwrap_or_default(), payload.clone())
+    } else if header_bytes <= budget {
+        reason.push_str(&format!(
+            " (body of {} bytes left out: too large to store again)",
+            payload.len()
+        ));
+        (original.cloned().unwrap_or_default(), bytes::Bytes::new())
+    } else {
+        reason.push_str(&format!(
+            " (body of {} bytes and headers of {header_bytes} bytes left out: too large to store again)",
+            payload.len()
+        ));
+        (HeaderMap::new(), bytes::Bytes::new())
+    };
+    headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(&reason).as_str());
+    headers.insert(HEADER_MSG_ID, msg_id);
+    (headers, payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dead_letter_keeps_the_original_when_it_fits() {
+        let mut original = HeaderMap::new();
+        original.insert("Wakebus-Delegation-Id", "d1");
+        let body = bytes::Bytes::from_static(b"{}");
+        let (headers, payload) =
+            dead_letter_parts(Some(&original), &body, "bad\nthing", "dlq.1", 1 << 20);
+        assert_eq!(payload, body);
+        assert_eq!(headers.get("Wakebus-Delegation-Id").unwrap().as_str(), "d1");
+        assert_eq!(
+            headers.get(HEADER_DEAD_LETTER_REASON).unwrap().as_str(),
+            "bad thing"
+        );
+        assert_eq!(headers.get(HEADER_MSG_ID).unwrap().as_str(), "dlq.1");
+    }
+
+    #[test]
+    fn a_dead_letter_too_large_to_store_again_leaves_the_body_out_and_says_so() {
+        let body = bytes::Bytes::from(vec![b'x'; 1 << 20]);
+        let (headers, payload) = dead_letter_parts(None, &body, "too big", "dlq.2", 1 << 20);
+        assert!(payload.is_empty());
+        let reason = headers.get(HEADER_DEAD_LETTER_REASON).unwrap().as_str();
+        assert!(
+            reason.starts_with("too big (body of 1048576 bytes left out"),
+            "{reason}"
+        );
+
+        let mut huge = HeaderMap::new();
+        huge.insert("X-Big", "y".repeat(1 << 20).as_str());
+        let (headers, _) = dead_letter_parts(Some(&huge), &body, "too big", "dlq.3", 1 << 20);
+        assert!(headers.get("X-Big").is_none());
+        assert_eq!(headers.get(HEADER_MSG_ID).unwrap().as_str(), "dlq.3");
+    }
+}

@@ -1,0 +1,189 @@
+//! The bus: one connection to a wakebus deployment ([`Bus`]), and what
+//! every part of the flow does with it.
+//!
+//! - `mod.rs` (this file): [`Bus`], the settings shared by every service
+//!   ([`BusSettings`]) and the errors of provisioning and publishing;
+//! - `provision.rs`: the streams and KV buckets, created or updated
+//!   idempotently and never deleted;
+//! - `consumers.rs`: the durable consumers of the workers and the wake;
+//! - `queue.rs`: whether a delegation's request is still in the task queue;
+//! - `dead_letter.rs`: copying an unusable message to the dead letters.
+
+mod consumers;
+mod dead_letter;
+mod provision;
+mod queue;
+
+use std::time::Duration;
+
+use async_nats::Client;
+use async_nats::jetstream::{self, kv, stream};
+
+use crate::protocol::Subjects;
+
+pub(crate) use provision::is_stream_not_found;
+
+/// Settings for the streams and buckets, shared by every service.
+#[derive(Debug, Clone)]
+pub struct BusSettings {
+    /// How long events (the replayable history) are kept.
+    pub history_max_age: Duration,
+    /// How long dead letters are kept.
+    pub dead_letter_max_age: Duration,
+    /// JetStream dedupe window for `Nats-Msg-Id`.
+    pub duplicate_window: Duration,
+    /// Replicas of new streams and buckets; `None` takes them from the
+    /// server (1 on a single server, the cluster size up to 3 on a cluster)
+    /// and leaves existing streams at the replicas they have.
+    pub replicas: Option<usize>,
+    /// Time-to-live of a session lock that its holder stops refreshing.
+    pub session_lock_ttl: Duration,
+    /// Whether provisioning may shorten the max age of an existing stream
+    /// or bucket (which deletes at once what is older): `wakebus init` may,
+    /// on the operator's word; a starting service never does, so that one
+    /// started with a shorter `--history` than the others cannot delete
+    /// their history.
+    pub shorten_retention: bool,
+}
+
+impl Default for BusSettings {
+    fn default() -> Self {
+        Self {
+            history_max_age: default_history_max_age(),
+            dead_letter_max_age: Duration::from_secs(30 * 24 * 3600),
+            duplicate_window: Duration::from_secs(120),
+            replicas: None,
+            session_lock_ttl: Duration::from_secs(30),
+            shorten_retention: false,
+        }
+    }
+}
+
+/// Events are kept for 7 days by default.
+pub fn default_history_max_age() -> Duration {
+    Duration::from_secs(7 * 24 * 3600)
+}
+
+/// Why provisioning failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProvisionError {
+    /// A stream could not be created or updated.
+    #[error("cannot create or update stream {name}: {source}")]
+    Stream {
+        /// The stream.
+        name: String,
+        /// The JetStream error.
+        source: jetstream::context::CreateStreamError,
+    },
+    /// A KV bucket could not be created or updated.
+    #[error("cannot create or update KV bucket {name}: {source}")]
+    Bucket {
+        /// The bucket.
+        name: String,
+        /// The JetStream error.
+        source: jetstream::context::KeyValueError,
+    },
+    /// A consumer could not be created or updated.
+    #[error("cannot create or update consumer {name} on {stream}: {source}")]
+    Consumer {
+        /// The consumer.
+        name: String,
+        /// Its stream.
+        stream: String,
+        /// The JetStream error.
+        source: jetstream::stream::ConsumerError,
+    },
+    /// Whether a consumer exists could not be read.
+    #[error("cannot read consumer {name} on {stream}: {source}")]
+    ConsumerInfo {
+        /// The consumer.
+        name: String,
+        /// Its stream.
+        stream: String,
+        /// The JetStream error.
+        source: jetstream::context::ConsumerInfoError,
+    },
+    /// A stream that should exist could not be read.
+    #[error("cannot read stream {name}: {source}")]
+    GetStream {
+        /// The stream.
+        name: String,
+        /// The JetStream error.
+        source: jetstream::context::GetStreamError,
+    },
+}
+
+/// A connection to one wakebus deployment: the client, JetStream and names.
+#[derive(Debug, Clone)]
+pub struct Bus {
+    /// The NATS client (cheap to clone).
+    pub client: Client,
+    /// JetStream on that client.
+    pub js: jetstream::Context,
+    /// Every name of the deployment.
+    pub subjects: Subjects,
+}
+
+/// The streams (and the cancel bucket every worker reads), after provisioning.
+#[derive(Debug, Clone)]
+pub struct Streams {
+    /// The events stream (history).
+    pub events: stream::Stream,
+    /// Cancel records, checked before a task starts.
+    pub cancels: kv::Store,
+}
+
+/// The wake service's KV buckets, after provisioning.
+#[derive(Debug, Clone)]
+pub struct WakeState {
+    /// Which completions have been woken.
+    pub wake_ledger: kv::Store,
+    /// Per-session wake locks.
+    pub session_locks: kv::Store,
+}
+
+impl Bus {
+    /// Wraps a connected client.
+    pub fn new(client: Client, subjects: Subjects) -> Self {
+        let js = jetstream::new(client.clone());
+        Self {
+            client,
+            js,
+            subjects,
+        }
+    }
+
+    /// The server's max payload, or NATS's default (1 MiB) while it is not
+    /// known yet (the client connects in the background).
+    pub fn max_payload(&self) -> usize {
+        match self.client.server_info().max_payload {
+            0 => 1024 * 1024,
+            known => known,
+        }
+    }
+}
+
+/// How a write whose result is already in hand (a worker's completion, a
+/// delivered wake's ledger record) is made again until JetStream stores it:
+/// from 100 ms, doubling up to 5 s, each delay plus up to as much again in
+/// jitter (so waits reach 10 s), for as long as the service runs.
+pub(crate) fn until_stored_backoff() -> backon::ExponentialBackoff {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(5))
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+/// Why a publish to JetStream did not get a stored acknowledgement.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// The body could not be encoded.
+    #[error("cannot encode the message body: {0}")]
+    Encode(#[from] serde_json::Error),
+    /// The publish was not acknowledged (server down, timeout, no stream...).
+    #[error("publish was not acknowledged by JetStream: {0}")]
+    Publish(#[from] jetstream::context::PublishError),
+}
