@@ -321,6 +321,41 @@ async fn cancelling_a_finished_or_unknown_delegation_says_so() {
     assert!(canceller.cancel_delegation("bad id!", false).await.is_err());
 }
 
+/// The queue check reads at most 10,000 stored requests. With more queued
+/// it cannot tell, and a cancel of a delegation it did not find assumes it
+/// is queued (better a cancel record too many than a task that runs after
+/// its cancel was refused).
+#[tokio::test]
+async fn a_cancel_assumes_queued_when_the_queue_is_longer_than_the_check_reads() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let subject = bus.subjects.task("default");
+    let mut acks = Vec::new();
+    for index in 0..10_001 {
+        let body = serde_json::to_vec(&request("s.queued", &format!("queued {index}"))).unwrap();
+        acks.push(bus.js.publish(subject.clone(), body.into()).await.unwrap());
+        if acks.len() == 1_000 {
+            for ack in acks.drain(..) {
+                ack.await.unwrap();
+            }
+        }
+    }
+    for ack in acks {
+        ack.await.unwrap();
+    }
+    let canceller = Canceller::new(bus.clone());
+    let id = wakebus::protocol::new_delegation_id();
+    let report = canceller.cancel_delegation(&id, false).await.unwrap();
+    assert_eq!(
+        report.state,
+        Some(DelegationState::Queued),
+        "{}",
+        report.message
+    );
+    assert_eq!(report.status, "cancelled");
+}
+
 /// Fails goals containing FAIL, sleeps 2 s for SLOW, completes the rest.
 const BATCH_SCRIPT: &str = r#"input=$(cat); case "$input" in *FAIL*) echo "it broke" >&2; exit 1;; *SLOW*) sleep 2; echo "slow done";; *) echo "fine";; esac"#;
 
