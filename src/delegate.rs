@@ -244,7 +244,7 @@ pub enum DelegateError {
     /// JetStream did not confirm every message of the delegation, after
     /// retries: some of its tasks may be stored (and will run), others
     /// not. Delegating again with the same [`Delegation::delegation_id`]
-    /// soon stores the rest without running any task twice.
+    /// stores the rest without running any task twice.
     #[error(
         "delegation {delegation_id} was not fully stored ({source}); some of its tasks may run: delegate it again with the same delegation id (--delegation-id {delegation_id}) to store the rest without running any task twice, or cancel it"
     )]

@@ -49,6 +49,15 @@ async fn the_pipeline_runs_end_to_end_with_each_service_in_its_least_privileged_
         };
         background.push(delegation_id);
     }
+    // Sent again under its id (a retry after a partial store): JetStream
+    // drops the copy, and the delegator may read when it was first
+    // submitted.
+    let mut again = Delegation::new("one").session("sess.roles *>");
+    again.delegation_id = Some(background[0].clone());
+    delegator
+        .delegate(again)
+        .await
+        .expect("delegated again under its id");
     let sync = delegator
         .delegate(Delegation::new("inline"))
         .await
