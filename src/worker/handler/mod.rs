@@ -157,7 +157,7 @@ impl TaskHandler {
             None => None,
         };
         let outcome = self
-            .run_request(message, request, next, (attempt, stored_at), stop)
+            .run_request(message, request, next, attempt, stored_at, stop)
             .instrument(span)
             .await;
         (outcome, claim)
@@ -168,7 +168,8 @@ impl TaskHandler {
         message: &jetstream::Message,
         request: TaskRequest,
         trace: TraceParent,
-        (attempt, stored_at): (u64, Option<OffsetDateTime>),
+        attempt: u64,
+        stored_at: Option<OffsetDateTime>,
         stop: &CancellationToken,
     ) -> Outcome {
         let late = may_have_run_before(
@@ -216,14 +217,10 @@ impl TaskHandler {
         // recorded already or finds this run registered when it broadcasts.
         let run_stop = stop.child_token();
         let reason = Arc::new(OnceLock::new());
-        let stored_at = message
-            .info()
-            .map(|info| info.published)
-            .unwrap_or_else(|_| OffsetDateTime::now_utc());
         let _registered = match self.cancels.register(
             &request.delegation_id,
             &token_for(request.origin_session_id.as_deref()),
-            stored_at,
+            stored_at.unwrap_or_else(OffsetDateTime::now_utc),
             run_stop.clone(),
             reason.clone(),
         ) {
