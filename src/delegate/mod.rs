@@ -8,31 +8,31 @@
 //! Before a task's request, the delegator writes its `submitted` record to
 //! the events stream (`<prefix>.evt.<token>.<delegation>.<task>.submitted`):
 //! a wake that verifies origins only acts on completions that have one.
+//!
+//! - `mod.rs` (this file): what a delegation is, validating it and building
+//!   its requests, and [`Delegator::delegate`];
+//! - `publish.rs`: storing the records and requests, retrying what
+//!   JetStream did not confirm;
+//! - `wait.rs`: waiting for the completions in sync mode.
 
-use std::collections::BTreeMap;
+mod publish;
+mod wait;
+
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{DeliverPolicy, pull::OrderedConfig};
-use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::stream::RawMessageErrorKind;
-use bytes::Bytes;
-use futures::StreamExt;
 use serde::Serialize;
 use time::OffsetDateTime;
 use tracing::Instrument as _;
 
 use crate::bus::{Bus, PublishError};
 use crate::protocol::{
-    CompletionEvent, DEFAULT_MAX_DEPTH, EventHeaders, EventKind, IdError, Limits, Role,
-    SubmittedRecord, TaskRequest, TooLarge, TraceParent, WakeMode, new_delegation_id,
-    validate_delegation_id, validate_pool, validate_session_id,
+    CompletionEvent, DEFAULT_MAX_DEPTH, IdError, Limits, Role, TaskRequest, TooLarge, TraceParent,
+    WakeMode, new_delegation_id, validate_delegation_id, validate_pool, validate_session_id,
 };
 
 /// The largest batch accepted by default.
 pub const DEFAULT_MAX_BATCH: usize = 10;
-
-/// The waits before publishing again what JetStream did not confirm.
-const PUBLISH_RETRY_WAITS: [Duration; 2] = [Duration::from_millis(250), Duration::from_secs(1)];
 
 /// One task of a delegation.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -491,300 +491,6 @@ impl Delegator {
             Err(error) => {
                 tracing::warn!(%error, delegation_id = %first.delegation_id, "Cannot read this delegation's earlier submission; a copy of a task stored after the duplicate window may run again.");
                 None
-            }
-        }
-    }
-
-    /// Checks the encoded request against the limits and the server's max payload.
-    fn check_size(&self, len: usize, request: &TaskRequest) -> Result<(), TooLarge> {
-        self.limits.check_body(len)?;
-        // Headers count against max_payload too: ours take well under 1 KiB
-        // plus the session id.
-        let headers = 1024 + request.origin_session_id.as_ref().map_or(0, String::len);
-        // Zero until the client has connected: the server then has the last word.
-        let max_payload = self.bus.client.server_info().max_payload;
-        if max_payload > 0 && len + headers > max_payload {
-            return Err(TooLarge {
-                what: "request with its headers (the NATS server's max_payload)",
-                len: len + headers,
-                max: max_payload,
-            });
-        }
-        Ok(())
-    }
-
-    /// Writes every task's `submitted` record and waits until JetStream has
-    /// stored them, then publishes every request and waits for all acks
-    /// (each step pipelined: one round trip per step, not per task).
-    ///
-    /// The records go first so that no completion can exist without one: a
-    /// wake that verifies origins would refuse it.
-    async fn publish_all(
-        &self,
-        pool: &str,
-        requests: &[TaskRequest],
-        trace: TraceParent,
-    ) -> Result<(), DelegateError> {
-        let subject = self.bus.subjects.task(pool);
-        let traceparent = trace.to_string();
-        let mut records = Vec::with_capacity(requests.len());
-        let mut pending = Vec::with_capacity(requests.len());
-        for request in requests {
-            let token = crate::worker::token_for(request.origin_session_id.as_deref());
-            let record = SubmittedRecord::for_request(request, pool, Some(traceparent.clone()));
-            records.push((
-                self.bus
-                    .subjects
-                    .submitted(&token, &request.delegation_id, request.task_index),
-                Self::record_headers(request, trace),
-                Bytes::from(serde_json::to_vec(&record).map_err(PublishError::from)?),
-            ));
-            let payload = Bytes::from(serde_json::to_vec(request).map_err(PublishError::from)?);
-            self.check_size(payload.len(), request)?;
-            pending.push((subject.clone(), Self::task_headers(request, trace), payload));
-        }
-        let stored = match self
-            .publish_stored(records, |i| Self::record_headers(&requests[i], trace))
-            .await
-        {
-            Ok(()) => {
-                self.publish_stored(pending, |i| Self::task_headers(&requests[i], trace))
-                    .await
-            }
-            failed => failed,
-        };
-        let Err((subject, error)) = stored else {
-            return Ok(());
-        };
-        // "No responders" can also mean a stream between leaders; say to
-        // run `init` only when no stream takes the subject at all.
-        if error.kind() == PublishErrorKind::StreamNotFound
-            && self
-                .bus
-                .js
-                .stream_by_subject(&subject)
-                .await
-                .is_err_and(|e| {
-                    e.kind() == async_nats::jetstream::context::GetStreamByNameErrorKind::NotFound
-                })
-        {
-            return Err(DelegateError::NoStream { subject });
-        }
-        Err(DelegateError::NotStored {
-            delegation_id: requests[0].delegation_id.clone(),
-            source: PublishError::Publish(error),
-        })
-    }
-
-    /// The headers of a task's `submitted` record. Built the same way on a
-    /// retry, so the retry carries the same dedupe id.
-    fn record_headers(request: &TaskRequest, trace: TraceParent) -> async_nats::HeaderMap {
-        let id = SubmittedRecord::id_for(&request.delegation_id, request.task_index);
-        Self::headers(&id, EventKind::Submitted.ce_type(), request, trace)
-    }
-
-    /// The headers of a task request; its dedupe id is
-    /// `<delegation_id>.<task_index>`, the same on every attempt.
-    fn task_headers(request: &TaskRequest, trace: TraceParent) -> async_nats::HeaderMap {
-        let id = format!("{}.{}", request.delegation_id, request.task_index);
-        Self::headers(&id, "io.wakebus.task.requested", request, trace)
-    }
-
-    /// The headers of a delegator's publish.
-    fn headers(
-        id: &str,
-        ce_type: &str,
-        request: &TaskRequest,
-        trace: TraceParent,
-    ) -> async_nats::HeaderMap {
-        EventHeaders {
-            id,
-            ce_type,
-            source: "wakebus/delegate",
-            origin_session: request.origin_session_id.as_deref(),
-            delegation_id: &request.delegation_id,
-            task_index: request.task_index,
-            traceparent: trace,
-        }
-        .to_header_map()
-    }
-
-    /// Publishes every message, then waits for all acks (pipelined), and
-    /// publishes again what was not confirmed: up to three attempts, 250 ms
-    /// and then 1 s apart, so that a stream leader election (which refuses
-    /// writes for about a second) does not fail the delegation. Returns the
-    /// subject and error of the last failure.
-    ///
-    /// A lost ack is retried with the same id: JetStream drops duplicates.
-    /// The first attempt gives each message's headers away (cloning a
-    /// header map costs more than building it); a retry builds message
-    /// `i`'s again with `headers_again(i)`.
-    async fn publish_stored(
-        &self,
-        messages: Vec<(String, async_nats::HeaderMap, Bytes)>,
-        headers_again: impl Fn(usize) -> async_nats::HeaderMap,
-    ) -> Result<(), (String, async_nats::jetstream::context::PublishError)> {
-        let mut unconfirmed: Vec<_> = messages.into_iter().enumerate().collect();
-        let mut last_error = None;
-        for (attempt, wait) in [Duration::ZERO]
-            .iter()
-            .chain(&PUBLISH_RETRY_WAITS)
-            .enumerate()
-        {
-            if unconfirmed.is_empty() {
-                return Ok(());
-            }
-            if !wait.is_zero() {
-                tokio::time::sleep(*wait).await;
-            }
-            let mut acks = Vec::with_capacity(unconfirmed.len());
-            for (i, (subject, headers, payload)) in &mut unconfirmed {
-                let headers = match attempt {
-                    0 => std::mem::take(headers),
-                    _ => headers_again(*i),
-                };
-                let ack = self
-                    .bus
-                    .js
-                    .publish_with_headers(subject.clone(), headers, payload.clone())
-                    .await;
-                acks.push(ack);
-            }
-            let mut results = Vec::with_capacity(acks.len());
-            for ack in acks {
-                results.push(match ack {
-                    Ok(ack) => ack.await.map(drop),
-                    Err(error) => Err(error),
-                });
-            }
-            let mut results = results.into_iter();
-            unconfirmed.retain(|(_, (subject, ..))| match results.next() {
-                Some(Err(error)) => {
-                    last_error = Some((subject.clone(), error));
-                    true
-                }
-                _ => false,
-            });
-        }
-        if unconfirmed.is_empty() {
-            Ok(())
-        } else {
-            Err(last_error.expect("an unconfirmed message has its error"))
-        }
-    }
-
-    /// Reads the delegation's completions from the events stream (stored or
-    /// future) until every task has one; returns them by task index.
-    async fn wait_for(
-        &self,
-        first: &TaskRequest,
-        tasks: usize,
-    ) -> Result<Vec<CompletionEvent>, DelegateError> {
-        let token = crate::worker::token_for(first.origin_session_id.as_deref());
-        let subject = format!(
-            "{}.evt.{token}.{}.*.done",
-            self.bus.subjects.prefix(),
-            first.delegation_id
-        );
-        let wait = async {
-            let failed = |e: &dyn std::fmt::Display| DelegateError::Wait(e.to_string());
-            let stream = self
-                .bus
-                .js
-                .get_stream(self.bus.subjects.events_stream())
-                .await
-                .map_err(|e| failed(&e))?;
-            let consumer = stream
-                .create_consumer(OrderedConfig {
-                    // Named, so that the name and filter are in the API
-                    // subject and NATS permissions can check them; unique,
-                    // so that two waiters never share one.
-                    name: Some(format!(
-                        "wait-{}-{}",
-                        first.delegation_id,
-                        ulid::Ulid::new()
-                    )),
-                    filter_subject: subject,
-                    deliver_policy: DeliverPolicy::All,
-                    ..Default::default()
-                })
-                .await
-                .map_err(|e| failed(&e))?;
-            let mut messages = consumer.messages().await.map_err(|e| failed(&e))?;
-            let mut done = BTreeMap::new();
-            while done.len() < tasks {
-                match messages.next().await {
-                    // Garbage on the subject (anyone may publish there)
-                    // neither ends the wait early nor fails it.
-                    Some(Ok(message)) => match CompletionEvent::decode(&message.payload) {
-                        Ok(event) if (event.task_index as usize) < tasks => {
-                            done.insert(event.task_index, event);
-                        }
-                        Ok(event) => {
-                            tracing::warn!(subject = %message.subject, task_index = event.task_index, tasks, "A completion names a task this delegation does not have; ignoring it.");
-                        }
-                        Err(error) => {
-                            tracing::warn!(subject = %message.subject, %error, "A completion cannot be read; ignoring it.");
-                        }
-                    },
-                    Some(Err(error)) => {
-                        tracing::debug!(%error, "Ordered consumer hiccup; it recreates itself.");
-                    }
-                    None => return Err(DelegateError::Wait("event stream ended".to_owned())),
-                }
-            }
-            Ok(done.into_values().collect())
-        };
-        match self.wait_timeout {
-            Some(limit) => tokio::time::timeout(limit, wait)
-                .await
-                .map_err(|_| DelegateError::WaitTimeout(limit, first.delegation_id.clone()))?,
-            None => wait.await,
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::protocol::{
-        HEADER_CE_ID, HEADER_DELEGATION_ID, HEADER_MSG_ID, HEADER_ORIGIN_SESSION,
-        HEADER_TASK_INDEX, HEADER_TRACEPARENT,
-    };
-
-    /// `publish_stored` gives the first attempt's header maps away and
-    /// builds them again for a retry: JetStream drops a retried message as
-    /// a duplicate only if the rebuilt headers carry the same ids.
-    #[test]
-    fn a_retried_publish_carries_the_first_attempts_dedupe_id_and_trace() {
-        let mut request = TaskRequest::new("01JDELEGATION", "goal");
-        request.task_index = 2;
-        request.origin_session_id = Some("s.retry".to_owned());
-        let trace = TraceParent::new_root();
-        type Build = fn(&TaskRequest, TraceParent) -> async_nats::HeaderMap;
-        let builders: [(Build, String); 2] = [
-            (
-                Delegator::record_headers,
-                SubmittedRecord::id_for("01JDELEGATION", 2),
-            ),
-            (Delegator::task_headers, "01JDELEGATION.2".to_owned()),
-        ];
-        for (build, id) in builders {
-            let (first, again) = (build(&request, trace), build(&request, trace));
-            let value = |map: &async_nats::HeaderMap, name: &str| {
-                map.get(name).map(|v| v.as_str().to_owned())
-            };
-            assert_eq!(value(&first, HEADER_MSG_ID).as_deref(), Some(id.as_str()));
-            for name in [
-                HEADER_MSG_ID,
-                HEADER_CE_ID,
-                HEADER_TRACEPARENT,
-                HEADER_ORIGIN_SESSION,
-                HEADER_DELEGATION_ID,
-                HEADER_TASK_INDEX,
-            ] {
-                assert!(value(&first, name).is_some(), "{name} is set");
-                assert_eq!(value(&first, name), value(&again, name), "{name}");
             }
         }
     }

@@ -1,0 +1,81 @@
+//! Sync mode: waiting for a delegation's completions.
+
+use std::collections::BTreeMap;
+
+use async_nats::jetstream::consumer::{DeliverPolicy, pull::OrderedConfig};
+use futures::StreamExt;
+
+use super::{DelegateError, Delegator};
+use crate::protocol::{CompletionEvent, TaskRequest};
+
+impl Delegator {
+    /// Reads the delegation's completions from the events stream (stored or
+    /// future) until every task has one; returns them by task index.
+    pub(super) async fn wait_for(
+        &self,
+        first: &TaskRequest,
+        tasks: usize,
+    ) -> Result<Vec<CompletionEvent>, DelegateError> {
+        let token = crate::worker::token_for(first.origin_session_id.as_deref());
+        let subject = format!(
+            "{}.evt.{token}.{}.*.done",
+            self.bus.subjects.prefix(),
+            first.delegation_id
+        );
+        let wait = async {
+            let failed = |e: &dyn std::fmt::Display| DelegateError::Wait(e.to_string());
+            let stream = self
+                .bus
+                .js
+                .get_stream(self.bus.subjects.events_stream())
+                .await
+                .map_err(|e| failed(&e))?;
+            let consumer = stream
+                .create_consumer(OrderedConfig {
+                    // Named, so that the name and filter are in the API
+                    // subject and NATS permissions can check them; unique,
+                    // so that two waiters never share one.
+                    name: Some(format!(
+                        "wait-{}-{}",
+                        first.delegation_id,
+                        ulid::Ulid::new()
+                    )),
+                    filter_subject: subject,
+                    deliver_policy: DeliverPolicy::All,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| failed(&e))?;
+            let mut messages = consumer.messages().await.map_err(|e| failed(&e))?;
+            let mut done = BTreeMap::new();
+            while done.len() < tasks {
+                match messages.next().await {
+                    // Garbage on the subject (anyone may publish there)
+                    // neither ends the wait early nor fails it.
+                    Some(Ok(message)) => match CompletionEvent::decode(&message.payload) {
+                        Ok(event) if (event.task_index as usize) < tasks => {
+                            done.insert(event.task_index, event);
+                        }
+                        Ok(event) => {
+                            tracing::warn!(subject = %message.subject, task_index = event.task_index, tasks, "A completion names a task this delegation does not have; ignoring it.");
+                        }
+                        Err(error) => {
+                            tracing::warn!(subject = %message.subject, %error, "A completion cannot be read; ignoring it.");
+                        }
+                    },
+                    Some(Err(error)) => {
+                        tracing::debug!(%error, "Ordered consumer hiccup; it recreates itself.");
+                    }
+                    None => return Err(DelegateError::Wait("event stream ended".to_owned())),
+                }
+            }
+            Ok(done.into_values().collect())
+        };
+        match self.wait_timeout {
+            Some(limit) => tokio::time::timeout(limit, wait)
+                .await
+                .map_err(|_| DelegateError::WaitTimeout(limit, first.delegation_id.clone()))?,
+            None => wait.await,
+        }
+    }
+}
