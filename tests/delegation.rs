@@ -825,21 +825,20 @@ async fn a_task_sent_again_after_the_duplicate_window_does_not_run_again() {
     };
     let mut raw = request("s.raw", "once too");
     raw.created_at = None;
-    Delegator::new(bus.clone())
-        .delegate(delegation())
-        .await
-        .unwrap();
-    publish_until_stored(&bus, &raw).await;
+    let send_both = || async {
+        Delegator::new(bus.clone())
+            .delegate(delegation())
+            .await
+            .unwrap();
+        publish_until_stored(&bus, &raw).await;
+    };
+    send_both().await;
     wait_until(WAIT, "both tasks done", || settled(2)).await;
     assert_eq!(done_events(&bus).await.len(), 2);
 
     // Not a wait for a condition: the window is time itself.
     tokio::time::sleep(Duration::from_millis(1_500)).await;
-    Delegator::new(bus.clone())
-        .delegate(delegation())
-        .await
-        .unwrap();
-    publish_until_stored(&bus, &raw).await;
+    send_both().await;
     // JetStream stored both copies (sequences 3 and 4), and the worker
     // settled them.
     wait_until(WAIT, "both copies settled", || settled(4)).await;
