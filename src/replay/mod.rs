@@ -38,40 +38,29 @@
 //!
 //! A replay stops between two records when cancelled (Ctrl-C), never in the
 //! middle of one.
+//!
+//! `mod.rs` (this file) holds the plan, the items and summary, the copy and
+//! the loop ([`run`]); `wakes.rs` re-drives wakes, `tasks.rs` re-queues
+//! tasks.
+
+mod tasks;
+mod wakes;
+
+pub use tasks::derived_delegation_id;
+pub use wakes::{HEADER_FORCED_REPLAY, forced_idempotency_key};
 
 use std::collections::HashSet;
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use serde::Serialize;
-use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
 use crate::bus::{Bus, PublishError};
-use crate::history::{HistoryError, HistoryReader, Record, RecordKind, Selection, Source};
+use crate::history::{HistoryError, HistoryReader, Record, Selection, Source};
 use crate::protocol::{
-    CompletionEvent, EventKind, HEADER_CE_ID, HEADER_DEAD_LETTER_REASON, HEADER_DELEGATION_ID,
-    HEADER_MSG_ID, HEADER_REPLAY, Subjects, TaskRequest, WakeMode, new_delegation_id,
-    session_token,
+    EventKind, HEADER_CE_ID, HEADER_DEAD_LETTER_REASON, HEADER_MSG_ID, HEADER_REPLAY, Subjects,
 };
-use crate::wake::ledger::{LedgerError, LedgerState, WakeLedger};
-use crate::wake::{Admission, check_completion};
-
-/// On a `replay wakes --force` copy of a delivered completion: the copy's
-/// ULID (the one in its `Nats-Msg-Id`). The wake service posts such a copy
-/// alone, under [`forced_idempotency_key`].
-pub const HEADER_FORCED_REPLAY: &str = "Wakebus-Forced-Replay";
-
-/// The Idempotency-Key of a forced re-post: `<base>.replay.<ULID>`, `base`
-/// being the key the post would otherwise carry (`<delegation_id>.<task_index>.done`,
-/// or `<delegation_id>.batch` for a batch), if `headers` mark a forced copy
-/// with a valid ULID. Only a ULID is taken from the header, so the key can
-/// never be another completion's.
-pub fn forced_idempotency_key(base: &str, headers: Option<&HeaderMap>) -> Option<String> {
-    let value = headers?.get(HEADER_FORCED_REPLAY)?.as_str();
-    let id = ulid::Ulid::from_string(value).ok()?;
-    Some(format!("{base}.replay.{id}"))
-}
+use crate::wake::ledger::{LedgerError, WakeLedger};
 
 /// What to replay.
 #[derive(Debug, Clone)]
@@ -344,215 +333,6 @@ impl Replayer {
         }
     }
 
-    async fn redrive_wake(&mut self, record: &Record) -> Result<ReplayItem, ReplayError> {
-        let item = ReplayItem::for_record(record);
-        if !matches!(record.kind(), RecordKind::Done | RecordKind::WakeDeadLetter) {
-            return Ok(item.skipped("not a completion"));
-        }
-        // The wake service's own admission rules: a copy it would only
-        // dead-letter again (a wake dead letter of `dlq.wake.poison` is
-        // exactly such a completion) is not published.
-        let (event, session) = match check_completion(&record.payload, record.origin_session()) {
-            Ok(admitted) => admitted,
-            Err(Admission::NothingToWake) => {
-                let sync = CompletionEvent::decode(&record.payload)
-                    .is_ok_and(|event| event.origin_session_id.is_none());
-                return Ok(item.skipped(if sync {
-                    "sync mode: there is no session to wake"
-                } else {
-                    "cancelled silently: nobody is to be woken"
-                }));
-            }
-            Err(Admission::Poison(reason)) => {
-                return Ok(item.skipped(format!(
-                    "the wake service cannot use it ({reason}); it stays where it is"
-                )));
-            }
-        };
-        // A batch wakes once for all its tasks: one copy of any member
-        // makes the wake service post the consolidated turn again.
-        let batch = event.task_count > 1 && event.wake_mode == WakeMode::Batch;
-        let key = if batch {
-            WakeLedger::batch_key(&event.delegation_id)
-        } else {
-            WakeLedger::key(&event.delegation_id, event.task_index)
-        };
-        if !self.seen.insert(key.clone()) {
-            return Ok(item.skipped(if batch {
-                "another completion of this batch was already handled"
-            } else {
-                "an earlier copy of this completion was already handled"
-            }));
-        }
-        let ledger = self.ledger.as_ref().expect("wake replays open the ledger");
-        let delivered = match ledger.get(&key).await? {
-            Some(LedgerState::Delivered { at, .. }) => Some(at),
-            _ => None,
-        };
-        let mut item = item;
-        if let Some(at) = delivered {
-            if !self.plan.force {
-                return Ok(item.skipped(format!(
-                    "already delivered at {} (use --force to post it again)",
-                    crate::history::rfc3339(at)
-                )));
-            }
-            item.ledger_cleared = true;
-        }
-        let subject = self.bus.subjects.event(
-            &session_token(&session),
-            &event.delegation_id,
-            event.task_index,
-            EventKind::Done,
-        );
-        item.target_subject = Some(subject.clone());
-        if self.plan.dry_run {
-            item.action = Action::WouldReplay;
-            return Ok(item);
-        }
-        if item.ledger_cleared {
-            ledger.forget(&key).await?;
-        }
-        let mut headers = replay_headers(record);
-        let event_id = CompletionEvent::id_for(&event.delegation_id, event.task_index);
-        let copy = ulid::Ulid::new().to_string();
-        let msg_id = format!("{event_id}.replay.{copy}");
-        headers.insert(HEADER_MSG_ID, msg_id.as_str());
-        if self.plan.force {
-            // Posted before (or by an earlier forced replay that cleared
-            // the ledger and then failed): the usual key would be a repeat
-            // to the session API.
-            headers.insert(HEADER_FORCED_REPLAY, copy.as_str());
-            let base = if batch {
-                key.as_str()
-            } else {
-                event_id.as_str()
-            };
-            item.idempotency_key = forced_idempotency_key(base, Some(&headers));
-        }
-        self.publish(subject, headers, record.payload.clone())
-            .await?;
-        item.action = Action::Replayed;
-        Ok(item)
-    }
-
-    async fn requeue_task(&mut self, record: &Record) -> Result<ReplayItem, ReplayError> {
-        let mut item = ReplayItem::for_record(record);
-        let Some(pool) = record.pool().map(str::to_owned) else {
-            return Ok(item.skipped("not a task dead letter"));
-        };
-        let request = TaskRequest::decode(&record.payload).and_then(|request| {
-            request
-                .check_origin_header(record.origin_session())
-                .map(|()| request)
-        });
-        let request = match request {
-            Ok(request) => request,
-            Err(error) => {
-                return Ok(item.skipped(format!("the request cannot run again: {error}")));
-            }
-        };
-        let new_id = if self.plan.force {
-            new_delegation_id()
-        } else {
-            derived_delegation_id(&request.delegation_id, record.sequence)
-        };
-        item.new_delegation_id = Some(new_id.clone());
-        let subject = self.bus.subjects.task(&pool);
-        item.target_subject = Some(subject.clone());
-        let earlier = if self.plan.force {
-            Requeued::No
-        } else {
-            self.requeued(&request, &new_id).await
-        };
-        match earlier {
-            Requeued::No | Requeued::RecordOnly => {}
-            Requeued::Yes => {
-                return Ok(item.skipped(format!(
-                    "already re-queued as delegation {new_id} (use --force to run it once more)"
-                )));
-            }
-            Requeued::Unknown(error) => {
-                return Ok(item.skipped(format!(
-                    "cannot tell whether delegation {new_id} is queued: {error}"
-                )));
-            }
-        }
-        if self.plan.dry_run {
-            item.action = Action::WouldReplay;
-            return Ok(item);
-        }
-        // Edit the JSON rather than re-encode the request, so that fields
-        // this version does not know survive.
-        let mut body: serde_json::Value =
-            serde_json::from_slice(&record.payload).unwrap_or_default();
-        body["delegation_id"] = serde_json::Value::from(new_id.as_str());
-        if request.task_count > 1 {
-            // Alone under its new id: a batch would wait for siblings that
-            // will never run.
-            body["wake_mode"] = serde_json::Value::from("independent");
-        }
-        let payload = encode(&subject, &body)?;
-        let mut headers = replay_headers(record);
-        set_ids(&mut headers, &format!("{new_id}.{}", request.task_index));
-        headers.insert(HEADER_DELEGATION_ID, new_id.as_str());
-        // After a re-queue whose task write failed, the record is there:
-        // only the task is sent (under the same Nats-Msg-Id).
-        if !matches!(earlier, Requeued::RecordOnly) {
-            self.publish_submitted(&request, &new_id, &pool, &headers)
-                .await?;
-        }
-        self.publish(subject, headers, payload).await?;
-        item.action = Action::Replayed;
-        Ok(item)
-    }
-
-    /// How far an earlier re-queue of the derived delegation got. Its
-    /// `submitted` record is written before the task, so a record alone
-    /// means either a task still in the queue (or in its first second of
-    /// running, before its started event) or a task write that failed.
-    async fn requeued(&self, request: &TaskRequest, new_id: &str) -> Requeued {
-        let events = self
-            .events
-            .as_ref()
-            .expect("task replays open the events stream");
-        let token = crate::worker::token_for(request.origin_session_id.as_deref());
-        // Whether an event of `kind` exists; a failed read is no answer.
-        let has = |kind| {
-            let subject = self
-                .bus
-                .subjects
-                .event(&token, new_id, request.task_index, kind);
-            async move {
-                match events.get_last_raw_message_by_subject(&subject).await {
-                    Ok(_) => Ok(true),
-                    Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
-                        Ok(false)
-                    }
-                    Err(error) => Err(error.to_string()),
-                }
-            }
-        };
-        let answer = async {
-            if has(EventKind::Done).await? || has(EventKind::Started).await? {
-                return Ok(Requeued::Yes);
-            }
-            if !has(EventKind::Submitted).await? {
-                return Ok(Requeued::No);
-            }
-            match self.bus.find_queued(new_id).await {
-                Ok(Some(true)) => Ok(Requeued::Yes),
-                Ok(Some(false)) => Ok(Requeued::RecordOnly),
-                Ok(None) => Err(
-                    "the task queue is longer than this check reads; try again when it is shorter"
-                        .to_owned(),
-                ),
-                Err(error) => Err(error.to_string()),
-            }
-        };
-        answer.await.unwrap_or_else(Requeued::Unknown)
-    }
-
     async fn copy(
         &mut self,
         record: &Record,
@@ -578,36 +358,6 @@ impl Replayer {
         Ok(item)
     }
 
-    /// Writes the re-queued task's `submitted` record, which a wake that
-    /// verifies origins requires of its completion (docs/PROTOCOL.md, 5.6).
-    async fn publish_submitted(
-        &self,
-        request: &TaskRequest,
-        new_id: &str,
-        pool: &str,
-        request_headers: &HeaderMap,
-    ) -> Result<(), ReplayError> {
-        let mut requeued = request.clone();
-        requeued.delegation_id = new_id.to_owned();
-        let token = crate::worker::token_for(request.origin_session_id.as_deref());
-        let subject = self
-            .bus
-            .subjects
-            .submitted(&token, new_id, request.task_index);
-        let body = crate::protocol::SubmittedRecord::for_request(&requeued, pool, None);
-        let payload = encode(&subject, &body)?;
-        let mut headers = request_headers.clone();
-        set_ids(
-            &mut headers,
-            &crate::protocol::SubmittedRecord::id_for(new_id, request.task_index),
-        );
-        headers.insert(
-            crate::protocol::HEADER_CE_TYPE,
-            crate::protocol::EventKind::Submitted.ce_type(),
-        );
-        self.publish(subject, headers, payload).await
-    }
-
     async fn publish(
         &self,
         subject: String,
@@ -627,19 +377,6 @@ impl Replayer {
             source: PublishError::Publish(source),
         })
     }
-}
-
-/// How far an earlier re-queue of a dead letter got.
-enum Requeued {
-    /// Never re-queued.
-    No,
-    /// Its `submitted` record is stored but its task is neither queued nor
-    /// run: the task write failed.
-    RecordOnly,
-    /// Queued, running or done.
-    Yes,
-    /// The queue could not be read.
-    Unknown(String),
 }
 
 /// `body` as JSON, or the error a replay to `subject` reports.
@@ -680,21 +417,6 @@ fn replay_headers(record: &Record) -> HeaderMap {
     }
     headers.insert(HEADER_REPLAY, record.origin_ref().as_str());
     headers
-}
-
-/// The delegation id a dead-lettered task is re-queued under:
-/// `<original>-r<dead-letter sequence>`, or, when that would exceed the
-/// 64-character limit, the first 32 hex digits of the original's SHA-256
-/// instead of the original.
-pub fn derived_delegation_id(original: &str, dead_letter_sequence: u64) -> String {
-    let suffix = format!("-r{dead_letter_sequence}");
-    if original.len() + suffix.len() <= 64 {
-        format!("{original}{suffix}")
-    } else {
-        let digest = Sha256::digest(original.as_bytes());
-        let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
-        format!("{hex}{suffix}")
-    }
 }
 
 /// Progress of a run, for display.
@@ -744,35 +466,4 @@ pub async fn run(
     // Stopped early or not, leave no consumer behind.
     reader.close().await;
     result.map(|()| summary)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::protocol::validate_delegation_id;
-
-    #[test]
-    fn a_forced_key_takes_only_a_ulid_from_the_header() {
-        let mut headers = HeaderMap::new();
-        assert_eq!(forced_idempotency_key("d.0.done", Some(&headers)), None);
-        headers.insert(HEADER_FORCED_REPLAY, "01JV3N4Y8K6D2Q7R9T1W5X0ZAB");
-        assert_eq!(
-            forced_idempotency_key("d.0.done", Some(&headers)).as_deref(),
-            Some("d.0.done.replay.01JV3N4Y8K6D2Q7R9T1W5X0ZAB")
-        );
-        headers.insert(HEADER_FORCED_REPLAY, "other.0.done");
-        assert_eq!(forced_idempotency_key("d.0.done", Some(&headers)), None);
-        assert_eq!(forced_idempotency_key("d.0.done", None), None);
-    }
-
-    #[test]
-    fn derived_ids_are_valid_deterministic_and_distinct_per_dead_letter() {
-        let id = derived_delegation_id("01JV3N4Y8K6D2Q7R9T1W5X0ZAB", 17);
-        assert_eq!(id, "01JV3N4Y8K6D2Q7R9T1W5X0ZAB-r17");
-        assert_ne!(id, derived_delegation_id("01JV3N4Y8K6D2Q7R9T1W5X0ZAB", 18));
-        let long = "x".repeat(64);
-        let derived = derived_delegation_id(&long, u64::MAX);
-        assert!(validate_delegation_id(&derived).is_ok(), "{derived}");
-        assert_eq!(derived, derived_delegation_id(&long, u64::MAX));
-    }
 }

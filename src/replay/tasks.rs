@@ -1,0 +1,207 @@
+//! `replay tasks`: publishing a dead-lettered request again under a derived
+//! delegation id, unless an earlier re-queue of it is queued, running or done.
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
+use sha2::{Digest, Sha256};
+
+use super::{Action, ReplayError, ReplayItem, Replayer, encode, replay_headers, set_ids};
+use crate::history::Record;
+use crate::protocol::{EventKind, HEADER_DELEGATION_ID, TaskRequest, new_delegation_id};
+
+impl Replayer {
+    pub(super) async fn requeue_task(
+        &mut self,
+        record: &Record,
+    ) -> Result<ReplayItem, ReplayError> {
+        let mut item = ReplayItem::for_record(record);
+        let Some(pool) = record.pool().map(str::to_owned) else {
+            return Ok(item.skipped("not a task dead letter"));
+        };
+        let request = TaskRequest::decode(&record.payload).and_then(|request| {
+            request
+                .check_origin_header(record.origin_session())
+                .map(|()| request)
+        });
+        let request = match request {
+            Ok(request) => request,
+            Err(error) => {
+                return Ok(item.skipped(format!("the request cannot run again: {error}")));
+            }
+        };
+        let new_id = if self.plan.force {
+            new_delegation_id()
+        } else {
+            derived_delegation_id(&request.delegation_id, record.sequence)
+        };
+        item.new_delegation_id = Some(new_id.clone());
+        let subject = self.bus.subjects.task(&pool);
+        item.target_subject = Some(subject.clone());
+        let earlier = if self.plan.force {
+            Requeued::No
+        } else {
+            self.requeued(&request, &new_id).await
+        };
+        match earlier {
+            Requeued::No | Requeued::RecordOnly => {}
+            Requeued::Yes => {
+                return Ok(item.skipped(format!(
+                    "already re-queued as delegation {new_id} (use --force to run it once more)"
+                )));
+            }
+            Requeued::Unknown(error) => {
+                return Ok(item.skipped(format!(
+                    "cannot tell whether delegation {new_id} is queued: {error}"
+                )));
+            }
+        }
+        if self.plan.dry_run {
+            item.action = Action::WouldReplay;
+            return Ok(item);
+        }
+        // Edit the JSON rather than re-encode the request, so that fields
+        // this version does not know survive.
+        let mut body: serde_json::Value =
+            serde_json::from_slice(&record.payload).unwrap_or_default();
+        body["delegation_id"] = serde_json::Value::from(new_id.as_str());
+        if request.task_count > 1 {
+            // Alone under its new id: a batch would wait for siblings that
+            // will never run.
+            body["wake_mode"] = serde_json::Value::from("independent");
+        }
+        let payload = encode(&subject, &body)?;
+        let mut headers = replay_headers(record);
+        set_ids(&mut headers, &format!("{new_id}.{}", request.task_index));
+        headers.insert(HEADER_DELEGATION_ID, new_id.as_str());
+        // After a re-queue whose task write failed, the record is there:
+        // only the task is sent (under the same Nats-Msg-Id).
+        if !matches!(earlier, Requeued::RecordOnly) {
+            self.publish_submitted(&request, &new_id, &pool, &headers)
+                .await?;
+        }
+        self.publish(subject, headers, payload).await?;
+        item.action = Action::Replayed;
+        Ok(item)
+    }
+
+    /// How far an earlier re-queue of the derived delegation got. Its
+    /// `submitted` record is written before the task, so a record alone
+    /// means either a task still in the queue (or in its first second of
+    /// running, before its started event) or a task write that failed.
+    async fn requeued(&self, request: &TaskRequest, new_id: &str) -> Requeued {
+        let events = self
+            .events
+            .as_ref()
+            .expect("task replays open the events stream");
+        let token = crate::worker::token_for(request.origin_session_id.as_deref());
+        // Whether an event of `kind` exists; a failed read is no answer.
+        let has = |kind| {
+            let subject = self
+                .bus
+                .subjects
+                .event(&token, new_id, request.task_index, kind);
+            async move {
+                match events.get_last_raw_message_by_subject(&subject).await {
+                    Ok(_) => Ok(true),
+                    Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                        Ok(false)
+                    }
+                    Err(error) => Err(error.to_string()),
+                }
+            }
+        };
+        let answer = async {
+            if has(EventKind::Done).await? || has(EventKind::Started).await? {
+                return Ok(Requeued::Yes);
+            }
+            if !has(EventKind::Submitted).await? {
+                return Ok(Requeued::No);
+            }
+            match self.bus.find_queued(new_id).await {
+                Ok(Some(true)) => Ok(Requeued::Yes),
+                Ok(Some(false)) => Ok(Requeued::RecordOnly),
+                Ok(None) => Err(
+                    "the task queue is longer than this check reads; try again when it is shorter"
+                        .to_owned(),
+                ),
+                Err(error) => Err(error.to_string()),
+            }
+        };
+        answer.await.unwrap_or_else(Requeued::Unknown)
+    }
+
+    /// Writes the re-queued task's `submitted` record, which a wake that
+    /// verifies origins requires of its completion (docs/PROTOCOL.md, 5.6).
+    async fn publish_submitted(
+        &self,
+        request: &TaskRequest,
+        new_id: &str,
+        pool: &str,
+        request_headers: &HeaderMap,
+    ) -> Result<(), ReplayError> {
+        let mut requeued = request.clone();
+        requeued.delegation_id = new_id.to_owned();
+        let token = crate::worker::token_for(request.origin_session_id.as_deref());
+        let subject = self
+            .bus
+            .subjects
+            .submitted(&token, new_id, request.task_index);
+        let body = crate::protocol::SubmittedRecord::for_request(&requeued, pool, None);
+        let payload = encode(&subject, &body)?;
+        let mut headers = request_headers.clone();
+        set_ids(
+            &mut headers,
+            &crate::protocol::SubmittedRecord::id_for(new_id, request.task_index),
+        );
+        headers.insert(
+            crate::protocol::HEADER_CE_TYPE,
+            crate::protocol::EventKind::Submitted.ce_type(),
+        );
+        self.publish(subject, headers, payload).await
+    }
+}
+
+/// How far an earlier re-queue of a dead letter got.
+enum Requeued {
+    /// Never re-queued.
+    No,
+    /// Its `submitted` record is stored but its task is neither queued nor
+    /// run: the task write failed.
+    RecordOnly,
+    /// Queued, running or done.
+    Yes,
+    /// The queue could not be read.
+    Unknown(String),
+}
+
+/// The delegation id a dead-lettered task is re-queued under:
+/// `<original>-r<dead-letter sequence>`, or, when that would exceed the
+/// 64-character limit, the first 32 hex digits of the original's SHA-256
+/// instead of the original.
+pub fn derived_delegation_id(original: &str, dead_letter_sequence: u64) -> String {
+    let suffix = format!("-r{dead_letter_sequence}");
+    if original.len() + suffix.len() <= 64 {
+        format!("{original}{suffix}")
+    } else {
+        let digest = Sha256::digest(original.as_bytes());
+        let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+        format!("{hex}{suffix}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::validate_delegation_id;
+
+    #[test]
+    fn derived_ids_are_valid_deterministic_and_distinct_per_dead_letter() {
+        let id = derived_delegation_id("01JV3N4Y8K6D2Q7R9T1W5X0ZAB", 17);
+        assert_eq!(id, "01JV3N4Y8K6D2Q7R9T1W5X0ZAB-r17");
+        assert_ne!(id, derived_delegation_id("01JV3N4Y8K6D2Q7R9T1W5X0ZAB", 18));
+        let long = "x".repeat(64);
+        let derived = derived_delegation_id(&long, u64::MAX);
+        assert!(validate_delegation_id(&derived).is_ok(), "{derived}");
+        assert_eq!(derived, derived_delegation_id(&long, u64::MAX));
+    }
+}

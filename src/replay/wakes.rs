@@ -1,0 +1,142 @@
+//! `replay wakes`: publishing a completion again so that the wake service
+//! posts it, after checking it as the wake would and against the ledger.
+
+use async_nats::HeaderMap;
+
+use super::{Action, ReplayError, ReplayItem, Replayer, replay_headers};
+use crate::history::{Record, RecordKind};
+use crate::protocol::{CompletionEvent, EventKind, HEADER_MSG_ID, WakeMode, session_token};
+use crate::wake::ledger::{LedgerState, WakeLedger};
+use crate::wake::{Admission, check_completion};
+
+/// On a `replay wakes --force` copy of a delivered completion: the copy's
+/// ULID (the one in its `Nats-Msg-Id`). The wake service posts such a copy
+/// alone, under [`forced_idempotency_key`].
+pub const HEADER_FORCED_REPLAY: &str = "Wakebus-Forced-Replay";
+
+/// The Idempotency-Key of a forced re-post: `<base>.replay.<ULID>`, `base`
+/// being the key the post would otherwise carry (`<delegation_id>.<task_index>.done`,
+/// or `<delegation_id>.batch` for a batch), if `headers` mark a forced copy
+/// with a valid ULID. Only a ULID is taken from the header, so the key can
+/// never be another completion's.
+pub fn forced_idempotency_key(base: &str, headers: Option<&HeaderMap>) -> Option<String> {
+    let value = headers?.get(HEADER_FORCED_REPLAY)?.as_str();
+    let id = ulid::Ulid::from_string(value).ok()?;
+    Some(format!("{base}.replay.{id}"))
+}
+
+impl Replayer {
+    pub(super) async fn redrive_wake(
+        &mut self,
+        record: &Record,
+    ) -> Result<ReplayItem, ReplayError> {
+        let item = ReplayItem::for_record(record);
+        if !matches!(record.kind(), RecordKind::Done | RecordKind::WakeDeadLetter) {
+            return Ok(item.skipped("not a completion"));
+        }
+        // The wake service's own admission rules: a copy it would only
+        // dead-letter again (a wake dead letter of `dlq.wake.poison` is
+        // exactly such a completion) is not published.
+        let (event, session) = match check_completion(&record.payload, record.origin_session()) {
+            Ok(admitted) => admitted,
+            Err(Admission::NothingToWake) => {
+                let sync = CompletionEvent::decode(&record.payload)
+                    .is_ok_and(|event| event.origin_session_id.is_none());
+                return Ok(item.skipped(if sync {
+                    "sync mode: there is no session to wake"
+                } else {
+                    "cancelled silently: nobody is to be woken"
+                }));
+            }
+            Err(Admission::Poison(reason)) => {
+                return Ok(item.skipped(format!(
+                    "the wake service cannot use it ({reason}); it stays where it is"
+                )));
+            }
+        };
+        // A batch wakes once for all its tasks: one copy of any member
+        // makes the wake service post the consolidated turn again.
+        let batch = event.task_count > 1 && event.wake_mode == WakeMode::Batch;
+        let key = if batch {
+            WakeLedger::batch_key(&event.delegation_id)
+        } else {
+            WakeLedger::key(&event.delegation_id, event.task_index)
+        };
+        if !self.seen.insert(key.clone()) {
+            return Ok(item.skipped(if batch {
+                "another completion of this batch was already handled"
+            } else {
+                "an earlier copy of this completion was already handled"
+            }));
+        }
+        let ledger = self.ledger.as_ref().expect("wake replays open the ledger");
+        let delivered = match ledger.get(&key).await? {
+            Some(LedgerState::Delivered { at, .. }) => Some(at),
+            _ => None,
+        };
+        let mut item = item;
+        if let Some(at) = delivered {
+            if !self.plan.force {
+                return Ok(item.skipped(format!(
+                    "already delivered at {} (use --force to post it again)",
+                    crate::history::rfc3339(at)
+                )));
+            }
+            item.ledger_cleared = true;
+        }
+        let subject = self.bus.subjects.event(
+            &session_token(&session),
+            &event.delegation_id,
+            event.task_index,
+            EventKind::Done,
+        );
+        item.target_subject = Some(subject.clone());
+        if self.plan.dry_run {
+            item.action = Action::WouldReplay;
+            return Ok(item);
+        }
+        if item.ledger_cleared {
+            ledger.forget(&key).await?;
+        }
+        let mut headers = replay_headers(record);
+        let event_id = CompletionEvent::id_for(&event.delegation_id, event.task_index);
+        let copy = ulid::Ulid::new().to_string();
+        let msg_id = format!("{event_id}.replay.{copy}");
+        headers.insert(HEADER_MSG_ID, msg_id.as_str());
+        if self.plan.force {
+            // Posted before (or by an earlier forced replay that cleared
+            // the ledger and then failed): the usual key would be a repeat
+            // to the session API.
+            headers.insert(HEADER_FORCED_REPLAY, copy.as_str());
+            let base = if batch {
+                key.as_str()
+            } else {
+                event_id.as_str()
+            };
+            item.idempotency_key = forced_idempotency_key(base, Some(&headers));
+        }
+        self.publish(subject, headers, record.payload.clone())
+            .await?;
+        item.action = Action::Replayed;
+        Ok(item)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_forced_key_takes_only_a_ulid_from_the_header() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(forced_idempotency_key("d.0.done", Some(&headers)), None);
+        headers.insert(HEADER_FORCED_REPLAY, "01JV3N4Y8K6D2Q7R9T1W5X0ZAB");
+        assert_eq!(
+            forced_idempotency_key("d.0.done", Some(&headers)).as_deref(),
+            Some("d.0.done.replay.01JV3N4Y8K6D2Q7R9T1W5X0ZAB")
+        );
+        headers.insert(HEADER_FORCED_REPLAY, "other.0.done");
+        assert_eq!(forced_idempotency_key("d.0.done", Some(&headers)), None);
+        assert_eq!(forced_idempotency_key("d.0.done", None), None);
+    }
+}
