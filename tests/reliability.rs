@@ -988,15 +988,25 @@ async fn a_service_is_stopped_to_fail_once_its_nats_client_has_ended_but_not_whi
         wakebus::connect::stop_or_connection_loss(&client, std::future::pending::<()>());
     tokio::pin!(stop);
 
-    nats.restart().await;
-    wait_until(WAIT, "the client reconnected", || async {
-        wakebus::connect::is_connected(&client)
-    })
-    .await;
-    // Not a wait for a condition: the stop must not fire through a few of
-    // the client checks (every 2 s) after a reconnect.
-    let early = tokio::time::timeout(Duration::from_secs(5), &mut stop).await;
-    assert!(early.is_err(), "the stop fired on a reconnect");
+    // An outage longer than a client check (every 2 s), a reconnect, and a
+    // few more checks, all while the stop is watched.
+    let outage = async {
+        nats.kill();
+        // Not a wait for a condition: the outage must outlast a check.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        nats.spawn();
+        nats.wait_ready().await;
+        wait_until(WAIT, "the client reconnected", || async {
+            wakebus::connect::is_connected(&client)
+        })
+        .await;
+        // Not a wait for a condition either: checks after the reconnect.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    };
+    tokio::select! {
+        () = &mut stop => panic!("the stop fired on an outage and reconnect"),
+        () = outage => {}
+    }
     assert!(lost.check().is_ok());
 
     client.drain().await.unwrap();
