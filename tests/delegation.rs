@@ -782,6 +782,9 @@ async fn a_batch_stored_only_in_part_is_completed_by_delegating_it_again_under_i
 #[tokio::test]
 async fn a_task_sent_again_after_the_duplicate_window_does_not_run_again() {
     init_logs();
+    // The process's recorder: under nextest (one process per test) it
+    // counts this test's worker only; under `cargo test` others' too.
+    let metrics = wakebus::ops::metrics::recorder().unwrap();
     let nats = NatsServer::start().await;
     let settings = wakebus::bus::BusSettings {
         duplicate_window: Duration::from_secs(1),
@@ -852,6 +855,14 @@ async fn a_task_sent_again_after_the_duplicate_window_does_not_run_again() {
     let mut expected = vec![id.clone(), raw.delegation_id.clone()];
     expected.sort_unstable();
     assert_eq!(ran, expected, "each task ran once");
+    // Both copies were acked unrun, and counted.
+    let rendered = metrics.render();
+    let already_done: u64 = rendered
+        .lines()
+        .find_map(|line| line.strip_prefix(r#"wakebus_tasks_already_done_total{pool="default"} "#))
+        .and_then(|count| count.parse().ok())
+        .unwrap_or_else(|| panic!("no count of tasks already done:\n{rendered}"));
+    assert!(already_done >= 2, "{rendered}");
 }
 
 #[tokio::test]

@@ -28,6 +28,10 @@ pub const TASK_RETRIES: &str = "wakebus_task_retries_total";
 pub const COMPLETION_PUBLISH_RETRIES: &str = "wakebus_completion_publish_retries_total";
 /// Requests delivered again after an earlier delivery, by `pool`.
 pub const TASK_REDELIVERIES: &str = "wakebus_task_redeliveries_total";
+/// Deliveries of a request acknowledged without running it, because the
+/// task's completion already existed (a redelivery whose earlier attempt
+/// stored it, or a copy sent again after the duplicate window), by `pool`.
+pub const TASKS_ALREADY_DONE: &str = "wakebus_tasks_already_done_total";
 /// Tasks running now, by `pool`.
 pub const TASKS_IN_FLIGHT: &str = "wakebus_tasks_in_flight";
 /// Messages dead-lettered, by `kind` (`task`, `wake`, `poison`, `origin`,
@@ -100,6 +104,10 @@ fn describe() {
         TASK_REDELIVERIES,
         "Requests delivered again after an earlier delivery."
     );
+    describe_counter!(
+        TASKS_ALREADY_DONE,
+        "Deliveries acknowledged without running, the task's completion already existing."
+    );
     describe_gauge!(TASKS_IN_FLIGHT, "Tasks running now.");
     describe_counter!(DEAD_LETTERS, "Messages dead-lettered.");
     describe_counter!(WAKE_POSTS, "Wake posts to the session API, by result.");
@@ -152,6 +160,12 @@ pub fn task_started(pool: &str) {
 /// A request of `pool` was delivered again.
 pub fn task_redelivered(pool: &str) {
     metrics::counter!(TASK_REDELIVERIES, "pool" => pool.to_owned()).increment(1);
+}
+
+/// A delivery of a request of `pool` was acknowledged without running it:
+/// the task's completion already existed.
+pub fn task_already_done(pool: &str) {
+    metrics::counter!(TASKS_ALREADY_DONE, "pool" => pool.to_owned()).increment(1);
 }
 
 /// A transient failure of a task of `pool` was handed back for a retry.

@@ -182,6 +182,7 @@ impl TaskHandler {
             info!(
                 "Completion already published by an earlier attempt or copy; acking this delivery."
             );
+            m::task_already_done(&self.config.pool);
             return Outcome::Ack;
         }
         if request.depth > self.config.max_depth {
