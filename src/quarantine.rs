@@ -1,8 +1,9 @@
 //! Messages the NATS client cannot read at all.
 //!
 //! nats-server stores a message whose headers are not UTF-8 (or otherwise
-//! malformed) without complaint, but async-nats treats such headers as a
-//! protocol error and drops the connection whenever one is delivered. On a
+//! malformed), or whose subject is not UTF-8, without complaint, but
+//! async-nats treats either as a protocol error and drops the connection
+//! whenever such a message is delivered. On a
 //! durable consumer the message comes back after every AckWait, and the
 //! connection with it: the service stalls. No handler ever sees the message,
 //! so it cannot be terminated the usual way. (A header value holding a
@@ -337,16 +338,24 @@ pub async fn sweep(
             .as_deref()
             .and_then(|h| BASE64.decode(h).ok())
             .unwrap_or_default();
-        if headers.is_empty() {
-            continue;
-        }
-        let Some(reason) = unreadable_headers(&headers) else {
+        let reason = if message.subject.contains(char::REPLACEMENT_CHARACTER) {
+            // nats-server's JSON answer replaces bytes that are not UTF-8
+            // with U+FFFD. (A real U+FFFD is read the same way, but no
+            // subject wakebus uses can hold one: its ids and names are ASCII.)
+            format!(
+                "its subject is not valid UTF-8, so no NATS client library can read it; subject as JetStream reports it: {}",
+                message.subject
+            )
+        } else if !headers.is_empty()
+            && let Some(reason) = unreadable_headers(&headers)
+        {
+            format!(
+                "{reason}, so no NATS client library can read it; headers: {}",
+                String::from_utf8_lossy(&headers)
+            )
+        } else {
             continue;
         };
-        let reason = format!(
-            "{reason}, so no NATS client library can read it; headers: {}",
-            String::from_utf8_lossy(&headers)
-        );
         let body = message
             .data
             .as_deref()

@@ -768,6 +768,49 @@ async fn a_message_whose_headers_the_client_cannot_read_is_removed_and_the_servi
     );
 }
 
+/// A subject that is not UTF-8 (only a hand-written client sends one, and
+/// nats-server stores it) drops the client's connection on every delivery,
+/// as unreadable headers do. A completion on such a subject matches the
+/// wake's filter (`*` takes any token): the sweep removes it too, and wakes
+/// go on.
+#[tokio::test]
+async fn a_completion_whose_subject_is_not_utf8_is_removed_and_the_wake_goes_on() {
+    let p = Pipeline::start().await;
+    let (nats, api, bus, services) = (p.nats, p.api, p.bus, p.services);
+    let token = session_token("s.rawsubj");
+    let mut subject = format!("{}.evt.{token}.", bus.subjects.prefix()).into_bytes();
+    subject.extend_from_slice(b"d\xff\xfe.0.done");
+    let refused = raw::RawClient::connect(nats.port, None)
+        .await
+        .pub_bytes(&subject, b"{}")
+        .await;
+    assert_eq!(refused, None, "nats-server stores it without complaint");
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("after").session("s.after"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the wake after it", || async {
+        api.accepted().iter().any(|p| p.session() == "s.after")
+    })
+    .await;
+    let dlq = bus.subjects.dead_letter_stream();
+    wait_until(WAIT, "the unreadable completion dead-lettered", || async {
+        !all_messages(&bus, &dlq).await.is_empty()
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+
+    let dead = all_messages(&bus, &dlq).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].subject.as_str(),
+        bus.subjects.dead_letter_wake("poison")
+    );
+    let reason = &dead_letter_reasons(&dead)[0];
+    assert!(reason.contains("subject is not valid UTF-8"), "{reason}");
+}
+
 /// The sweep reads a consumer's range of unacknowledged stream sequences,
 /// which also holds other consumers' messages: a worker of pool `a` must
 /// leave alone an unreadable request of pool `b` (whose own workers would

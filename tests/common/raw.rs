@@ -97,6 +97,18 @@ impl RawClient {
         self.ping().await
     }
 
+    /// Publishes `payload` without headers on `subject`, given as bytes (so
+    /// it need not be UTF-8). Returns the server's `-ERR` if it refused.
+    pub async fn pub_bytes(&mut self, subject: &[u8], payload: &[u8]) -> Option<String> {
+        let mut out = b"PUB ".to_vec();
+        out.extend_from_slice(subject);
+        out.extend_from_slice(format!(" {}\r\n", payload.len()).as_bytes());
+        out.extend_from_slice(payload);
+        out.extend_from_slice(b"\r\n");
+        self.send(&out).await;
+        self.ping().await
+    }
+
     /// Subscribes to `subject`. Returns the server's `-ERR` if it refused.
     pub async fn sub(&mut self, subject: &str) -> Option<String> {
         self.send(format!("SUB {subject} 1\r\n").as_bytes()).await;
