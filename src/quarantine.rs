@@ -266,7 +266,11 @@ impl Bus {
             self.client.request(subject.clone(), body.into()),
         )
         .await
-        .map_err(|_| failed("timed out (is it allowed for this NATS user?)".to_owned()))?
+        .map_err(|_| {
+            failed(format!(
+                "no answer within {REQUEST_TIMEOUT:?} (a leader election under way, or a request this NATS user may not make)"
+            ))
+        })?
         .map_err(|e| failed(e.to_string()))?;
         serde_json::from_slice(&reply.payload).map_err(|e| failed(e.to_string()))
     }
