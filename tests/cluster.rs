@@ -1,10 +1,13 @@
 //! A 3-node JetStream cluster: streams and buckets get 3 replicas by
 //! default, and delegations survive the crash and restart of the node that
-//! leads the events stream, each woken exactly once.
+//! leads the events stream, and a rolling restart of every node, each woken
+//! exactly once.
 
 mod common;
 
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::cluster::NatsCluster;
@@ -88,155 +91,242 @@ async fn streams_and_buckets_get_three_replicas_on_a_three_node_cluster_by_defau
     assert_eq!(replicas(&other, &other.subjects.events_stream()).await, 1);
 }
 
-#[tokio::test]
-async fn every_delegation_wakes_exactly_once_when_the_events_stream_leader_crashes_and_returns() {
-    init_logs();
-    let mut cluster = NatsCluster::start(3).await;
-    let urls = cluster.urls();
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    // Each party has its own connection to the cluster, as separate
-    // processes would.
-    let publisher = connect(&urls, &prefix).await;
-    publisher
-        .provision(&BusSettings::default())
-        .await
-        .expect("provision");
-    let worker_bus = connect(&urls, &prefix).await;
-    let wake_bus = connect(&urls, &prefix).await;
-    let mut services = Services::new();
-    for _ in 0..2 {
-        services.worker(
-            &worker_bus,
-            Executor::Echo(EchoExecutor),
-            test_worker_config("default"),
-        );
-    }
-    // A lock whose holder lost the answer to its own create in the failover
-    // expires soon.
-    let settings = BusSettings {
-        session_lock_ttl: Duration::from_secs(3),
-        ..BusSettings::default()
-    };
-    services.wake_with(&wake_bus, settings, test_wake_config(&api.url()));
+/// Delegations through a pipeline on a cluster: two workers and a wake
+/// service, each with its own connection to the cluster, as separate
+/// processes would have, a publisher sending requests in the background,
+/// and the session API counting continuations.
+struct Flow {
+    /// Receives the continuations.
+    api: SessionApiServer,
+    /// The publisher's connection, also used to inspect the streams.
+    publisher: Bus,
+    /// The workers and the wake service.
+    services: Services,
+    /// The [`N`] requests, each published by [`Flow::publish`].
+    requests: Arc<Vec<TaskRequest>>,
+    /// The session each delegation must wake.
+    expected: HashMap<String, String>,
+    /// Tasks publishing requests until JetStream stores them.
+    publishing: Vec<tokio::task::JoinHandle<()>>,
+}
 
-    let requests: Vec<TaskRequest> = (0..N).map(request).collect();
-    let expected: HashMap<String, String> = requests
-        .iter()
-        .map(|r| {
-            (
-                r.delegation_id.clone(),
-                r.origin_session_id.clone().unwrap(),
-            )
-        })
-        .collect();
-    let publishing = {
-        let bus = publisher.clone();
-        tokio::spawn(async move {
-            for request in &requests {
+impl Flow {
+    async fn start(cluster: &NatsCluster) -> Self {
+        let urls = cluster.urls();
+        let api = SessionApiServer::start().await;
+        let prefix = unique_prefix();
+        let publisher = connect(&urls, &prefix).await;
+        publisher
+            .provision(&BusSettings::default())
+            .await
+            .expect("provision");
+        let worker_bus = connect(&urls, &prefix).await;
+        let wake_bus = connect(&urls, &prefix).await;
+        let mut services = Services::new();
+        for _ in 0..2 {
+            services.worker(
+                &worker_bus,
+                Executor::Echo(EchoExecutor),
+                test_worker_config("default"),
+            );
+        }
+        // A lock whose holder lost the answer to its own create in a
+        // failover expires soon.
+        let settings = BusSettings {
+            session_lock_ttl: Duration::from_secs(3),
+            ..BusSettings::default()
+        };
+        services.wake_with(&wake_bus, settings, test_wake_config(&api.url()));
+
+        let requests: Vec<TaskRequest> = (0..N).map(request).collect();
+        let expected = requests
+            .iter()
+            .map(|r| {
+                (
+                    r.delegation_id.clone(),
+                    r.origin_session_id.clone().unwrap(),
+                )
+            })
+            .collect();
+        Self {
+            api,
+            publisher,
+            services,
+            requests: Arc::new(requests),
+            expected,
+            publishing: Vec::new(),
+        }
+    }
+
+    /// Publishes the requests in `range`, one after another, in the
+    /// background.
+    fn publish(&mut self, range: Range<usize>) {
+        let bus = self.publisher.clone();
+        let requests = self.requests.clone();
+        self.publishing.push(tokio::spawn(async move {
+            for request in &requests[range] {
                 publish_until_stored(&bus, request).await;
             }
-        })
-    };
+        }));
+    }
 
-    let woken = |api: &SessionApiServer| -> usize {
-        let ids: HashSet<String> = api
+    /// How many delegations have woken their session so far.
+    fn woken(&self) -> usize {
+        let ids: HashSet<String> = self
+            .api
             .turns()
             .iter()
             .flat_map(|t| t.delegation_ids())
             .collect();
         ids.len()
-    };
-    let events = publisher.subjects.events_stream();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    let mut phase = 0;
-    let mut victim = usize::MAX;
-    loop {
-        let n = woken(&api);
-        match phase {
-            0 if n >= N / 4 => {
-                victim = cluster.stream_leader(&publisher.client, &events).await;
-                cluster.kill(victim);
-                phase += 1;
-            }
-            1 if n >= N / 2 => {
-                let leader = cluster.stream_leader(&publisher.client, &events).await;
-                assert_ne!(leader, victim, "a surviving node took over the stream");
-                cluster.restart(victim).await;
-                phase += 1;
-            }
-            2 if n >= N => break,
-            _ => {}
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "stuck in phase {phase} with {n} of {N} woken"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    publishing.await.unwrap();
-    services.stop().await;
 
-    // Each delegation in exactly one turn, of its own session.
-    let mut turns_per_delegation: HashMap<String, usize> = HashMap::new();
-    for turn in api.turns() {
-        for id in turn.delegation_ids() {
-            assert_eq!(expected[&id], turn.session(), "{id} woke the wrong session");
-            *turns_per_delegation.entry(id).or_default() += 1;
-        }
-    }
-    assert_eq!(turns_per_delegation.len(), N, "some delegation never woke");
-    let doubled: Vec<_> = turns_per_delegation
-        .iter()
-        .filter(|(_, n)| **n > 1)
-        .collect();
-    if !doubled.is_empty() {
-        let mut report = String::new();
-        for (id, _) in &doubled {
-            for post in api.accepted() {
-                let ids = post.delegation_ids();
-                if ids.contains(id) {
-                    report.push_str(&format!(
-                        "\n{id}: key {:?} with {} completion(s)",
-                        post.header("idempotency-key"),
-                        ids.len()
-                    ));
-                }
+    /// Waits until at least `count` delegations have woken their session.
+    async fn wait_woken(&self, count: usize) -> usize {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            let n = self.woken();
+            if n >= count {
+                return n;
             }
-            let copies = all_messages(&publisher, &events)
-                .await
-                .into_iter()
-                .filter(|m| m.subject.contains(id.as_str()) && m.subject.ends_with(".done"))
-                .count();
-            report.push_str(&format!("\n{id}: {copies} done event(s) in the stream"));
-        }
-        panic!("woken more than once:{report}");
-    }
-    // A repeated post only ever repeats an earlier key (a post in doubt).
-    let mut keys_by_delegation: HashMap<String, HashSet<String>> = HashMap::new();
-    for post in api.accepted() {
-        for id in post.delegation_ids() {
-            keys_by_delegation
-                .entry(id)
-                .or_default()
-                .insert(post.header("idempotency-key").unwrap());
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "stuck with {n} of {count} woken"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    assert!(keys_by_delegation.values().all(|keys| keys.len() == 1));
+
+    /// Stops the services and checks that each delegation woke its own
+    /// session in exactly one turn, a repeated post (a post in doubt) only
+    /// ever under the key of the first.
+    async fn finish(self) {
+        for publishing in self.publishing {
+            publishing.await.unwrap();
+        }
+        self.services.stop().await;
+        let mut turns_per_delegation: HashMap<String, usize> = HashMap::new();
+        for turn in self.api.turns() {
+            for id in turn.delegation_ids() {
+                assert_eq!(
+                    self.expected[&id],
+                    turn.session(),
+                    "{id} woke the wrong session"
+                );
+                *turns_per_delegation.entry(id).or_default() += 1;
+            }
+        }
+        assert_eq!(turns_per_delegation.len(), N, "some delegation never woke");
+        let doubled: Vec<_> = turns_per_delegation
+            .iter()
+            .filter(|(_, n)| **n > 1)
+            .collect();
+        if !doubled.is_empty() {
+            let events = self.publisher.subjects.events_stream();
+            let mut report = String::new();
+            for (id, _) in &doubled {
+                for post in self.api.accepted() {
+                    let ids = post.delegation_ids();
+                    if ids.contains(id) {
+                        report.push_str(&format!(
+                            "\n{id}: key {:?} with {} completion(s)",
+                            post.header("idempotency-key"),
+                            ids.len()
+                        ));
+                    }
+                }
+                let copies = all_messages(&self.publisher, &events)
+                    .await
+                    .into_iter()
+                    .filter(|m| m.subject.contains(id.as_str()) && m.subject.ends_with(".done"))
+                    .count();
+                report.push_str(&format!("\n{id}: {copies} done event(s) in the stream"));
+            }
+            panic!("woken more than once:{report}");
+        }
+        let mut keys_by_delegation: HashMap<String, HashSet<String>> = HashMap::new();
+        for post in self.api.accepted() {
+            for id in post.delegation_ids() {
+                keys_by_delegation
+                    .entry(id)
+                    .or_default()
+                    .insert(post.header("idempotency-key").unwrap());
+            }
+        }
+        assert!(keys_by_delegation.values().all(|keys| keys.len() == 1));
+    }
+
+    /// The nodes holding a replica of `stream`, its leader included.
+    async fn members(&self, stream: &str) -> HashSet<String> {
+        let mut stream = self.publisher.js.get_stream(stream).await.expect("stream");
+        let info = stream.info().await.expect("info");
+        let cluster = info.cluster.as_ref().expect("clustered stream");
+        cluster
+            .leader
+            .iter()
+            .cloned()
+            .chain(cluster.replicas.iter().map(|r| r.name.clone()))
+            .collect()
+    }
+}
+
+#[tokio::test]
+async fn every_delegation_wakes_exactly_once_when_the_events_stream_leader_crashes_and_returns() {
+    init_logs();
+    let mut cluster = NatsCluster::start(3).await;
+    let mut flow = Flow::start(&cluster).await;
+    let events = flow.publisher.subjects.events_stream();
+    let client = flow.publisher.client.clone();
+    flow.publish(0..N);
+    flow.wait_woken(N / 4).await;
+    let victim = cluster.stream_leader(&client, &events).await;
+    cluster.kill(victim);
+    flow.wait_woken(N / 2).await;
+    let leader = cluster.stream_leader(&client, &events).await;
+    assert_ne!(leader, victim, "a surviving node took over the stream");
+    cluster.restart(victim).await;
+    flow.wait_woken(N).await;
     // The restarted node is back in the stream's replica set.
-    let mut stream = publisher.js.get_stream(&events).await.expect("stream");
-    let info = stream.info().await.expect("info");
-    let cluster_info = info.cluster.as_ref().expect("clustered stream");
-    let members: HashSet<String> = cluster_info
-        .leader
-        .iter()
-        .cloned()
-        .chain(cluster_info.replicas.iter().map(|r| r.name.clone()))
-        .collect();
+    let members = flow.members(&events).await;
     assert!(
         members.contains(&format!("n{victim}")),
         "n{victim} is not back among {members:?}"
     );
+    flow.finish().await;
+}
+
+#[tokio::test]
+async fn every_delegation_wakes_exactly_once_through_a_rolling_restart_of_every_node() {
+    init_logs();
+    let mut cluster = NatsCluster::start(3).await;
+    let mut flow = Flow::start(&cluster).await;
+    // As for an upgrade: one node at a time, each stopped with SIGTERM
+    // while a quarter of the delegations is on its way and started again,
+    // the next only once /healthz says every node is current. Every stream,
+    // bucket and consumer loses its leader on the way, whichever node led
+    // it. The last quarter goes through the cluster after all three.
+    let quarter = N / 4;
+    for node in 0..3 {
+        flow.publish(node * quarter..(node + 1) * quarter);
+        let woken = flow.wait_woken(node * quarter + 1).await;
+        assert!(
+            woken < (node + 1) * quarter,
+            "n{node}'s quarter was all woken before n{node} was stopped"
+        );
+        cluster.restart_gracefully(node).await;
+    }
+    flow.publish(3 * quarter..N);
+    flow.wait_woken(N).await;
+    let s = &flow.publisher.subjects;
+    for stream in [
+        s.tasks_stream(),
+        s.events_stream(),
+        format!("KV_{}", s.wake_ledger_bucket()),
+        format!("KV_{}", s.session_lock_bucket()),
+    ] {
+        assert_eq!(flow.members(&stream).await.len(), 3, "{stream}");
+    }
+    flow.finish().await;
 }
 
 #[tokio::test]

@@ -495,15 +495,6 @@ async fn instances_answer_the_standard_micro_service_requests() {
 
 // ---------------------------------------------------------------- metrics
 
-async fn http_get(url: &str) -> Option<(u16, String)> {
-    // reqwest is built without a default TLS provider; plain HTTP still
-    // needs one installed to build a client.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let response = reqwest::get(url).await.ok()?;
-    let status = response.status().as_u16();
-    Some((status, response.text().await.ok()?))
-}
-
 /// The value of the sample `name` (with its labels, exactly as rendered).
 fn sample(text: &str, name: &str) -> Option<f64> {
     text.lines()

@@ -1,6 +1,7 @@
 //! A JetStream cluster of real nats-server processes: each node has its own
-//! client port, cluster port, store directory and server name, and routes to
-//! every node. Nodes can be killed and restarted with the same settings.
+//! client port, cluster port, monitoring port, store directory and server
+//! name, and routes to every node. Nodes can be killed and restarted with
+//! the same settings.
 
 use std::time::{Duration, Instant};
 
@@ -9,6 +10,8 @@ use super::nats::{NatsServer, free_port};
 pub struct NatsCluster {
     /// The nodes; node `i` is named `n{i}`.
     pub nodes: Vec<NatsServer>,
+    /// Each node's HTTP monitoring port (`/healthz`).
+    monitor_ports: Vec<u16>,
 }
 
 impl NatsCluster {
@@ -17,6 +20,7 @@ impl NatsCluster {
     pub async fn start(size: usize) -> Self {
         let client_ports: Vec<u16> = (0..size).map(|_| free_port()).collect();
         let cluster_ports: Vec<u16> = (0..size).map(|_| free_port()).collect();
+        let monitor_ports: Vec<u16> = (0..size).map(|_| free_port()).collect();
         let routes = cluster_ports
             .iter()
             .map(|port| format!("nats://127.0.0.1:{port}"))
@@ -33,11 +37,16 @@ impl NatsCluster {
                     format!("nats://127.0.0.1:{}", cluster_ports[i]),
                     "--routes".to_owned(),
                     routes.clone(),
+                    "--http_port".to_owned(),
+                    monitor_ports[i].to_string(),
                 ];
                 NatsServer::launch(client_ports[i], args)
             })
             .collect();
-        let mut cluster = Self { nodes };
+        let mut cluster = Self {
+            nodes,
+            monitor_ports,
+        };
         cluster.wait_ready().await;
         cluster
     }
@@ -90,6 +99,39 @@ impl NatsCluster {
         self.nodes[i].kill();
         self.nodes[i].spawn();
         self.wait_ready().await;
+    }
+
+    /// Stops node `i` with SIGTERM, as for an upgrade, starts it again with
+    /// its port, store and cluster settings, and waits until the whole
+    /// cluster is ready and every node's `/healthz` says its streams and
+    /// consumers are current: the check a rolling restart makes before it
+    /// takes the next node down.
+    pub async fn restart_gracefully(&mut self, i: usize) {
+        self.nodes[i].terminate();
+        self.nodes[i].spawn();
+        self.wait_ready().await;
+        self.wait_healthy().await;
+    }
+
+    /// Waits until every node's `/healthz` answers 200: with JetStream on,
+    /// nats-server answers so only once the node's streams and consumers
+    /// have caught up with their leaders.
+    pub async fn wait_healthy(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for port in &self.monitor_ports {
+            let url = format!("http://127.0.0.1:{port}/healthz");
+            loop {
+                let answer = super::http_get(&url).await;
+                if answer.as_ref().is_some_and(|(status, _)| *status == 200) {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{url} not healthy within 60s: {answer:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
     }
 
     /// Waits until every running node answers a JetStream request that needs

@@ -37,6 +37,21 @@ pub fn init_logs() {
         .try_init();
 }
 
+/// A plain HTTP GET: the status and body, or `None` when nothing answered.
+pub async fn http_get(url: &str) -> Option<(u16, String)> {
+    // reqwest is built without a default TLS provider; plain HTTP still
+    // needs one installed to build a client.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let response = reqwest::Client::new()
+        .get(url)
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+        .ok()?;
+    let status = response.status().as_u16();
+    Some((status, response.text().await.ok()?))
+}
+
 /// Polls `condition` until it holds or `timeout` passes; panics with `what` then.
 pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut condition: F)
 where
