@@ -244,16 +244,7 @@ impl Flow {
             }
             panic!("woken more than once:{report}");
         }
-        let mut keys_by_delegation: HashMap<String, HashSet<String>> = HashMap::new();
-        for post in self.api.accepted() {
-            for id in post.delegation_ids() {
-                keys_by_delegation
-                    .entry(id)
-                    .or_default()
-                    .insert(post.header("idempotency-key").unwrap());
-            }
-        }
-        assert!(keys_by_delegation.values().all(|keys| keys.len() == 1));
+        assert_eq!(self.api.delegations_under_two_keys(), Vec::<String>::new());
     }
 
     /// The nodes holding a replica of `stream`, its leader included.

@@ -163,6 +163,24 @@ impl SessionApiServer {
         self.inner.accepted.lock().unwrap().clone()
     }
 
+    /// Delegations whose accepted posts carried more than one
+    /// `Idempotency-Key`. A post repeated in doubt repeats its key, so a
+    /// session API honouring the key shows one turn; a second key would be
+    /// a second turn.
+    pub fn delegations_under_two_keys(&self) -> Vec<String> {
+        let mut keys: HashMap<String, HashSet<String>> = HashMap::new();
+        for post in self.accepted() {
+            let key = post.header("idempotency-key").unwrap_or_default();
+            for id in post.delegation_ids() {
+                keys.entry(id).or_default().insert(key.clone());
+            }
+        }
+        keys.into_iter()
+            .filter(|(_, keys)| keys.len() > 1)
+            .map(|(id, _)| id)
+            .collect()
+    }
+
     /// Every post received, refused ones included.
     pub fn all_posts(&self) -> Vec<Recorded> {
         self.inner.all.lock().unwrap().clone()
