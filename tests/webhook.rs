@@ -73,6 +73,7 @@ impl Receiver {
     async fn start_https(secrets: &[&str], pki: &Pki) -> (Self, Arc<AtomicUsize>) {
         let cert = CertificateDer::from_pem_file(&pki.server_cert).unwrap();
         let key = PrivateKeyDer::from_pem_file(&pki.server_key).unwrap();
+        #[expect(deprecated, reason = "ring, as in src/tls.rs")]
         let config = rustls::ServerConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),
         ))

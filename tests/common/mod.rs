@@ -41,6 +41,7 @@ pub fn init_logs() {
 pub async fn http_get(url: &str) -> Option<(u16, String)> {
     // reqwest is built without a default TLS provider; plain HTTP still
     // needs one installed to build a client.
+    #[expect(deprecated, reason = "ring, as in src/tls.rs")]
     let _ = rustls::crypto::ring::default_provider().install_default();
     let response = reqwest::Client::new()
         .get(url)
