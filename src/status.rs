@@ -1,6 +1,6 @@
-//! `wakebus status`: one snapshot of a deployment — streams, consumers,
-//! dead letters, live instances, and the sessions whose wakes have waited
-//! longest.
+//! `wakebus status`: one snapshot of a deployment — streams and buckets
+//! (with their replicas on a cluster), consumers, dead letters, live
+//! instances, and the sessions whose wakes have waited longest.
 //!
 //! Everything is read, nothing is changed: stream and consumer info from
 //! the JetStream API, per-subject dead-letter counts from the stream's
@@ -51,7 +51,8 @@ pub struct StatusReport {
     /// When the snapshot was taken.
     #[serde(with = "time::serde::rfc3339")]
     pub taken_at: OffsetDateTime,
-    /// The three streams.
+    /// The three streams, then the streams of the three KV buckets
+    /// (`KV_<bucket>`: cancel records, the wake ledger, session locks).
     pub streams: Vec<StreamStatus>,
     /// The durable consumers on the task and event streams.
     pub consumers: Vec<ConsumerStatus>,
@@ -88,6 +89,41 @@ pub struct StreamStatus {
     pub last_seq: u64,
     /// Consumers on it (ephemeral readers included).
     pub consumer_count: usize,
+    /// Replicas it is configured with.
+    pub replicas: usize,
+    /// Where its replicas stand; `None` on a single server.
+    pub cluster: Option<ReplicaSet>,
+}
+
+/// A replicated stream's leader and followers, as the JetStream API reports
+/// them: during a rolling restart, the answer to "may the next node go?".
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReplicaSet {
+    /// The server leading it; `None` while a leader is being elected (or
+    /// when no quorum is left), and writes to it wait meanwhile.
+    pub leader: Option<String>,
+    /// The other replicas.
+    pub followers: Vec<Follower>,
+}
+
+impl ReplicaSet {
+    /// Whether it has a leader and every follower is current.
+    pub fn healthy(&self) -> bool {
+        self.leader.is_some() && self.followers.iter().all(|f| f.current && !f.offline)
+    }
+}
+
+/// One follower of a replicated stream.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Follower {
+    /// Its server name.
+    pub name: String,
+    /// Whether it has caught up with the leader.
+    pub current: bool,
+    /// Whether the group considers it gone.
+    pub offline: bool,
+    /// Operations it is behind the leader, when known.
+    pub lag: Option<u64>,
 }
 
 /// One durable consumer.
@@ -159,8 +195,14 @@ pub struct ScanInfo {
     pub from_seq: u64,
     /// Completions examined.
     pub scanned: u64,
-    /// Whether the scan reached the end (false: the limit cut it short).
+    /// Whether the scan reached the end (false: the limit cut it short, or
+    /// it could not be made).
     pub complete: bool,
+    /// Why the scan could not be made, if it could not: the rest of the
+    /// snapshot still stands. It reads through a consumer of its own, whose
+    /// creation can time out while a cluster elects leaders.
+    #[serde(default)]
+    pub error: Option<String>,
 }
 
 /// Why the snapshot could not be taken.
@@ -188,7 +230,14 @@ pub async fn collect(bus: &Bus, options: &StatusOptions) -> Result<StatusReport,
     let s = &bus.subjects;
     let mut streams = Vec::new();
     let mut consumers = Vec::new();
-    for name in [s.tasks_stream(), s.events_stream(), s.dead_letter_stream()] {
+    for name in [
+        s.tasks_stream(),
+        s.events_stream(),
+        s.dead_letter_stream(),
+        format!("KV_{}", s.cancel_bucket()),
+        format!("KV_{}", s.wake_ledger_bucket()),
+        format!("KV_{}", s.session_lock_bucket()),
+    ] {
         let (status, durables) = stream_status(bus, &name).await?;
         streams.push(status);
         consumers.extend(durables);
@@ -211,8 +260,18 @@ pub async fn collect(bus: &Bus, options: &StatusOptions) -> Result<StatusReport,
         .iter()
         .find(|c| c.stream == s.events_stream() && c.name == s.wake_consumer())
         .map(|c| c.ack_floor);
-    let (oldest_undelivered, undelivered_scan) =
-        undelivered(bus, wake_floor.unwrap_or(0), options).await?;
+    let from_seq = wake_floor.unwrap_or(0) + 1;
+    let (oldest_undelivered, undelivered_scan) = match undelivered(bus, from_seq, options).await {
+        Ok(found) => found,
+        Err(error) => {
+            let scan = ScanInfo {
+                from_seq,
+                error: Some(error.to_string()),
+                ..ScanInfo::default()
+            };
+            (Vec::new(), scan)
+        }
+    };
     Ok(StatusReport {
         prefix: s.prefix().to_owned(),
         taken_at: OffsetDateTime::now_utc(),
@@ -247,6 +306,8 @@ async fn stream_status(
                     first_seq: 0,
                     last_seq: 0,
                     consumer_count: 0,
+                    replicas: 0,
+                    cluster: None,
                 },
                 Vec::new(),
             ));
@@ -265,6 +326,13 @@ async fn stream_status(
         first_seq: state.first_sequence,
         last_seq: state.last_sequence,
         consumer_count: state.consumer_count,
+        replicas: info.config.num_replicas,
+        // A single server names itself as leader but no cluster.
+        cluster: info
+            .cluster
+            .as_ref()
+            .filter(|cluster| cluster.name.is_some())
+            .map(replica_set),
     };
     let mut durables = Vec::new();
     let mut listed = stream.consumers();
@@ -288,6 +356,23 @@ async fn stream_status(
     }
     durables.sort_by(|a, b| a.name.cmp(&b.name));
     Ok((status, durables))
+}
+
+/// The replica set of a clustered stream from its cluster info.
+fn replica_set(cluster: &async_nats::jetstream::stream::ClusterInfo) -> ReplicaSet {
+    ReplicaSet {
+        leader: cluster.leader.clone(),
+        followers: cluster
+            .replicas
+            .iter()
+            .map(|peer| Follower {
+                name: peer.name.clone(),
+                current: peer.current,
+                offline: peer.offline,
+                lag: peer.lag,
+            })
+            .collect(),
+    }
 }
 
 async fn dead_letter_counts(bus: &Bus) -> Result<DeadLetterCounts, StatusError> {
@@ -396,11 +481,11 @@ async fn discover(
 /// service never ran) every background completion there counts.
 async fn undelivered(
     bus: &Bus,
-    ack_floor: u64,
+    from_seq: u64,
     options: &StatusOptions,
 ) -> Result<(Vec<UndeliveredSession>, ScanInfo), StatusError> {
     let mut scan = ScanInfo {
-        from_seq: ack_floor + 1,
+        from_seq,
         ..ScanInfo::default()
     };
     let ledger = bus

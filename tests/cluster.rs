@@ -1,7 +1,7 @@
 //! A 3-node JetStream cluster: streams and buckets get 3 replicas by
 //! default, and delegations survive the crash and restart of the node that
 //! leads the events stream, and a rolling restart of every node, each woken
-//! exactly once.
+//! exactly once; `wakebus status` shows where each stream's replicas stand.
 
 mod common;
 
@@ -10,8 +10,10 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::cli::wakebus;
 use common::cluster::NatsCluster;
 use common::*;
+use serde_json::Value;
 use wakebus::bus::{Bus, BusSettings};
 use wakebus::connect::NatsConfig;
 use wakebus::protocol::{Subjects, TaskRequest, new_delegation_id};
@@ -388,4 +390,89 @@ async fn releasing_one_session_lock_keeps_every_other_lock_on_every_replica() {
         })
         .await;
     }
+}
+
+#[tokio::test]
+async fn status_names_each_streams_leader_and_the_replicas_that_are_not_current() {
+    init_logs();
+    let mut cluster = NatsCluster::start(3).await;
+    let prefix = unique_prefix();
+    let bus = connect(&cluster.urls(), &prefix).await;
+    bus.provision(&BusSettings::default())
+        .await
+        .expect("provision");
+    bus.provision_wake_state(&BusSettings::default())
+        .await
+        .expect("provision");
+    let s = &bus.subjects;
+    let names = [
+        s.tasks_stream(),
+        s.events_stream(),
+        s.dead_letter_stream(),
+        format!("KV_{}", s.cancel_bucket()),
+        format!("KV_{}", s.wake_ledger_bucket()),
+        format!("KV_{}", s.session_lock_bucket()),
+    ];
+    // Any node answers for the whole cluster; n0 stays up.
+    let n0 = cluster.nodes[0].url();
+    // The snapshot, or `None` while a request of it times out (a stream
+    // or consumer whose leader was lost answers only once another is
+    // elected).
+    let status = async |args: &[&str]| {
+        let run = wakebus(&n0, &prefix, args).await;
+        (run.code() == Some(0)).then(|| run.stdout())
+    };
+    let streams = async || -> Option<Vec<Value>> {
+        let report: Value = serde_json::from_str(&status(&["status", "--json"]).await?).unwrap();
+        Some(report["streams"].as_array().unwrap().clone())
+    };
+    for stream in streams().await.expect("status") {
+        assert_eq!(stream["replicas"], 3, "{stream}");
+        let set = &stream["cluster"];
+        assert!(set["leader"].is_string(), "{stream}");
+        assert_eq!(set["followers"].as_array().unwrap().len(), 2, "{stream}");
+    }
+
+    // n2 goes away. Wherever it led, another node takes over, and every
+    // stream names it among the followers that are not current.
+    cluster.kill(2);
+    let reported = eventually(Duration::from_secs(30), "n2 reported behind", || async {
+        let reported = streams().await?;
+        reported
+            .iter()
+            .all(|stream| {
+                let set = &stream["cluster"];
+                set["leader"].is_string()
+                    && set["leader"] != "n2"
+                    && set["followers"].as_array().unwrap().iter().any(|f| {
+                        f["name"] == "n2" && (f["current"] == false || f["offline"] == true)
+                    })
+            })
+            .then_some(reported)
+    })
+    .await;
+    let listed: Vec<&str> = reported
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, names.iter().map(String::as_str).collect::<Vec<_>>());
+    let text = status(&["status"]).await.expect("status");
+    let events_row = text
+        .lines()
+        .find(|line| line.contains(&s.events_stream()))
+        .expect("a row for the events stream");
+    assert!(events_row.contains("n2 "), "{text}");
+    assert!(
+        text.contains("restart no other NATS node before they are"),
+        "{text}"
+    );
+
+    // Back and caught up: nothing left to report.
+    cluster.restart(2).await;
+    cluster.wait_healthy().await;
+    eventually(Duration::from_secs(30), "every replica current", || async {
+        let text = status(&["status"]).await?;
+        (!text.contains("restart no other NATS node")).then_some(())
+    })
+    .await;
 }

@@ -387,6 +387,22 @@ async fn status_json_reports_streams_consumers_dead_letters_instances_and_waitin
     assert!(events["first_time"].is_string() && events["last_time"].is_string());
     assert_eq!(stream(bus.subjects.tasks_stream())["messages"], 0);
     assert_eq!(stream(bus.subjects.dead_letter_stream())["messages"], 1);
+    // The wake's buckets are listed with the streams; a single server has
+    // one replica of each and no replica set to report.
+    for bucket in [
+        bus.subjects.cancel_bucket(),
+        bus.subjects.wake_ledger_bucket(),
+        bus.subjects.session_lock_bucket(),
+    ] {
+        assert_eq!(stream(format!("KV_{bucket}"))["present"], true, "{bucket}");
+    }
+    for s in report["streams"].as_array().unwrap() {
+        assert_eq!(
+            (s["replicas"].as_u64(), &s["cluster"]),
+            (Some(1), &Value::Null),
+            "{s}"
+        );
+    }
 
     let consumers = report["consumers"].as_array().unwrap();
     assert_eq!(field(consumers, "name"), ["worker-default", "wake"]);
@@ -1123,6 +1139,71 @@ async fn status_fails_on_a_stream_it_cannot_read_instead_of_calling_it_absent() 
         run.stderr().contains(&format!("cannot read {events}")),
         "{}",
         run.stderr()
+    );
+}
+
+/// The undelivered-wakes scan reads through a consumer of its own; when
+/// that cannot be created (refused here; in a cluster, while leaders are
+/// elected) the snapshot says so and keeps everything else.
+#[tokio::test]
+async fn status_keeps_the_rest_of_the_snapshot_when_it_cannot_scan_for_undelivered_wakes() {
+    init_logs();
+    let prefix = unique_prefix();
+    let events = wakebus::protocol::Subjects::new(&prefix)
+        .unwrap()
+        .events_stream();
+    let denied = [
+        format!("$JS.API.CONSUMER.CREATE.{events}"),
+        format!("$JS.API.CONSUMER.CREATE.{events}.>"),
+    ];
+    let server = common::nats::LimitedUserServer::start(&denied).await;
+    let nats = &server.nats;
+    let bus = bus(&nats.url(), &prefix).await;
+    bus.provision(&Default::default()).await.unwrap();
+    let limited = |args: &[&str]| {
+        let mut all = server.limited_args();
+        all.extend(args.iter().map(|a| a.to_string()));
+        all
+    };
+
+    let args = limited(&["status", "--json", "--discovery-timeout", "100ms"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = wakebus(&nats.url(), &prefix, &args).await;
+    assert!(run.success(), "{}", run.stderr());
+    let report: Value = serde_json::from_str(&run.stdout()).unwrap();
+    let scan = &report["undelivered_scan"];
+    assert!(
+        scan["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("cannot read completions")),
+        "{report}"
+    );
+    assert_eq!(scan["complete"], false);
+    assert_eq!(report["oldest_undelivered"], serde_json::json!([]));
+    let streams = report["streams"].as_array().unwrap();
+    assert!(
+        streams
+            .iter()
+            .any(|s| s["name"] == events.as_str() && s["present"] == true),
+        "{report}"
+    );
+    assert!(
+        run.stderr()
+            .contains("Could not look for undelivered wakes"),
+        "{}",
+        run.stderr()
+    );
+
+    let args = limited(&["status", "--discovery-timeout", "100ms"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = wakebus(&nats.url(), &prefix, &args).await;
+    assert!(run.success(), "{}", run.stderr());
+    assert!(run.stdout().contains(&events), "{}", run.stdout());
+    assert!(
+        run.stdout()
+            .contains("Oldest undelivered wakes: not read (cannot read completions"),
+        "{}",
+        run.stdout()
     );
 }
 

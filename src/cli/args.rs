@@ -114,8 +114,9 @@ pub(crate) enum Command {
     Events(super::events::EventsArgs),
     /// Re-drive wakes or dead-lettered tasks, or copy history elsewhere.
     Replay(super::replay::ReplayArgs),
-    /// One screen about the deployment: streams, consumers, dead letters,
-    /// live instances, oldest undelivered wakes.
+    /// One screen about the deployment: streams and buckets (with their
+    /// replicas on a cluster), consumers, dead letters, live instances,
+    /// oldest undelivered wakes.
     Status(super::status::StatusArgs),
 }
 

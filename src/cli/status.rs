@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use clap::Args;
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
+use tracing::warn;
 use wakebus::history::rfc3339;
-use wakebus::status::{StatusOptions, StatusReport, collect};
+use wakebus::status::{Follower, ReplicaSet, StatusOptions, StatusReport, collect};
 
 use super::args::Global;
 
@@ -33,6 +34,9 @@ pub(crate) async fn run(global: &Global, args: StatusArgs) -> anyhow::Result<Exi
         ..StatusOptions::default()
     };
     let report = collect(&bus, &options).await?;
+    if let Some(error) = &report.undelivered_scan.error {
+        warn!(%error, "Could not look for undelivered wakes; the rest of the snapshot stands.");
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -51,13 +55,35 @@ fn time(t: Option<time::OffsetDateTime>) -> String {
     t.map(rfc3339).unwrap_or_else(|| "-".to_owned())
 }
 
+/// `3, leader n1` when every replica is current; otherwise what is not:
+/// `3, leader n1, n2 offline, n3 12 behind`, or `3, NO LEADER, ...`.
+fn replicas(count: usize, cluster: Option<&ReplicaSet>) -> String {
+    let Some(cluster) = cluster else {
+        return count.to_string();
+    };
+    let mut text = match &cluster.leader {
+        Some(leader) => format!("{count}, leader {leader}"),
+        None => format!("{count}, NO LEADER"),
+    };
+    for follower in &cluster.followers {
+        let state = match follower {
+            Follower { offline: true, .. } => "offline".to_owned(),
+            Follower { current: true, .. } => continue,
+            Follower { lag: Some(lag), .. } if *lag > 0 => format!("{lag} behind"),
+            Follower { .. } => "not current".to_owned(),
+        };
+        text.push_str(&format!(", {} {state}", follower.name));
+    }
+    text
+}
+
 fn render(report: &StatusReport) -> String {
     let mut out = format!(
         "wakebus deployment {:?} at {}\n\nStreams\n",
         report.prefix,
         rfc3339(report.taken_at)
     );
-    let mut streams = table(&["STREAM", "MESSAGES", "BYTES", "FIRST", "LAST"]);
+    let mut streams = table(&["STREAM", "MESSAGES", "BYTES", "FIRST", "LAST", "REPLICAS"]);
     for s in &report.streams {
         if s.present {
             streams.add_row(vec![
@@ -66,12 +92,26 @@ fn render(report: &StatusReport) -> String {
                 s.bytes.to_string(),
                 time(s.first_time),
                 time(s.last_time),
+                replicas(s.replicas, s.cluster.as_ref()),
             ]);
         } else {
             streams.add_row(vec![s.name.clone(), "missing".to_owned()]);
         }
     }
-    out.push_str(&format!("{streams}\n\nConsumers\n"));
+    out.push_str(&format!("{streams}\n"));
+    let unsettled: Vec<&str> = report
+        .streams
+        .iter()
+        .filter(|s| s.cluster.as_ref().is_some_and(|c| !c.healthy()))
+        .map(|s| s.name.as_str())
+        .collect();
+    if !unsettled.is_empty() {
+        out.push_str(&format!(
+            "Not every replica is current on {}: restart no other NATS node before they are.\n",
+            unsettled.join(", ")
+        ));
+    }
+    out.push_str("\nConsumers\n");
     let mut consumers = table(&[
         "STREAM",
         "CONSUMER",
@@ -126,6 +166,12 @@ fn render(report: &StatusReport) -> String {
     }
     out.push_str(&format!("{services}\n\n"));
     let scan = &report.undelivered_scan;
+    if let Some(error) = &scan.error {
+        out.push_str(&format!(
+            "Oldest undelivered wakes: not read ({error}); the sections above stand.\n"
+        ));
+        return out;
+    }
     out.push_str(&format!(
         "Oldest undelivered wakes (scanned {} completions from seq {}{})\n",
         scan.scanned,
@@ -148,4 +194,50 @@ fn render(report: &StatusReport) -> String {
         out.push_str(&format!("{waiting}\n"));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn follower(name: &str, current: bool, offline: bool, lag: Option<u64>) -> Follower {
+        Follower {
+            name: name.to_owned(),
+            current,
+            offline,
+            lag,
+        }
+    }
+
+    #[test]
+    fn the_replicas_column_names_the_leader_and_only_the_followers_that_are_not_current() {
+        assert_eq!(replicas(1, None), "1");
+        let set = |leader: Option<&str>, followers| ReplicaSet {
+            leader: leader.map(str::to_owned),
+            followers,
+        };
+        let all_current = set(
+            Some("n1"),
+            vec![
+                follower("n2", true, false, Some(0)),
+                follower("n3", true, false, None),
+            ],
+        );
+        assert_eq!(replicas(3, Some(&all_current)), "3, leader n1");
+        assert!(all_current.healthy());
+        let troubled = set(
+            None,
+            vec![
+                follower("n1", false, true, Some(7)),
+                follower("n2", false, false, Some(120)),
+                follower("n3", false, false, None),
+            ],
+        );
+        assert_eq!(
+            replicas(3, Some(&troubled)),
+            "3, NO LEADER, n1 offline, n2 120 behind, n3 not current"
+        );
+        assert!(!troubled.healthy());
+        assert!(!set(None, Vec::new()).healthy(), "no leader, no writes");
+    }
 }
