@@ -230,14 +230,7 @@ pub async fn collect(bus: &Bus, options: &StatusOptions) -> Result<StatusReport,
     let s = &bus.subjects;
     let mut streams = Vec::new();
     let mut consumers = Vec::new();
-    for name in [
-        s.tasks_stream(),
-        s.events_stream(),
-        s.dead_letter_stream(),
-        format!("KV_{}", s.cancel_bucket()),
-        format!("KV_{}", s.wake_ledger_bucket()),
-        format!("KV_{}", s.session_lock_bucket()),
-    ] {
+    for name in s.all_streams() {
         let (status, durables) = stream_status(bus, &name).await?;
         streams.push(status);
         consumers.extend(durables);

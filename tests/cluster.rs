@@ -52,14 +52,7 @@ async fn streams_and_buckets_get_three_replicas_on_a_three_node_cluster_by_defau
     let mut services = Services::new();
     services.wake(&bus, test_wake_config(&api.url()));
     let s = &bus.subjects;
-    let names = [
-        s.tasks_stream(),
-        s.events_stream(),
-        s.dead_letter_stream(),
-        format!("KV_{}", s.cancel_bucket()),
-        format!("KV_{}", s.wake_ledger_bucket()),
-        format!("KV_{}", s.session_lock_bucket()),
-    ];
+    let names = s.all_streams();
     wait_until(
         Duration::from_secs(20),
         "the wake service to provision",
@@ -311,12 +304,7 @@ async fn every_delegation_wakes_exactly_once_through_a_rolling_restart_of_every_
     flow.publish(3 * quarter..N);
     flow.wait_woken(N).await;
     let s = &flow.publisher.subjects;
-    for stream in [
-        s.tasks_stream(),
-        s.events_stream(),
-        format!("KV_{}", s.wake_ledger_bucket()),
-        format!("KV_{}", s.session_lock_bucket()),
-    ] {
+    for stream in s.all_streams() {
         assert_eq!(flow.members(&stream).await.len(), 3, "{stream}");
     }
     flow.finish().await;
@@ -337,7 +325,7 @@ async fn releasing_one_session_lock_keeps_every_other_lock_on_every_replica() {
         .await
         .expect("provision")
         .session_locks;
-    let stream = format!("KV_{}", bus.subjects.session_lock_bucket());
+    let stream = Subjects::bucket_stream(&bus.subjects.session_lock_bucket());
     let locks = SessionLocks::new(
         bus.js.clone(),
         kv.clone(),
@@ -405,14 +393,7 @@ async fn status_names_each_streams_leader_and_the_replicas_that_are_not_current(
         .await
         .expect("provision");
     let s = &bus.subjects;
-    let names = [
-        s.tasks_stream(),
-        s.events_stream(),
-        s.dead_letter_stream(),
-        format!("KV_{}", s.cancel_bucket()),
-        format!("KV_{}", s.wake_ledger_bucket()),
-        format!("KV_{}", s.session_lock_bucket()),
-    ];
+    let names = s.all_streams();
     // Any node answers for the whole cluster; n0 stays up.
     let n0 = cluster.nodes[0].url();
     // The snapshot, or `None` while a request of it times out (a stream

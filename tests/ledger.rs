@@ -17,7 +17,7 @@ const WAIT: Duration = Duration::from_secs(30);
 /// (a 16-byte message limit), and returns its config for the operator's
 /// fix: `room_again`.
 async fn refuse_ledger_writes(bus: &Bus) -> StreamConfig {
-    let name = format!("KV_{}", bus.subjects.wake_ledger_bucket());
+    let name = wakebus::protocol::Subjects::bucket_stream(&bus.subjects.wake_ledger_bucket());
     // Created by the wake service as it starts.
     let mut stream = eventually(WAIT, "the wake ledger", || async {
         bus.js.get_stream(&name).await.ok()

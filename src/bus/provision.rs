@@ -9,6 +9,7 @@ use backon::{ExponentialBuilder, Retryable};
 use tracing::warn;
 
 use super::{Bus, BusSettings, ProvisionError, Streams, WakeState};
+use crate::protocol::Subjects;
 
 /// Where a KV bucket's reads may be served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,7 +193,7 @@ impl Bus {
                 max_age: settings.history_max_age,
                 storage: stream::StorageType::File,
                 num_replicas: self
-                    .replicas_for(settings, &format!("KV_{}", s.cancel_bucket()))
+                    .replicas_for(settings, &Subjects::bucket_stream(&s.cancel_bucket()))
                     .await?,
                 ..Default::default()
             },
@@ -227,7 +228,7 @@ impl Bus {
                     max_age: settings.history_max_age,
                     storage: stream::StorageType::File,
                     num_replicas: self
-                        .replicas_for(settings, &format!("KV_{}", s.wake_ledger_bucket()))
+                        .replicas_for(settings, &Subjects::bucket_stream(&s.wake_ledger_bucket()))
                         .await?,
                     ..Default::default()
                 },
@@ -245,7 +246,7 @@ impl Bus {
                     max_age: settings.session_lock_ttl,
                     storage: stream::StorageType::File,
                     num_replicas: self
-                        .replicas_for(settings, &format!("KV_{}", s.session_lock_bucket()))
+                        .replicas_for(settings, &Subjects::bucket_stream(&s.session_lock_bucket()))
                         .await?,
                     ..Default::default()
                 },

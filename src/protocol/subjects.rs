@@ -157,6 +157,24 @@ impl Subjects {
     pub fn session_lock_bucket(&self) -> String {
         format!("{}_SESSION_LOCKS", self.name_prefix)
     }
+
+    /// The stream JetStream keeps a KV `bucket` in: `KV_<bucket>`.
+    pub fn bucket_stream(bucket: &str) -> String {
+        format!("KV_{bucket}")
+    }
+
+    /// Every stream of the deployment: tasks, events and dead letters, then
+    /// the streams of the cancel, wake-ledger and session-lock buckets.
+    pub fn all_streams(&self) -> [String; 6] {
+        [
+            self.tasks_stream(),
+            self.events_stream(),
+            self.dead_letter_stream(),
+            Self::bucket_stream(&self.cancel_bucket()),
+            Self::bucket_stream(&self.wake_ledger_bucket()),
+            Self::bucket_stream(&self.session_lock_bucket()),
+        ]
+    }
 }
 
 #[cfg(test)]
