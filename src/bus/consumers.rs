@@ -1,7 +1,7 @@
 //! The durable consumers: one per worker pool, shared by its workers, and
 //! the wake service's.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer};
 use backon::Retryable;
@@ -163,5 +163,109 @@ impl Bus {
                 warn!(error = %err, retry_in = ?delay, "Consumer setup failed; will retry.");
             })
             .await
+    }
+}
+
+/// How long after a failed pull another failure starts a new streak.
+const NEW_STREAK_AFTER: Duration = Duration::from_secs(30);
+
+/// Paces a consumer's pull requests while they keep ending in an error.
+///
+/// A pull that ends early (409 Leadership Change or Server Shutdown while a
+/// cluster node restarts, 503 No Responders while a stream elects a leader,
+/// a heartbeat gone missing) is asked again at once by the first retry, but
+/// an error that repeats would otherwise have the service pull, and log, a
+/// few thousand times a second until JetStream answers again. The first
+/// failure of a streak is a warning, the rest are debug lines, and the end
+/// of the streak is logged with its length.
+pub(crate) struct PullRetry {
+    /// Which consumer pulls, for the log lines.
+    consumer: &'static str,
+    /// Failed pulls in a row; 0 while pulls work.
+    failures: u32,
+    /// When the last pull failed: a failure long after it starts a new
+    /// streak (an idle consumer shows no pull that worked in between).
+    last_failure: Option<Instant>,
+    /// Delays before each next pull while they fail: from 50 ms, doubling
+    /// up to 2 s, plus up to as much again in jitter.
+    backoff: backon::ExponentialBackoff,
+}
+
+impl PullRetry {
+    /// Pacing for the pulls of `consumer` (`"tasks"`, `"completions"`).
+    pub(crate) fn new(consumer: &'static str) -> Self {
+        Self {
+            consumer,
+            failures: 0,
+            last_failure: None,
+            backoff: Self::backoff(),
+        }
+    }
+
+    fn backoff() -> backon::ExponentialBackoff {
+        use backon::BackoffBuilder;
+        backon::ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(50))
+            .with_max_delay(Duration::from_secs(2))
+            .with_jitter()
+            .without_max_times()
+            .build()
+    }
+
+    /// Records a pull that ended in `error`; returns how long to wait
+    /// before the next one.
+    pub(crate) fn failed(&mut self, error: &dyn std::fmt::Display) -> Duration {
+        if self
+            .last_failure
+            .is_some_and(|at| at.elapsed() > NEW_STREAK_AFTER)
+        {
+            self.end_streak();
+        }
+        self.last_failure = Some(Instant::now());
+        self.failures += 1;
+        if self.failures == 1 {
+            warn!(consumer = self.consumer, %error, "Pull ended with an error; pulling again.");
+        } else {
+            tracing::debug!(consumer = self.consumer, %error, failures = self.failures, "Pull ended with an error again.");
+        }
+        self.backoff.next().unwrap_or(Duration::from_secs(2))
+    }
+
+    /// Records a pull that worked (it delivered, or expired with nothing to
+    /// deliver).
+    pub(crate) fn worked(&mut self) {
+        if self.failures > 1 {
+            info!(
+                consumer = self.consumer,
+                failed_pulls = self.failures,
+                "Pulls work again."
+            );
+        }
+        self.end_streak();
+    }
+
+    fn end_streak(&mut self) {
+        if self.failures > 0 {
+            self.failures = 0;
+            self.backoff = Self::backoff();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pulls_that_keep_failing_are_spaced_out_and_the_first_that_works_resets_the_pace() {
+        let mut pulls = PullRetry::new("tasks");
+        let delays: Vec<Duration> = (0..10).map(|_| pulls.failed(&"503")).collect();
+        assert_eq!(pulls.failures, 10);
+        // From 50 ms up to 2 s, each plus up to as much again in jitter.
+        assert!(delays[0] >= Duration::from_millis(50) && delays[0] < Duration::from_millis(100));
+        assert!(delays[9] >= Duration::from_secs(2) && delays[9] <= Duration::from_secs(4));
+        pulls.worked();
+        assert_eq!(pulls.failures, 0);
+        assert!(pulls.failed(&"409") < Duration::from_millis(100));
     }
 }

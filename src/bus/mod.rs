@@ -21,6 +21,7 @@ use async_nats::jetstream::{self, kv, stream};
 
 use crate::protocol::Subjects;
 
+pub(crate) use consumers::PullRetry;
 pub(crate) use provision::is_stream_not_found;
 
 /// Settings for the streams and buckets, shared by every service.

@@ -59,7 +59,16 @@ impl Bus {
                 })?;
                 Ok(info.config.num_replicas.max(1))
             }
-            Err(error) if is_stream_not_found(&error) => Ok(self.default_replicas().await),
+            Err(error) if is_stream_not_found(&error) => {
+                let replicas = self.default_replicas().await;
+                if replicas == 2 {
+                    warn!(
+                        stream = name,
+                        "Creating the stream with 2 replicas, as NATS shows a cluster of 2 servers: it stops taking writes while either is down. If a third node is only down for now, set --replicas 3."
+                    );
+                }
+                Ok(replicas)
+            }
             Err(error) => Err(get_error(error)),
         }
     }

@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use crate::bus::{Bus, BusSettings, ProvisionError};
+use crate::bus::{Bus, BusSettings, ProvisionError, PullRetry};
 use crate::ops::service::{Registration, register};
 use crate::outcome::Outcome;
 use crate::protocol::{
@@ -104,6 +104,12 @@ pub const DEFAULT_LOCK_LINGER: Duration = Duration::from_millis(250);
 /// instances: enough to keep every session busy, small enough that a large
 /// backlog stays in JetStream rather than in the wake service's memory.
 pub const DEFAULT_MAX_IN_FLIGHT: i64 = 1_000;
+
+/// How often NATS confirms the completion consumer's pull request while no
+/// completion arrives. Two missed in a row and the wake pulls again: a
+/// pull request dies with its consumer's leader on a cluster node restart,
+/// and completions would otherwise wait for it to expire.
+const COMPLETION_HEARTBEAT: Duration = Duration::from_secs(2);
 
 /// Why the wake service stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -199,22 +205,23 @@ pub async fn run(
 
     let mut reconnects = ReconnectWatch::new(&bus.client);
     let mut sweep_check = tokio::time::interval(Duration::from_secs(2));
+    let mut pulls = PullRetry::new("completions");
 
     'consume: loop {
         let mut messages = match consumer
             .stream()
             .max_messages_per_batch(256)
-            .heartbeat(Duration::from_secs(5))
+            .heartbeat(COMPLETION_HEARTBEAT)
             .expires(Duration::from_secs(30))
             .messages()
             .await
         {
             Ok(messages) => messages,
             Err(error) => {
-                warn!(%error, "Could not start consuming completions; retrying.");
+                let delay = pulls.failed(&error);
                 tokio::select! {
                     () = &mut shutdown => break 'consume,
-                    () = tokio::time::sleep(Duration::from_secs(1)) => continue 'consume,
+                    () = tokio::time::sleep(delay) => continue 'consume,
                 }
             }
         };
@@ -232,12 +239,27 @@ pub async fn run(
             match next {
                 // Checked by reference, then moved: no clone of the message
                 // (and its header map) per completion.
-                Some(Ok(message)) => match admit(&message) {
-                    Ok((event, session)) => gate.route(pending(message, event, session), &router),
-                    Err(admission) => outcome_for(&shared, &message, admission).await,
-                },
+                Some(Ok(message)) => {
+                    pulls.worked();
+                    match admit(&message) {
+                        Ok((event, session)) => {
+                            gate.route(pending(message, event, session), &router);
+                        }
+                        Err(admission) => outcome_for(&shared, &message, admission).await,
+                    }
+                }
+                // The pull request ended with an error status (409
+                // Leadership Change, Server Shutdown) or went silent (two
+                // heartbeats missed: it died with the consumer's old leader
+                // when a cluster node restarted). The stream itself would
+                // only ask again once the request expires (35 s), every
+                // wake held up meanwhile: ask now.
                 Some(Err(error)) => {
-                    warn!(%error, "Completion consumer error; continuing.");
+                    let delay = pulls.failed(&error);
+                    tokio::select! {
+                        () = &mut shutdown => break 'consume,
+                        () = tokio::time::sleep(delay) => continue 'consume,
+                    }
                 }
                 None => continue 'consume,
             }

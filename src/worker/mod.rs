@@ -25,7 +25,7 @@ use handler::TaskHandler;
 pub(crate) use handler::token_for;
 pub use handler::{Rejected, decode_request};
 
-use crate::bus::{Bus, BusSettings, ProvisionError};
+use crate::bus::{Bus, BusSettings, ProvisionError, PullRetry};
 use crate::ops::service::{Registration, register};
 use crate::protocol::Limits;
 use crate::quarantine::{ReconnectWatch, sweep_after_reconnect, sweep_at_start};
@@ -190,6 +190,7 @@ pub async fn run(
     let stopping = CancellationToken::new();
 
     let mut reconnects = ReconnectWatch::new(&bus.client);
+    let mut pulls = PullRetry::new("tasks");
 
     'pull: loop {
         // An unreadable message drops the connection; find and remove it.
@@ -219,13 +220,14 @@ pub async fn run(
         {
             Ok(batch) => batch,
             Err(error) => {
-                warn!(%error, "Pull request failed; retrying shortly.");
+                let delay = pulls.failed(&error);
                 tokio::select! {
                     () = &mut shutdown => break 'pull,
-                    () = tokio::time::sleep(Duration::from_millis(500)) => continue 'pull,
+                    () = tokio::time::sleep(delay) => continue 'pull,
                 }
             }
         };
+        let mut pull_failed = None;
         loop {
             let next = tokio::select! {
                 () = &mut shutdown, if !stopping.is_cancelled() => {
@@ -238,7 +240,7 @@ pub async fn run(
             let message = match result {
                 Ok(message) => message,
                 Err(error) => {
-                    warn!(%error, "Pull batch ended with an error.");
+                    pull_failed = Some(pulls.failed(&error));
                     break;
                 }
             };
@@ -257,6 +259,15 @@ pub async fn run(
         }
         if stopping.is_cancelled() {
             break 'pull;
+        }
+        // Slots the batch did not fill are free again.
+        drop(permits);
+        match pull_failed {
+            Some(delay) => tokio::select! {
+                () = &mut shutdown => break 'pull,
+                () = tokio::time::sleep(delay) => {}
+            },
+            None => pulls.worked(),
         }
     }
 
