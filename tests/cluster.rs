@@ -11,8 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::cli::wakebus;
-use common::cluster::NatsCluster;
+use common::cluster::{NatsCluster, wait_replicas_current};
 use common::*;
+use nix::sys::signal::Signal;
 use serde_json::Value;
 use wakebus::bus::{Bus, BusSettings};
 use wakebus::connect::NatsConfig;
@@ -20,7 +21,8 @@ use wakebus::protocol::{Subjects, TaskRequest, new_delegation_id};
 use wakebus::wake::lock::SessionLocks;
 use wakebus::worker::executor::{EchoExecutor, Executor};
 
-/// Delegations per run: a few thousand, within a minute on two cores.
+/// Delegations per run: a few thousand (a run of the cluster tests takes
+/// 10 to 40 s on two cores).
 const N: usize = 2_000;
 /// Sessions they come from.
 const SESSIONS: usize = 50;
@@ -34,6 +36,32 @@ fn request(i: usize) -> TaskRequest {
     let mut request = TaskRequest::new(new_delegation_id(), format!("task {i}"));
     request.origin_session_id = Some(format!("session.{}", i % SESSIONS));
     request
+}
+
+/// A consumer's pending, unacknowledged and redelivered counts and its
+/// delivered and acked stream sequences.
+async fn drained_state(bus: &Bus, stream: &str, name: &str) -> String {
+    let consumer = bus
+        .js
+        .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+            name, stream,
+        )
+        .await;
+    let info = match consumer {
+        Ok(mut consumer) => consumer.info().await.cloned(),
+        Err(error) => return format!("not found: {error}"),
+    };
+    match info {
+        Ok(info) => format!(
+            "pending {}, ack pending {}, redelivered {}, delivered up to {}, acked up to {}",
+            info.num_pending,
+            info.num_ack_pending,
+            info.num_redelivered,
+            info.delivered.stream_sequence,
+            info.ack_floor.stream_sequence
+        ),
+        Err(error) => format!("no info: {error}"),
+    }
 }
 
 async fn replicas(bus: &Bus, stream: &str) -> usize {
@@ -90,6 +118,10 @@ async fn streams_and_buckets_get_three_replicas_on_a_three_node_cluster_by_defau
 /// service, each with its own connection to the cluster, as separate
 /// processes would have, a publisher sending requests in the background,
 /// and the session API counting continuations.
+///
+/// The services run as tasks of the test, not processes: a SIGTERM to a
+/// node is what these tests are about, and in-process services let
+/// `finish` wait on their consumers and stop them cleanly.
 struct Flow {
     /// Receives the continuations.
     api: SessionApiServer,
@@ -115,22 +147,16 @@ impl Flow {
             .provision(&BusSettings::default())
             .await
             .expect("provision");
-        let worker_bus = connect(&urls, &prefix).await;
         let wake_bus = connect(&urls, &prefix).await;
         let mut services = Services::new();
         for _ in 0..2 {
             services.worker(
-                &worker_bus,
+                &connect(&urls, &prefix).await,
                 Executor::Echo(EchoExecutor),
                 test_worker_config("default"),
             );
         }
-        // A lock whose holder lost the answer to its own create in a
-        // failover expires soon.
-        let settings = BusSettings {
-            session_lock_ttl: Duration::from_secs(3),
-            ..BusSettings::default()
-        };
+        let settings = BusSettings::default();
         services.wake_with(&wake_bus, settings, test_wake_config(&api.url()));
 
         let requests: Vec<TaskRequest> = (0..N).map(request).collect();
@@ -176,38 +202,119 @@ impl Flow {
         ids.len()
     }
 
-    /// Waits until at least `count` delegations have woken their session.
-    async fn wait_woken(&self, count: usize) -> usize {
+    /// Waits until at least `count` delegations have woken their session,
+    /// failing at once if a publisher failed.
+    async fn wait_woken(&mut self, count: usize) -> usize {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
         loop {
+            self.reap_publishers().await;
             let n = self.woken();
             if n >= count {
                 return n;
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "stuck with {n} of {count} woken"
-            );
+            if tokio::time::Instant::now() > deadline {
+                panic!("stuck with {n} of {count} woken:{}", self.diagnose().await);
+            }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
-    /// Stops the services and checks that each delegation woke its own
-    /// session in exactly one turn, a repeated post (a post in doubt) only
-    /// ever under the key of the first.
-    async fn finish(self) {
-        for publishing in self.publishing {
-            publishing.await.unwrap();
+    /// What became of the delegations published but not woken, and where
+    /// the consumers stand: for the message of a stuck run.
+    async fn diagnose(&self) -> String {
+        let woken: HashSet<String> = self
+            .api
+            .turns()
+            .iter()
+            .flat_map(|t| t.delegation_ids())
+            .collect();
+        let s = &self.publisher.subjects;
+        let events = all_messages(&self.publisher, &s.events_stream()).await;
+        let tasks = all_messages(&self.publisher, &s.tasks_stream()).await;
+        let mut report = String::new();
+        for id in self
+            .expected
+            .keys()
+            .filter(|id| !woken.contains(*id))
+            .take(10)
+        {
+            let requests = tasks.iter().filter(|m| {
+                m.headers
+                    .get("Wakebus-Delegation-Id")
+                    .is_some_and(|v| v.as_str() == id)
+            });
+            let kinds: Vec<&str> = events
+                .iter()
+                .filter(|m| m.subject.contains(id.as_str()))
+                .filter_map(|m| m.subject.rsplit('.').next())
+                .collect();
+            report.push_str(&format!(
+                "\n{id}: {} request(s) stored, events {kinds:?}",
+                requests.count()
+            ));
         }
+        let worker = drained_state(
+            &self.publisher,
+            &s.tasks_stream(),
+            &s.worker_consumer("default"),
+        )
+        .await;
+        let wake = drained_state(&self.publisher, &s.events_stream(), s.wake_consumer()).await;
+        report.push_str(&format!(
+            "\nworker consumer: {worker}\nwake consumer: {wake}"
+        ));
+        report
+    }
+
+    /// Awaits the publishers that have finished, so that one that panicked
+    /// fails the test with its own message.
+    async fn reap_publishers(&mut self) {
+        let (done, running): (Vec<_>, Vec<_>) = std::mem::take(&mut self.publishing)
+            .into_iter()
+            .partition(|publishing| publishing.is_finished());
+        self.publishing = running;
+        for publishing in done {
+            if let Err(error) = publishing.await {
+                std::panic::resume_unwind(error.into_panic());
+            }
+        }
+    }
+
+    /// Waits until the workers' and the wake's consumers have nothing left
+    /// to deliver or to be acked (so a late redelivery, a duplicate in the
+    /// making, has had its chance), stops the services and checks that
+    /// each delegation woke its own session in exactly one turn. A post in
+    /// doubt may be repeated, but only under the key of the first: the
+    /// session API keeps one turn per key.
+    async fn finish(mut self) {
+        while !self.publishing.is_empty() {
+            self.reap_publishers().await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let s = &self.publisher.subjects;
+        let settle = Duration::from_secs(60);
+        drained(
+            &self.publisher,
+            &s.tasks_stream(),
+            &s.worker_consumer("default"),
+            settle,
+        )
+        .await;
+        drained(
+            &self.publisher,
+            &s.events_stream(),
+            s.wake_consumer(),
+            settle,
+        )
+        .await;
         self.services.stop().await;
         let mut turns_per_delegation: HashMap<String, usize> = HashMap::new();
         for turn in self.api.turns() {
             for id in turn.delegation_ids() {
-                assert_eq!(
-                    self.expected[&id],
-                    turn.session(),
-                    "{id} woke the wrong session"
-                );
+                let Some(session) = self.expected.get(&id) else {
+                    panic!("a turn for {id}, which was never delegated");
+                };
+                assert_eq!(*session, turn.session(), "{id} woke the wrong session");
                 *turns_per_delegation.entry(id).or_default() += 1;
             }
         }
@@ -239,20 +346,6 @@ impl Flow {
             }
             panic!("woken more than once:{report}");
         }
-        assert_eq!(self.api.delegations_under_two_keys(), Vec::<String>::new());
-    }
-
-    /// The nodes holding a replica of `stream`, its leader included.
-    async fn members(&self, stream: &str) -> HashSet<String> {
-        let mut stream = self.publisher.js.get_stream(stream).await.expect("stream");
-        let info = stream.info().await.expect("info");
-        let cluster = info.cluster.as_ref().expect("clustered stream");
-        cluster
-            .leader
-            .iter()
-            .cloned()
-            .chain(cluster.replicas.iter().map(|r| r.name.clone()))
-            .collect()
     }
 }
 
@@ -272,8 +365,8 @@ async fn every_delegation_wakes_exactly_once_when_the_events_stream_leader_crash
     assert_ne!(leader, victim, "a surviving node took over the stream");
     cluster.restart(victim).await;
     flow.wait_woken(N).await;
-    // The restarted node is back in the stream's replica set.
-    let members = flow.members(&events).await;
+    // The restarted node is back in the stream's replica set and current.
+    let members = wait_replicas_current(&flow.publisher.js, &events, 3).await;
     assert!(
         members.contains(&format!("n{victim}")),
         "n{victim} is not back among {members:?}"
@@ -288,9 +381,10 @@ async fn every_delegation_wakes_exactly_once_through_a_rolling_restart_of_every_
     let mut flow = Flow::start(&cluster).await;
     // As for an upgrade: one node at a time, each stopped with SIGTERM
     // while a quarter of the delegations is on its way and started again,
-    // the next only once /healthz says every node is current. Every stream,
-    // bucket and consumer loses its leader on the way, whichever node led
-    // it. The last quarter goes through the cluster after all three.
+    // the next only once /healthz says every node is current. Everything
+    // is on all three nodes, so every stream, bucket and consumer loses its
+    // leader on the way: whichever node leads it is stopped once. The last
+    // quarter goes through the cluster after all three.
     let quarter = N / 4;
     for node in 0..3 {
         flow.publish(node * quarter..(node + 1) * quarter);
@@ -303,11 +397,86 @@ async fn every_delegation_wakes_exactly_once_through_a_rolling_restart_of_every_
     }
     flow.publish(3 * quarter..N);
     flow.wait_woken(N).await;
-    let s = &flow.publisher.subjects;
-    for stream in s.all_streams() {
-        assert_eq!(flow.members(&stream).await.len(), 3, "{stream}");
+    for stream in flow.publisher.subjects.all_streams() {
+        wait_replicas_current(&flow.publisher.js, &stream, 3).await;
     }
     flow.finish().await;
+}
+
+#[tokio::test]
+async fn the_wake_pulls_again_at_once_when_its_consumers_leader_stops_answering() {
+    init_logs();
+    let cluster = NatsCluster::start(3).await;
+    let api = SessionApiServer::start().await;
+    // Everything talks to n0, which stays up.
+    let bus = connect(&cluster.nodes[0].url(), &unique_prefix()).await;
+    bus.provision(&BusSettings::default())
+        .await
+        .expect("provision");
+    let mut services = Services::new();
+    services.worker(
+        &bus,
+        Executor::Echo(EchoExecutor),
+        test_worker_config("default"),
+    );
+    services.wake(&bus, test_wake_config(&api.url()));
+    let s = &bus.subjects;
+    let (events, wake) = (s.events_stream(), s.wake_consumer());
+    let woken = |id: &str| {
+        api.turns()
+            .iter()
+            .any(|t| t.delegation_ids().iter().any(|d| d == id))
+    };
+    let wake_leader = async || -> Option<(String, usize)> {
+        let mut consumer = bus
+            .js
+            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                wake, &events,
+            )
+            .await
+            .ok()?;
+        let info = consumer.info().await.ok()?;
+        Some((info.cluster.as_ref()?.leader.clone()?, info.num_waiting))
+    };
+    let first = request(0);
+    publish_until_stored(&bus, &first).await;
+    wait_until(Duration::from_secs(30), "the first wake", || async {
+        woken(&first.delegation_id)
+    })
+    .await;
+
+    // The wake's pull request waits at the consumer's leader, a node other
+    // than n0.
+    let stepdown = format!("$JS.API.CONSUMER.LEADER.STEPDOWN.{events}.{wake}");
+    let leader = eventually(
+        Duration::from_secs(30),
+        "a consumer leader other than n0, with a pull waiting",
+        || async {
+            let (leader, waiting) = wake_leader().await?;
+            if leader == "n0" {
+                bus.client.request(stepdown.clone(), "".into()).await.ok()?;
+                return None;
+            }
+            (waiting > 0).then_some(leader)
+        },
+    )
+    .await;
+
+    // The leader freezes with the pull request: it sends neither
+    // heartbeats nor an error, and another node takes over the consumer
+    // without it. The wake must not wait for the request to expire (30 s,
+    // and the client's own retry 5 s after) before it pulls again.
+    cluster.nodes[cluster.index_of(&leader)].signal(Signal::SIGSTOP);
+    let next = request(1);
+    publish_until_stored(&bus, &next).await;
+    wait_until(
+        Duration::from_secs(20),
+        "a wake through the new leader, before the lost pull expires",
+        || async { woken(&next.delegation_id) },
+    )
+    .await;
+    cluster.nodes[cluster.index_of(&leader)].signal(Signal::SIGCONT);
+    services.stop().await;
 }
 
 #[tokio::test]
@@ -365,18 +534,7 @@ async fn releasing_one_session_lock_keeps_every_other_lock_on_every_replica() {
             "n{next} kept a released lock (failover {round})"
         );
         cluster.restart(leader).await;
-        wait_until(Duration::from_secs(30), "every replica current", || async {
-            let Ok(mut handle) = bus.js.get_stream(&stream).await else {
-                return false;
-            };
-            let Ok(info) = handle.info().await else {
-                return false;
-            };
-            info.cluster.as_ref().is_some_and(|c| {
-                c.leader.is_some() && c.replicas.len() == 2 && c.replicas.iter().all(|r| r.current)
-            })
-        })
-        .await;
+        wait_replicas_current(&bus.js, &stream, 3).await;
     }
 }
 

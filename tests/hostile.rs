@@ -42,31 +42,6 @@ fn request_body(delegation_id: &str, session: &str, goal: &str, context: &str) -
     .unwrap()
 }
 
-/// Waits until the consumer `name` on `stream` has nothing pending or
-/// unacknowledged, and returns how many deliveries were redeliveries.
-async fn drained(bus: &Bus, stream: &str, name: &str) -> u64 {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        if let Ok(mut consumer) = bus
-            .js
-            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
-                name, stream,
-            )
-            .await
-            && let Ok(info) = consumer.info().await
-            && info.num_ack_pending == 0
-            && info.num_pending == 0
-        {
-            return info.num_redelivered as u64;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "consumer {name} did not finish within {WAIT:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 fn dead_letter_reasons(messages: &[async_nats::jetstream::message::StreamMessage]) -> Vec<String> {
     messages
         .iter()
@@ -139,7 +114,7 @@ async fn oversized_and_non_utf8_requests_end_once_in_clear_error_wakes_and_the_w
     .await;
 
     wait_until(WAIT, "six wakes", || async { api.accepted().len() >= 6 }).await;
-    let redelivered = drained(&bus, &bus.subjects.tasks_stream(), "worker-default").await;
+    let redelivered = drained(&bus, &bus.subjects.tasks_stream(), "worker-default", WAIT).await;
     services.stop().await;
 
     let texts: HashMap<String, String> = api
@@ -429,7 +404,7 @@ async fn a_rejected_request_too_large_to_store_again_is_dead_lettered_without_it
         !api.accepted().is_empty()
     })
     .await;
-    let redelivered = drained(&bus, &bus.subjects.tasks_stream(), "worker-default").await;
+    let redelivered = drained(&bus, &bus.subjects.tasks_stream(), "worker-default", WAIT).await;
     services.stop().await;
 
     assert!(api.accepted()[0].text().contains("Status: error"));
@@ -677,7 +652,7 @@ async fn forged_and_inconsistent_completions_are_dead_lettered_once_and_real_wak
         all_messages(&bus, &dlq).await.len() >= poison.len()
     })
     .await;
-    let redelivered = drained(&bus, &bus.subjects.events_stream(), "wake").await;
+    let redelivered = drained(&bus, &bus.subjects.events_stream(), "wake", WAIT).await;
     services.stop().await;
 
     assert_eq!(

@@ -93,67 +93,77 @@ impl NatsCluster {
         self.nodes[i].kill();
     }
 
-    /// Starts node `i` again with its port, store and cluster settings, and
-    /// waits until the whole cluster is ready again.
+    /// SIGKILLs node `i` (if it is running), starts it again with its port,
+    /// store and cluster settings, and waits until the whole cluster is
+    /// ready again.
     pub async fn restart(&mut self, i: usize) {
         self.nodes[i].kill();
-        self.nodes[i].spawn();
-        self.wait_ready().await;
+        self.start_again(i).await;
     }
 
-    /// Stops node `i` with SIGTERM, as for an upgrade, starts it again with
-    /// its port, store and cluster settings, and waits until the whole
-    /// cluster is ready and every node's `/healthz` says its streams and
-    /// consumers are current: the check a rolling restart makes before it
-    /// takes the next node down.
+    /// Stops node `i` with SIGTERM, as for an upgrade, waiting for it to
+    /// exit, starts it again with its port, store and cluster settings, and
+    /// waits until the whole cluster is ready and every node's `/healthz`
+    /// says its streams and consumers are current: the check a rolling
+    /// restart makes before it takes the next node down.
     pub async fn restart_gracefully(&mut self, i: usize) {
-        self.nodes[i].terminate();
-        self.nodes[i].spawn();
-        self.wait_ready().await;
+        self.nodes[i].terminate().await;
+        self.start_again(i).await;
         self.wait_healthy().await;
     }
 
-    /// Waits until every node's `/healthz` answers 200: with JetStream on,
-    /// nats-server answers so only once the node's streams and consumers
-    /// have caught up with their leaders.
+    async fn start_again(&mut self, i: usize) {
+        self.nodes[i].spawn();
+        self.wait_ready().await;
+    }
+
+    /// Waits until `/healthz` answers 200 on every node in one round: with
+    /// JetStream on, nats-server answers so only once the node has a meta
+    /// leader and its streams and consumers have caught up with their
+    /// leaders.
     pub async fn wait_healthy(&self) {
         let deadline = Instant::now() + Duration::from_secs(60);
-        for port in &self.monitor_ports {
-            let url = format!("http://127.0.0.1:{port}/healthz");
-            loop {
-                let answer = super::http_get(&url).await;
-                if answer.as_ref().is_some_and(|(status, _)| *status == 200) {
-                    break;
+        loop {
+            let mut unhealthy = Vec::new();
+            for port in &self.monitor_ports {
+                let url = format!("http://127.0.0.1:{port}/healthz");
+                match super::http_get(&url).await {
+                    Some((200, _)) => {}
+                    answer => unhealthy.push(format!("{url}: {answer:?}")),
                 }
-                assert!(
-                    Instant::now() < deadline,
-                    "{url} not healthy within 60s: {answer:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
             }
+            if unhealthy.is_empty() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not every node healthy within 60s:\n{}",
+                unhealthy.join("\n")
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
-    /// Waits until every running node answers a JetStream request that needs
-    /// the meta leader and advertises every running node as a peer.
+    /// Waits until every node answers a JetStream request that needs the
+    /// meta leader and advertises every node as a peer; panics if a node
+    /// has exited (all are expected to run).
     pub async fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let running: Vec<usize> = (0..self.nodes.len())
-                .filter(|&i| self.nodes[i].is_running())
-                .collect();
-            if let Some(exited) = (0..self.nodes.len()).find(|i| !running.contains(i)) {
-                let stderr = self.nodes[exited].store.path().join("server.stderr");
-                let output = std::fs::read_to_string(&stderr).unwrap_or_default();
-                let tail: Vec<&str> = output.lines().rev().take(15).collect();
-                panic!(
-                    "nats-server node n{exited} exited during start; its last lines:\n{}",
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-                );
+            for i in 0..self.nodes.len() {
+                if !self.nodes[i].is_running() {
+                    let stderr = self.nodes[i].store.path().join("server.stderr");
+                    let output = std::fs::read_to_string(&stderr).unwrap_or_default();
+                    let tail: Vec<&str> = output.lines().rev().take(15).collect();
+                    panic!(
+                        "nats-server node n{i} exited during start; its last lines:\n{}",
+                        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                    );
+                }
             }
             let mut ready = true;
-            for &i in &running {
-                if !node_ready(&self.nodes[i].url(), running.len()).await {
+            for node in &self.nodes {
+                if !node_ready(&node.url(), self.nodes.len()).await {
                     ready = false;
                     break;
                 }
@@ -189,4 +199,39 @@ async fn node_ready(url: &str, peers: usize) -> bool {
     )
     .await;
     matches!(reply, Ok(Ok(reply)) if !String::from_utf8_lossy(&reply.payload).contains("\"error\""))
+}
+
+/// Waits until `stream` has a leader and `replicas - 1` followers, each
+/// current and online, and returns the nodes holding it, leader first. A
+/// stream's info lists a follower that is down too, so counting them would
+/// not tell whether the stream has caught up.
+pub async fn wait_replicas_current(
+    js: &async_nats::jetstream::Context,
+    stream: &str,
+    replicas: usize,
+) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let cluster = match js.get_stream(stream).await {
+            Ok(mut handle) => handle
+                .info()
+                .await
+                .ok()
+                .and_then(|info| info.cluster.clone()),
+            Err(_) => None,
+        };
+        if let Some(cluster) = &cluster
+            && let Some(leader) = &cluster.leader
+            && cluster.replicas.len() + 1 == replicas
+            && cluster.replicas.iter().all(|r| r.current && !r.offline)
+        {
+            let followers = cluster.replicas.iter().map(|r| r.name.clone());
+            return std::iter::once(leader.clone()).chain(followers).collect();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{stream} not on {replicas} current replicas within 60s: {cluster:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -71,6 +71,25 @@ where
     }
 }
 
+/// Waits up to `timeout` until the consumer `name` on `stream` has nothing
+/// pending or unacknowledged, and returns how many deliveries were
+/// redeliveries. Once it holds, nothing more is delivered to the consumer's
+/// subscribers, redeliveries after AckWait included.
+pub async fn drained(bus: &Bus, stream: &str, name: &str, timeout: Duration) -> u64 {
+    eventually(timeout, &format!("consumer {name} to drain"), || async {
+        let mut consumer = bus
+            .js
+            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                name, stream,
+            )
+            .await
+            .ok()?;
+        let info = consumer.info().await.ok()?;
+        (info.num_ack_pending == 0 && info.num_pending == 0).then_some(info.num_redelivered as u64)
+    })
+    .await
+}
+
 /// Polls `attempt` until it yields a value or `timeout` passes; panics
 /// with `what` then.
 pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut attempt: F) -> T

@@ -250,12 +250,23 @@ impl NatsServer {
         }
     }
 
-    /// SIGTERM, and wait for exit (a clean stop).
-    pub fn terminate(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-            let _ = child.wait();
+    /// SIGTERM, and wait for exit (a clean stop). It waits without
+    /// blocking the runtime, so that the test's own tasks (services run in
+    /// the test process) keep running while the server shuts down.
+    pub async fn terminate(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while matches!(child.try_wait(), Ok(None)) {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("nats-server did not exit within 30s of SIGTERM");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
@@ -268,7 +279,7 @@ impl NatsServer {
 
     /// SIGTERM (a clean stop), then start again with the same settings.
     pub async fn restart_gracefully(&mut self) {
-        self.terminate();
+        self.terminate().await;
         self.spawn();
         self.wait_ready().await;
     }
