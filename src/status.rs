@@ -71,8 +71,12 @@ pub struct StatusReport {
 pub struct StreamStatus {
     /// Its name.
     pub name: String,
-    /// Whether it exists.
-    pub present: bool,
+    /// Whether it exists; `null` when it could not be read (see `error`).
+    pub present: Option<bool>,
+    /// Why it, or the list of its consumers, could not be read (a request
+    /// timed out while its leader is elected, or was refused); the counts
+    /// are then zero or missing.
+    pub error: Option<String>,
     /// Messages stored.
     pub messages: u64,
     /// Bytes stored.
@@ -156,6 +160,8 @@ pub struct DeadLetterCounts {
     pub wakes: u64,
     /// Completions that could not be used at all.
     pub poison: u64,
+    /// Why they could not be counted (the counts are then zero).
+    pub error: Option<String>,
 }
 
 /// One live instance.
@@ -231,11 +237,16 @@ pub async fn collect(bus: &Bus, options: &StatusOptions) -> Result<StatusReport,
     let mut streams = Vec::new();
     let mut consumers = Vec::new();
     for name in s.all_streams() {
-        let (status, durables) = stream_status(bus, &name).await?;
+        let (status, durables) = stream_status(bus, &name).await;
         streams.push(status);
         consumers.extend(durables);
     }
-    let dead_letters = dead_letter_counts(bus).await?;
+    let dead_letters = dead_letter_counts(bus)
+        .await
+        .unwrap_or_else(|error| DeadLetterCounts {
+            error: Some(error.to_string()),
+            ..DeadLetterCounts::default()
+        });
     let (workers, wakes) = tokio::join!(
         discover(bus, WORKER_SERVICE, options.discovery_timeout),
         discover(bus, WAKE_SERVICE, options.discovery_timeout),
@@ -254,7 +265,18 @@ pub async fn collect(bus: &Bus, options: &StatusOptions) -> Result<StatusReport,
         .find(|c| c.stream == s.events_stream() && c.name == s.wake_consumer())
         .map(|c| c.ack_floor);
     let from_seq = wake_floor.unwrap_or(0) + 1;
-    let (oldest_undelivered, undelivered_scan) = match undelivered(bus, from_seq, options).await {
+    let events_unread = streams
+        .iter()
+        .any(|stream| stream.name == s.events_stream() && stream.error.is_some());
+    let scanned = if events_unread {
+        // Without the wake consumer's floor the scan would start at the
+        // beginning, and what it would read is what just failed.
+        let why = format!("{} was not read", s.events_stream());
+        Err(read_error("completions", why))
+    } else {
+        undelivered(bus, from_seq, options).await
+    };
+    let (oldest_undelivered, undelivered_scan) = match scanned {
         Ok(found) => found,
         Err(error) => {
             let scan = ScanInfo {
@@ -277,41 +299,48 @@ pub async fn collect(bus: &Bus, options: &StatusOptions) -> Result<StatusReport,
     })
 }
 
-async fn stream_status(
-    bus: &Bus,
-    name: &str,
-) -> Result<(StreamStatus, Vec<ConsumerStatus>), StatusError> {
+/// One stream's row and its durable consumers. A stream that cannot be read
+/// is reported so (`present: null` and the error), not as absent: that would
+/// send an operator to re-create what is there. Only a stream the server
+/// says does not exist is absent.
+async fn stream_status(bus: &Bus, name: &str) -> (StreamStatus, Vec<ConsumerStatus>) {
+    let unread = |present: Option<bool>, error: Option<String>| StreamStatus {
+        name: name.to_owned(),
+        present,
+        error,
+        messages: 0,
+        bytes: 0,
+        first_time: None,
+        last_time: None,
+        first_seq: 0,
+        last_seq: 0,
+        consumer_count: 0,
+        replicas: 0,
+        cluster: None,
+    };
     let mut stream = match bus.js.get_stream(name).await {
         Ok(stream) => stream,
-        // Only a stream the server says does not exist is absent: a timeout
-        // or a refused request reported as "absent" would send an operator
-        // to re-create what is there.
-        Err(error) if !is_stream_not_found(&error) => return Err(read_error(name, error)),
-        Err(_) => {
-            return Ok((
-                StreamStatus {
-                    name: name.to_owned(),
-                    present: false,
-                    messages: 0,
-                    bytes: 0,
-                    first_time: None,
-                    last_time: None,
-                    first_seq: 0,
-                    last_seq: 0,
-                    consumer_count: 0,
-                    replicas: 0,
-                    cluster: None,
-                },
-                Vec::new(),
-            ));
+        Err(error) if is_stream_not_found(&error) => {
+            return (unread(Some(false), None), Vec::new());
+        }
+        Err(error) => {
+            let error = read_error(name, error).to_string();
+            return (unread(None, Some(error)), Vec::new());
         }
     };
-    let info = stream.info().await.map_err(|e| read_error(name, e))?;
+    let info = match stream.info().await {
+        Ok(info) => info,
+        Err(error) => {
+            let error = read_error(name, error).to_string();
+            return (unread(None, Some(error)), Vec::new());
+        }
+    };
     let state = &info.state;
     let stored = state.messages > 0;
-    let status = StreamStatus {
+    let mut status = StreamStatus {
         name: name.to_owned(),
-        present: true,
+        present: Some(true),
+        error: None,
         messages: state.messages,
         bytes: state.bytes,
         first_time: stored.then_some(state.first_timestamp),
@@ -329,11 +358,16 @@ async fn stream_status(
     };
     let mut durables = Vec::new();
     let mut listed = stream.consumers();
-    while let Some(info) = listed
-        .try_next()
-        .await
-        .map_err(|e| read_error(format!("consumers of {name}"), e))?
-    {
+    loop {
+        let info = match listed.try_next().await {
+            Ok(Some(info)) => info,
+            Ok(None) => break,
+            Err(error) => {
+                let error = read_error(format!("consumers of {name}"), error).to_string();
+                status.error = Some(error);
+                break;
+            }
+        };
         if info.config.durable_name.is_none() {
             continue;
         }
@@ -348,7 +382,7 @@ async fn stream_status(
         });
     }
     durables.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok((status, durables))
+    (status, durables)
 }
 
 /// The replica set of a clustered stream from its cluster info.

@@ -34,6 +34,14 @@ pub(crate) async fn run(global: &Global, args: StatusArgs) -> anyhow::Result<Exi
         ..StatusOptions::default()
     };
     let report = collect(&bus, &options).await?;
+    for stream in &report.streams {
+        if let Some(error) = &stream.error {
+            warn!(stream = %stream.name, %error, "Could not read a stream; the rest of the snapshot stands.");
+        }
+    }
+    if let Some(error) = &report.dead_letters.error {
+        warn!(%error, "Could not count the dead letters; the rest of the snapshot stands.");
+    }
     if let Some(error) = &report.undelivered_scan.error {
         warn!(%error, "Could not look for undelivered wakes; the rest of the snapshot stands.");
     }
@@ -85,17 +93,24 @@ fn render(report: &StatusReport) -> String {
     );
     let mut streams = table(&["STREAM", "MESSAGES", "BYTES", "FIRST", "LAST", "REPLICAS"]);
     for s in &report.streams {
-        if s.present {
-            streams.add_row(vec![
-                s.name.clone(),
-                s.messages.to_string(),
-                s.bytes.to_string(),
-                time(s.first_time),
-                time(s.last_time),
-                replicas(s.replicas, s.cluster.as_ref()),
-            ]);
-        } else {
-            streams.add_row(vec![s.name.clone(), "missing".to_owned()]);
+        match (s.present, &s.error) {
+            (Some(true), None) => {
+                streams.add_row(vec![
+                    s.name.clone(),
+                    s.messages.to_string(),
+                    s.bytes.to_string(),
+                    time(s.first_time),
+                    time(s.last_time),
+                    replicas(s.replicas, s.cluster.as_ref()),
+                ]);
+            }
+            (Some(false), _) => {
+                streams.add_row(vec![s.name.clone(), "missing".to_owned()]);
+            }
+            (_, error) => {
+                let error = error.as_deref().unwrap_or("unknown error");
+                streams.add_row(vec![s.name.clone(), format!("not read ({error})")]);
+            }
         }
     }
     out.push_str(&format!("{streams}\n"));
@@ -133,17 +148,21 @@ fn render(report: &StatusReport) -> String {
     out.push_str(&format!("{consumers}\n\n"));
     let d = &report.dead_letters;
     let pools: Vec<String> = d.tasks.iter().map(|(p, n)| format!("{p}: {n}")).collect();
-    out.push_str(&format!(
-        "Dead letters: {} (tasks: {}; wakes: {}; poison: {})\n\nLive instances\n",
-        d.total,
-        if pools.is_empty() {
-            "0".to_owned()
-        } else {
-            pools.join(", ")
-        },
-        d.wakes,
-        d.poison
-    ));
+    match &d.error {
+        Some(error) => out.push_str(&format!("Dead letters: not read ({error})\n")),
+        None => out.push_str(&format!(
+            "Dead letters: {} (tasks: {}; wakes: {}; poison: {})\n",
+            d.total,
+            if pools.is_empty() {
+                "0".to_owned()
+            } else {
+                pools.join(", ")
+            },
+            d.wakes,
+            d.poison
+        )),
+    }
+    out.push_str("\nLive instances\n");
     let mut services = table(&[
         "KIND",
         "INSTANCE",
