@@ -387,13 +387,9 @@ async fn quarantine(
         HEADER_MSG_ID,
         format!("dlq.unreadable.{stream}.{seq}").as_str(),
     );
-    let stored = async {
-        bus.js
-            .publish_with_headers(dead_letter_subject.to_owned(), headers, Bytes::from(body))
-            .await?
-            .await
-    }
-    .await;
+    let stored = bus
+        .publish_stored(dead_letter_subject.to_owned(), headers, Bytes::from(body))
+        .await;
     if let Err(error) = stored {
         warn!(%error, stream, seq, "Could not dead-letter an unreadable message; will retry after the next reconnect.");
         return Ok(false);

@@ -32,10 +32,7 @@ impl Bus {
             msg_id,
             max_payload,
         );
-        self.js
-            .publish_with_headers(subject, headers, payload)
-            .await?
-            .await?;
+        self.publish_stored(subject, headers, payload).await?;
         Ok(())
     }
 }

@@ -7,11 +7,13 @@
 //!   idempotently and never deleted;
 //! - `consumers.rs`: the durable consumers of the workers and the wake;
 //! - `queue.rs`: whether a delegation's request is still in the task queue;
+//! - `publish.rs`: publishing until JetStream confirms the message stored;
 //! - `dead_letter.rs`: copying an unusable message to the dead letters.
 
 mod consumers;
 mod dead_letter;
 mod provision;
+mod publish;
 mod queue;
 
 use std::time::Duration;
@@ -23,6 +25,7 @@ use crate::protocol::Subjects;
 
 pub(crate) use consumers::PullRetry;
 pub(crate) use provision::is_stream_not_found;
+pub(crate) use publish::confirm_stored;
 
 /// Settings for the streams and buckets, shared by every service.
 #[derive(Debug, Clone)]
@@ -187,4 +190,13 @@ pub enum PublishError {
     /// The publish was not acknowledged (server down, timeout, no stream...).
     #[error("publish was not acknowledged by JetStream: {0}")]
     Publish(#[from] jetstream::context::PublishError),
+    /// JetStream dropped it as a duplicate of a message it never stored
+    /// (see [`confirm_stored`]).
+    #[error(
+        "{stream} dropped the message as a duplicate of one it never stored (nats-server before 2.10.25, after a leader election); it is stored once the duplicate window has passed"
+    )]
+    DuplicateOfUnstored {
+        /// The stream that answered.
+        stream: String,
+    },
 }

@@ -174,7 +174,14 @@ impl Delegator {
             let mut results = Vec::with_capacity(acks.len());
             for ack in acks {
                 results.push(match ack {
-                    Ok(ack) => ack.await.map(drop),
+                    Ok(ack) => ack.await.and_then(|ack| {
+                        crate::bus::confirm_stored(ack).map(drop).map_err(|error| {
+                            async_nats::jetstream::context::PublishError::with_source(
+                                PublishErrorKind::Other,
+                                error,
+                            )
+                        })
+                    }),
                     Err(error) => Err(error),
                 });
             }

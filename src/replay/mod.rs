@@ -364,18 +364,14 @@ impl Replayer {
         headers: HeaderMap,
         payload: bytes::Bytes,
     ) -> Result<(), ReplayError> {
-        let stored = async {
-            self.bus
-                .js
-                .publish_with_headers(subject.clone(), headers, payload)
-                .await?
-                .await?;
-            Ok::<_, async_nats::jetstream::context::PublishError>(())
-        };
-        stored.await.map_err(|source| ReplayError::Publish {
-            subject,
-            source: PublishError::Publish(source),
-        })
+        match self
+            .bus
+            .publish_stored(subject.clone(), headers, payload)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(source) => Err(ReplayError::Publish { subject, source }),
+        }
     }
 }
 

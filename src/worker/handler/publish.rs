@@ -45,7 +45,8 @@ impl TaskHandler {
         trace: TraceParent,
         body: &impl serde::Serialize,
     ) -> Result<(), PublishError> {
-        self.send(request, kind, trace, body).await?.await?;
+        let ack = self.send(request, kind, trace, body).await?.await?;
+        crate::bus::confirm_stored(ack)?;
         Ok(())
     }
 
