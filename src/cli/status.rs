@@ -94,7 +94,7 @@ fn render(report: &StatusReport) -> String {
     let mut streams = table(&["STREAM", "MESSAGES", "BYTES", "FIRST", "LAST", "REPLICAS"]);
     for s in &report.streams {
         match (s.present, &s.error) {
-            (Some(true), None) => {
+            (Some(true), _) => {
                 streams.add_row(vec![
                     s.name.clone(),
                     s.messages.to_string(),
@@ -107,13 +107,20 @@ fn render(report: &StatusReport) -> String {
             (Some(false), _) => {
                 streams.add_row(vec![s.name.clone(), "missing".to_owned()]);
             }
-            (_, error) => {
+            (None, error) => {
                 let error = error.as_deref().unwrap_or("unknown error");
                 streams.add_row(vec![s.name.clone(), format!("not read ({error})")]);
             }
         }
     }
     out.push_str(&format!("{streams}\n"));
+    // A stream read whose consumers were not: its row stands, the consumer
+    // table below lacks them.
+    for s in report.streams.iter().filter(|s| s.present == Some(true)) {
+        if let Some(error) = &s.error {
+            out.push_str(&format!("Not read: {error}.\n"));
+        }
+    }
     let unsettled: Vec<&str> = report
         .streams
         .iter()
@@ -218,6 +225,7 @@ fn render(report: &StatusReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use wakebus::status::{DeadLetterCounts, ScanInfo, StreamStatus};
 
     fn follower(name: &str, current: bool, offline: bool, lag: Option<u64>) -> Follower {
         Follower {
@@ -258,5 +266,65 @@ mod tests {
         );
         assert!(!troubled.healthy());
         assert!(!set(None, Vec::new()).healthy(), "no leader, no writes");
+    }
+
+    fn stream(name: &str, present: Option<bool>, error: Option<&str>) -> StreamStatus {
+        StreamStatus {
+            name: name.to_owned(),
+            present,
+            error: error.map(str::to_owned),
+            messages: 7,
+            bytes: 70,
+            first_time: None,
+            last_time: None,
+            first_seq: 1,
+            last_seq: 7,
+            consumer_count: 1,
+            replicas: 1,
+            cluster: None,
+        }
+    }
+
+    #[test]
+    fn what_could_not_be_read_is_named_and_never_shown_as_missing_or_empty() {
+        let report = StatusReport {
+            prefix: "P".to_owned(),
+            taken_at: time::OffsetDateTime::UNIX_EPOCH,
+            streams: vec![
+                stream("P_TASKS", Some(true), None),
+                stream("P_EVENTS", None, Some("cannot read P_EVENTS: timed out")),
+                stream("P_DLQ", Some(false), None),
+                stream(
+                    "KV_P_WAKES",
+                    Some(true),
+                    Some("cannot read consumers of KV_P_WAKES: timed out"),
+                ),
+            ],
+            consumers: Vec::new(),
+            dead_letters: DeadLetterCounts {
+                error: Some("cannot read P_DLQ: refused".to_owned()),
+                ..DeadLetterCounts::default()
+            },
+            services: Vec::new(),
+            oldest_undelivered: Vec::new(),
+            undelivered_scan: ScanInfo::default(),
+        };
+        let text = render(&report);
+        let row = |name: &str| text.lines().find(|l| l.contains(name)).unwrap().to_owned();
+        assert!(row("P_TASKS").contains('7'), "{text}");
+        assert!(
+            row("P_EVENTS").contains("not read (cannot read P_EVENTS: timed out)"),
+            "{text}"
+        );
+        assert!(row("P_DLQ ").contains("missing"), "{text}");
+        assert!(row("KV_P_WAKES").contains('7'), "{text}");
+        assert!(
+            text.contains("Not read: cannot read consumers of KV_P_WAKES: timed out."),
+            "{text}"
+        );
+        assert!(
+            text.contains("Dead letters: not read (cannot read P_DLQ: refused)"),
+            "{text}"
+        );
     }
 }
