@@ -7,6 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use common::*;
+use futures::StreamExt as _;
 use wakebus::bus::Bus;
 use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::{CompletionEvent, Status, TaskRequest};
@@ -1014,4 +1015,76 @@ async fn a_service_is_stopped_to_fail_once_its_nats_client_has_ended_but_not_whi
         .await
         .expect("the stop fires once the client has ended");
     assert!(lost.check().is_err());
+}
+
+/// nats-server before 2.10.25 acknowledges a retried publish whose first
+/// copy was dropped in a leader election with `duplicate: true` and sequence
+/// 0, although nothing is stored (nats-io/nats-server#6415). A plain NATS
+/// responder stands in for the events stream here and answers a
+/// completion's first two publishes so: the worker must publish it again,
+/// under the same id, until an ack names a sequence, and only then ack the
+/// task. Taking the first answer as stored lost the completion.
+#[tokio::test]
+async fn a_completion_acked_as_a_duplicate_of_nothing_stored_is_published_again_until_stored() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let client = wakebus::connect::NatsConfig::new(nats.url())
+        .connect()
+        .await
+        .expect("connect");
+    let bus = Bus::new(client, wakebus::protocol::Subjects::new(&prefix).unwrap());
+    // No events stream: the responder answers everything published there.
+    let mut events = bus
+        .client
+        .subscribe(format!("{prefix}.evt.>"))
+        .await
+        .expect("subscribe");
+    let responder_client = bus.client.clone();
+    let responder = tokio::spawn(async move {
+        let mut done_ids = Vec::new();
+        while let Some(message) = events.next().await {
+            let Some(reply) = message.reply.clone() else {
+                continue;
+            };
+            let headers = message.headers.clone().unwrap_or_default();
+            let answer = if headers.get("Nats-Expected-Last-Subject-Sequence").is_some() {
+                // The worker's probe: "nothing stored on this subject".
+                r#"{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 0"}}"#
+            } else if message.subject.ends_with(".done") {
+                let id = headers.get("Nats-Msg-Id").map(|v| v.as_str().to_owned());
+                done_ids.push(id);
+                if done_ids.len() <= 2 {
+                    r#"{"stream":"EVENTS","seq":0,"duplicate":true}"#
+                } else {
+                    r#"{"stream":"EVENTS","seq":41}"#
+                }
+            } else {
+                r#"{"stream":"EVENTS","seq":40}"#
+            };
+            responder_client
+                .publish(reply, answer.into())
+                .await
+                .expect("answer");
+            if done_ids.len() == 3 {
+                return done_ids;
+            }
+        }
+        done_ids
+    });
+
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    let req = request("s.dropped", "stored at the third try");
+    publish_until_stored(&bus, &req).await;
+    let done_ids = tokio::time::timeout(WAIT, responder)
+        .await
+        .expect("three publishes of the completion")
+        .expect("responder");
+    let expected = Some(CompletionEvent::id_for(&req.delegation_id, 0));
+    assert_eq!(done_ids, vec![expected.clone(), expected.clone(), expected]);
+    // Acked once stored: nothing left to deliver or to acknowledge.
+    let s = &bus.subjects;
+    drained(&bus, &s.tasks_stream(), &s.worker_consumer("default"), WAIT).await;
+    services.stop().await;
 }
