@@ -5,6 +5,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use futures::StreamExt as _;
 use wakebus::cancel::{Canceller, DelegationState};
 use wakebus::delegate::{DelegateError, DelegateResult, Delegation, Delegator};
 use wakebus::protocol::{CompletionEvent, EventKind, Status, TaskRequest};
@@ -914,4 +915,51 @@ async fn waiting_for_a_delegation_reads_past_garbage_and_strangers_on_its_subjec
     assert_eq!(results.len(), 1);
     assert_eq!(results[0].task_index, 0);
     assert_eq!(results[0].status, Status::Completed);
+}
+
+/// A delegation whose `submitted` record is acknowledged only as a
+/// duplicate of nothing stored (nats-server before 2.10.25 after a leader
+/// election: `duplicate: true`, sequence 0) is reported as not published,
+/// rather than returned as if it were queued. A NATS responder stands in
+/// for the events stream and answers so.
+#[tokio::test]
+async fn a_delegation_whose_record_is_acked_as_a_duplicate_of_nothing_stored_is_reported_unpublished()
+ {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    bus.js
+        .delete_stream(bus.subjects.events_stream())
+        .await
+        .expect("delete the events stream");
+    let mut events = bus
+        .client
+        .subscribe(format!("{prefix}.evt.>"))
+        .await
+        .expect("subscribe");
+    let client = bus.client.clone();
+    let responder = tokio::spawn(async move {
+        let mut answered = 0;
+        while let Some(message) = events.next().await {
+            if let Some(reply) = message.reply {
+                let answer = r#"{"stream":"EVENTS","seq":0,"duplicate":true}"#;
+                client.publish(reply, answer.into()).await.expect("answer");
+                answered += 1;
+            }
+        }
+        answered
+    });
+    let error = Delegator::new(bus.clone())
+        .delegate(Delegation::new("never queued").session("s.dropped"))
+        .await
+        .expect_err("not published");
+    assert!(matches!(error, DelegateError::NotStored { .. }), "{error:?}");
+    assert!(
+        error
+            .to_string()
+            .contains("duplicate of one it never stored"),
+        "{error}"
+    );
+    responder.abort();
 }
