@@ -954,7 +954,10 @@ async fn a_delegation_whose_record_is_acked_as_a_duplicate_of_nothing_stored_is_
         .delegate(Delegation::new("never queued").session("s.dropped"))
         .await
         .expect_err("not published");
-    assert!(matches!(error, DelegateError::NotStored { .. }), "{error:?}");
+    assert!(
+        matches!(error, DelegateError::NotStored { .. }),
+        "{error:?}"
+    );
     assert!(
         error
             .to_string()

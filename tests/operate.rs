@@ -1135,15 +1135,13 @@ async fn status_reports_a_stream_it_cannot_read_as_not_read_and_keeps_the_rest()
     let nats = &server.nats;
     let bus = bus(&nats.url(), &prefix).await;
     bus.provision(&Default::default()).await.unwrap();
-    let limited = |args: &[&str]| {
-        let mut all = server.limited_args();
-        all.extend(args.iter().map(|a| a.to_string()));
-        all
-    };
 
-    let args = limited(&["status", "--json", "--discovery-timeout", "100ms"]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let run = wakebus(&nats.url(), &prefix, &args).await;
+    let run = server
+        .wakebus_as_limited(
+            &prefix,
+            &["status", "--json", "--discovery-timeout", "100ms"],
+        )
+        .await;
     assert!(run.success(), "{}", run.stderr());
     let report: Value = serde_json::from_str(&run.stdout()).unwrap();
     let streams = report["streams"].as_array().unwrap();
@@ -1180,9 +1178,9 @@ async fn status_reports_a_stream_it_cannot_read_as_not_read_and_keeps_the_rest()
         assert!(run.stderr().contains(warning), "{}", run.stderr());
     }
 
-    let args = limited(&["status", "--discovery-timeout", "100ms"]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let run = wakebus(&nats.url(), &prefix, &args).await;
+    let run = server
+        .wakebus_as_limited(&prefix, &["status", "--discovery-timeout", "100ms"])
+        .await;
     assert!(run.success(), "{}", run.stderr());
     let text = run.stdout();
     let events_row = text.lines().find(|l| l.contains(&events)).expect("a row");
@@ -1212,15 +1210,13 @@ async fn status_keeps_the_rest_of_the_snapshot_when_it_cannot_scan_for_undeliver
     let nats = &server.nats;
     let bus = bus(&nats.url(), &prefix).await;
     bus.provision(&Default::default()).await.unwrap();
-    let limited = |args: &[&str]| {
-        let mut all = server.limited_args();
-        all.extend(args.iter().map(|a| a.to_string()));
-        all
-    };
 
-    let args = limited(&["status", "--json", "--discovery-timeout", "100ms"]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let run = wakebus(&nats.url(), &prefix, &args).await;
+    let run = server
+        .wakebus_as_limited(
+            &prefix,
+            &["status", "--json", "--discovery-timeout", "100ms"],
+        )
+        .await;
     assert!(run.success(), "{}", run.stderr());
     let report: Value = serde_json::from_str(&run.stdout()).unwrap();
     let scan = &report["undelivered_scan"];
@@ -1246,9 +1242,9 @@ async fn status_keeps_the_rest_of_the_snapshot_when_it_cannot_scan_for_undeliver
         run.stderr()
     );
 
-    let args = limited(&["status", "--discovery-timeout", "100ms"]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let run = wakebus(&nats.url(), &prefix, &args).await;
+    let run = server
+        .wakebus_as_limited(&prefix, &["status", "--discovery-timeout", "100ms"])
+        .await;
     assert!(run.success(), "{}", run.stderr());
     assert!(run.stdout().contains(&events), "{}", run.stdout());
     assert!(

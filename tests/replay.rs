@@ -810,10 +810,10 @@ async fn replay_tasks_as_a_user_denied(denied: impl Fn(&wakebus::protocol::Subje
     services.wake(&bus, test_wake_config(&api.url()));
     let derived = half_requeue_a_dead_letter(&nats.url(), &prefix, &bus, &api, session).await;
 
-    let mut limited = server.limited_args();
-    limited.extend(["replay", "tasks"].map(String::from));
-    let limited: Vec<&str> = limited.iter().map(String::as_str).collect();
-    let lines = wakebus(&nats.url(), &prefix, &limited).await.ok_json();
+    let lines = server
+        .wakebus_as_limited(&prefix, &["replay", "tasks"])
+        .await
+        .ok_json();
     assert_eq!(lines[0]["action"], "skipped", "{lines:#?}");
     let reason = lines[0]["reason"].as_str().unwrap();
     assert!(

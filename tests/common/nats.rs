@@ -355,4 +355,12 @@ no_auth_user: all
             password.display().to_string(),
         ]
     }
+
+    /// Runs `wakebus <args>` under `prefix`, authenticated as `limited`.
+    pub async fn wakebus_as_limited(&self, prefix: &str, args: &[&str]) -> super::cli::Run {
+        let mut all = self.limited_args();
+        all.extend(args.iter().map(|a| a.to_string()));
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        super::cli::wakebus(&self.nats.url(), prefix, &all).await
+    }
 }
