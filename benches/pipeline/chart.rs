@@ -12,7 +12,10 @@ pub(crate) fn render(report: &Report, path: &Path) {
     root.fill(&WHITE).expect("fill");
     let (left, right) = root.split_horizontally(560);
 
-    let mut bars: Vec<(String, f64)> = vec![("raw ceiling".to_owned(), report.ceiling_msgs_per_s)];
+    let mut bars: Vec<(String, f64)> = vec![
+        ("raw ceiling".to_owned(), report.ceiling_msgs_per_s),
+        ("same work".to_owned(), report.same_work_per_s),
+    ];
     for r in &report.scaling {
         bars.push((format!("{}w", r.workers), r.throughput));
     }

@@ -8,7 +8,9 @@
 //! worker --executor echo` processes, and their continuations posted by a
 //! `wakebus wake` process to an HTTP endpoint in this process, which notes
 //! when each arrives. In the same run and on the same server it measures the
-//! raw JetStream ceiling (publish → pull+ack → publish → pull+ack).
+//! raw JetStream ceiling (publish → pull+ack → publish → pull+ack) and the
+//! same-work ceiling (a delegation's stored writes and consumes, with no
+//! pipeline logic).
 //!
 //! Prints a table, writes `target/bench/pipeline.json` and
 //! `target/bench/pipeline.svg` (`WAKEBUS_BENCH_OUT` to change the directory).
@@ -19,6 +21,7 @@ mod nats;
 mod procs;
 mod raw;
 mod report;
+mod same_work;
 mod sink;
 mod stages;
 
@@ -347,6 +350,27 @@ fn run_of(workers: usize, n: usize, m: &Measured) -> Run {
     }
 }
 
+/// Runs a ceiling, which runs in this process, and its CPU per message:
+/// this process's and the server's.
+async fn in_process(
+    server: &NatsServer,
+    n: usize,
+    run: impl Future<Output = f64>,
+) -> (f64, CpuPerDelegation) {
+    let before = [
+        procs::cpu_seconds(std::process::id()),
+        procs::cpu_seconds(server.pid()),
+    ];
+    let per_second = run.await;
+    let per_message = |now: f64, then: f64| (now - then) * 1e6 / n as f64;
+    let cpu = CpuPerDelegation {
+        delegator_and_endpoint_us: per_message(procs::cpu_seconds(std::process::id()), before[0]),
+        nats_server_us: per_message(procs::cpu_seconds(server.pid()), before[1]),
+        ..CpuPerDelegation::default()
+    };
+    (per_second, cpu)
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     // `cargo bench` passes `--bench`; nothing else is taken from argv.
@@ -360,17 +384,16 @@ async fn main() {
     );
 
     eprintln!("raw JetStream ceiling, {} messages...", config.n);
-    let cpu_before = [
-        procs::cpu_seconds(std::process::id()),
-        procs::cpu_seconds(server.pid()),
-    ];
-    let ceiling = raw::ceiling(&server.url, "RAW", config.n).await;
-    let ceiling_cpu_us = CpuPerDelegation {
-        delegator_and_endpoint_us: (procs::cpu_seconds(std::process::id()) - cpu_before[0]) * 1e6
-            / config.n as f64,
-        nats_server_us: (procs::cpu_seconds(server.pid()) - cpu_before[1]) * 1e6 / config.n as f64,
-        ..CpuPerDelegation::default()
-    };
+    let (ceiling, ceiling_cpu_us) = in_process(
+        &server,
+        config.n,
+        raw::ceiling(&server.url, "RAW", config.n),
+    )
+    .await;
+
+    eprintln!("same-work ceiling, {} delegations...", config.n);
+    let same_work = same_work::ceiling(&server.url, "ceil", config.n, config.sessions);
+    let (same_work, same_work_cpu_us) = in_process(&server, config.n, same_work).await;
 
     let single = config.workers.first().copied().unwrap_or(1);
     eprintln!(
@@ -423,6 +446,8 @@ async fn main() {
         ceiling_msgs_per_s: ceiling,
         saturation: run_of(single, config.n, &saturation),
         ratio_to_ceiling: saturation.throughput / ceiling,
+        same_work_per_s: same_work,
+        ratio_to_same_work: saturation.throughput / same_work,
         open_loop_offered_per_s: config.rate,
         open_loop: run_of(single, open_n, &open),
         saturation_stages: saturation.stages.clone(),
@@ -431,6 +456,7 @@ async fn main() {
         backlog,
         saturation_cpu: saturation.cpu.clone(),
         ceiling_cpu_us,
+        same_work_cpu_us,
         nats_server_peak_rss_mib: procs::peak_rss_mib(server.pid()),
     };
     print!("{}", report.table());

@@ -135,6 +135,11 @@ pub(crate) struct Report {
     pub(crate) saturation: Run,
     /// Saturation / ceiling.
     pub(crate) ratio_to_ceiling: f64,
+    /// The same-work ceiling: a delegation's stored writes and consumes
+    /// with bare JetStream calls, delegations per second.
+    pub(crate) same_work_per_s: f64,
+    /// Saturation / same-work ceiling.
+    pub(crate) ratio_to_same_work: f64,
     /// Offered load of the open-loop run.
     pub(crate) open_loop_offered_per_s: usize,
     /// At that load.
@@ -148,6 +153,9 @@ pub(crate) struct Report {
     /// CPU per message of the raw ceiling (publisher, relay and sink in the
     /// bench process, plus nats-server), microseconds.
     pub(crate) ceiling_cpu_us: CpuPerDelegation,
+    /// CPU per delegation of the same-work ceiling (all in the bench
+    /// process, plus nats-server), microseconds.
+    pub(crate) same_work_cpu_us: CpuPerDelegation,
     /// Where the saturation run's latency went, by stage.
     pub(crate) saturation_stages: Option<Stages>,
     /// Where the open-loop run's latency went, by stage.
@@ -176,6 +184,11 @@ impl Report {
             "{:<44} {:>12.0}",
             "raw JetStream ceiling (2 hops, 512 B)", self.ceiling_msgs_per_s
         );
+        let _ = writeln!(
+            t,
+            "{:<44} {:>12.0}",
+            "same-work ceiling (7 writes, 2 pull+acks)", self.same_work_per_s
+        );
         let mut row = |name: String, r: &Run| {
             let l = &r.latency;
             let _ = writeln!(
@@ -202,6 +215,11 @@ impl Report {
             t,
             "{:<44} {:>12.2}",
             "end-to-end / ceiling", self.ratio_to_ceiling
+        );
+        let _ = writeln!(
+            t,
+            "{:<44} {:>12.2}",
+            "end-to-end / same-work ceiling", self.ratio_to_same_work
         );
         for (run, stages) in [
             ("saturation", &self.saturation_stages),
@@ -235,6 +253,7 @@ impl Report {
         for (name, c) in [
             ("end-to-end", &self.saturation_cpu),
             ("raw ceiling (per message, both hops)", &self.ceiling_cpu_us),
+            ("same-work ceiling", &self.same_work_cpu_us),
         ] {
             let _ = writeln!(
                 t,
