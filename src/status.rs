@@ -234,19 +234,32 @@ fn read_error(what: impl Into<String>, error: impl std::fmt::Display) -> StatusE
 /// Takes the snapshot.
 pub async fn collect(bus: &Bus, options: &StatusOptions) -> Result<StatusReport, StatusError> {
     let s = &bus.subjects;
+    // All at once: during an election each stream that cannot be read
+    // takes a request timeout, and one after the other they would add up.
+    let names = s.all_streams();
+    let read = futures::future::join_all(names.iter().map(|name| stream_status(bus, name))).await;
     let mut streams = Vec::new();
     let mut consumers = Vec::new();
-    for name in s.all_streams() {
-        let (status, durables) = stream_status(bus, &name).await;
+    for (status, durables) in read {
         streams.push(status);
         consumers.extend(durables);
     }
-    let dead_letters = dead_letter_counts(bus)
-        .await
-        .unwrap_or_else(|error| DeadLetterCounts {
-            error: Some(error.to_string()),
+    let dead_letter_stream = streams
+        .iter()
+        .find(|stream| stream.name == s.dead_letter_stream());
+    let dead_letters = match dead_letter_stream {
+        // Reading it again would only wait for the same failure.
+        Some(stream) if stream.present.is_none() => DeadLetterCounts {
+            error: stream.error.clone(),
             ..DeadLetterCounts::default()
-        });
+        },
+        _ => dead_letter_counts(bus)
+            .await
+            .unwrap_or_else(|error| DeadLetterCounts {
+                error: Some(error.to_string()),
+                ..DeadLetterCounts::default()
+            }),
+    };
     let (workers, wakes) = tokio::join!(
         discover(bus, WORKER_SERVICE, options.discovery_timeout),
         discover(bus, WAKE_SERVICE, options.discovery_timeout),
@@ -265,16 +278,23 @@ pub async fn collect(bus: &Bus, options: &StatusOptions) -> Result<StatusReport,
         .find(|c| c.stream == s.events_stream() && c.name == s.wake_consumer())
         .map(|c| c.ack_floor);
     let from_seq = wake_floor.unwrap_or(0) + 1;
-    let events_unread = streams
+    let events = streams
         .iter()
-        .any(|stream| stream.name == s.events_stream() && stream.error.is_some());
-    let scanned = if events_unread {
-        // Without the wake consumer's floor the scan would start at the
-        // beginning, and what it would read is what just failed.
-        let why = format!("{} was not read", s.events_stream());
-        Err(read_error("completions", why))
-    } else {
-        undelivered(bus, from_seq, options).await
+        .find(|stream| stream.name == s.events_stream());
+    // Without the wake consumer's floor the scan would start at the
+    // beginning of the stream; when the stream itself was not read, what it
+    // would read is what just failed.
+    let unscannable = match events {
+        Some(events) if events.present.is_none() => Some(format!("{} was not read", events.name)),
+        Some(events) if events.error.is_some() => Some(format!(
+            "the consumers of {} were not read, so the wake's ack floor is unknown",
+            events.name
+        )),
+        _ => None,
+    };
+    let scanned = match unscannable {
+        Some(why) => Err(read_error("completions", why)),
+        None => undelivered(bus, from_seq, options).await,
     };
     let (oldest_undelivered, undelivered_scan) = match scanned {
         Ok(found) => found,

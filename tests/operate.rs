@@ -1117,6 +1117,71 @@ async fn only_init_shortens_the_history_a_stream_keeps() {
     assert_eq!(max_age().await, Duration::from_secs(7 * 24 * 3600));
 }
 
+/// `wakebus status --json`, as a user refused the JetStream API requests
+/// `denied`, on streams provisioned under `prefix`: the server (for more
+/// runs), the report and the command's log. The command must succeed.
+async fn status_refused(
+    prefix: &str,
+    denied: &[String],
+) -> (common::nats::LimitedUserServer, Value, String) {
+    let server = common::nats::LimitedUserServer::start(denied).await;
+    bus(&server.nats.url(), prefix)
+        .await
+        .provision(&Default::default())
+        .await
+        .unwrap();
+    let run = server
+        .wakebus_as_limited(
+            prefix,
+            &["status", "--json", "--discovery-timeout", "100ms"],
+        )
+        .await;
+    assert!(run.success(), "{}", run.stderr());
+    let report = serde_json::from_str(&run.stdout()).unwrap();
+    (server, report, run.stderr())
+}
+
+/// When the events stream was read but its consumers were not, the stream
+/// keeps its row and counts, and the undelivered scan is skipped for the
+/// reason that holds: the wake's ack floor is unknown (not "the stream was
+/// not read", which would send an operator to the wrong place).
+#[tokio::test]
+async fn status_skips_the_undelivered_scan_when_the_events_streams_consumers_were_not_read() {
+    init_logs();
+    let prefix = unique_prefix();
+    let events = wakebus::protocol::Subjects::new(&prefix)
+        .unwrap()
+        .events_stream();
+    let denied = [format!("$JS.API.CONSUMER.LIST.{events}")];
+    let (_server, report, stderr) = status_refused(&prefix, &denied).await;
+
+    let streams = report["streams"].as_array().unwrap();
+    let row = streams
+        .iter()
+        .find(|s| s["name"] == events.as_str())
+        .unwrap();
+    assert_eq!(row["present"], true, "{row}");
+    assert!(
+        row["error"]
+            .as_str()
+            .is_some_and(|e| e.contains(&format!("consumers of {events}"))),
+        "{row}"
+    );
+    let scan = report["undelivered_scan"]["error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        scan.contains(&format!("the consumers of {events} were not read"))
+            && !scan.contains("was not read"),
+        "{report}"
+    );
+    assert!(
+        stderr.contains("Could not read a stream's consumers"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("Could not read a stream;"), "{stderr}");
+}
+
 /// A stream `status` cannot read (a refused request; in a cluster, a
 /// timeout while its leader is elected) is reported as not read, never as
 /// absent: that would send an operator to re-create what is there. The
@@ -1127,23 +1192,11 @@ async fn status_reports_a_stream_it_cannot_read_as_not_read_and_keeps_the_rest()
     let prefix = unique_prefix();
     let subjects = wakebus::protocol::Subjects::new(&prefix).unwrap();
     let (events, dead_letters) = (subjects.events_stream(), subjects.dead_letter_stream());
-    let server = common::nats::LimitedUserServer::start(&[
+    let denied = [
         format!("$JS.API.STREAM.INFO.{events}"),
         format!("$JS.API.STREAM.INFO.{dead_letters}"),
-    ])
-    .await;
-    let nats = &server.nats;
-    let bus = bus(&nats.url(), &prefix).await;
-    bus.provision(&Default::default()).await.unwrap();
-
-    let run = server
-        .wakebus_as_limited(
-            &prefix,
-            &["status", "--json", "--discovery-timeout", "100ms"],
-        )
-        .await;
-    assert!(run.success(), "{}", run.stderr());
-    let report: Value = serde_json::from_str(&run.stdout()).unwrap();
+    ];
+    let (server, report, stderr) = status_refused(&prefix, &denied).await;
     let streams = report["streams"].as_array().unwrap();
     let row = |name: &str| streams.iter().find(|s| s["name"] == name).unwrap();
     let unread = row(&events);
@@ -1154,7 +1207,7 @@ async fn status_reports_a_stream_it_cannot_read_as_not_read_and_keeps_the_rest()
             .is_some_and(|e| e.contains(&format!("cannot read {events}"))),
         "{unread}"
     );
-    let tasks = row(&bus.subjects.tasks_stream());
+    let tasks = row(&subjects.tasks_stream());
     assert_eq!(tasks["present"], true, "{tasks}");
     assert_eq!(tasks["error"], Value::Null, "{tasks}");
     // Without the events stream, there is nothing to scan for undelivered
@@ -1172,10 +1225,10 @@ async fn status_reports_a_stream_it_cannot_read_as_not_read_and_keeps_the_rest()
         "{report}"
     );
     for warning in [
-        "Could not read a stream",
+        "Could not read a stream;",
         "Could not count the dead letters",
     ] {
-        assert!(run.stderr().contains(warning), "{}", run.stderr());
+        assert!(stderr.contains(warning), "{stderr}");
     }
 
     let run = server
@@ -1206,19 +1259,7 @@ async fn status_keeps_the_rest_of_the_snapshot_when_it_cannot_scan_for_undeliver
         format!("$JS.API.CONSUMER.CREATE.{events}"),
         format!("$JS.API.CONSUMER.CREATE.{events}.>"),
     ];
-    let server = common::nats::LimitedUserServer::start(&denied).await;
-    let nats = &server.nats;
-    let bus = bus(&nats.url(), &prefix).await;
-    bus.provision(&Default::default()).await.unwrap();
-
-    let run = server
-        .wakebus_as_limited(
-            &prefix,
-            &["status", "--json", "--discovery-timeout", "100ms"],
-        )
-        .await;
-    assert!(run.success(), "{}", run.stderr());
-    let report: Value = serde_json::from_str(&run.stdout()).unwrap();
+    let (server, report, stderr) = status_refused(&prefix, &denied).await;
     let scan = &report["undelivered_scan"];
     assert!(
         scan["error"]
@@ -1236,10 +1277,8 @@ async fn status_keeps_the_rest_of_the_snapshot_when_it_cannot_scan_for_undeliver
         "{report}"
     );
     assert!(
-        run.stderr()
-            .contains("Could not look for undelivered wakes"),
-        "{}",
-        run.stderr()
+        stderr.contains("Could not look for undelivered wakes"),
+        "{stderr}"
     );
 
     let run = server

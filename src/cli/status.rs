@@ -35,8 +35,14 @@ pub(crate) async fn run(global: &Global, args: StatusArgs) -> anyhow::Result<Exi
     };
     let report = collect(&bus, &options).await?;
     for stream in &report.streams {
-        if let Some(error) = &stream.error {
-            warn!(stream = %stream.name, %error, "Could not read a stream; the rest of the snapshot stands.");
+        match (&stream.error, stream.present) {
+            (Some(error), None) => {
+                warn!(stream = %stream.name, %error, "Could not read a stream; the rest of the snapshot stands.");
+            }
+            (Some(error), Some(_)) => {
+                warn!(stream = %stream.name, %error, "Could not read a stream's consumers; the rest of the snapshot stands.");
+            }
+            (None, _) => {}
         }
     }
     if let Some(error) = &report.dead_letters.error {
