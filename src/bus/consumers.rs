@@ -169,15 +169,19 @@ impl Bus {
 /// How long after a failed pull another failure starts a new streak.
 const NEW_STREAK_AFTER: Duration = Duration::from_secs(30);
 
+/// How often a streak that goes on is logged again as a warning.
+const WARN_AGAIN_AFTER: Duration = Duration::from_secs(60);
+
 /// Paces a consumer's pull requests while they keep ending in an error.
 ///
-/// A pull that ends early (409 Leadership Change or Server Shutdown while a
-/// cluster node restarts, 503 No Responders while a stream elects a leader,
-/// a heartbeat gone missing) is asked again at once by the first retry, but
+/// A pull that ends early (503 No Responders while the consumer elects a
+/// leader, a heartbeat gone missing when the node holding the request went
+/// away, a request that could not be sent) is asked again after 50 ms, but
 /// an error that repeats would otherwise have the service pull, and log, a
 /// few thousand times a second until JetStream answers again. The first
-/// failure of a streak is a warning, the rest are debug lines, and the end
-/// of the streak is logged with its length.
+/// failure of a streak is a warning, and so is one a minute while it lasts
+/// (with the count); the rest are debug lines, and the end of a streak is
+/// logged with its length.
 pub(crate) struct PullRetry {
     /// Which consumer pulls, for the log lines.
     consumer: &'static str,
@@ -186,9 +190,22 @@ pub(crate) struct PullRetry {
     /// When the last pull failed: a failure long after it starts a new
     /// streak (an idle consumer shows no pull that worked in between).
     last_failure: Option<Instant>,
+    /// When the streak was last logged as a warning.
+    last_warning: Option<Instant>,
     /// Delays before each next pull while they fail: from 50 ms, doubling
     /// up to 2 s, plus up to as much again in jitter.
     backoff: backon::ExponentialBackoff,
+}
+
+/// How a failed pull is logged.
+#[derive(Debug, PartialEq, Eq)]
+enum FailureLog {
+    /// The first of a streak.
+    Warn,
+    /// The streak has lasted another `WARN_AGAIN_AFTER`.
+    WarnAgain,
+    /// Debug level.
+    Quiet,
 }
 
 impl PullRetry {
@@ -198,6 +215,7 @@ impl PullRetry {
             consumer,
             failures: 0,
             last_failure: None,
+            last_warning: None,
             backoff: Self::backoff(),
         }
     }
@@ -215,20 +233,41 @@ impl PullRetry {
     /// Records a pull that ended in `error`; returns how long to wait
     /// before the next one.
     pub(crate) fn failed(&mut self, error: &dyn std::fmt::Display) -> Duration {
-        if self
-            .last_failure
-            .is_some_and(|at| at.elapsed() > NEW_STREAK_AFTER)
-        {
-            self.end_streak();
-        }
-        self.last_failure = Some(Instant::now());
-        self.failures += 1;
-        if self.failures == 1 {
-            warn!(consumer = self.consumer, %error, "Pull ended with an error; pulling again.");
-        } else {
-            tracing::debug!(consumer = self.consumer, %error, failures = self.failures, "Pull ended with an error again.");
+        let consumer = self.consumer;
+        match self.record_failure(Instant::now()) {
+            FailureLog::Warn => {
+                warn!(consumer, %error, "Pull ended with an error; pulling again.");
+            }
+            FailureLog::WarnAgain => {
+                let failed_pulls = self.failures;
+                warn!(consumer, %error, failed_pulls, "Pulls still end with an error; pulling again.");
+            }
+            FailureLog::Quiet => {
+                let failures = self.failures;
+                tracing::debug!(consumer, %error, failures, "Pull ended with an error again.");
+            }
         }
         self.backoff.next().unwrap_or(Duration::from_secs(2))
+    }
+
+    /// Counts a failure at `now` and says how to log it.
+    fn record_failure(&mut self, now: Instant) -> FailureLog {
+        let long_after =
+            |at: Option<Instant>, gap| at.is_some_and(|at| now.saturating_duration_since(at) > gap);
+        if long_after(self.last_failure, NEW_STREAK_AFTER) {
+            self.end_streak();
+        }
+        self.last_failure = Some(now);
+        self.failures += 1;
+        if self.failures == 1 {
+            self.last_warning = Some(now);
+            FailureLog::Warn
+        } else if long_after(self.last_warning, WARN_AGAIN_AFTER) {
+            self.last_warning = Some(now);
+            FailureLog::WarnAgain
+        } else {
+            FailureLog::Quiet
+        }
     }
 
     /// Records a pull that worked (it delivered, or expired with nothing to
@@ -247,6 +286,7 @@ impl PullRetry {
     fn end_streak(&mut self) {
         if self.failures > 0 {
             self.failures = 0;
+            self.last_warning = None;
             self.backoff = Self::backoff();
         }
     }
@@ -267,5 +307,35 @@ mod tests {
         pulls.worked();
         assert_eq!(pulls.failures, 0);
         assert!(pulls.failed(&"409") < Duration::from_millis(100));
+    }
+
+    #[test]
+    fn a_streak_warns_at_its_start_and_again_each_minute_it_lasts() {
+        let mut pulls = PullRetry::new("completions");
+        let start = Instant::now();
+        let at = |secs: u64| start + Duration::from_secs(secs);
+        assert_eq!(pulls.record_failure(at(0)), FailureLog::Warn);
+        // A failure every 4 s (two missed heartbeats), for three minutes.
+        let logged: Vec<(u64, FailureLog)> = (1..=45)
+            .map(|i| (i * 4, pulls.record_failure(at(i * 4))))
+            .filter(|(_, log)| *log != FailureLog::Quiet)
+            .collect();
+        assert_eq!(
+            logged,
+            [(64, FailureLog::WarnAgain), (128, FailureLog::WarnAgain)]
+        );
+        assert_eq!(pulls.failures, 46);
+    }
+
+    #[test]
+    fn a_failure_long_after_the_last_starts_a_new_streak() {
+        let mut pulls = PullRetry::new("completions");
+        let start = Instant::now();
+        let at = |secs: u64| start + Duration::from_secs(secs);
+        assert_eq!(pulls.record_failure(at(0)), FailureLog::Warn);
+        assert_eq!(pulls.record_failure(at(20)), FailureLog::Quiet);
+        // An idle consumer: no pull worked in between, but 31 s passed.
+        assert_eq!(pulls.record_failure(at(51)), FailureLog::Warn);
+        assert_eq!(pulls.failures, 1);
     }
 }
