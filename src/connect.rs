@@ -257,6 +257,22 @@ pub fn is_connected(client: &Client) -> bool {
     client.connection_state() == State::Connected
 }
 
+/// How often [`connected`] looks at the client's state.
+const CONNECTED_CHECK: Duration = Duration::from_millis(100);
+
+/// Completes once `client` is connected (at once if it is). A consumer
+/// loop waits here before it asks for messages again: a pull request made
+/// while the client reconnects is only queued (see [`is_connected`]), so
+/// re-pulling through an outage would fill that queue, three commands a
+/// pull, and on the reconnect send the server a pull request for every
+/// inbox given up meanwhile. async-nats has no notification to wait on
+/// here, so this looks every 100 ms, and only while disconnected.
+pub async fn connected(client: &Client) {
+    while !is_connected(client) {
+        tokio::time::sleep(CONNECTED_CHECK).await;
+    }
+}
+
 /// How often [`connection_ended`] checks the client.
 const CONNECTION_CHECK: Duration = Duration::from_secs(2);
 

@@ -403,8 +403,11 @@ async fn every_delegation_wakes_exactly_once_through_a_rolling_restart_of_every_
     flow.finish().await;
 }
 
+/// Guards the recovery, not how it happens: the lost pull request may be
+/// ended by the cluster (409) or outlive the bound below by itself, so
+/// this passes without the wake's re-pull too (GUARANTEES.md).
 #[tokio::test]
-async fn the_wake_pulls_again_at_once_when_its_consumers_leader_stops_answering() {
+async fn sessions_are_woken_again_soon_after_the_wake_consumers_leader_stops_answering() {
     init_logs();
     let cluster = NatsCluster::start(3).await;
     let api = SessionApiServer::start().await;

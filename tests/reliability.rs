@@ -1088,3 +1088,103 @@ async fn a_completion_acked_as_a_duplicate_of_nothing_stored_is_published_again_
     drained(&bus, &s.tasks_stream(), &s.worker_consumer("default"), WAIT).await;
     services.stop().await;
 }
+
+/// Whether the default pool's worker consumer and the wake consumer each
+/// have a pull request waiting.
+async fn both_consumers_pulling(admin: &Bus) -> bool {
+    let s = &admin.subjects;
+    for (stream, consumer) in [
+        (s.tasks_stream(), s.worker_consumer("default")),
+        (s.events_stream(), s.wake_consumer().to_owned()),
+    ] {
+        let found = admin
+            .js
+            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                consumer, stream,
+            )
+            .await;
+        let Ok(mut consumer) = found else {
+            return false;
+        };
+        if !consumer.info().await.is_ok_and(|info| info.num_waiting > 0) {
+            return false;
+        }
+    }
+    true
+}
+
+/// PUBs `bus`'s client has sent (a command queued while disconnected is
+/// counted when it is sent, after the reconnect).
+fn sent(bus: &Bus) -> u64 {
+    bus.client
+        .statistics()
+        .out_messages
+        .load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Through a NATS outage neither a worker nor the wake asks for messages
+/// again: a pull made while the client reconnects is only queued (SUB, PUB,
+/// UNSUB), so re-pulling every few seconds would fill the client's command
+/// queue in a long outage (and then hold up every send, hand-backs at a
+/// stop included) and, on the reconnect, send the server a pull request
+/// for every inbox given up meanwhile. Each waits for its client to
+/// connect and then pulls once.
+#[tokio::test]
+async fn neither_a_worker_nor_the_wake_queues_pull_requests_while_nats_is_down() {
+    init_logs();
+    let mut nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let admin = bus(&nats.url(), &prefix).await;
+    let (worker_bus, wake_bus) = (
+        bus(&nats.url(), &prefix).await,
+        bus(&nats.url(), &prefix).await,
+    );
+    let mut services = Services::new();
+    services.echo_worker(&worker_bus);
+    services.wake(&wake_bus, test_wake_config(&api.url()));
+    wait_until(WAIT, "both consumers pulling", || {
+        both_consumers_pulling(&admin)
+    })
+    .await;
+    let before = [sent(&worker_bus), sent(&wake_bus)];
+
+    nats.kill();
+    // Not a wait for a condition: the outage must outlast several of each
+    // service's pulls (a worker's ends after 7 s, the wake's after two
+    // missed 2 s heartbeats), so that re-pulling would show.
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    nats.spawn();
+    nats.wait_ready().await;
+    for (service, bus, before) in [
+        ("worker", &worker_bus, before[0]),
+        ("wake", &wake_bus, before[1]),
+    ] {
+        wait_until(WAIT, "the client reconnected", || async {
+            wakebus::connect::is_connected(&bus.client)
+        })
+        .await;
+        // A flush is queued behind whatever the outage queued: once it
+        // returns, all of that has been sent and counted.
+        bus.client.flush().await.expect("flush");
+        // At most: a pull sent between the count and the outage, the pull
+        // after the reconnect, and the look for unreadable messages that
+        // follows a reconnect (a consumer info). A worker's cancel watch
+        // (an async-nats ordered consumer) also asks to re-create its
+        // consumer about every 10 s while disconnected, out of our hands:
+        // up to 4 more. Re-pulling through the outage sent 9 (worker) and
+        // 10 (wake) here.
+        let sent = sent(bus) - before;
+        let most = if service == "worker" { 7 } else { 3 };
+        assert!(
+            sent <= most,
+            "the {service} sent {sent} messages around a 40 s outage"
+        );
+    }
+    let admin = bus(&nats.url(), &prefix).await;
+    wait_until(WAIT, "both consumers pulling again", || {
+        both_consumers_pulling(&admin)
+    })
+    .await;
+    services.stop().await;
+}

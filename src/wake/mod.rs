@@ -208,6 +208,11 @@ pub async fn run(
     let mut pulls = PullRetry::new("completions");
 
     'consume: loop {
+        // Not while disconnected: see `connect::connected`.
+        tokio::select! {
+            () = &mut shutdown => break 'consume,
+            () = crate::connect::connected(&bus.client) => {}
+        }
         let mut messages = match consumer
             .stream()
             .max_messages_per_batch(256)
@@ -248,12 +253,14 @@ pub async fn run(
                         Err(admission) => outcome_for(&shared, &message, admission).await,
                     }
                 }
-                // The pull request ended with an error status (409
-                // Leadership Change, Server Shutdown) or went silent (two
-                // heartbeats missed: it died with the consumer's old leader
-                // when a cluster node restarted). The stream itself would
-                // only ask again once the request expires (35 s), every
-                // wake held up meanwhile: ask now.
+                // The pull request went silent (two heartbeats missed: it
+                // died with the consumer's old leader when a cluster node
+                // restarted, or NATS is unreachable) or was refused (503
+                // while the consumer elects a leader). The stream itself
+                // would only ask again once the request expires (35 s),
+                // every wake held up meanwhile: ask again, once connected.
+                // (A 409 Leadership Change or Server Shutdown ends a
+                // request too, but the stream asks again by itself.)
                 Some(Err(error)) => {
                     let delay = pulls.failed(&error);
                     tokio::select! {

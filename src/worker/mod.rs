@@ -211,6 +211,11 @@ pub async fn run(
             permits.merge(more);
         }
         let wanted = permits.num_permits();
+        // Not while disconnected: see `connect::connected`.
+        tokio::select! {
+            () = &mut shutdown => break 'pull,
+            () = crate::connect::connected(&bus.client) => {}
+        }
         let mut batch = match consumer
             .batch()
             .max_messages(wanted)
