@@ -1017,32 +1017,27 @@ async fn a_service_is_stopped_to_fail_once_its_nats_client_has_ended_but_not_whi
     assert!(lost.check().is_err());
 }
 
-/// nats-server before 2.10.25 acknowledges a retried publish whose first
-/// copy was dropped in a leader election with `duplicate: true` and sequence
-/// 0, although nothing is stored (nats-io/nats-server#6415). A plain NATS
-/// responder stands in for the events stream here and answers a
-/// completion's first two publishes so: the worker must publish it again,
-/// under the same id, until an ack names a sequence, and only then ack the
-/// task. Taking the first answer as stored lost the completion.
-#[tokio::test]
-async fn a_completion_acked_as_a_duplicate_of_nothing_stored_is_published_again_until_stored() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let prefix = unique_prefix();
-    let client = wakebus::connect::NatsConfig::new(nats.url())
-        .connect()
-        .await
-        .expect("connect");
-    let bus = Bus::new(client, wakebus::protocol::Subjects::new(&prefix).unwrap());
-    // No events stream: the responder answers everything published there.
-    let mut events = bus
-        .client
-        .subscribe(format!("{prefix}.evt.>"))
-        .await
-        .expect("subscribe");
-    let responder_client = bus.client.clone();
-    let responder = tokio::spawn(async move {
-        let mut done_ids = Vec::new();
+/// What `events_stream_acking_duplicates_of_nothing` was sent: each
+/// completion's `Nats-Msg-Id` and body, and the count of `started` events.
+type Answered = (Vec<(Option<String>, CompletionEvent)>, usize);
+
+/// A plain NATS responder standing in for the events stream of `bus`
+/// (which must not exist), answering as nats-server before 2.10.25 does
+/// after a publish was dropped in a leader election (nats-io/nats-server#6415):
+/// the first two publishes of a completion get `duplicate: true` with
+/// sequence 0, although nothing is stored; the third is stored. Every other
+/// event is stored, and the worker's probe finds the stream. Returns the
+/// completions published (their `Nats-Msg-Id` and body), after the third,
+/// and how many `started` events were.
+fn events_stream_acking_duplicates_of_nothing(
+    bus: &Bus,
+    prefix: &str,
+) -> tokio::task::JoinHandle<Answered> {
+    let client = bus.client.clone();
+    let subject = format!("{prefix}.evt.>");
+    tokio::spawn(async move {
+        let mut events = client.subscribe(subject).await.expect("subscribe");
+        let (mut done, mut started) = (Vec::new(), 0);
         while let Some(message) = events.next().await {
             let Some(reply) = message.reply.clone() else {
                 continue;
@@ -1053,40 +1048,104 @@ async fn a_completion_acked_as_a_duplicate_of_nothing_stored_is_published_again_
                 r#"{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 0"}}"#
             } else if message.subject.ends_with(".done") {
                 let id = headers.get("Nats-Msg-Id").map(|v| v.as_str().to_owned());
-                done_ids.push(id);
-                if done_ids.len() <= 2 {
+                let event = serde_json::from_slice(&message.payload).expect("a completion");
+                done.push((id, event));
+                if done.len() <= 2 {
                     r#"{"stream":"EVENTS","seq":0,"duplicate":true}"#
                 } else {
                     r#"{"stream":"EVENTS","seq":41}"#
                 }
             } else {
+                started += usize::from(message.subject.ends_with(".started"));
                 r#"{"stream":"EVENTS","seq":40}"#
             };
-            responder_client
-                .publish(reply, answer.into())
-                .await
-                .expect("answer");
-            if done_ids.len() == 3 {
-                return done_ids;
+            client.publish(reply, answer.into()).await.expect("answer");
+            if done.len() == 3 {
+                break;
             }
         }
-        done_ids
-    });
+        (done, started)
+    })
+}
+
+/// A worker connected to `nats` whose events stream is `events_stream_acking_duplicates_of_nothing`.
+async fn bus_without_events_stream(nats: &NatsServer, prefix: &str) -> Bus {
+    let client = wakebus::connect::NatsConfig::new(nats.url())
+        .connect()
+        .await
+        .expect("connect");
+    Bus::new(client, wakebus::protocol::Subjects::new(prefix).unwrap())
+}
+
+/// Taking a duplicate ack of nothing stored (see
+/// `events_stream_acking_duplicates_of_nothing`) as stored lost the
+/// completion: the worker must publish it again, under the same id, until
+/// an ack names a sequence, and only then ack the task.
+#[tokio::test]
+async fn a_completion_acked_as_a_duplicate_of_nothing_stored_is_published_again_until_stored() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus_without_events_stream(&nats, &prefix).await;
+    let responder = events_stream_acking_duplicates_of_nothing(&bus, &prefix);
 
     let mut services = Services::new();
     services.echo_worker(&bus);
     let req = request("s.dropped", "stored at the third try");
     publish_until_stored(&bus, &req).await;
-    let done_ids = tokio::time::timeout(WAIT, responder)
+    let (done, _) = tokio::time::timeout(WAIT, responder)
         .await
         .expect("three publishes of the completion")
         .expect("responder");
     let expected = Some(CompletionEvent::id_for(&req.delegation_id, 0));
-    assert_eq!(done_ids, vec![expected.clone(), expected.clone(), expected]);
+    let ids: Vec<_> = done.into_iter().map(|(id, _)| id).collect();
+    assert_eq!(ids, vec![expected.clone(), expected.clone(), expected]);
     // Acked once stored: nothing left to deliver or to acknowledge.
     let s = &bus.subjects;
     drained(&bus, &s.tasks_stream(), &s.worker_consumer("default"), WAIT).await;
     services.stop().await;
+}
+
+/// A task given up (its attempts used up) whose failed completion is not
+/// stored at first keeps it and publishes it again in place, as a finished
+/// task's: handed back, it was delivered again and given up again as
+/// `max_deliveries_exceeded` ("the worker running it crashed or stalled"),
+/// the wrong reason for the session.
+#[tokio::test]
+async fn a_given_up_task_whose_failed_completion_is_not_stored_at_first_keeps_its_reason() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus_without_events_stream(&nats, &prefix).await;
+    let responder = events_stream_acking_duplicates_of_nothing(&bus, &prefix);
+
+    let mut services = Services::new();
+    let mut config = test_worker_config("default");
+    config.max_deliver = 1;
+    let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
+    services.worker(
+        &bus,
+        Executor::Command(CommandExecutor::new(missing)),
+        config,
+    );
+    let req = request("s.given.up", "cannot start");
+    publish_until_stored(&bus, &req).await;
+    let (done, started) = tokio::time::timeout(WAIT, responder)
+        .await
+        .expect("three publishes of the completion")
+        .expect("responder");
+    let s = &bus.subjects;
+    drained(&bus, &s.tasks_stream(), &s.worker_consumer("default"), WAIT).await;
+    services.stop().await;
+
+    assert_eq!(started, 1, "the task ran once");
+    for (id, event) in &done {
+        assert_eq!(id, &Some(CompletionEvent::id_for(&req.delegation_id, 0)));
+        assert_eq!(event.status, Status::Failed);
+        assert_eq!(event.exit_reason, "max_attempts_exceeded", "{event:?}");
+    }
+    let dead_letters = all_messages(&bus, &s.dead_letter_stream()).await;
+    assert_eq!(dead_letters.len(), 1);
 }
 
 /// Whether the default pool's worker consumer and the wake consumer each

@@ -210,7 +210,14 @@ impl TaskHandler {
                 attempt - 1
             );
             return self
-                .give_up(message, &request, trace, "max_deliveries_exceeded", reason)
+                .give_up(
+                    message,
+                    &request,
+                    trace,
+                    "max_deliveries_exceeded",
+                    reason,
+                    stop,
+                )
                 .await;
         }
 
@@ -298,7 +305,14 @@ impl TaskHandler {
             (Err(ExecError::Transient(reason)), _) => {
                 let reason = format!("failed {attempt} times; last error: {reason}");
                 return self
-                    .give_up(message, &request, trace, "max_attempts_exceeded", reason)
+                    .give_up(
+                        message,
+                        &request,
+                        trace,
+                        "max_attempts_exceeded",
+                        reason,
+                        stop,
+                    )
                     .await;
             }
         };
@@ -334,18 +348,13 @@ impl TaskHandler {
         done: CompletionEvent,
         stop: &CancellationToken,
     ) -> Outcome {
-        let keeping = async {
-            let period = self.config.progress_interval();
-            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-            loop {
-                ticks.tick().await;
-                keep_alive(message).await;
-            }
-        };
-        let stored = tokio::select! {
-            stored = self.publish_completion(request, trace, &done, stop) => stored,
-            () = keeping => unreachable!("keeps the request alive until the publish ends"),
-        };
+        let publish = || self.publish(request, EventKind::Done, trace, &done);
+        let stored = self
+            .keeping_alive(
+                message,
+                self.until_stored(Record::Completion, publish, stop),
+            )
+            .await;
         match stored {
             Ok(()) => {
                 let ran = Duration::from_secs_f64(done.duration_seconds);
@@ -359,32 +368,64 @@ impl TaskHandler {
         }
     }
 
-    /// Publishes `done` until JetStream stores it, with backoff (the same
-    /// dedupe id every time); the last error once `stop` is cancelled.
+    /// Runs `work` while in-progress acks, every progress interval, keep
+    /// `message` from being delivered to another worker.
+    async fn keeping_alive<T>(
+        &self,
+        message: &jetstream::Message,
+        work: impl Future<Output = T>,
+    ) -> T {
+        let keeping = async {
+            let period = self.config.progress_interval();
+            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+            loop {
+                ticks.tick().await;
+                keep_alive(message).await;
+            }
+        };
+        tokio::select! {
+            done = work => done,
+            () = keeping => unreachable!("keeps the request alive until the work ends"),
+        }
+    }
+
+    /// Calls `publish` until JetStream stores what it publishes (the same
+    /// dedupe id every time), with backoff; the last error once `stop` is
+    /// cancelled. `record` says what it stores, for the log and metrics.
     /// While the client is disconnected it waits instead of publishing: a
     /// publish would only queue in the client, which does not drain its
     /// queue while it reconnects, and a full queue would hold every later
     /// send (the hand-back at shutdown included) until NATS returns.
-    async fn publish_completion(
+    async fn until_stored<F, Fut>(
         &self,
-        request: &TaskRequest,
-        trace: TraceParent,
-        done: &CompletionEvent,
+        record: Record,
+        mut publish: F,
         stop: &CancellationToken,
-    ) -> Result<(), PublishError> {
+    ) -> Result<(), PublishError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<(), PublishError>>,
+    {
         let mut backoff = crate::bus::until_stored_backoff();
         let client = self.bus.client.clone();
         let mut attempt = 1u32;
         loop {
-            let error = match self.publish(request, EventKind::Done, trace, done).await {
+            let error = match publish().await {
                 Ok(()) => return Ok(()),
                 Err(error) => error,
             };
             if stop.is_cancelled() {
                 return Err(error);
             }
-            warn!(%error, attempt, "Could not publish the completion; keeping the result and trying again.");
-            m::completion_publish_retried(&self.config.pool);
+            match record {
+                Record::Completion => {
+                    warn!(%error, attempt, "Could not publish the completion; keeping the result and trying again.");
+                    m::completion_publish_retried(&self.config.pool);
+                }
+                Record::DeadLetter => {
+                    warn!(%error, attempt, "Could not dead-letter the request; keeping it and trying again.");
+                }
+            }
             let waiting = async {
                 loop {
                     let delay = backoff.next().unwrap_or(Duration::from_secs(5));
@@ -402,8 +443,13 @@ impl TaskHandler {
         }
     }
 
-    /// Ends a task for good: a `failed` completion (so the session still
-    /// wakes) and the request in the dead-letter stream.
+    /// Ends a task for good: the request in the dead-letter stream and a
+    /// `failed` completion (so the session still wakes), then the ack.
+    ///
+    /// Both are kept and tried again here until stored, as a completion
+    /// is: handed back instead, the task would be delivered again and run
+    /// again, or be given up again for another reason (more deliveries
+    /// than `--max-deliver`), and that reason would reach the session.
     async fn give_up(
         &self,
         message: &jetstream::Message,
@@ -411,25 +457,24 @@ impl TaskHandler {
         trace: TraceParent,
         exit_reason: &str,
         reason: String,
+        stop: &CancellationToken,
     ) -> Outcome {
         error!(%reason, "Giving up on task; dead-lettering the request.");
-        if let Err(error) = self.dead_letter(message, &reason).await {
-            warn!(%error, "Could not dead-letter the request; will retry.");
-            return Outcome::Nak(Some(Duration::from_secs(1)));
+        let dead_letter = || self.dead_letter(message, &reason);
+        let stored = self
+            .keeping_alive(
+                message,
+                self.until_stored(Record::DeadLetter, dead_letter, stop),
+            )
+            .await;
+        if let Err(error) = stored {
+            warn!(%error, "Could not dead-letter the request and the worker is stopping; handing the task back.");
+            return Outcome::HandBack;
         }
         m::dead_lettered("task");
         let mut done = CompletionEvent::for_request(request, Status::Failed, exit_reason);
         done.error = Some(reason);
-        match self.publish(request, EventKind::Done, trace, &done).await {
-            Ok(()) => {
-                m::task_completed(&self.config.pool, Status::Failed, Duration::ZERO);
-                Outcome::Ack
-            }
-            Err(error) => {
-                warn!(%error, "Could not publish the failed completion; will retry.");
-                Outcome::Nak(Some(Duration::from_secs(1)))
-            }
-        }
+        self.finish(message, request, trace, done, stop).await
     }
 
     /// A request that can never run: an `error` completion (woken when the
@@ -493,6 +538,15 @@ fn may_have_run_before(
         return true;
     };
     stored_at - created_at > duplicate_window / 2
+}
+
+/// What a worker stores for a task it holds, kept until stored.
+#[derive(Debug, Clone, Copy)]
+enum Record {
+    /// The task's completion event.
+    Completion,
+    /// The request, dead-lettered when the task is given up.
+    DeadLetter,
 }
 
 #[cfg(test)]
