@@ -961,8 +961,20 @@ async fn a_delegation_whose_record_is_acked_as_a_duplicate_of_nothing_stored_is_
     assert!(
         error
             .to_string()
-            .contains("duplicate of one it never stored"),
+            .contains("as a duplicate without storing anything"),
         "{error}"
     );
+    // Records first: with the record not stored, the task was never sent.
+    let tasks = bus
+        .js
+        .get_stream(bus.subjects.tasks_stream())
+        .await
+        .expect("the tasks stream")
+        .info()
+        .await
+        .expect("its info")
+        .state
+        .messages;
+    assert_eq!(tasks, 0, "a task was queued");
     responder.abort();
 }

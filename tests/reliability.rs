@@ -1068,7 +1068,17 @@ fn events_stream_acking_duplicates_of_nothing(
     })
 }
 
-/// A worker connected to `nats` whose events stream is `events_stream_acking_duplicates_of_nothing`.
+/// Fails if an events stream was created after all: it would have taken
+/// the publishes meant for `events_stream_acking_duplicates_of_nothing`.
+async fn assert_no_events_stream(bus: &Bus) {
+    let found = bus.js.get_stream(bus.subjects.events_stream()).await;
+    assert!(found.is_err(), "a real events stream raced the responder");
+}
+
+/// A client for a worker whose events stream is
+/// `events_stream_acking_duplicates_of_nothing`; nothing is provisioned
+/// (the worker's probe, answered by the responder, finds the stream, so
+/// the worker does not create it).
 async fn bus_without_events_stream(nats: &NatsServer, prefix: &str) -> Bus {
     let client = wakebus::connect::NatsConfig::new(nats.url())
         .connect()
@@ -1097,6 +1107,7 @@ async fn a_completion_acked_as_a_duplicate_of_nothing_stored_is_published_again_
         .await
         .expect("three publishes of the completion")
         .expect("responder");
+    assert_no_events_stream(&bus).await;
     let expected = Some(CompletionEvent::id_for(&req.delegation_id, 0));
     let ids: Vec<_> = done.into_iter().map(|(id, _)| id).collect();
     assert_eq!(ids, vec![expected.clone(), expected.clone(), expected]);
@@ -1138,6 +1149,7 @@ async fn a_given_up_task_whose_failed_completion_is_not_stored_at_first_keeps_it
     drained(&bus, &s.tasks_stream(), &s.worker_consumer("default"), WAIT).await;
     services.stop().await;
 
+    assert_no_events_stream(&bus).await;
     assert_eq!(started, 1, "the task ran once");
     for (id, event) in &done {
         assert_eq!(id, &Some(CompletionEvent::id_for(&req.delegation_id, 0)));

@@ -193,7 +193,7 @@ pub enum PublishError {
     /// JetStream dropped it as a duplicate of a message it never stored
     /// (see [`confirm_stored`]).
     #[error(
-        "{stream} dropped the message as a duplicate of one it never stored (nats-server before 2.10.25, after a leader election); it is stored once the duplicate window has passed"
+        "{stream} acknowledged the message as a duplicate without storing anything (nats-server before 2.10.25 does so for a retry after a leader election); it is not stored: publish it again, which succeeds once the duplicate window has passed"
     )]
     DuplicateOfUnstored {
         /// The stream that answered.
