@@ -232,7 +232,9 @@ pub async fn run(
                 }
             }
         };
-        let mut pull_failed = None;
+        // Set when the batch ended with an error: how long to wait before
+        // the next pull.
+        let mut retry_after = None;
         loop {
             let next = tokio::select! {
                 () = &mut shutdown, if !stopping.is_cancelled() => {
@@ -245,7 +247,7 @@ pub async fn run(
             let message = match result {
                 Ok(message) => message,
                 Err(error) => {
-                    pull_failed = Some(pulls.failed(&error));
+                    retry_after = Some(pulls.failed(&error));
                     break;
                 }
             };
@@ -267,11 +269,15 @@ pub async fn run(
         }
         // Slots the batch did not fill are free again.
         drop(permits);
-        match pull_failed {
+        match retry_after {
             Some(delay) => tokio::select! {
                 () = &mut shutdown => break 'pull,
                 () = tokio::time::sleep(delay) => {}
             },
+            // Delivered, or ended with nothing to deliver (by the server's
+            // 408, or by the client's own timeout when nothing answered at
+            // all, which a missing heartbeat would tell apart: batches here
+            // have none, and that pull is simply made again).
             None => pulls.worked(),
         }
     }
