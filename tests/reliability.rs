@@ -92,6 +92,19 @@ async fn a_task_that_outlives_its_timeout_is_stopped_and_ends_as_timeout() {
     assert!(api.accepted()[0].text().contains("Status: timeout"));
 }
 
+/// Starts a worker on the default pool whose subagent cannot start (a
+/// transient failure, each time), giving up after `max_deliver` deliveries.
+fn worker_that_cannot_start(services: &mut Services, bus: &Bus, max_deliver: u64) {
+    let mut config = test_worker_config("default");
+    config.max_deliver = max_deliver;
+    let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
+    services.worker(
+        bus,
+        Executor::Command(CommandExecutor::new(missing)),
+        config,
+    );
+}
+
 #[tokio::test]
 async fn transient_failures_are_retried_then_end_failed_woken_and_dead_lettered() {
     init_logs();
@@ -99,14 +112,7 @@ async fn transient_failures_are_retried_then_end_failed_woken_and_dead_lettered(
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let mut services = Services::new();
-    let mut config = test_worker_config("default");
-    config.max_deliver = 3;
-    let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
-    services.worker(
-        &bus,
-        Executor::Command(CommandExecutor::new(missing)),
-        config,
-    );
+    worker_that_cannot_start(&mut services, &bus, 3);
     services.wake(&bus, test_wake_config(&api.url()));
     let id = delegate(&bus, Delegation::new("cannot start").session("s.fail")).await;
     wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
@@ -1131,14 +1137,7 @@ async fn a_given_up_task_whose_failed_completion_is_not_stored_at_first_keeps_it
     let responder = events_stream_acking_duplicates_of_nothing(&bus, &prefix);
 
     let mut services = Services::new();
-    let mut config = test_worker_config("default");
-    config.max_deliver = 1;
-    let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
-    services.worker(
-        &bus,
-        Executor::Command(CommandExecutor::new(missing)),
-        config,
-    );
+    worker_that_cannot_start(&mut services, &bus, 1);
     let req = request("s.given.up", "cannot start");
     publish_until_stored(&bus, &req).await;
     let (done, started) = tokio::time::timeout(WAIT, responder)
