@@ -349,9 +349,17 @@ async fn status_json_reports_streams_consumers_dead_letters_instances_and_waitin
         .unwrap();
     ack.await.unwrap();
 
-    let args = ["status", "--json", "--discovery-timeout", "300ms"];
+    // `--strict`: everything could be read, so it exits 0.
+    let args = [
+        "status",
+        "--json",
+        "--strict",
+        "--discovery-timeout",
+        "300ms",
+    ];
     let report = eventually(WAIT, "status to show the known state", || async {
         let run = wakebus(&nats.url(), &prefix, &args).await;
+        assert_eq!(run.code(), Some(0), "{}", run.stderr());
         let report: Value = serde_json::from_str(&run.stdout()).unwrap_or_default();
         let wake = report["consumers"]
             .as_array()
@@ -1236,6 +1244,15 @@ async fn status_reports_a_stream_it_cannot_read_as_not_read_and_keeps_the_rest()
         .await;
     assert!(run.success(), "{}", run.stderr());
     let text = run.stdout();
+    // The same snapshot with `--strict`: printed, and exit status 3.
+    let strict = server
+        .wakebus_as_limited(
+            &prefix,
+            &["status", "--strict", "--discovery-timeout", "100ms"],
+        )
+        .await;
+    assert_eq!(strict.code(), Some(3), "{}", strict.stderr());
+    assert!(strict.stdout().contains("not read (cannot read"));
     let events_row = text.lines().find(|l| l.contains(&events)).expect("a row");
     assert!(events_row.contains("not read (cannot read"), "{text}");
     assert!(!events_row.contains("missing"), "{text}");

@@ -23,7 +23,17 @@ pub(crate) struct StatusArgs {
     /// Most completions to examine when looking for undelivered wakes.
     #[arg(long, default_value_t = 5000)]
     pub(crate) scan_limit: u64,
+    /// Exit with status 3 when any part of the snapshot could not be read
+    /// (the snapshot is printed all the same). Without it a partial
+    /// snapshot exits 0, as it is most needed during an election; checks
+    /// and scripts that must not take a partial snapshot for a full one
+    /// want this.
+    #[arg(long)]
+    pub(crate) strict: bool,
 }
+
+/// The exit status of `status --strict` for a snapshot with parts not read.
+const PARTIAL: u8 = 3;
 
 pub(crate) async fn run(global: &Global, args: StatusArgs) -> anyhow::Result<ExitCode> {
     let bus = super::commands::connect_within(global, "wakebus-status", std::time::Duration::ZERO)
@@ -55,6 +65,12 @@ pub(crate) async fn run(global: &Global, args: StatusArgs) -> anyhow::Result<Exi
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print!("{}", render(&report));
+    }
+    let partial = report.streams.iter().any(|stream| stream.error.is_some())
+        || report.dead_letters.error.is_some()
+        || report.undelivered_scan.error.is_some();
+    if args.strict && partial {
+        return Ok(ExitCode::from(PARTIAL));
     }
     Ok(ExitCode::SUCCESS)
 }
