@@ -38,7 +38,7 @@ use wakebus::protocol::Subjects;
 
 use nats::NatsServer;
 use procs::{Proc, wake_args, worker_args};
-use report::{BacklogRun, CpuPerDelegation, Latency, Machine, Report, Run};
+use report::{BacklogRun, CpuPerDelegation, Latency, Machine, Report, Run, StoredWrites};
 use sink::Sink;
 use stages::Stages;
 
@@ -127,7 +127,34 @@ struct Measured {
     /// Latency by stage, from the history's store times (not for a
     /// backlog, whose submit times say nothing).
     stages: Option<Stages>,
+    /// Messages stored per delegation, by stream.
+    writes: StoredWrites,
 }
+
+/// Messages stored per delegation in the streams of `bus`'s prefix, for
+/// `delegations` delegations (the run's streams are its own).
+async fn stored_writes(bus: &Bus, delegations: usize) -> StoredWrites {
+    let s = &bus.subjects;
+    let per_delegation = |stream: String| async move {
+        let mut stream = bus.js.get_stream(stream).await.expect("stream");
+        let stored = stream
+            .info()
+            .await
+            .expect("stream info")
+            .state
+            .last_sequence;
+        stored as f64 / delegations as f64
+    };
+    StoredWrites {
+        tasks: per_delegation(s.tasks_stream()).await,
+        events: per_delegation(s.events_stream()).await,
+        session_locks: per_delegation(Subjects::bucket_stream(&s.session_lock_bucket())).await,
+        wake_ledger: per_delegation(Subjects::bucket_stream(&s.wake_ledger_bucket())).await,
+    }
+}
+
+/// Delegations run before a measured run (not measured, but stored).
+const WARMUP: usize = 200;
 
 /// CPU seconds so far of the bench process, the server, the wake and the workers.
 fn cpu_now(server: &NatsServer, wake: &Proc, workers: &[Proc]) -> [f64; 4] {
@@ -235,10 +262,9 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
             wait_for_services(&bus).await;
             // Warm up connections and caches; these are not measured.
             let warm: Submitted = Arc::default();
-            let warmup = 200;
-            submit_window(&delegator, config, 0..warmup, &warm).await;
+            submit_window(&delegator, config, 0..WARMUP, &warm).await;
             assert!(
-                sink.wait_for(warmup, Duration::from_secs(60)).await,
+                sink.wait_for(WARMUP, Duration::from_secs(60)).await,
                 "warm-up stalled"
             );
             let cpu_at_start = cpu_now(server, &services.0, &services.1);
@@ -262,7 +288,7 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
                 }
                 _ => submit_window(&delegator, config, 0..n, &submitted).await,
             }
-            let total = warmup + n;
+            let total = WARMUP + n;
             assert!(
                 sink.wait_for(total, Duration::from_secs(600)).await,
                 "run stalled"
@@ -281,7 +307,7 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
         let end = cpu_now(server, &wake, &workers);
         let us = |i: usize| (end[i] - start[i]) * 1e6 / measured as f64;
         CpuPerDelegation {
-            delegator_and_endpoint_us: us(0),
+            bench_process_us: us(0),
             nats_server_us: us(1),
             wake_us: us(2),
             workers_us: us(3),
@@ -319,6 +345,11 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
         // A backlog is timed from its first continuation to its last.
         None => (measured - 1) as f64 / (last - first).as_secs_f64(),
     };
+    let stored = if begun.is_some() {
+        WARMUP + measured
+    } else {
+        measured
+    };
     Measured {
         throughput,
         latency: Latency::of(latencies),
@@ -327,6 +358,7 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
         posts,
         cpu,
         stages,
+        writes: stored_writes(&bus, stored).await,
     }
 }
 
@@ -364,7 +396,7 @@ async fn in_process(
     let per_second = run.await;
     let per_message = |now: f64, then: f64| (now - then) * 1e6 / n as f64;
     let cpu = CpuPerDelegation {
-        delegator_and_endpoint_us: per_message(procs::cpu_seconds(std::process::id()), before[0]),
+        bench_process_us: per_message(procs::cpu_seconds(std::process::id()), before[0]),
         nats_server_us: per_message(procs::cpu_seconds(server.pid()), before[1]),
         ..CpuPerDelegation::default()
     };
@@ -391,16 +423,24 @@ async fn main() {
     )
     .await;
 
-    eprintln!("same-work ceiling, {} delegations...", config.n);
-    let same_work = same_work::ceiling(&server.url, "ceil", config.n, config.sessions);
-    let (same_work, same_work_cpu_us) = in_process(&server, config.n, same_work).await;
-
     let single = config.workers.first().copied().unwrap_or(1);
     eprintln!(
         "saturation, {} delegations, {single} worker(s)...",
         config.n
     );
     let saturation = scenario(&server, &config, single, Load::Saturation(config.n)).await;
+
+    // As many lock cycles as the saturation run made (each a take and a
+    // release; refreshes counted as well, so a little more at worst).
+    let lock_share = (saturation.writes.session_locks / 2.0).min(1.0);
+    eprintln!(
+        "same-work ceiling, {} delegations, {:.0}% taking their session's lock...",
+        config.n,
+        lock_share * 100.0
+    );
+    let same_work = same_work::SameWork::prepare(&server.url, "ceil", &config, lock_share).await;
+    let (same_work_per_s, same_work_cpu_us) = in_process(&server, config.n, same_work.run()).await;
+    same_work::SameWork::clean_up(&server.url, "ceil").await;
 
     let open_n = config.rate * config.open_loop.as_secs() as usize;
     eprintln!("open loop, {}/s for {:?}...", config.rate, config.open_loop);
@@ -446,8 +486,10 @@ async fn main() {
         ceiling_msgs_per_s: ceiling,
         saturation: run_of(single, config.n, &saturation),
         ratio_to_ceiling: saturation.throughput / ceiling,
-        same_work_per_s: same_work,
-        ratio_to_same_work: saturation.throughput / same_work,
+        saturation_writes: saturation.writes.clone(),
+        same_work_per_s,
+        same_work_lock_share: lock_share,
+        ratio_to_same_work: saturation.throughput / same_work_per_s,
         open_loop_offered_per_s: config.rate,
         open_loop: run_of(single, open_n, &open),
         saturation_stages: saturation.stages.clone(),

@@ -93,15 +93,39 @@ pub(crate) struct CpuPerDelegation {
     pub(crate) wake_us: f64,
     /// nats-server.
     pub(crate) nats_server_us: f64,
-    /// The bench process: the delegator (the library's `Delegator`) and the
-    /// HTTP endpoint the wakes are posted to.
-    pub(crate) delegator_and_endpoint_us: f64,
+    /// The bench process: in the end-to-end runs the delegator (the
+    /// library's `Delegator`) and the HTTP endpoint the wakes are posted
+    /// to; in the ceilings every client.
+    pub(crate) bench_process_us: f64,
+}
+
+/// Messages stored per delegation in a run, by stream, counted from the
+/// streams' last sequence (each run has streams of its own; warm-up
+/// delegations included in the count and the divisor).
+#[derive(Debug, Clone, Default, Serialize)]
+pub(crate) struct StoredWrites {
+    /// The task requests.
+    pub(crate) tasks: f64,
+    /// The events stream: `submitted` records and completions (`started`
+    /// too, for tasks running longer than `--started-after`).
+    pub(crate) events: f64,
+    /// Session lock takes, refreshes and releases.
+    pub(crate) session_locks: f64,
+    /// Wake ledger entries: `posting`, `delivered`, intents of combined turns.
+    pub(crate) wake_ledger: f64,
+}
+
+impl StoredWrites {
+    /// The sum.
+    pub(crate) fn total(&self) -> f64 {
+        self.tasks + self.events + self.session_locks + self.wake_ledger
+    }
 }
 
 impl CpuPerDelegation {
     /// The sum.
     pub(crate) fn total_us(&self) -> f64 {
-        self.workers_us + self.wake_us + self.nats_server_us + self.delegator_and_endpoint_us
+        self.workers_us + self.wake_us + self.nats_server_us + self.bench_process_us
     }
 }
 
@@ -135,9 +159,15 @@ pub(crate) struct Report {
     pub(crate) saturation: Run,
     /// Saturation / ceiling.
     pub(crate) ratio_to_ceiling: f64,
+    /// Stored writes per delegation in the saturation run.
+    pub(crate) saturation_writes: StoredWrites,
     /// The same-work ceiling: a delegation's stored writes and consumes
     /// with bare JetStream calls, delegations per second.
     pub(crate) same_work_per_s: f64,
+    /// Share of the same-work ceiling's delegations that take and release
+    /// their session's lock: the saturation run's lock writes per
+    /// delegation, halved.
+    pub(crate) same_work_lock_share: f64,
     /// Saturation / same-work ceiling.
     pub(crate) ratio_to_same_work: f64,
     /// Offered load of the open-loop run.
@@ -187,7 +217,11 @@ impl Report {
         let _ = writeln!(
             t,
             "{:<44} {:>12.0}",
-            "same-work ceiling (7 writes, 2 pull+acks)", self.same_work_per_s
+            format!(
+                "same-work ceiling ({:.2} writes, 2 pull+acks)",
+                5.0 + 2.0 * self.same_work_lock_share
+            ),
+            self.same_work_per_s
         );
         let mut row = |name: String, r: &Run| {
             let l = &r.latency;
@@ -262,9 +296,30 @@ impl Report {
                 c.workers_us,
                 c.wake_us,
                 c.nats_server_us,
-                c.delegator_and_endpoint_us
+                c.bench_process_us
             );
         }
+        let w = &self.saturation_writes;
+        let _ = writeln!(
+            t,
+            "{:<44} {:>12} {:>8} {:>8} {:>8} {:>8}",
+            "stored writes per delegation (saturation)",
+            "total",
+            "tasks",
+            "events",
+            "locks",
+            "ledger"
+        );
+        let _ = writeln!(
+            t,
+            "{:<44} {:>12.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
+            "end-to-end",
+            w.total(),
+            w.tasks,
+            w.events,
+            w.session_locks,
+            w.wake_ledger
+        );
         let _ = writeln!(
             t,
             "{:<44} {:>12} {:>14} {:>14}",

@@ -1,12 +1,12 @@
-//! The same-work ceiling: the stored writes and consumes of one delegation,
-//! made with bare JetStream calls and no pipeline logic, on streams and
-//! buckets provisioned exactly as the pipeline's are.
+//! The same-work ceiling: the stored writes and consumes of the pipeline's
+//! delegations, made with bare JetStream calls and no pipeline logic, on
+//! streams and buckets provisioned exactly as the pipeline's are.
 //!
 //! The raw ceiling (`raw.rs`) is two writes and two pull+acks per message; a
-//! delegation is seven writes and two pull+acks (BENCHMARKS.md, "Where the
-//! time goes"). This measures what the broker itself does with that much
-//! durable work, so that the pipeline's distance from it is our code's cost
-//! and not the amount of work:
+//! delegation is five to seven writes and two pull+acks (BENCHMARKS.md,
+//! "Where the time goes"). This measures what the broker itself does with
+//! that much durable work, so that the pipeline's distance from it is the
+//! cost of the rest:
 //!
 //! - a delegator: the `submitted` record, its ack awaited, then the task
 //!   (both with a `Nats-Msg-Id`), 512 delegations in flight;
@@ -14,11 +14,12 @@
 //!   task, 64 in flight;
 //! - a wake: pull a `done` event, take the session's lock (a put), create the
 //!   ledger entry (`posting`), put it again (`delivered`), release the lock
-//!   (a delete marker), ack, 1,000 in flight.
+//!   (a delete marker), ack, 1,000 in flight. The lock steps are made for
+//!   the share of delegations whose turn took the lock in the pipeline's
+//!   saturation run (the others kept it from their session's last turn).
 //!
-//! It leaves out what is not the broker's: JSON, checks, executors and the
-//! HTTP post. Every lock step is made, as when no session's lock is kept
-//! from its previous turn (the most a delegation costs). Writes are not
+//! It leaves out JSON, checks, executors, the HTTP post, and the order the
+//! pipeline keeps (one post in flight per session). Writes are not
 //! conditional where the pipeline's are; a condition is a header the server
 //! compares, not another write.
 
@@ -28,7 +29,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer};
 use bytes::Bytes;
 use futures::StreamExt;
-use wakebus::bus::BusSettings;
+use wakebus::bus::{Bus, BusSettings, WakeState};
 use wakebus::protocol::{EventKind, Subjects};
 
 /// Delegations submitted at once, as the bench's delegator.
@@ -72,34 +73,82 @@ async fn pull(js: &jetstream::Context, stream: &str, filter: String) -> consumer
         .expect("consumer")
 }
 
-async fn connect(url: &str, prefix: &str) -> wakebus::bus::Bus {
+async fn connect(url: &str, prefix: &str) -> Bus {
     let client = async_nats::connect(url).await.expect("connect");
-    wakebus::bus::Bus::new(client, Subjects::new(prefix).expect("prefix"))
+    Bus::new(client, Subjects::new(prefix).expect("prefix"))
 }
 
-/// Delegations per second through the same durable work, for `n`
-/// delegations over `sessions` origin sessions.
-pub(crate) async fn ceiling(url: &str, prefix: &str, n: usize, sessions: usize) -> f64 {
-    let admin = connect(url, prefix).await;
-    let settings = BusSettings::default();
-    admin.provision(&settings).await.expect("streams");
-    admin
-        .provision_wake_state(&settings)
-        .await
-        .expect("buckets");
-    let subjects = admin.subjects.clone();
-    let tasks = pull(&admin.js, &subjects.tasks_stream(), subjects.tasks_all()).await;
-    let done = pull(&admin.js, &subjects.events_stream(), subjects.done_events()).await;
-    let session = move |i: usize| format!("s{}", i % sessions);
+/// Whether delegation `i` of a run takes and releases its session's lock,
+/// for `share` of them, spread evenly.
+fn takes_lock(i: usize, share: f64) -> bool {
+    (i as f64 * share).floor() != ((i + 1) as f64 * share).floor()
+}
 
-    let begun = Instant::now();
-    let delegator = {
-        let bus = connect(url, prefix).await;
-        tokio::spawn(async move {
+/// A same-work run, connected and provisioned, not yet started.
+pub(crate) struct SameWork {
+    /// Delegations to run.
+    n: usize,
+    /// Distinct origin sessions, round robin.
+    sessions: usize,
+    /// Share of delegations that take and release their session's lock.
+    lock_share: f64,
+    /// The delegator's connection.
+    delegator: Bus,
+    /// The worker's connection and its consumer on the tasks stream.
+    worker: (Bus, consumer::PullConsumer),
+    /// The wake's connection, its consumer on the completions, the lock
+    /// and ledger buckets.
+    wake: (Bus, consumer::PullConsumer, WakeState),
+}
+
+impl SameWork {
+    /// Provisions streams and buckets under `prefix` as the pipeline does,
+    /// connects the three roles and creates their consumers. `lock_share`
+    /// of the delegations take their session's lock, as many as in the
+    /// pipeline's saturation run (the rest keep it from their session's
+    /// previous turn there).
+    pub(crate) async fn prepare(
+        url: &str,
+        prefix: &str,
+        config: &crate::Config,
+        lock_share: f64,
+    ) -> Self {
+        let settings = BusSettings::default();
+        let delegator = connect(url, prefix).await;
+        delegator.provision(&settings).await.expect("streams");
+        let s = delegator.subjects.clone();
+        let worker = connect(url, prefix).await;
+        let tasks = pull(&worker.js, &s.tasks_stream(), s.tasks_all()).await;
+        let wake = connect(url, prefix).await;
+        let state = wake.provision_wake_state(&settings).await.expect("buckets");
+        let done = pull(&wake.js, &s.events_stream(), s.done_events()).await;
+        Self {
+            n: config.n,
+            sessions: config.sessions,
+            lock_share,
+            delegator,
+            worker: (worker, tasks),
+            wake: (wake, done, state),
+        }
+    }
+
+    /// Delegations per second through the same durable work.
+    pub(crate) async fn run(self) -> f64 {
+        let Self {
+            n,
+            sessions,
+            lock_share,
+            delegator,
+            worker,
+            wake,
+        } = self;
+        let session = move |i: usize| format!("s{}", i % sessions);
+        let begun = Instant::now();
+        let delegator = tokio::spawn(async move {
             let (record, task) = (payload(512), payload(512));
             futures::stream::iter(0..n)
                 .map(|i| {
-                    let (bus, record, task) = (&bus, record.clone(), task.clone());
+                    let (bus, record, task) = (&delegator, record.clone(), task.clone());
                     async move {
                         let s = &bus.subjects;
                         let id = format!("d{i}");
@@ -111,11 +160,9 @@ pub(crate) async fn ceiling(url: &str, prefix: &str, n: usize, sessions: usize) 
                 .buffer_unordered(DELEGATOR_WINDOW)
                 .collect::<()>()
                 .await;
-        })
-    };
-    let worker = {
-        let bus = connect(url, prefix).await;
-        tokio::spawn(async move {
+        });
+        let worker = tokio::spawn(async move {
+            let (bus, tasks) = worker;
             let body = payload(512);
             let messages = tasks.stream().max_messages_per_batch(BATCH).messages();
             let messages = messages.await.expect("pull");
@@ -137,56 +184,60 @@ pub(crate) async fn ceiling(url: &str, prefix: &str, n: usize, sessions: usize) 
                 .buffer_unordered(WORKER_WINDOW)
                 .collect::<()>()
                 .await;
-        })
-    };
-    let wake = {
-        let bus = connect(url, prefix).await;
-        tokio::spawn(async move {
-            let state = bus.provision_wake_state(&settings).await.expect("buckets");
-            let (locks, ledger) = (state.session_locks, state.wake_ledger);
+        });
+        let wake = tokio::spawn(async move {
+            let (_bus, done, state) = wake;
+            let (locks, ledger) = (&state.session_locks, &state.wake_ledger);
             let messages = done.stream().max_messages_per_batch(BATCH).messages();
             let messages = messages.await.expect("pull");
             messages
                 .take(n)
-                .map(|message| {
-                    let (locks, ledger) = (&locks, &ledger);
-                    async move {
-                        let message = message.expect("completion");
-                        // `<prefix>.evt.<session>.<delegation>.<index>.done`
-                        let mut tokens = message.subject.split('.').skip(2);
-                        let (session, id) = (tokens.next().unwrap(), tokens.next().unwrap());
-                        let key = format!("{id}.0");
+                .enumerate()
+                .map(|(i, message)| async move {
+                    let message = message.expect("completion");
+                    // `<prefix>.evt.<session>.<delegation>.<index>.done`
+                    let mut tokens = message.subject.split('.').skip(2);
+                    let (session, id) = (tokens.next().unwrap(), tokens.next().unwrap());
+                    let key = format!("{id}.0");
+                    let lock = takes_lock(i, lock_share);
+                    if lock {
                         locks
                             .put(session, Bytes::from_static(b"01JF0000000000000000000000"))
                             .await
                             .expect("lock taken");
-                        ledger
-                            .create(&key, Bytes::from_static(b"{\"state\":\"posting\"}"))
-                            .await
-                            .expect("posting");
-                        ledger
-                            .put(&key, Bytes::from_static(b"{\"state\":\"delivered\"}"))
-                            .await
-                            .expect("delivered");
-                        locks.delete(session).await.expect("lock released");
-                        message.ack().await.expect("ack");
                     }
+                    ledger
+                        .create(&key, Bytes::from_static(b"{\"state\":\"posting\"}"))
+                        .await
+                        .expect("posting");
+                    ledger
+                        .put(&key, Bytes::from_static(b"{\"state\":\"delivered\"}"))
+                        .await
+                        .expect("delivered");
+                    if lock {
+                        locks.delete(session).await.expect("lock released");
+                    }
+                    message.ack().await.expect("ack");
                 })
                 .buffer_unordered(WAKE_WINDOW)
                 .collect::<()>()
                 .await;
+        });
+        tokio::time::timeout(Duration::from_secs(600), async {
+            delegator.await.expect("delegator");
+            worker.await.expect("worker");
+            wake.await.expect("wake");
         })
-    };
-    tokio::time::timeout(Duration::from_secs(600), async {
-        delegator.await.expect("delegator");
-        worker.await.expect("worker");
-        wake.await.expect("wake");
-    })
-    .await
-    .expect("same-work run finished");
-    let elapsed = begun.elapsed();
-    for stream in subjects.all_streams() {
-        let _ = admin.js.delete_stream(stream).await;
+        .await
+        .expect("same-work run finished");
+        n as f64 / begun.elapsed().as_secs_f64()
     }
-    n as f64 / elapsed.as_secs_f64()
+
+    /// Deletes the streams and buckets of a run under `prefix`.
+    pub(crate) async fn clean_up(url: &str, prefix: &str) {
+        let bus = connect(url, prefix).await;
+        for stream in bus.subjects.all_streams() {
+            let _ = bus.js.delete_stream(stream).await;
+        }
+    }
 }
