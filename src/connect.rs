@@ -265,8 +265,9 @@ const CONNECTED_CHECK: Duration = Duration::from_millis(100);
 /// while the client reconnects is only queued (see [`is_connected`]), so
 /// re-pulling through an outage would fill that queue, three commands a
 /// pull, and on the reconnect send the server a pull request for every
-/// inbox given up meanwhile. async-nats has no notification to wait on
-/// here, so this looks every 100 ms, and only while disconnected.
+/// inbox given up meanwhile. It looks every 100 ms, and only while
+/// disconnected: simpler than carrying the state the client's event
+/// callback sees ([`NatsConfig::connect`]) to every consumer loop.
 pub async fn connected(client: &Client) {
     while !is_connected(client) {
         tokio::time::sleep(CONNECTED_CHECK).await;

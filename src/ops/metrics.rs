@@ -26,6 +26,9 @@ pub const TASK_RETRIES: &str = "wakebus_task_retries_total";
 /// Completions JetStream did not take, published again by the worker
 /// holding the result, by `pool`.
 pub const COMPLETION_PUBLISH_RETRIES: &str = "wakebus_completion_publish_retries_total";
+/// Dead letters of given-up tasks JetStream did not take, published again
+/// by the worker holding the task, by `pool`.
+pub const DEAD_LETTER_PUBLISH_RETRIES: &str = "wakebus_dead_letter_publish_retries_total";
 /// Requests delivered again after an earlier delivery, by `pool`.
 pub const TASK_REDELIVERIES: &str = "wakebus_task_redeliveries_total";
 /// Deliveries of a request acknowledged without running it, because the
@@ -99,6 +102,10 @@ fn describe() {
     describe_counter!(
         COMPLETION_PUBLISH_RETRIES,
         "Completions JetStream did not take, published again by the worker holding the result."
+    );
+    describe_counter!(
+        DEAD_LETTER_PUBLISH_RETRIES,
+        "Dead letters of given-up tasks JetStream did not take, published again by the worker holding the task."
     );
     describe_counter!(
         TASK_REDELIVERIES,
@@ -176,6 +183,12 @@ pub fn task_retried(pool: &str) {
 /// A completion of a task of `pool` was not stored and is published again.
 pub fn completion_publish_retried(pool: &str) {
     metrics::counter!(COMPLETION_PUBLISH_RETRIES, "pool" => pool.to_owned()).increment(1);
+}
+
+/// The dead letter of a given-up task of `pool` was not stored and is
+/// published again.
+pub fn dead_letter_publish_retried(pool: &str) {
+    metrics::counter!(DEAD_LETTER_PUBLISH_RETRIES, "pool" => pool.to_owned()).increment(1);
 }
 
 /// A task of `pool` ended with a completion of `status` after running `duration`.

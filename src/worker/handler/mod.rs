@@ -210,14 +210,7 @@ impl TaskHandler {
                 attempt - 1
             );
             return self
-                .give_up(
-                    message,
-                    &request,
-                    trace,
-                    "max_deliveries_exceeded",
-                    reason,
-                    stop,
-                )
+                .give_up(message, &request, trace, GIVEN_UP_DELIVERIES, reason, stop)
                 .await;
         }
 
@@ -305,14 +298,7 @@ impl TaskHandler {
             (Err(ExecError::Transient(reason)), _) => {
                 let reason = format!("failed {attempt} times; last error: {reason}");
                 return self
-                    .give_up(
-                        message,
-                        &request,
-                        trace,
-                        "max_attempts_exceeded",
-                        reason,
-                        stop,
-                    )
+                    .give_up(message, &request, trace, GIVEN_UP_ATTEMPTS, reason, stop)
                     .await;
             }
         };
@@ -360,6 +346,13 @@ impl TaskHandler {
                 let ran = Duration::from_secs_f64(done.duration_seconds);
                 m::task_completed(&self.config.pool, done.status, ran);
                 Outcome::Ack
+            }
+            Err(error)
+                if done.exit_reason == GIVEN_UP_ATTEMPTS
+                    || done.exit_reason == GIVEN_UP_DELIVERIES =>
+            {
+                warn!(%error, "Could not publish the failed completion and the worker is stopping; handing the task back, its next delivery will be given up again.");
+                Outcome::HandBack
             }
             Err(error) => {
                 warn!(%error, "Could not publish the completion and the worker is stopping; handing the task back, it will run again.");
@@ -424,6 +417,7 @@ impl TaskHandler {
                 }
                 Record::DeadLetter => {
                     warn!(%error, attempt, "Could not dead-letter the request; keeping it and trying again.");
+                    m::dead_letter_publish_retried(&self.config.pool);
                 }
             }
             let waiting = async {
@@ -539,6 +533,13 @@ fn may_have_run_before(
     };
     stored_at - created_at > duplicate_window / 2
 }
+
+/// The exit reason of a task given up after `--max-deliver` deliveries
+/// whose worker crashed or stalled.
+const GIVEN_UP_DELIVERIES: &str = "max_deliveries_exceeded";
+/// The exit reason of a task given up after `--max-deliver` transient
+/// failures.
+const GIVEN_UP_ATTEMPTS: &str = "max_attempts_exceeded";
 
 /// What a worker stores for a task it holds, kept until stored.
 #[derive(Debug, Clone, Copy)]
