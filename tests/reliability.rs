@@ -1159,6 +1159,86 @@ async fn a_given_up_task_whose_failed_completion_is_not_stored_at_first_keeps_it
     assert_eq!(dead_letters.len(), 1);
 }
 
+/// A given-up task whose dead letter JetStream refuses at first (the
+/// dead-letter stream full, discard=new) keeps it and publishes it again
+/// in place, holding the task with in-progress acks: the task is not
+/// delivered again (and so not given up again for another reason), and
+/// once there is room, one dead letter and one completion with the real
+/// reason are stored.
+#[tokio::test]
+async fn a_given_up_task_whose_dead_letter_is_refused_at_first_keeps_it_until_stored() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let s = &bus.subjects;
+    let mut services = Services::new();
+    worker_that_cannot_start(&mut services, &bus, 1);
+    let consumer = s.worker_consumer("default");
+    // The worker's consumer, once the worker has created it.
+    let held = || async {
+        let mut c = bus
+            .js
+            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                &consumer,
+                s.tasks_stream(),
+            )
+            .await
+            .ok()?;
+        c.info().await.ok().cloned()
+    };
+    wait_until(WAIT, "the worker's consumer", || async {
+        held().await.is_some()
+    })
+    .await;
+    // Fill the dead letters (after the worker provisioned the streams, which
+    // would have undone it): one message, no room for more.
+    let filler = bus
+        .js
+        .publish(s.dead_letter_task("elsewhere"), "filler".into())
+        .await
+        .expect("publish");
+    filler.await.expect("stored");
+    let mut dead_letters = bus.js.get_stream(s.dead_letter_stream()).await.unwrap();
+    let room = dead_letters.info().await.unwrap().config.clone();
+    let mut full = room.clone();
+    full.max_messages = 1;
+    full.discard = async_nats::jetstream::stream::DiscardPolicy::New;
+    bus.js
+        .update_stream(&full)
+        .await
+        .expect("fill the dead letters");
+
+    let req = request("s.dlq.full", "cannot start");
+    publish_until_stored(&bus, &req).await;
+    wait_until(WAIT, "the task held by the worker", || async {
+        held().await.is_some_and(|info| info.num_ack_pending == 1)
+    })
+    .await;
+    // Not a wait for a condition: the task must stay held, undelivered
+    // again, for longer than its ack wait (5 s here) while the dead letter
+    // is refused.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let info = held().await.expect("the worker's consumer");
+    assert_eq!(
+        (info.num_ack_pending, info.num_redelivered),
+        (1, 0),
+        "{info:?}"
+    );
+    assert!(
+        done_events(&bus).await.is_empty(),
+        "a completion before its dead letter"
+    );
+
+    bus.js.update_stream(&room).await.expect("make room");
+    drained(&bus, &s.tasks_stream(), &consumer, WAIT).await;
+    services.stop().await;
+    let done = done_events(&bus).await;
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0].exit_reason, "max_attempts_exceeded", "{done:?}");
+    let stored = all_messages(&bus, &s.dead_letter_stream()).await;
+    assert_eq!(stored.len(), 2, "the filler and one dead letter");
+}
+
 /// Whether the default pool's worker consumer and the wake consumer each
 /// have a pull request waiting.
 async fn both_consumers_pulling(admin: &Bus) -> bool {
