@@ -112,6 +112,8 @@ enum Load {
 
 /// What one scenario measured.
 struct Measured {
+    /// The run's deployment prefix (its streams are its own).
+    prefix: String,
     /// Delegations per second.
     throughput: f64,
     /// Submit-to-continuation latency.
@@ -127,30 +129,31 @@ struct Measured {
     /// Latency by stage, from the history's store times (not for a
     /// backlog, whose submit times say nothing).
     stages: Option<Stages>,
-    /// Messages stored per delegation, by stream.
+    /// Messages stored per delegation in the measured part, by stream.
     writes: StoredWrites,
 }
 
-/// Messages stored per delegation in the streams of `bus`'s prefix, for
-/// `delegations` delegations (the run's streams are its own).
-async fn stored_writes(bus: &Bus, delegations: usize) -> StoredWrites {
+/// Messages stored so far in the streams of `bus`'s prefix: tasks, events,
+/// session locks, wake ledger (each run has streams of its own).
+pub(crate) async fn stored(bus: &Bus) -> [u64; 4] {
     let s = &bus.subjects;
-    let per_delegation = |stream: String| async move {
+    let mut counts = [0; 4];
+    let streams = [
+        s.tasks_stream(),
+        s.events_stream(),
+        Subjects::bucket_stream(&s.session_lock_bucket()),
+        Subjects::bucket_stream(&s.wake_ledger_bucket()),
+    ];
+    for (count, stream) in counts.iter_mut().zip(streams) {
         let mut stream = bus.js.get_stream(stream).await.expect("stream");
-        let stored = stream
+        *count = stream
             .info()
             .await
             .expect("stream info")
             .state
             .last_sequence;
-        stored as f64 / delegations as f64
-    };
-    StoredWrites {
-        tasks: per_delegation(s.tasks_stream()).await,
-        events: per_delegation(s.events_stream()).await,
-        session_locks: per_delegation(Subjects::bucket_stream(&s.session_lock_bucket())).await,
-        wake_ledger: per_delegation(Subjects::bucket_stream(&s.wake_ledger_bucket())).await,
     }
+    counts
 }
 
 /// Delegations run before a measured run (not measured, but stored).
@@ -251,6 +254,9 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
         (wake, workers)
     };
 
+    // What the streams held when the measured part began (the warm-up's
+    // writes; nothing for a backlog, whose every write is measured).
+    let mut stored_at_start = [0; 4];
     let (measured, begun, services, cpu_at_start) = match load {
         Load::Backlog(n) => {
             submit_window(&delegator, config, 0..n, &submitted).await;
@@ -268,6 +274,7 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
                 "warm-up stalled"
             );
             let cpu_at_start = cpu_now(server, &services.0, &services.1);
+            stored_at_start = stored(&bus).await;
             let begun = Instant::now();
             match load {
                 Load::OpenLoop { rate, .. } => {
@@ -313,6 +320,10 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
             workers_us: us(3),
         }
     });
+    // Before the wake is stopped: a lock it still holds then is counted
+    // taken but not released (as locks held at the start were counted
+    // released but not taken).
+    let writes = StoredWrites::between(stored_at_start, stored(&bus).await, measured);
     let worker_rss = workers.iter().map(Proc::peak_rss_mib).fold(0.0, f64::max);
     let wake_rss = wake.peak_rss_mib();
     drop(workers);
@@ -345,12 +356,8 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
         // A backlog is timed from its first continuation to its last.
         None => (measured - 1) as f64 / (last - first).as_secs_f64(),
     };
-    let stored = if begun.is_some() {
-        WARMUP + measured
-    } else {
-        measured
-    };
     Measured {
+        prefix,
         throughput,
         latency: Latency::of(latencies),
         worker_rss,
@@ -358,7 +365,7 @@ async fn scenario(server: &NatsServer, config: &Config, workers: usize, load: Lo
         posts,
         cpu,
         stages,
-        writes: stored_writes(&bus, stored).await,
+        writes,
     }
 }
 
@@ -430,17 +437,21 @@ async fn main() {
     );
     let saturation = scenario(&server, &config, single, Load::Saturation(config.n)).await;
 
-    // As many lock cycles as the saturation run made (each a take and a
-    // release; refreshes counted as well, so a little more at worst).
+    // The ceiling runs on a server as empty as the raw ceiling's: without
+    // the saturation run's streams, consumers and held locks.
+    same_work::SameWork::clean_up(&server.url, &saturation.prefix).await;
+    // As many lock writes per delegation as the saturation run stored,
+    // made as take-and-release pairs.
     let lock_share = (saturation.writes.session_locks / 2.0).min(1.0);
     eprintln!(
-        "same-work ceiling, {} delegations, {:.0}% taking their session's lock...",
+        "same-work ceiling, {} delegations, {:.2} lock writes each...",
         config.n,
-        lock_share * 100.0
+        2.0 * lock_share
     );
     let same_work = same_work::SameWork::prepare(&server.url, "ceil", &config, lock_share).await;
     let (same_work_per_s, same_work_cpu_us) = in_process(&server, config.n, same_work.run()).await;
-    same_work::SameWork::clean_up(&server.url, "ceil").await;
+    let same_work_writes = same_work::SameWork::clean_up(&server.url, "ceil").await;
+    let same_work_writes = StoredWrites::between([0; 4], same_work_writes, config.n);
 
     let open_n = config.rate * config.open_loop.as_secs() as usize;
     eprintln!("open loop, {}/s for {:?}...", config.rate, config.open_loop);
@@ -488,7 +499,7 @@ async fn main() {
         ratio_to_ceiling: saturation.throughput / ceiling,
         saturation_writes: saturation.writes.clone(),
         same_work_per_s,
-        same_work_lock_share: lock_share,
+        same_work_writes,
         ratio_to_same_work: saturation.throughput / same_work_per_s,
         open_loop_offered_per_s: config.rate,
         open_loop: run_of(single, open_n, &open),

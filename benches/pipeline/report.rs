@@ -100,8 +100,8 @@ pub(crate) struct CpuPerDelegation {
 }
 
 /// Messages stored per delegation in a run, by stream, counted from the
-/// streams' last sequence (each run has streams of its own; warm-up
-/// delegations included in the count and the divisor).
+/// streams' last sequences (each run has streams of its own) over its
+/// measured part.
 #[derive(Debug, Clone, Default, Serialize)]
 pub(crate) struct StoredWrites {
     /// The task requests.
@@ -116,6 +116,18 @@ pub(crate) struct StoredWrites {
 }
 
 impl StoredWrites {
+    /// Per delegation, for `n` delegations, from the counts of
+    /// [`crate::stored`] at the start and the end.
+    pub(crate) fn between(start: [u64; 4], end: [u64; 4], n: usize) -> Self {
+        let per = |i: usize| end[i].saturating_sub(start[i]) as f64 / n as f64;
+        Self {
+            tasks: per(0),
+            events: per(1),
+            session_locks: per(2),
+            wake_ledger: per(3),
+        }
+    }
+
     /// The sum.
     pub(crate) fn total(&self) -> f64 {
         self.tasks + self.events + self.session_locks + self.wake_ledger
@@ -164,10 +176,9 @@ pub(crate) struct Report {
     /// The same-work ceiling: a delegation's stored writes and consumes
     /// with bare JetStream calls, delegations per second.
     pub(crate) same_work_per_s: f64,
-    /// Share of the same-work ceiling's delegations that take and release
-    /// their session's lock: the saturation run's lock writes per
-    /// delegation, halved.
-    pub(crate) same_work_lock_share: f64,
+    /// Stored writes per delegation of the same-work ceiling (its lock
+    /// writes made to match the saturation run's).
+    pub(crate) same_work_writes: StoredWrites,
     /// Saturation / same-work ceiling.
     pub(crate) ratio_to_same_work: f64,
     /// Offered load of the open-loop run.
@@ -219,7 +230,7 @@ impl Report {
             "{:<44} {:>12.0}",
             format!(
                 "same-work ceiling ({:.2} writes, 2 pull+acks)",
-                5.0 + 2.0 * self.same_work_lock_share
+                self.same_work_writes.total()
             ),
             self.same_work_per_s
         );
@@ -310,16 +321,21 @@ impl Report {
             "locks",
             "ledger"
         );
-        let _ = writeln!(
-            t,
-            "{:<44} {:>12.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
-            "end-to-end",
-            w.total(),
-            w.tasks,
-            w.events,
-            w.session_locks,
-            w.wake_ledger
-        );
+        for (name, w) in [
+            ("end-to-end", w),
+            ("same-work ceiling", &self.same_work_writes),
+        ] {
+            let _ = writeln!(
+                t,
+                "{:<44} {:>12.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
+                name,
+                w.total(),
+                w.tasks,
+                w.events,
+                w.session_locks,
+                w.wake_ledger
+            );
+        }
         let _ = writeln!(
             t,
             "{:<44} {:>12} {:>14} {:>14}",

@@ -233,11 +233,14 @@ impl SameWork {
         n as f64 / begun.elapsed().as_secs_f64()
     }
 
-    /// Deletes the streams and buckets of a run under `prefix`.
-    pub(crate) async fn clean_up(url: &str, prefix: &str) {
+    /// Deletes the streams and buckets of a run under `prefix`; returns
+    /// what they had stored (see [`crate::stored`]).
+    pub(crate) async fn clean_up(url: &str, prefix: &str) -> [u64; 4] {
         let bus = connect(url, prefix).await;
+        let stored = crate::stored(&bus).await;
         for stream in bus.subjects.all_streams() {
             let _ = bus.js.delete_stream(stream).await;
         }
+        stored
     }
 }
