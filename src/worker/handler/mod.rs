@@ -206,7 +206,7 @@ impl TaskHandler {
         }
         if attempt > self.config.max_deliver {
             let reason = format!(
-                "gave up after {} deliveries (the worker running it crashed or stalled each time)",
+                "gave up after {} deliveries (each time the worker running it crashed, stalled or stopped without a result)",
                 attempt - 1
             );
             return self
@@ -235,7 +235,9 @@ impl TaskHandler {
                     CompletionEvent::for_request(&request, Status::Interrupted, "cancelled");
                 done.error = Some("cancelled before it started".to_owned());
                 done.suppress_wake = record.silent;
-                return self.finish(message, &request, trace, done, stop).await;
+                return self
+                    .finish(message, &request, trace, done, Ending::Ran, stop)
+                    .await;
             }
         };
 
@@ -316,7 +318,8 @@ impl TaskHandler {
         done.truncated = output.truncated;
         fit_to_payload(&mut done, self.bus.max_payload());
         info!(status = %done.status, duration_ms = duration.as_millis() as u64, "Task done.");
-        self.finish(message, &request, trace, done, stop).await
+        self.finish(message, &request, trace, done, Ending::Ran, stop)
+            .await
     }
 
     /// Publishes the completion; acks the request only once it is stored.
@@ -332,6 +335,7 @@ impl TaskHandler {
         request: &TaskRequest,
         trace: TraceParent,
         done: CompletionEvent,
+        ending: Ending,
         stop: &CancellationToken,
     ) -> Outcome {
         let publish = || self.publish(request, EventKind::Done, trace, &done);
@@ -347,10 +351,7 @@ impl TaskHandler {
                 m::task_completed(&self.config.pool, done.status, ran);
                 Outcome::Ack
             }
-            Err(error)
-                if done.exit_reason == GIVEN_UP_ATTEMPTS
-                    || done.exit_reason == GIVEN_UP_DELIVERIES =>
-            {
+            Err(error) if matches!(ending, Ending::GivenUp) => {
                 warn!(%error, "Could not publish the failed completion and the worker is stopping; handing the task back, its next delivery will be given up again.");
                 Outcome::HandBack
             }
@@ -468,7 +469,8 @@ impl TaskHandler {
         m::dead_lettered("task");
         let mut done = CompletionEvent::for_request(request, Status::Failed, exit_reason);
         done.error = Some(reason);
-        self.finish(message, request, trace, done, stop).await
+        self.finish(message, request, trace, done, Ending::GivenUp, stop)
+            .await
     }
 
     /// A request that can never run: an `error` completion (woken when the
@@ -535,11 +537,21 @@ fn may_have_run_before(
 }
 
 /// The exit reason of a task given up after `--max-deliver` deliveries
-/// whose worker crashed or stalled.
+/// whose worker crashed, stalled or stopped without a result.
 const GIVEN_UP_DELIVERIES: &str = "max_deliveries_exceeded";
 /// The exit reason of a task given up after `--max-deliver` transient
 /// failures.
 const GIVEN_UP_ATTEMPTS: &str = "max_attempts_exceeded";
+
+/// How a task ends whose completion `TaskHandler::finish` stores.
+#[derive(Debug, Clone, Copy)]
+enum Ending {
+    /// It ran and has a result.
+    Ran,
+    /// It was given up (attempts or deliveries used up): a stop before
+    /// the completion is stored hands it back to be given up again.
+    GivenUp,
+}
 
 /// What a worker stores for a task it holds, kept until stored.
 #[derive(Debug, Clone, Copy)]
