@@ -157,6 +157,11 @@ impl NatsConfig {
                 match event {
                     Event::Connected => info!("Connected to NATS."),
                     Event::Disconnected => warn!("Disconnected from NATS, reconnecting."),
+                    // A restart or upgrade: the server closes this connection
+                    // within its `lame_duck_duration` and the client moves on.
+                    Event::LameDuckMode => info!(
+                        "The NATS server is in lame-duck mode; it will close this connection, and the client will reconnect (to another node, or to this server once it is back)."
+                    ),
                     // Needs an operator: retrying will not help.
                     other if is_refusal(&other) => error!(
                         event = %other,

@@ -1,7 +1,7 @@
 //! A 3-node JetStream cluster: streams and buckets get 3 replicas by
 //! default, and delegations survive the crash and restart of the node that
-//! leads the events stream, and a rolling restart of every node, each woken
-//! exactly once; `wakebus status` shows where each stream's replicas stand.
+//! leads the events stream, and a rolling restart of every node (stopped
+//! with SIGTERM, or put in lame-duck mode first), each woken exactly once; `wakebus status` shows where each stream's replicas stand.
 
 mod common;
 
@@ -376,24 +376,47 @@ async fn every_delegation_wakes_exactly_once_when_the_events_stream_leader_crash
 
 #[tokio::test]
 async fn every_delegation_wakes_exactly_once_through_a_rolling_restart_of_every_node() {
+    roll_every_node(Leaving::Terminated).await;
+}
+
+#[tokio::test]
+async fn every_delegation_wakes_exactly_once_when_every_node_in_turn_leaves_in_lame_duck_mode() {
+    roll_every_node(Leaving::LameDuck).await;
+}
+
+/// How a node leaves for its restart.
+#[derive(Clone, Copy)]
+enum Leaving {
+    /// SIGTERM: the node stops at once.
+    Terminated,
+    /// Lame-duck mode first (SIGUSR2): the node hands its leaderships
+    /// over and closes its clients one by one before it exits, so every
+    /// client it had reconnects elsewhere while the flow goes on.
+    LameDuck,
+}
+
+/// As for an upgrade: one node at a time leaves while a quarter of the
+/// delegations is on its way and is started again, the next only once
+/// /healthz says every node is current. Everything is on all three nodes,
+/// so every stream, bucket and consumer loses its leader on the way:
+/// whichever node leads it leaves once, and so does every client's
+/// server. The last quarter goes through the cluster after all three.
+async fn roll_every_node(leaving: Leaving) {
     init_logs();
     let mut cluster = NatsCluster::start(3).await;
     let mut flow = Flow::start(&cluster).await;
-    // As for an upgrade: one node at a time, each stopped with SIGTERM
-    // while a quarter of the delegations is on its way and started again,
-    // the next only once /healthz says every node is current. Everything
-    // is on all three nodes, so every stream, bucket and consumer loses its
-    // leader on the way: whichever node leads it is stopped once. The last
-    // quarter goes through the cluster after all three.
     let quarter = N / 4;
     for node in 0..3 {
         flow.publish(node * quarter..(node + 1) * quarter);
         let woken = flow.wait_woken(node * quarter + 1).await;
         assert!(
             woken < (node + 1) * quarter,
-            "n{node}'s quarter was all woken before n{node} was stopped"
+            "n{node}'s quarter was all woken before n{node} left"
         );
-        cluster.restart_gracefully(node).await;
+        match leaving {
+            Leaving::Terminated => cluster.restart_gracefully(node).await,
+            Leaving::LameDuck => cluster.restart_after_lame_duck(node).await,
+        }
     }
     flow.publish(3 * quarter..N);
     flow.wait_woken(N).await;

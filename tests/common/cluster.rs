@@ -12,7 +12,16 @@ pub struct NatsCluster {
     pub nodes: Vec<NatsServer>,
     /// Each node's HTTP monitoring port (`/healthz`).
     monitor_ports: Vec<u16>,
+    /// Holds the configuration file every node reads: the shortest
+    /// lame-duck timings the server accepts, so that a node put in
+    /// lame-duck mode leaves within seconds rather than minutes.
+    _config: tempfile::TempDir,
 }
+
+/// The nodes' configuration file. nats-server refuses a
+/// `lame_duck_duration` under 30 s; it closes its clients one by one over
+/// that time, and exits as soon as the last is gone.
+const CONFIG: &str = "lame_duck_grace_period: 1s\nlame_duck_duration: 30s\n";
 
 impl NatsCluster {
     /// Starts `size` nodes and waits until every one answers, sees all its
@@ -26,9 +35,14 @@ impl NatsCluster {
             .map(|port| format!("nats://127.0.0.1:{port}"))
             .collect::<Vec<_>>()
             .join(",");
+        let config = tempfile::tempdir().expect("tempdir");
+        let config_file = config.path().join("node.conf");
+        std::fs::write(&config_file, CONFIG).expect("write the nodes' configuration");
         let nodes = (0..size)
             .map(|i| {
                 let args = vec![
+                    "--config".to_owned(),
+                    config_file.display().to_string(),
                     "--server_name".to_owned(),
                     format!("n{i}"),
                     "--cluster_name".to_owned(),
@@ -46,6 +60,7 @@ impl NatsCluster {
         let mut cluster = Self {
             nodes,
             monitor_ports,
+            _config: config,
         };
         cluster.wait_ready().await;
         cluster
@@ -108,6 +123,16 @@ impl NatsCluster {
     /// restart makes before it takes the next node down.
     pub async fn restart_gracefully(&mut self, i: usize) {
         self.nodes[i].terminate().await;
+        self.start_again(i).await;
+        self.wait_healthy().await;
+    }
+
+    /// Puts node `i` in lame-duck mode, as `nats-server --signal ldm` does
+    /// before an upgrade, waits for it to hand over its leaderships, close
+    /// its clients and exit, then starts it again and waits as
+    /// [`Self::restart_gracefully`] does.
+    pub async fn restart_after_lame_duck(&mut self, i: usize) {
+        self.nodes[i].lame_duck().await;
         self.start_again(i).await;
         self.wait_healthy().await;
     }

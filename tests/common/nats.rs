@@ -254,17 +254,39 @@ impl NatsServer {
     /// blocking the runtime, so that the test's own tasks (services run in
     /// the test process) keep running while the server shuts down.
     pub async fn terminate(&mut self) {
+        self.stop_with(nix::sys::signal::Signal::SIGTERM, Duration::from_secs(30))
+            .await;
+    }
+
+    /// Puts the server in lame-duck mode (SIGUSR2, what `nats-server
+    /// --signal ldm` sends) and waits for it to exit: it stops taking new
+    /// clients, hands its JetStream leaderships over, closes its clients
+    /// one by one over its `lame_duck_duration` and exits.
+    pub async fn lame_duck(&mut self) {
+        self.stop_with(nix::sys::signal::Signal::SIGUSR2, Duration::from_secs(60))
+            .await;
+        let log = std::fs::read_to_string(self.store.path().join("server.stderr"))
+            .expect("read the server's log");
+        assert!(
+            log.contains("Entering lame duck mode"),
+            "nats-server exited without entering lame-duck mode:\n{log}"
+        );
+    }
+
+    /// Sends `signal` and waits up to `patience` for the process to exit,
+    /// without blocking the runtime.
+    async fn stop_with(&mut self, signal: nix::sys::signal::Signal, patience: Duration) {
         let Some(mut child) = self.child.take() else {
             return;
         };
         let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let _ = nix::sys::signal::kill(pid, signal);
+        let deadline = Instant::now() + patience;
         while matches!(child.try_wait(), Ok(None)) {
             if Instant::now() > deadline {
                 let _ = child.kill();
                 let _ = child.wait();
-                panic!("nats-server did not exit within 30s of SIGTERM");
+                panic!("nats-server did not exit within {patience:?} of {signal}");
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
