@@ -66,6 +66,35 @@ pub struct StatusReport {
     pub undelivered_scan: ScanInfo,
 }
 
+impl StatusReport {
+    /// The parts of the snapshot that could not be read, by name (a
+    /// stream, or a stream's consumers, the dead letters, the undelivered
+    /// scan): empty when the snapshot is whole. A partial snapshot is
+    /// still worth printing, most of all during an election; checks that
+    /// must not take it for a whole one look here (`status --strict`).
+    pub fn unread(&self) -> Vec<String> {
+        let streams = self
+            .streams
+            .iter()
+            .filter(|stream| stream.error.is_some())
+            .map(|stream| match stream.present {
+                None => stream.name.clone(),
+                Some(_) => format!("{}'s consumers", stream.name),
+            });
+        let dead_letters = self
+            .dead_letters
+            .error
+            .as_ref()
+            .map(|_| "the dead letters".to_owned());
+        let scan = self
+            .undelivered_scan
+            .error
+            .as_ref()
+            .map(|_| "the undelivered scan".to_owned());
+        streams.chain(dead_letters).chain(scan).collect()
+    }
+}
+
 /// One stream.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct StreamStatus {

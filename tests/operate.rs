@@ -1164,7 +1164,7 @@ async fn status_skips_the_undelivered_scan_when_the_events_streams_consumers_wer
         .unwrap()
         .events_stream();
     let denied = [format!("$JS.API.CONSUMER.LIST.{events}")];
-    let (_server, report, stderr) = status_refused(&prefix, &denied).await;
+    let (server, report, stderr) = status_refused(&prefix, &denied).await;
 
     let streams = report["streams"].as_array().unwrap();
     let row = streams
@@ -1191,6 +1191,16 @@ async fn status_skips_the_undelivered_scan_when_the_events_streams_consumers_wer
         "{stderr}"
     );
     assert!(!stderr.contains("Could not read a stream;"), "{stderr}");
+    // `--strict` names the consumers, not the stream, as what was not read.
+    let strict = server
+        .wakebus_as_limited(
+            &prefix,
+            &["status", "--strict", "--discovery-timeout", "100ms"],
+        )
+        .await;
+    assert_eq!(strict.code(), Some(3), "{}", strict.stderr());
+    let names = format!("{events}'s consumers, the undelivered scan");
+    assert!(strict.stderr().contains(&names), "{}", strict.stderr());
 }
 
 /// A stream `status` cannot read (a refused request; in a cluster, a
@@ -1256,6 +1266,13 @@ async fn status_reports_a_stream_it_cannot_read_as_not_read_and_keeps_the_rest()
         .await;
     assert_eq!(strict.code(), Some(3), "{}", strict.stderr());
     assert!(strict.stdout().contains("not read (cannot read"));
+    // It says which parts were not read, the stream's own name first.
+    let why = strict.stderr();
+    let names = format!("{events}, {dead_letters}, the dead letters, the undelivered scan");
+    assert!(
+        why.contains("The snapshot is partial") && why.contains(&names),
+        "{why}"
+    );
     let events_row = text.lines().find(|l| l.contains(&events)).expect("a row");
     assert!(events_row.contains("not read (cannot read"), "{text}");
     assert!(!events_row.contains("missing"), "{text}");

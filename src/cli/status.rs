@@ -66,10 +66,9 @@ pub(crate) async fn run(global: &Global, args: StatusArgs) -> anyhow::Result<Exi
     } else {
         print!("{}", render(&report));
     }
-    let partial = report.streams.iter().any(|stream| stream.error.is_some())
-        || report.dead_letters.error.is_some()
-        || report.undelivered_scan.error.is_some();
-    if args.strict && partial {
+    let unread = report.unread();
+    if args.strict && !unread.is_empty() {
+        warn!(unread = %unread.join(", "), "The snapshot is partial; exiting with status 3 (--strict).");
         return Ok(ExitCode::from(PARTIAL));
     }
     Ok(ExitCode::SUCCESS)
