@@ -439,6 +439,10 @@ async fn main() {
 
     // The ceiling runs on a server as empty as the raw ceiling's: without
     // the saturation run's streams, consumers and held locks.
+    // What its delegations stored, message by message, for the ceiling to
+    // store the same bytes.
+    let messages = same_work::Messages::sample(&server.url, &saturation.prefix).await;
+    let same_work_message_bytes = messages.bytes();
     same_work::SameWork::clean_up(&server.url, &saturation.prefix).await;
     // As many lock writes per delegation as the saturation run stored,
     // made as take-and-release pairs.
@@ -448,7 +452,8 @@ async fn main() {
         config.n,
         2.0 * lock_share
     );
-    let same_work = same_work::SameWork::prepare(&server.url, "ceil", &config, lock_share).await;
+    let same_work =
+        same_work::SameWork::prepare(&server.url, "ceil", &config, lock_share, messages).await;
     let (same_work_per_s, same_work_cpu_us) = in_process(&server, config.n, same_work.run()).await;
     let same_work_writes = same_work::SameWork::clean_up(&server.url, "ceil").await;
     let same_work_writes = StoredWrites::between([0; 4], same_work_writes, config.n);
@@ -500,6 +505,7 @@ async fn main() {
         saturation_writes: saturation.writes.clone(),
         same_work_per_s,
         same_work_writes,
+        same_work_message_bytes,
         ratio_to_same_work: saturation.throughput / same_work_per_s,
         open_loop_offered_per_s: config.rate,
         open_loop: run_of(single, open_n, &open),

@@ -179,6 +179,9 @@ pub(crate) struct Report {
     /// Stored writes per delegation of the same-work ceiling (its lock
     /// writes made to match the saturation run's).
     pub(crate) same_work_writes: StoredWrites,
+    /// Bytes per message of each kind (payload and headers) the
+    /// same-work ceiling stored, copied from the saturation run's.
+    pub(crate) same_work_message_bytes: crate::same_work::MessageBytes,
     /// Saturation / same-work ceiling.
     pub(crate) ratio_to_same_work: f64,
     /// Offered load of the open-loop run.
@@ -336,6 +339,23 @@ impl Report {
                 w.wake_ledger
             );
         }
+        let b = &self.same_work_message_bytes;
+        let _ = writeln!(
+            t,
+            "{:<44} {:>12} {:>8} {:>8} {:>8} {:>8}\n{:<44} {:>12} {:>8} {:>8} {:>8} {:>8}",
+            "bytes per message, payload + headers",
+            "task",
+            "submitted",
+            "done",
+            "posting",
+            "delivered",
+            "both runs (the ceiling stores copies)",
+            b.task,
+            b.submitted,
+            b.done,
+            b.posting,
+            b.delivered
+        );
         let _ = writeln!(
             t,
             "{:<44} {:>12} {:>14} {:>14}",

@@ -18,19 +18,25 @@
 //!   the share of delegations whose turn took the lock in the pipeline's
 //!   saturation run (the others kept it from their session's last turn).
 //!
-//! It leaves out JSON, checks, executors, the HTTP post, and the order the
-//! pipeline keeps (one post in flight per session). Writes are not
-//! conditional where the pipeline's are; a condition is a header the server
-//! compares, not another write.
+//! Each message is a copy of one the saturation run stored ([`Messages`]):
+//! the same payload and the same headers (CloudEvents attributes, trace
+//! context, origin), so the server stores and delivers as many bytes as for
+//! the pipeline. It leaves out JSON, checks, executors, the HTTP post, and
+//! the order the pipeline keeps (one post in flight per session). Writes are
+//! not conditional where the pipeline's are; a condition is a header the
+//! server compares, not another write.
 
 use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::{self, consumer};
+use async_nats::jetstream::{self, consumer, message::StreamMessage};
 use bytes::Bytes;
 use futures::StreamExt;
+use serde::Serialize;
 use wakebus::bus::{Bus, BusSettings, WakeState};
-use wakebus::protocol::{EventKind, Subjects};
+use wakebus::delegate::Delegator;
+use wakebus::protocol::{CompletionEvent, EventKind, Subjects};
+use wakebus::wake::ledger::{LedgerState, WakeLedger};
 
 /// Delegations submitted at once, as the bench's delegator.
 const DELEGATOR_WINDOW: usize = 512;
@@ -41,16 +47,158 @@ const WAKE_WINDOW: usize = 1000;
 /// Messages per pull request.
 const BATCH: usize = 512;
 
-/// A payload of `len` bytes.
-fn payload(len: usize) -> Bytes {
-    Bytes::from(vec![b'x'; len])
+/// A message as the pipeline stored it: its headers and payload.
+#[derive(Debug, Clone)]
+struct Copied {
+    /// Its headers, without any `Nats-Expected-*` condition (which names
+    /// the run's own stream or sequence).
+    headers: HeaderMap,
+    /// Its payload.
+    payload: Bytes,
 }
 
-/// Publishes `body` to `subject` under `id` and waits until it is stored.
-async fn store(js: &jetstream::Context, subject: String, id: String, body: Bytes) {
-    let mut headers = HeaderMap::new();
+impl Copied {
+    fn of(message: StreamMessage) -> Self {
+        let mut headers = HeaderMap::new();
+        for (name, values) in message.headers.iter() {
+            let text: &str = name.as_ref();
+            if !text.starts_with("Nats-Expected") {
+                for value in values {
+                    headers.append(name.clone(), value.clone());
+                }
+            }
+        }
+        Self {
+            headers,
+            payload: message.payload,
+        }
+    }
+
+    /// Payload and headers (`Name: value` and its line end), in bytes.
+    fn len(&self) -> usize {
+        let headers: usize = self
+            .headers
+            .iter()
+            .map(|(name, values)| {
+                let name: &str = name.as_ref();
+                values
+                    .iter()
+                    .map(|v| name.len() + v.as_str().len() + 4)
+                    .sum::<usize>()
+            })
+            .sum();
+        self.payload.len() + headers
+    }
+}
+
+/// One of each message a delegation stores, copied from the saturation
+/// run, for the same-work ceiling to store the same bytes.
+#[derive(Debug, Clone)]
+pub(crate) struct Messages {
+    /// A `submitted` record.
+    submitted: Copied,
+    /// A task request.
+    task: Copied,
+    /// A `done` event.
+    done: Copied,
+    /// A wake ledger `posting` entry.
+    posting: Bytes,
+    /// A wake ledger `delivered` entry.
+    delivered: Bytes,
+}
+
+/// Bytes per message of each kind (payload and headers), as stored.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct MessageBytes {
+    /// A `submitted` record.
+    pub(crate) submitted: usize,
+    /// A task request.
+    pub(crate) task: usize,
+    /// A `done` event.
+    pub(crate) done: usize,
+    /// A `posting` ledger entry.
+    pub(crate) posting: usize,
+    /// A `delivered` ledger entry.
+    pub(crate) delivered: usize,
+}
+
+impl Messages {
+    /// Copies one message of each kind from the run under `prefix`, once
+    /// its services have stopped: a completion and its ledger entry from
+    /// the run, and the `submitted` record and task of one more delegation
+    /// made for this, which no worker takes.
+    pub(crate) async fn sample(url: &str, prefix: &str) -> Self {
+        let bus = connect(url, prefix).await;
+        let s = bus.subjects.clone();
+        let delegator = Delegator::new(bus.clone());
+        crate::submit(&delegator, "bench.s0".to_owned(), &Default::default()).await;
+        let last = |stream: String| {
+            let js = bus.js.clone();
+            async move {
+                let stream = js.get_stream(stream).await.expect("stream");
+                let last = stream.get_info().await.expect("info").state.last_sequence;
+                Copied::of(stream.get_raw_message(last).await.expect("last message"))
+            }
+        };
+        let task = last(s.tasks_stream()).await;
+        let submitted = last(s.events_stream()).await;
+        let events = bus.js.get_stream(s.events_stream()).await.expect("events");
+        let done = events
+            .raw_message_builder()
+            .sequence(1)
+            .next_by_subject(s.done_events())
+            .send()
+            .await
+            .map(Copied::of)
+            .expect("a completion");
+        let event = CompletionEvent::decode(&done.payload).expect("a completion");
+        let state = bus
+            .provision_wake_state(&BusSettings::default())
+            .await
+            .expect("buckets");
+        let key = WakeLedger::key(&event.delegation_id, event.task_index);
+        let delivered = state
+            .wake_ledger
+            .get(&key)
+            .await
+            .expect("ledger")
+            .expect("a delivered entry");
+        let Ok(LedgerState::Delivered {
+            idempotency_key, ..
+        }) = serde_json::from_slice(&delivered)
+        else {
+            panic!("{key} is not delivered");
+        };
+        let posting = serde_json::to_vec(&LedgerState::Posting { idempotency_key })
+            .expect("json")
+            .into();
+        Self {
+            submitted,
+            task,
+            done,
+            posting,
+            delivered,
+        }
+    }
+
+    /// Their sizes.
+    pub(crate) fn bytes(&self) -> MessageBytes {
+        MessageBytes {
+            submitted: self.submitted.len(),
+            task: self.task.len(),
+            done: self.done.len(),
+            posting: self.posting.len(),
+            delivered: self.delivered.len(),
+        }
+    }
+}
+
+/// Publishes a copy of `message` to `subject` under `id` and waits until it
+/// is stored.
+async fn store(js: &jetstream::Context, subject: String, id: String, message: &Copied) {
+    let mut headers = message.headers.clone();
     headers.insert("Nats-Msg-Id", id.as_str());
-    js.publish_with_headers(subject, headers, body)
+    js.publish_with_headers(subject, headers, message.payload.clone())
         .await
         .expect("publish")
         .await
@@ -92,6 +240,8 @@ pub(crate) struct SameWork {
     sessions: usize,
     /// Share of delegations that take and release their session's lock.
     lock_share: f64,
+    /// What each of them stores.
+    messages: Messages,
     /// The delegator's connection.
     delegator: Bus,
     /// The worker's connection and its consumer on the tasks stream.
@@ -112,6 +262,7 @@ impl SameWork {
         prefix: &str,
         config: &crate::Config,
         lock_share: f64,
+        messages: Messages,
     ) -> Self {
         let settings = BusSettings::default();
         let delegator = connect(url, prefix).await;
@@ -126,6 +277,7 @@ impl SameWork {
             n: config.n,
             sessions: config.sessions,
             lock_share,
+            messages,
             delegator,
             worker: (worker, tasks),
             wake: (wake, done, state),
@@ -138,17 +290,24 @@ impl SameWork {
             n,
             sessions,
             lock_share,
+            messages,
             delegator,
             worker,
             wake,
         } = self;
+        let Messages {
+            submitted: record,
+            task,
+            done: completion,
+            posting,
+            delivered,
+        } = messages;
         let session = move |i: usize| format!("s{}", i % sessions);
         let begun = Instant::now();
         let delegator = tokio::spawn(async move {
-            let (record, task) = (payload(512), payload(512));
             futures::stream::iter(0..n)
                 .map(|i| {
-                    let (bus, record, task) = (&delegator, record.clone(), task.clone());
+                    let (bus, record, task) = (&delegator, &record, &task);
                     async move {
                         let s = &bus.subjects;
                         let id = format!("d{i}");
@@ -163,13 +322,12 @@ impl SameWork {
         });
         let worker = tokio::spawn(async move {
             let (bus, tasks) = worker;
-            let body = payload(512);
             let messages = tasks.stream().max_messages_per_batch(BATCH).messages();
             let messages = messages.await.expect("pull");
             messages
                 .take(n)
                 .map(|message| {
-                    let (bus, body) = (&bus, body.clone());
+                    let (bus, completion) = (&bus, &completion);
                     async move {
                         let message = message.expect("task");
                         // The task's subject names no delegation; its
@@ -177,7 +335,7 @@ impl SameWork {
                         let i = message.info().expect("info").stream_sequence as usize - 1;
                         let id = format!("d{i}");
                         let subject = bus.subjects.event(&session(i), &id, 0, EventKind::Done);
-                        store(&bus.js, subject, format!("{id}.done"), body).await;
+                        store(&bus.js, subject, format!("{id}.done"), completion).await;
                         message.ack().await.expect("ack");
                     }
                 })
@@ -193,31 +351,28 @@ impl SameWork {
             messages
                 .take(n)
                 .enumerate()
-                .map(|(i, message)| async move {
-                    let message = message.expect("completion");
-                    // `<prefix>.evt.<session>.<delegation>.<index>.done`
-                    let mut tokens = message.subject.split('.').skip(2);
-                    let (session, id) = (tokens.next().unwrap(), tokens.next().unwrap());
-                    let key = format!("{id}.0");
-                    let lock = takes_lock(i, lock_share);
-                    if lock {
-                        locks
-                            .put(session, Bytes::from_static(b"01JF0000000000000000000000"))
-                            .await
-                            .expect("lock taken");
+                .map(|(i, message)| {
+                    let (posting, delivered) = (posting.clone(), delivered.clone());
+                    async move {
+                        let message = message.expect("completion");
+                        // `<prefix>.evt.<session>.<delegation>.<index>.done`
+                        let mut tokens = message.subject.split('.').skip(2);
+                        let (session, id) = (tokens.next().unwrap(), tokens.next().unwrap());
+                        let key = format!("{id}.0");
+                        let lock = takes_lock(i, lock_share);
+                        if lock {
+                            locks
+                                .put(session, Bytes::from_static(b"01JF0000000000000000000000"))
+                                .await
+                                .expect("lock taken");
+                        }
+                        ledger.create(&key, posting).await.expect("posting");
+                        ledger.put(&key, delivered).await.expect("delivered");
+                        if lock {
+                            locks.delete(session).await.expect("lock released");
+                        }
+                        message.ack().await.expect("ack");
                     }
-                    ledger
-                        .create(&key, Bytes::from_static(b"{\"state\":\"posting\"}"))
-                        .await
-                        .expect("posting");
-                    ledger
-                        .put(&key, Bytes::from_static(b"{\"state\":\"delivered\"}"))
-                        .await
-                        .expect("delivered");
-                    if lock {
-                        locks.delete(session).await.expect("lock released");
-                    }
-                    message.ack().await.expect("ack");
                 })
                 .buffer_unordered(WAKE_WINDOW)
                 .collect::<()>()
