@@ -22,6 +22,7 @@ mod procs;
 mod raw;
 mod report;
 mod same_work;
+mod sample;
 mod sink;
 mod stages;
 
@@ -172,7 +173,8 @@ fn cpu_now(server: &NatsServer, wake: &Proc, workers: &[Proc]) -> [f64; 4] {
 /// Submission times of delegations, by id.
 type Submitted = Arc<Mutex<HashMap<String, Instant>>>;
 
-async fn submit(delegator: &Delegator, session: String, submitted: &Submitted) {
+/// Delegates one task for `session`, noting when; returns its delegation id.
+async fn submit(delegator: &Delegator, session: String, submitted: &Submitted) -> String {
     let begun = Instant::now();
     let goal = format!("benchmark task {session:0>240}");
     let result = delegator
@@ -182,7 +184,11 @@ async fn submit(delegator: &Delegator, session: String, submitted: &Submitted) {
     let DelegateResult::Dispatched { delegation_id, .. } = result else {
         panic!("a delegation with a session is dispatched");
     };
-    submitted.lock().unwrap().insert(delegation_id, begun);
+    submitted
+        .lock()
+        .unwrap()
+        .insert(delegation_id.clone(), begun);
+    delegation_id
 }
 
 async fn submit_window(
@@ -200,7 +206,7 @@ async fn submit_window(
             )
         })
         .buffer_unordered(config.window)
-        .collect::<()>()
+        .for_each(|_| std::future::ready(()))
         .await;
 }
 
@@ -437,12 +443,12 @@ async fn main() {
     );
     let saturation = scenario(&server, &config, single, Load::Saturation(config.n)).await;
 
-    // The ceiling runs on a server as empty as the raw ceiling's: without
-    // the saturation run's streams, consumers and held locks.
     // What its delegations stored, message by message, for the ceiling to
     // store the same bytes.
-    let messages = same_work::Messages::sample(&server.url, &saturation.prefix).await;
+    let messages = sample::Messages::sample(&connect(&server.url, &saturation.prefix).await).await;
     let same_work_message_bytes = messages.bytes();
+    // The ceiling runs on a server as empty as the raw ceiling's: without
+    // the saturation run's streams, consumers and held locks.
     same_work::SameWork::clean_up(&server.url, &saturation.prefix).await;
     // As many lock writes per delegation as the saturation run stored,
     // made as take-and-release pairs.
@@ -452,10 +458,13 @@ async fn main() {
         config.n,
         2.0 * lock_share
     );
+    // A prefix as long as a scenario's.
+    let ceiling_prefix = format!("c{}", ulid::Ulid::new().to_string().to_ascii_lowercase());
     let same_work =
-        same_work::SameWork::prepare(&server.url, "ceil", &config, lock_share, messages).await;
+        same_work::SameWork::prepare(&server.url, &ceiling_prefix, &config, lock_share, messages)
+            .await;
     let (same_work_per_s, same_work_cpu_us) = in_process(&server, config.n, same_work.run()).await;
-    let same_work_writes = same_work::SameWork::clean_up(&server.url, "ceil").await;
+    let same_work_writes = same_work::SameWork::clean_up(&server.url, &ceiling_prefix).await;
     let same_work_writes = StoredWrites::between([0; 4], same_work_writes, config.n);
 
     let open_n = config.rate * config.open_loop.as_secs() as usize;

@@ -179,9 +179,9 @@ pub(crate) struct Report {
     /// Stored writes per delegation of the same-work ceiling (its lock
     /// writes made to match the saturation run's).
     pub(crate) same_work_writes: StoredWrites,
-    /// Bytes per message of each kind (payload and headers) the
-    /// same-work ceiling stored, copied from the saturation run's.
-    pub(crate) same_work_message_bytes: crate::same_work::MessageBytes,
+    /// Bytes per message of each kind (payload and header lines) of the
+    /// saturation run, which the same-work ceiling stores copies of.
+    pub(crate) same_work_message_bytes: crate::sample::MessageBytes,
     /// Saturation / same-work ceiling.
     pub(crate) ratio_to_same_work: f64,
     /// Offered load of the open-loop run.
@@ -349,7 +349,7 @@ impl Report {
             "done",
             "posting",
             "delivered",
-            "both runs (the ceiling stores copies)",
+            "sampled from the saturation run",
             b.task,
             b.submitted,
             b.done,

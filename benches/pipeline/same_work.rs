@@ -18,25 +18,30 @@
 //!   the share of delegations whose turn took the lock in the pipeline's
 //!   saturation run (the others kept it from their session's last turn).
 //!
-//! Each message is a copy of one the saturation run stored ([`Messages`]):
-//! the same payload and the same headers (CloudEvents attributes, trace
-//! context, origin), so the server stores and delivers as many bytes as for
-//! the pipeline. It leaves out JSON, checks, executors, the HTTP post, and
-//! the order the pipeline keeps (one post in flight per session). Writes are
-//! not conditional where the pipeline's are; a condition is a header the
-//! server compares, not another write.
+//! Every task, record, completion and ledger entry is a copy of one the
+//! saturation run stored (`sample.rs`): the same payload and headers
+//! (CloudEvents attributes, trace context, origin). The names are as long
+//! as the pipeline's too: a prefix like a bench run's, 26-character
+//! delegation ids, session tokens made as the pipeline makes them, the
+//! pipeline's `Nats-Msg-Id`s and ledger keys. The lock value has the
+//! pipeline's shape (`<instance> <ULID>`). Every header map is built before
+//! the clock starts, so the client costs as little as it can. It leaves out
+//! JSON, checks, executors, the HTTP post, and the order the pipeline keeps
+//! (one post in flight per session). Writes are not conditional where the
+//! pipeline's are; a condition is a header the server compares, not
+//! another write.
 
 use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::{self, consumer, message::StreamMessage};
+use async_nats::jetstream::{self, consumer};
 use bytes::Bytes;
 use futures::StreamExt;
-use serde::Serialize;
 use wakebus::bus::{Bus, BusSettings, WakeState};
-use wakebus::delegate::Delegator;
-use wakebus::protocol::{CompletionEvent, EventKind, Subjects};
-use wakebus::wake::ledger::{LedgerState, WakeLedger};
+use wakebus::protocol::{CompletionEvent, EventKind, Subjects, SubmittedRecord, session_token};
+use wakebus::wake::ledger::WakeLedger;
+
+use crate::sample::Messages;
 
 /// Delegations submitted at once, as the bench's delegator.
 const DELEGATOR_WINDOW: usize = 512;
@@ -47,158 +52,10 @@ const WAKE_WINDOW: usize = 1000;
 /// Messages per pull request.
 const BATCH: usize = 512;
 
-/// A message as the pipeline stored it: its headers and payload.
-#[derive(Debug, Clone)]
-struct Copied {
-    /// Its headers, without any `Nats-Expected-*` condition (which names
-    /// the run's own stream or sequence).
-    headers: HeaderMap,
-    /// Its payload.
-    payload: Bytes,
-}
-
-impl Copied {
-    fn of(message: StreamMessage) -> Self {
-        let mut headers = HeaderMap::new();
-        for (name, values) in message.headers.iter() {
-            let text: &str = name.as_ref();
-            if !text.starts_with("Nats-Expected") {
-                for value in values {
-                    headers.append(name.clone(), value.clone());
-                }
-            }
-        }
-        Self {
-            headers,
-            payload: message.payload,
-        }
-    }
-
-    /// Payload and headers (`Name: value` and its line end), in bytes.
-    fn len(&self) -> usize {
-        let headers: usize = self
-            .headers
-            .iter()
-            .map(|(name, values)| {
-                let name: &str = name.as_ref();
-                values
-                    .iter()
-                    .map(|v| name.len() + v.as_str().len() + 4)
-                    .sum::<usize>()
-            })
-            .sum();
-        self.payload.len() + headers
-    }
-}
-
-/// One of each message a delegation stores, copied from the saturation
-/// run, for the same-work ceiling to store the same bytes.
-#[derive(Debug, Clone)]
-pub(crate) struct Messages {
-    /// A `submitted` record.
-    submitted: Copied,
-    /// A task request.
-    task: Copied,
-    /// A `done` event.
-    done: Copied,
-    /// A wake ledger `posting` entry.
-    posting: Bytes,
-    /// A wake ledger `delivered` entry.
-    delivered: Bytes,
-}
-
-/// Bytes per message of each kind (payload and headers), as stored.
-#[derive(Debug, Clone, Serialize)]
-pub(crate) struct MessageBytes {
-    /// A `submitted` record.
-    pub(crate) submitted: usize,
-    /// A task request.
-    pub(crate) task: usize,
-    /// A `done` event.
-    pub(crate) done: usize,
-    /// A `posting` ledger entry.
-    pub(crate) posting: usize,
-    /// A `delivered` ledger entry.
-    pub(crate) delivered: usize,
-}
-
-impl Messages {
-    /// Copies one message of each kind from the run under `prefix`, once
-    /// its services have stopped: a completion and its ledger entry from
-    /// the run, and the `submitted` record and task of one more delegation
-    /// made for this, which no worker takes.
-    pub(crate) async fn sample(url: &str, prefix: &str) -> Self {
-        let bus = connect(url, prefix).await;
-        let s = bus.subjects.clone();
-        let delegator = Delegator::new(bus.clone());
-        crate::submit(&delegator, "bench.s0".to_owned(), &Default::default()).await;
-        let last = |stream: String| {
-            let js = bus.js.clone();
-            async move {
-                let stream = js.get_stream(stream).await.expect("stream");
-                let last = stream.get_info().await.expect("info").state.last_sequence;
-                Copied::of(stream.get_raw_message(last).await.expect("last message"))
-            }
-        };
-        let task = last(s.tasks_stream()).await;
-        let submitted = last(s.events_stream()).await;
-        let events = bus.js.get_stream(s.events_stream()).await.expect("events");
-        let done = events
-            .raw_message_builder()
-            .sequence(1)
-            .next_by_subject(s.done_events())
-            .send()
-            .await
-            .map(Copied::of)
-            .expect("a completion");
-        let event = CompletionEvent::decode(&done.payload).expect("a completion");
-        let state = bus
-            .provision_wake_state(&BusSettings::default())
-            .await
-            .expect("buckets");
-        let key = WakeLedger::key(&event.delegation_id, event.task_index);
-        let delivered = state
-            .wake_ledger
-            .get(&key)
-            .await
-            .expect("ledger")
-            .expect("a delivered entry");
-        let Ok(LedgerState::Delivered {
-            idempotency_key, ..
-        }) = serde_json::from_slice(&delivered)
-        else {
-            panic!("{key} is not delivered");
-        };
-        let posting = serde_json::to_vec(&LedgerState::Posting { idempotency_key })
-            .expect("json")
-            .into();
-        Self {
-            submitted,
-            task,
-            done,
-            posting,
-            delivered,
-        }
-    }
-
-    /// Their sizes.
-    pub(crate) fn bytes(&self) -> MessageBytes {
-        MessageBytes {
-            submitted: self.submitted.len(),
-            task: self.task.len(),
-            done: self.done.len(),
-            posting: self.posting.len(),
-            delivered: self.delivered.len(),
-        }
-    }
-}
-
-/// Publishes a copy of `message` to `subject` under `id` and waits until it
-/// is stored.
-async fn store(js: &jetstream::Context, subject: String, id: String, message: &Copied) {
-    let mut headers = message.headers.clone();
-    headers.insert("Nats-Msg-Id", id.as_str());
-    js.publish_with_headers(subject, headers, message.payload.clone())
+/// Publishes `payload` to `subject` with `headers` and waits until it is
+/// stored.
+async fn store(js: &jetstream::Context, subject: String, headers: HeaderMap, payload: Bytes) {
+    js.publish_with_headers(subject, headers, payload)
         .await
         .expect("publish")
         .await
@@ -232,16 +89,31 @@ fn takes_lock(i: usize, share: f64) -> bool {
     (i as f64 * share).floor() != ((i + 1) as f64 * share).floor()
 }
 
+/// What the delegator stores for one delegation, built in advance.
+struct Submission {
+    /// The `submitted` record's subject.
+    subject: String,
+    /// The record's headers.
+    record: HeaderMap,
+    /// The task's headers.
+    task: HeaderMap,
+}
+
 /// A same-work run, connected and provisioned, not yet started.
 pub(crate) struct SameWork {
     /// Delegations to run.
     n: usize,
-    /// Distinct origin sessions, round robin.
-    sessions: usize,
     /// Share of delegations that take and release their session's lock.
     lock_share: f64,
-    /// What each of them stores.
+    /// What each delegation stores.
     messages: Messages,
+    /// Delegation `i`'s record and task.
+    submissions: Vec<Submission>,
+    /// Delegation `i`'s `done` event subject and headers, taken by the
+    /// worker when it runs the task.
+    completions: Vec<Option<(String, HeaderMap)>>,
+    /// The value of a session's lock.
+    lock_value: Bytes,
     /// The delegator's connection.
     delegator: Bus,
     /// The worker's connection and its consumer on the tasks stream.
@@ -253,10 +125,10 @@ pub(crate) struct SameWork {
 
 impl SameWork {
     /// Provisions streams and buckets under `prefix` as the pipeline does,
-    /// connects the three roles and creates their consumers. `lock_share`
-    /// of the delegations take their session's lock, as many as in the
-    /// pipeline's saturation run (the rest keep it from their session's
-    /// previous turn there).
+    /// connects the three roles, creates their consumers and builds every
+    /// message's headers. `lock_share` of the delegations take their
+    /// session's lock, as many as in the pipeline's saturation run (the
+    /// rest keep it from their session's previous turn there).
     pub(crate) async fn prepare(
         url: &str,
         prefix: &str,
@@ -273,11 +145,34 @@ impl SameWork {
         let wake = connect(url, prefix).await;
         let state = wake.provision_wake_state(&settings).await.expect("buckets");
         let done = pull(&wake.js, &s.events_stream(), s.done_events()).await;
+        let tokens: Vec<String> = (0..config.sessions)
+            .map(|i| session_token(&format!("bench.s{i}")))
+            .collect();
+        let (mut submissions, mut completions) = (Vec::new(), Vec::new());
+        for i in 0..config.n {
+            let (id, token) = (format!("{i:026}"), &tokens[i % config.sessions]);
+            submissions.push(Submission {
+                subject: s.submitted(token, &id, 0),
+                record: messages
+                    .submitted
+                    .headers_with_id(&SubmittedRecord::id_for(&id, 0)),
+                task: messages.task.headers_with_id(&format!("{id}.0")),
+            });
+            completions.push(Some((
+                s.event(token, &id, 0, EventKind::Done),
+                messages
+                    .done
+                    .headers_with_id(&CompletionEvent::id_for(&id, 0)),
+            )));
+        }
+        let lock_value = format!("wake-bench-{} {}", std::process::id(), ulid::Ulid::new());
         Self {
             n: config.n,
-            sessions: config.sessions,
             lock_share,
             messages,
+            submissions,
+            completions,
+            lock_value: lock_value.into(),
             delegator,
             worker: (worker, tasks),
             wake: (wake, done, state),
@@ -288,9 +183,11 @@ impl SameWork {
     pub(crate) async fn run(self) -> f64 {
         let Self {
             n,
-            sessions,
             lock_share,
             messages,
+            submissions,
+            mut completions,
+            lock_value,
             delegator,
             worker,
             wake,
@@ -302,22 +199,21 @@ impl SameWork {
             posting,
             delivered,
         } = messages;
-        let session = move |i: usize| format!("s{}", i % sessions);
         let begun = Instant::now();
         let delegator = tokio::spawn(async move {
-            futures::stream::iter(0..n)
-                .map(|i| {
-                    let (bus, record, task) = (&delegator, &record, &task);
+            let task_subject = delegator.subjects.task("default");
+            futures::stream::iter(submissions)
+                .map(|submission| {
+                    let (js, record, task) =
+                        (&delegator.js, record.payload.clone(), task.payload.clone());
+                    let task_subject = task_subject.clone();
                     async move {
-                        let s = &bus.subjects;
-                        let id = format!("d{i}");
-                        let subject = s.submitted(&session(i), &id, 0);
-                        store(&bus.js, subject, format!("{id}.submitted"), record).await;
-                        store(&bus.js, s.task("default"), format!("{id}.task"), task).await;
+                        store(js, submission.subject, submission.record, record).await;
+                        store(js, task_subject, submission.task, task).await;
                     }
                 })
                 .buffer_unordered(DELEGATOR_WINDOW)
-                .collect::<()>()
+                .for_each(|()| std::future::ready(()))
                 .await;
         });
         let worker = tokio::spawn(async move {
@@ -327,20 +223,19 @@ impl SameWork {
             messages
                 .take(n)
                 .map(|message| {
-                    let (bus, completion) = (&bus, &completion);
+                    let message = message.expect("task");
+                    // The task's subject names no delegation; its stream
+                    // sequence stands in for the id here.
+                    let i = message.info().expect("info").stream_sequence as usize - 1;
+                    let (subject, headers) = completions[i].take().expect("one run per task");
+                    let (js, payload) = (&bus.js, completion.payload.clone());
                     async move {
-                        let message = message.expect("task");
-                        // The task's subject names no delegation; its
-                        // stream sequence stands in for the id here.
-                        let i = message.info().expect("info").stream_sequence as usize - 1;
-                        let id = format!("d{i}");
-                        let subject = bus.subjects.event(&session(i), &id, 0, EventKind::Done);
-                        store(&bus.js, subject, format!("{id}.done"), completion).await;
+                        store(js, subject, headers, payload).await;
                         message.ack().await.expect("ack");
                     }
                 })
                 .buffer_unordered(WORKER_WINDOW)
-                .collect::<()>()
+                .for_each(|()| std::future::ready(()))
                 .await;
         });
         let wake = tokio::spawn(async move {
@@ -353,18 +248,16 @@ impl SameWork {
                 .enumerate()
                 .map(|(i, message)| {
                     let (posting, delivered) = (posting.clone(), delivered.clone());
+                    let lock_value = lock_value.clone();
                     async move {
                         let message = message.expect("completion");
                         // `<prefix>.evt.<session>.<delegation>.<index>.done`
                         let mut tokens = message.subject.split('.').skip(2);
                         let (session, id) = (tokens.next().unwrap(), tokens.next().unwrap());
-                        let key = format!("{id}.0");
+                        let key = WakeLedger::key(id, 0);
                         let lock = takes_lock(i, lock_share);
                         if lock {
-                            locks
-                                .put(session, Bytes::from_static(b"01JF0000000000000000000000"))
-                                .await
-                                .expect("lock taken");
+                            locks.put(session, lock_value).await.expect("lock taken");
                         }
                         ledger.create(&key, posting).await.expect("posting");
                         ledger.put(&key, delivered).await.expect("delivered");
@@ -375,7 +268,7 @@ impl SameWork {
                     }
                 })
                 .buffer_unordered(WAKE_WINDOW)
-                .collect::<()>()
+                .for_each(|()| std::future::ready(()))
                 .await;
         });
         tokio::time::timeout(Duration::from_secs(600), async {
