@@ -67,31 +67,56 @@ pub struct StatusReport {
 }
 
 impl StatusReport {
-    /// The parts of the snapshot that could not be read, by name (a
-    /// stream, or a stream's consumers, the dead letters, the undelivered
-    /// scan): empty when the snapshot is whole. A partial snapshot is
-    /// still worth printing, most of all during an election; checks that
-    /// must not take it for a whole one look here (`status --strict`).
-    pub fn unread(&self) -> Vec<String> {
+    /// The parts of the snapshot that could not be read: empty when it is
+    /// whole. A partial snapshot is still worth printing, most of all
+    /// during an election; checks that must not take it for a whole one
+    /// look here (`status --strict`).
+    pub fn unread(&self) -> Vec<Unread> {
         let streams = self
             .streams
             .iter()
             .filter(|stream| stream.error.is_some())
             .map(|stream| match stream.present {
-                None => stream.name.clone(),
-                Some(_) => format!("{}'s consumers", stream.name),
+                Some(true) => Unread::Consumers(stream.name.clone()),
+                None | Some(false) => Unread::Stream(stream.name.clone()),
             });
         let dead_letters = self
             .dead_letters
             .error
             .as_ref()
-            .map(|_| "the dead letters".to_owned());
+            .map(|_| Unread::DeadLetters);
         let scan = self
             .undelivered_scan
             .error
             .as_ref()
-            .map(|_| "the undelivered scan".to_owned());
+            .map(|_| Unread::UndeliveredScan);
         streams.chain(dead_letters).chain(scan).collect()
+    }
+}
+
+/// A part of a [`StatusReport`] that could not be read; its `error` field
+/// says why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unread {
+    /// A stream (by name): its row has no counts.
+    Stream(String),
+    /// A stream's consumers (by the stream's name): its row stands, the
+    /// consumer table lacks them.
+    Consumers(String),
+    /// The dead-letter counts.
+    DeadLetters,
+    /// The scan for undelivered wakes.
+    UndeliveredScan,
+}
+
+impl std::fmt::Display for Unread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Stream(name) => f.write_str(name),
+            Self::Consumers(stream) => write!(f, "{stream}'s consumers"),
+            Self::DeadLetters => f.write_str("the dead letters"),
+            Self::UndeliveredScan => f.write_str("the undelivered scan"),
+        }
     }
 }
 
@@ -629,4 +654,77 @@ async fn undelivered(
     list.sort_by_key(|s| s.oldest);
     list.truncate(options.top_sessions);
     Ok((list, scan))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A snapshot of one deployment whose every part was read, as JSON.
+    fn whole() -> serde_json::Value {
+        let stream = |name: &str| {
+            serde_json::json!({
+                "name": name, "present": true, "error": null, "messages": 0,
+                "bytes": 0, "first_time": null, "last_time": null, "first_seq": 0,
+                "last_seq": 0, "consumer_count": 0, "replicas": 1, "cluster": null
+            })
+        };
+        serde_json::json!({
+            "prefix": "wakebus",
+            "taken_at": "2026-12-05T12:00:00Z",
+            "streams": [stream("WAKEBUS_TASKS"), stream("WAKEBUS_EVENTS"), stream("WAKEBUS_DLQ")],
+            "consumers": [],
+            "dead_letters": {"total": 0, "tasks": {}, "wakes": 0, "poison": 0, "error": null},
+            "services": [],
+            "oldest_undelivered": [],
+            "undelivered_scan": {"from_seq": 1, "scanned": 0, "complete": true, "error": null}
+        })
+    }
+
+    fn unread(report: serde_json::Value) -> Vec<Unread> {
+        serde_json::from_value::<StatusReport>(report)
+            .expect("a report")
+            .unread()
+    }
+
+    #[test]
+    fn a_whole_snapshot_has_nothing_unread() {
+        assert_eq!(unread(whole()), Vec::new());
+    }
+
+    #[test]
+    fn unread_names_streams_consumers_dead_letters_and_the_scan_in_order() {
+        let mut report = whole();
+        report["streams"][0]["present"] = serde_json::Value::Null;
+        report["streams"][0]["error"] = "timed out".into();
+        report["streams"][1]["error"] = "cannot read the consumers".into();
+        report["dead_letters"]["error"] = "refused".into();
+        report["undelivered_scan"]["error"] = "no consumer".into();
+        let parts = unread(report);
+        assert_eq!(
+            parts,
+            vec![
+                Unread::Stream("WAKEBUS_TASKS".to_owned()),
+                Unread::Consumers("WAKEBUS_EVENTS".to_owned()),
+                Unread::DeadLetters,
+                Unread::UndeliveredScan,
+            ]
+        );
+        let text: Vec<String> = parts.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            text.join(", "),
+            "WAKEBUS_TASKS, WAKEBUS_EVENTS's consumers, the dead letters, the undelivered scan"
+        );
+    }
+
+    #[test]
+    fn a_stream_reported_absent_with_an_error_is_named_as_the_stream() {
+        let mut report = whole();
+        report["streams"][2]["present"] = false.into();
+        report["streams"][2]["error"] = "odd".into();
+        assert_eq!(
+            unread(report),
+            vec![Unread::Stream("WAKEBUS_DLQ".to_owned())]
+        );
+    }
 }

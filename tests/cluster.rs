@@ -1,7 +1,8 @@
 //! A 3-node JetStream cluster: streams and buckets get 3 replicas by
 //! default, and delegations survive the crash and restart of the node that
-//! leads the events stream, and a rolling restart of every node (stopped
-//! with SIGTERM, or put in lame-duck mode first), each woken exactly once; `wakebus status` shows where each stream's replicas stand.
+//! leads the events stream, and a rolling restart of every node (each
+//! stopped with SIGTERM, or leaving in lame-duck mode), each woken exactly
+//! once; `wakebus status` shows where each stream's replicas stand.
 
 mod common;
 
@@ -389,11 +390,15 @@ async fn every_delegation_wakes_exactly_once_when_every_node_in_turn_leaves_in_l
 enum Leaving {
     /// SIGTERM: the node stops at once.
     Terminated,
-    /// Lame-duck mode first (SIGUSR2): the node hands its leaderships
-    /// over and closes its clients one by one before it exits, so every
-    /// client it had reconnects elsewhere while the flow goes on.
+    /// Lame-duck mode (SIGUSR2): the node hands its leaderships over and
+    /// closes its clients one by one before it exits, so every client it
+    /// had reconnects elsewhere while the flow goes on.
     LameDuck,
 }
+
+/// The flow's client connections: the publisher's, the wake's and the
+/// two workers'.
+const FLOW_CONNECTIONS: usize = 4;
 
 /// As for an upgrade: one node at a time leaves while a quarter of the
 /// delegations is on its way and is started again, the next only once
@@ -406,6 +411,7 @@ async fn roll_every_node(leaving: Leaving) {
     let mut cluster = NatsCluster::start(3).await;
     let mut flow = Flow::start(&cluster).await;
     let quarter = N / 4;
+    let mut closed_by_lame_ducks = 0;
     for node in 0..3 {
         flow.publish(node * quarter..(node + 1) * quarter);
         let woken = flow.wait_woken(node * quarter + 1).await;
@@ -415,8 +421,19 @@ async fn roll_every_node(leaving: Leaving) {
         );
         match leaving {
             Leaving::Terminated => cluster.restart_gracefully(node).await,
-            Leaving::LameDuck => cluster.restart_after_lame_duck(node).await,
+            Leaving::LameDuck => {
+                closed_by_lame_ducks += cluster.restart_after_lame_duck(node).await;
+            }
         }
+    }
+    // A connection moves only when its node leaves, and every node leaves
+    // once: so each of the flow's connections was closed by a lame-duck
+    // node at least once.
+    if matches!(leaving, Leaving::LameDuck) {
+        assert!(
+            closed_by_lame_ducks >= FLOW_CONNECTIONS,
+            "only {closed_by_lame_ducks} connection(s) were on a node when it left"
+        );
     }
     flow.publish(3 * quarter..N);
     flow.wait_woken(N).await;

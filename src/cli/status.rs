@@ -68,6 +68,7 @@ pub(crate) async fn run(global: &Global, args: StatusArgs) -> anyhow::Result<Exi
     }
     let unread = report.unread();
     if args.strict && !unread.is_empty() {
+        let unread: Vec<String> = unread.iter().map(ToString::to_string).collect();
         warn!(unread = %unread.join(", "), "The snapshot is partial; exiting with status 3 (--strict).");
         return Ok(ExitCode::from(PARTIAL));
     }

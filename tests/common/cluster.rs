@@ -12,15 +12,16 @@ pub struct NatsCluster {
     pub nodes: Vec<NatsServer>,
     /// Each node's HTTP monitoring port (`/healthz`).
     monitor_ports: Vec<u16>,
-    /// Holds the configuration file every node reads: the shortest
-    /// lame-duck timings the server accepts, so that a node put in
-    /// lame-duck mode leaves within seconds rather than minutes.
+    /// Holds the configuration file every node reads ([`CONFIG`]).
     _config: tempfile::TempDir,
 }
 
-/// The nodes' configuration file. nats-server refuses a
-/// `lame_duck_duration` under 30 s; it closes its clients one by one over
-/// that time, and exits as soon as the last is gone.
+/// The nodes' configuration file: lame-duck timings that let a node put in
+/// lame-duck mode leave within seconds. The grace period before it starts
+/// closing its clients is 1 s (the default is 10 s, as in
+/// `deploy/nats-cluster.conf`). It then closes them one by one, spread over
+/// `lame_duck_duration` but at most 1 s apart, so with a few clients the
+/// duration hardly matters; 30 s is the least the server accepts.
 const CONFIG: &str = "lame_duck_grace_period: 1s\nlame_duck_duration: 30s\n";
 
 impl NatsCluster {
@@ -130,11 +131,32 @@ impl NatsCluster {
     /// Puts node `i` in lame-duck mode, as `nats-server --signal ldm` does
     /// before an upgrade, waits for it to hand over its leaderships, close
     /// its clients and exit, then starts it again and waits as
-    /// [`Self::restart_gracefully`] does.
-    pub async fn restart_after_lame_duck(&mut self, i: usize) {
-        self.nodes[i].lame_duck().await;
+    /// [`Self::restart_gracefully`] does. Returns how many clients the node
+    /// had when it was told: each was closed by the lame-duck node (which
+    /// is checked) and had to reconnect to another.
+    pub async fn restart_after_lame_duck(&mut self, i: usize) -> usize {
+        let clients = self.clients(i).await;
+        let closed_clients = self.nodes[i].lame_duck().await;
+        assert_eq!(
+            closed_clients,
+            clients > 0,
+            "n{i} had {clients} client(s) when it entered lame-duck mode"
+        );
         self.start_again(i).await;
         self.wait_healthy().await;
+        clients
+    }
+
+    /// The client connections node `i` has (its `/connz`).
+    async fn clients(&self, i: usize) -> usize {
+        let url = format!("http://127.0.0.1:{}/connz", self.monitor_ports[i]);
+        let (status, body) = super::http_get(&url).await.expect("/connz answers");
+        assert_eq!(status, 200, "{body}");
+        let connz: serde_json::Value = serde_json::from_str(&body).expect("/connz is JSON");
+        connz["num_connections"]
+            .as_u64()
+            .map(|n| n as usize)
+            .unwrap_or_else(|| panic!("no num_connections in {body}"))
     }
 
     async fn start_again(&mut self, i: usize) {

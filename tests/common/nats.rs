@@ -261,8 +261,10 @@ impl NatsServer {
     /// Puts the server in lame-duck mode (SIGUSR2, what `nats-server
     /// --signal ldm` sends) and waits for it to exit: it stops taking new
     /// clients, hands its JetStream leaderships over, closes its clients
-    /// one by one over its `lame_duck_duration` and exits.
-    pub async fn lame_duck(&mut self) {
+    /// one by one after its grace period and exits. Returns whether it had
+    /// clients left to close (a server without any exits at once, as on
+    /// SIGTERM).
+    pub async fn lame_duck(&mut self) -> bool {
         self.stop_with(nix::sys::signal::Signal::SIGUSR2, Duration::from_secs(60))
             .await;
         let log = std::fs::read_to_string(self.store.path().join("server.stderr"))
@@ -271,6 +273,7 @@ impl NatsServer {
             log.contains("Entering lame duck mode"),
             "nats-server exited without entering lame-duck mode:\n{log}"
         );
+        log.contains("Closing existing clients")
     }
 
     /// Sends `signal` and waits up to `patience` for the process to exit,
