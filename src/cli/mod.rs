@@ -87,12 +87,19 @@ type Telemetry = ();
 /// `default_level`) and, with the `otel` feature and an OTLP endpoint,
 /// exports spans as well.
 fn init_logging(global: &args::Global, default_level: &str) -> Telemetry {
+    use std::io::IsTerminal as _;
     use tracing_subscriber::layer::SubscriberExt as _;
     use tracing_subscriber::util::SubscriberInitExt as _;
     use tracing_subscriber::{EnvFilter, Layer as _};
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colours only for a person at a terminal: a collector reading a pipe
+    // (journald, `docker logs`) would get escape codes in every line.
+    let ansi = std::io::stderr().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|value| value.is_empty());
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
     let fmt = match global.log_format {
         args::LogFormat::Json => fmt.json().boxed(),
         args::LogFormat::Text => fmt.boxed(),
