@@ -75,15 +75,17 @@ pub(crate) async fn ceiling(url: &str, prefix: &str, n: usize) -> f64 {
     let hop_one = pull_consumer(&admin, &first).await;
     let hop_two = pull_consumer(&admin, &second).await;
     let payload = Bytes::from(vec![b'x'; 512]);
+    // Connected before the clock starts, as the pipeline's processes are.
+    let (publishing, relaying) = (context(url).await, context(url).await);
 
     let begun = Instant::now();
     let publisher = {
-        let js = context(url).await;
+        let js = publishing;
         let subject = format!("{first}.in");
         tokio::spawn(async move { publish_all(&js, &subject, n, payload).await })
     };
     let relay = {
-        let js = context(url).await;
+        let js = relaying;
         let subject = format!("{second}.out");
         tokio::spawn(async move {
             let mut messages = hop_one
