@@ -18,8 +18,8 @@
 //!   the share of delegations whose turn took the lock in the pipeline's
 //!   saturation run (the others kept it from their session's last turn).
 //!
-//! Every task, record, completion and ledger entry is a copy of one the
-//! saturation run stored (`sample.rs`): the same payload and headers
+//! Every task, record, completion and ledger entry is a copy of one stored
+//! under the saturation run's prefix (`sample.rs`): the same payload and headers
 //! (CloudEvents attributes, trace context, origin). The names are as long
 //! as the pipeline's too: a prefix like a bench run's, 26-character
 //! delegation ids, session tokens made as the pipeline makes them, the
