@@ -1081,16 +1081,21 @@ async fn assert_no_events_stream(bus: &Bus) {
     assert!(found.is_err(), "a real events stream raced the responder");
 }
 
-/// A client for a worker whose events stream is
-/// `events_stream_acking_duplicates_of_nothing`; nothing is provisioned
-/// (the worker's probe, answered by the responder, finds the stream, so
-/// the worker does not create it).
-async fn bus_without_events_stream(nats: &NatsServer, prefix: &str) -> Bus {
+/// A client for a worker under a new prefix whose events stream is
+/// `events_stream_acking_duplicates_of_nothing`, and that responder.
+/// Nothing is provisioned (the worker's probe, answered by the responder,
+/// finds the stream, so the worker does not create it).
+async fn bus_behind_a_duplicate_acking_events_stream(
+    nats: &NatsServer,
+) -> (Bus, tokio::task::JoinHandle<Answered>) {
+    let prefix = unique_prefix();
     let client = wakebus::connect::NatsConfig::new(nats.url())
         .connect()
         .await
         .expect("connect");
-    Bus::new(client, wakebus::protocol::Subjects::new(prefix).unwrap())
+    let bus = Bus::new(client, wakebus::protocol::Subjects::new(&prefix).unwrap());
+    let responder = events_stream_acking_duplicates_of_nothing(&bus, &prefix);
+    (bus, responder)
 }
 
 /// Taking a duplicate ack of nothing stored (see
@@ -1101,9 +1106,7 @@ async fn bus_without_events_stream(nats: &NatsServer, prefix: &str) -> Bus {
 async fn a_completion_acked_as_a_duplicate_of_nothing_stored_is_published_again_until_stored() {
     init_logs();
     let nats = NatsServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus_without_events_stream(&nats, &prefix).await;
-    let responder = events_stream_acking_duplicates_of_nothing(&bus, &prefix);
+    let (bus, responder) = bus_behind_a_duplicate_acking_events_stream(&nats).await;
 
     let mut services = Services::new();
     services.echo_worker(&bus);
@@ -1132,9 +1135,7 @@ async fn a_completion_acked_as_a_duplicate_of_nothing_stored_is_published_again_
 async fn a_given_up_task_whose_failed_completion_is_not_stored_at_first_keeps_its_reason() {
     init_logs();
     let nats = NatsServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus_without_events_stream(&nats, &prefix).await;
-    let responder = events_stream_acking_duplicates_of_nothing(&bus, &prefix);
+    let (bus, responder) = bus_behind_a_duplicate_acking_events_stream(&nats).await;
 
     let mut services = Services::new();
     worker_that_cannot_start(&mut services, &bus, 1);
