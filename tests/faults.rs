@@ -8,12 +8,14 @@ mod common;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use common::process::{LogsOnPanic, Service, wake_args, worker_args};
+use common::process::{
+    LogsOnPanic, Service, base_args, sample, spawn_with_metrics, wake_args, worker_args,
+};
 use common::raw;
 use common::*;
 use nix::sys::signal::Signal;
 use wakebus::bus::Bus;
-use wakebus::delegate::Delegation;
+use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::{CompletionEvent, StartedEvent, Status, TaskRequest};
 
 async fn events(bus: &Bus, suffix: &str) -> Vec<async_nats::jetstream::message::StreamMessage> {
@@ -798,4 +800,110 @@ async fn a_header_value_with_a_carriage_return_is_handled_like_any_other_message
     assert!(dead[0].0.ends_with(".dlq.wake.poison"), "{dead:?}");
     let woken: Vec<String> = api.accepted().iter().map(|p| p.session()).collect();
     assert_eq!(woken, ["s.cr", "s.after"]);
+}
+
+/// `wakebus_pulls_failed_total` for `consumer` from the metrics at `base`
+/// (0 until one failed).
+async fn failed_pulls(base: &str, consumer: &str) -> f64 {
+    let (_, text) = eventually(Duration::from_secs(10), "the metrics", || async {
+        http_get(&format!("{base}/metrics")).await
+    })
+    .await;
+    let name = format!(r#"wakebus_pulls_failed_total{{consumer="{consumer}"}}"#);
+    sample(&text, &name).unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn a_worker_and_a_wake_whose_consumers_are_deleted_create_them_again_and_wake_everything_once()
+ {
+    let rig = Rig::start().await;
+    let mut args = base_args(&rig.nats.url(), &rig.prefix);
+    args.extend(["worker", "--executor", "echo", "--ack-wait", "7s"].map(String::from));
+    let (worker, worker_metrics) = spawn_with_metrics(args, rig.logs.path().join("worker.log"));
+    // `wake_args` gives it `--ack-wait 2s`.
+    let (wake, wake_metrics) = spawn_with_metrics(
+        wake_args(&rig.nats.url(), &rig.prefix, &rig.api.url()),
+        rig.logs.path().join("wake.log"),
+    );
+    let _logs = LogsOnPanic(vec![worker.log.clone(), wake.log.clone()]);
+    let delegator = Delegator::new(rig.bus.clone());
+    let mut ids = HashSet::new();
+    let first = delegator
+        .delegate(Delegation::new("before").session("s.vanish.0"))
+        .await
+        .unwrap();
+    ids.insert(id_of(&first));
+    wait_until(Duration::from_secs(30), "the first wake", || async {
+        rig.api.accepted().len() == 1
+    })
+    .await;
+
+    // Both consumers are deleted under the running services (by hand, or
+    // lost with a cluster's data). Their pulls in flight end with a 409;
+    // later ones go unanswered.
+    let subjects = &rig.bus.subjects;
+    let tasks = rig
+        .bus
+        .js
+        .get_stream(subjects.tasks_stream())
+        .await
+        .unwrap();
+    let events = rig
+        .bus
+        .js
+        .get_stream(subjects.events_stream())
+        .await
+        .unwrap();
+    let worker_consumer = subjects.worker_consumer("default");
+    tasks.delete_consumer(&worker_consumer).await.unwrap();
+    events
+        .delete_consumer(subjects.wake_consumer())
+        .await
+        .unwrap();
+    for i in 1..=3 {
+        let delegated = delegator
+            .delegate(Delegation::new("meanwhile").session(format!("s.vanish.{i}")))
+            .await
+            .unwrap();
+        ids.insert(id_of(&delegated));
+    }
+
+    // Each service finds its consumer gone and creates it again, with its
+    // own settings; the work that waited is done.
+    wait_until(
+        Duration::from_secs(40),
+        "every delegation woken",
+        || async { rig.api.accepted().len() >= 4 },
+    )
+    .await;
+    // The new wake consumer delivers the first completion again; the
+    // ledger says it was delivered, so it is acked, not posted.
+    wake_consumer_settled(&rig.bus).await;
+    let woken: Vec<String> = rig
+        .api
+        .accepted()
+        .iter()
+        .flat_map(|post| post.delegation_ids())
+        .collect();
+    assert_eq!(woken.len(), 4, "{woken:?}");
+    assert_eq!(woken.into_iter().collect::<HashSet<_>>(), ids);
+    let ack_wait = |info: &async_nats::jetstream::consumer::Info| info.config.ack_wait;
+    let restored = tasks.consumer_info(&worker_consumer).await.unwrap();
+    assert_eq!(ack_wait(&restored), Duration::from_secs(7));
+    let restored = events
+        .consumer_info(subjects.wake_consumer())
+        .await
+        .unwrap();
+    assert_eq!(ack_wait(&restored), Duration::from_secs(2));
+
+    for (service, base, consumer) in [
+        (&worker, &worker_metrics, "tasks"),
+        (&wake, &wake_metrics, "completions"),
+    ] {
+        let log = std::fs::read_to_string(&service.log).unwrap();
+        let restored = log.matches("created it again").count();
+        assert_eq!(restored, 1, "{consumer}:\n{log}");
+        // The pull in flight at the deletion ended in an error, counted.
+        assert!(failed_pulls(base, consumer).await >= 1.0, "{consumer}");
+    }
 }

@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::cli::{field, publish_task, wakebus};
+use common::process::{sample, spawn_with_metrics};
 use common::*;
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -524,26 +525,6 @@ async fn instances_answer_the_standard_micro_service_requests() {
 }
 
 // ---------------------------------------------------------------- metrics
-
-/// The value of the sample `name` (with its labels, exactly as rendered).
-fn sample(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-}
-
-/// Starts `wakebus <args> --metrics-addr <a free port>`, logging to
-/// `log`; returns it and the base URL of its metrics.
-fn spawn_with_metrics(
-    mut args: Vec<String>,
-    log: std::path::PathBuf,
-) -> (common::process::Service, String) {
-    let addr = format!("127.0.0.1:{}", common::nats::free_port());
-    args.extend(["--metrics-addr".to_owned(), addr.clone()]);
-    (
-        common::process::Service::spawn(args, log),
-        format!("http://{addr}"),
-    )
-}
 
 #[tokio::test]
 async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {

@@ -5,7 +5,9 @@
 //!   ([`BusSettings`]) and the errors of provisioning and publishing;
 //! - `provision.rs`: the streams and KV buckets, created or updated
 //!   idempotently and never deleted;
-//! - `consumers.rs`: the durable consumers of the workers and the wake;
+//! - `consumers.rs`: the durable consumers of the workers and the wake, and
+//!   keeping them in place while the services run;
+//! - `pulls.rs`: pacing a service's pull requests while they fail;
 //! - `queue.rs`: whether a delegation's request is still in the task queue;
 //! - `publish.rs`: publishing until JetStream confirms the message stored;
 //! - `dead_letter.rs`: copying an unusable message to the dead letters.
@@ -14,6 +16,7 @@ mod consumers;
 mod dead_letter;
 mod provision;
 mod publish;
+mod pulls;
 mod queue;
 
 use std::time::Duration;
@@ -23,9 +26,10 @@ use async_nats::jetstream::{self, kv, stream};
 
 use crate::protocol::Subjects;
 
-pub(crate) use consumers::PullRetry;
+pub(crate) use consumers::ServiceConsumer;
 pub(crate) use provision::is_stream_not_found;
 pub(crate) use publish::confirm_stored;
+pub(crate) use pulls::PullRetry;
 
 /// Settings for the streams and buckets, shared by every service.
 #[derive(Debug, Clone)]

@@ -61,6 +61,11 @@ pub const WAKE_POSTS_IN_FLIGHT: &str = "wakebus_wake_posts_in_flight";
 /// Sessions the wake service is working on now: completions in hand, or
 /// its lock kept for the session's next completion.
 pub const WAKE_SESSIONS_ACTIVE: &str = "wakebus_wake_sessions_active";
+/// Pull requests that ended in an error, by `consumer` (`tasks`,
+/// `completions`): a 503 while the consumer elects a leader or does not
+/// exist, a request gone silent. Each is asked again after a backoff; a
+/// steady rise means the service is getting no work.
+pub const PULLS_FAILED: &str = "wakebus_pulls_failed_total";
 /// Messages the service's consumer has not yet delivered, by `stream` and `consumer`.
 pub const CONSUMER_PENDING: &str = "wakebus_consumer_pending";
 /// Messages delivered but not yet acknowledged, by `stream` and `consumer`.
@@ -121,6 +126,10 @@ fn describe() {
     describe_counter!(
         WAKE_DELIVERY_RECORD_RETRIES,
         "Rounds of a delivered turn's ledger records that were not all stored and are written again."
+    );
+    describe_counter!(
+        PULLS_FAILED,
+        "Pull requests that ended in an error and were asked again after a backoff."
     );
     describe_counter!(
         WAKE_SESSION_LOCKS,
@@ -221,6 +230,11 @@ pub fn wake_delivery_record_retried() {
 /// [`WAKE_SESSION_LOCKS`] says.
 pub fn wake_session_lock(result: &'static str) {
     metrics::counter!(WAKE_SESSION_LOCKS, "result" => result).increment(1);
+}
+
+/// A pull request of `consumer` (`tasks`, `completions`) ended in an error.
+pub fn pull_failed(consumer: &'static str) {
+    metrics::counter!(PULLS_FAILED, "consumer" => consumer).increment(1);
 }
 
 /// Counts one unit of work in flight for as long as it lives: in a gauge

@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use crate::bus::{Bus, BusSettings, ProvisionError, PullRetry};
+use crate::bus::{Bus, BusSettings, ProvisionError, PullRetry, ServiceConsumer};
 use crate::ops::service::{Registration, register};
 use crate::outcome::Outcome;
 use crate::protocol::{
@@ -178,6 +178,16 @@ pub async fn run(
         }
     };
     info!(api = %session_api::redacted_url(&config.api.base_url), instance = %config.instance, verify_origin = config.verify_origin, "Wake service started.");
+    // Created again if it goes away while the wake runs.
+    let keeping = CancellationToken::new();
+    let _stop_keeping_on_exit = keeping.clone().drop_guard();
+    tokio::spawn(bus.clone().keep_consumer(
+        ServiceConsumer::Wake {
+            ack_wait: config.ack_wait,
+            max_ack_pending: config.max_in_flight,
+        },
+        keeping,
+    ));
     let shared = Arc::new(Shared {
         api,
         ledger: WakeLedger::new(provisioned.wake_ledger),

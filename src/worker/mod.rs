@@ -25,7 +25,7 @@ use handler::TaskHandler;
 pub(crate) use handler::token_for;
 pub use handler::{Rejected, decode_request};
 
-use crate::bus::{Bus, BusSettings, ProvisionError, PullRetry};
+use crate::bus::{Bus, BusSettings, ProvisionError, PullRetry, ServiceConsumer};
 use crate::ops::service::{Registration, register};
 use crate::protocol::Limits;
 use crate::quarantine::{ReconnectWatch, sweep_after_reconnect, sweep_at_start};
@@ -158,6 +158,17 @@ pub async fn run(
         }
     };
     info!(pool = %config.pool, concurrency = config.concurrency, executor = executor.name(), instance = %config.instance, "Worker started.");
+
+    // Created again if it goes away while the worker runs.
+    let keeping = CancellationToken::new();
+    let _stop_keeping_on_exit = keeping.clone().drop_guard();
+    tokio::spawn(bus.clone().keep_consumer(
+        ServiceConsumer::Worker {
+            pool: config.pool.clone(),
+            ack_wait: config.ack_wait,
+        },
+        keeping,
+    ));
 
     let cancels = Arc::new(cancel::CancelRegistry::new(settings.history_max_age));
     let stop_following = CancellationToken::new();

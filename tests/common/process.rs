@@ -188,3 +188,17 @@ impl Drop for LogsOnPanic {
         }
     }
 }
+
+/// The value of the sample `name` (with its labels, exactly as rendered).
+pub fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// Starts `wakebus <args> --metrics-addr <a free port>`, logging to
+/// `log`; returns it and the base URL of its metrics.
+pub fn spawn_with_metrics(mut args: Vec<String>, log: std::path::PathBuf) -> (Service, String) {
+    let addr = format!("127.0.0.1:{}", super::nats::free_port());
+    args.extend(["--metrics-addr".to_owned(), addr.clone()]);
+    (Service::spawn(args, log), format!("http://{addr}"))
+}
