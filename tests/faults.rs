@@ -8,8 +8,10 @@ mod common;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
+use async_nats::jetstream::consumer::DeliverPolicy;
 use common::process::{
-    LogsOnPanic, Service, base_args, sample, spawn_with_metrics, wake_args, worker_args,
+    LogsOnPanic, Service, base_args, sample, spawn_with_metrics, spawn_with_metrics_and_env,
+    wake_args, worker_args,
 };
 use common::raw;
 use common::*;
@@ -17,6 +19,9 @@ use nix::sys::signal::Signal;
 use wakebus::bus::Bus;
 use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::{CompletionEvent, StartedEvent, Status, TaskRequest};
+
+/// How long a step of a test may take.
+const WAIT: Duration = Duration::from_secs(40);
 
 async fn events(bus: &Bus, suffix: &str) -> Vec<async_nats::jetstream::message::StreamMessage> {
     all_messages(bus, &bus.subjects.events_stream())
@@ -813,6 +818,21 @@ async fn failed_pulls(base: &str, consumer: &str) -> f64 {
     sample(&text, &name).unwrap_or(0.0)
 }
 
+/// The ack floor the wake's consumer keeper last logged seeing, if any.
+fn ack_floor_seen(log: &str) -> Option<u64> {
+    log.lines()
+        .filter(|line| line.contains("Consumer checked."))
+        .filter_map(|line| {
+            line.split("ack_floor=")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .max()
+}
+
 #[tokio::test]
 async fn a_worker_and_a_wake_whose_consumers_are_deleted_create_them_again_and_wake_everything_once()
  {
@@ -821,19 +841,23 @@ async fn a_worker_and_a_wake_whose_consumers_are_deleted_create_them_again_and_w
     args.extend(["worker", "--executor", "echo", "--ack-wait", "7s"].map(String::from));
     let (worker, worker_metrics) = spawn_with_metrics(args, rig.logs.path().join("worker.log"));
     // `wake_args` gives it `--ack-wait 2s`.
-    let (wake, wake_metrics) = spawn_with_metrics(
-        wake_args(&rig.nats.url(), &rig.prefix, &rig.api.url()),
-        rig.logs.path().join("wake.log"),
+    let mut args = wake_args(&rig.nats.url(), &rig.prefix, &rig.api.url());
+    args.extend(["--max-in-flight", "77"].map(String::from));
+    let debug = (
+        "RUST_LOG".to_owned(),
+        "wakebus=info,wakebus::bus::keeper=debug".to_owned(),
     );
+    let (mut wake, wake_metrics) =
+        spawn_with_metrics_and_env(args, rig.logs.path().join("wake.log"), vec![debug]);
     let _logs = LogsOnPanic(vec![worker.log.clone(), wake.log.clone()]);
     let delegator = Delegator::new(rig.bus.clone());
-    let mut ids = HashSet::new();
-    let first = delegator
-        .delegate(Delegation::new("before").session("s.vanish.0"))
-        .await
-        .unwrap();
-    ids.insert(id_of(&first));
-    wait_until(Duration::from_secs(30), "the first wake", || async {
+    let delegate = |session: &str| {
+        let delegation = Delegation::new("hello").session(session);
+        let delegator = &delegator;
+        async move { id_of(&delegator.delegate(delegation).await.unwrap()) }
+    };
+    let mut ids = HashSet::from([delegate("s.vanish.0").await]);
+    wait_until(WAIT, "the first wake", || async {
         rig.api.accepted().len() == 1
     })
     .await;
@@ -861,49 +885,113 @@ async fn a_worker_and_a_wake_whose_consumers_are_deleted_create_them_again_and_w
         .await
         .unwrap();
     for i in 1..=3 {
-        let delegated = delegator
-            .delegate(Delegation::new("meanwhile").session(format!("s.vanish.{i}")))
-            .await
-            .unwrap();
-        ids.insert(id_of(&delegated));
+        ids.insert(delegate(&format!("s.vanish.{i}")).await);
     }
 
     // Each service finds its consumer gone and creates it again, with its
-    // own settings; the work that waited is done.
-    wait_until(
-        Duration::from_secs(40),
-        "every delegation woken",
-        || async { rig.api.accepted().len() >= 4 },
-    )
+    // own settings; the work that waited is done, once.
+    wait_until(WAIT, "every delegation woken", || async {
+        rig.api.accepted().len() >= 4
+    })
     .await;
-    // The new wake consumer delivers the first completion again; the
-    // ledger says it was delivered, so it is acked, not posted.
     wake_consumer_settled(&rig.bus).await;
-    let woken: Vec<String> = rig
-        .api
-        .accepted()
-        .iter()
-        .flat_map(|post| post.delegation_ids())
-        .collect();
-    assert_eq!(woken.len(), 4, "{woken:?}");
-    assert_eq!(woken.into_iter().collect::<HashSet<_>>(), ids);
-    let ack_wait = |info: &async_nats::jetstream::consumer::Info| info.config.ack_wait;
+    let woken = |api: &SessionApiServer| -> Vec<String> {
+        let posts = api.accepted();
+        posts
+            .iter()
+            .flat_map(|post| post.delegation_ids())
+            .collect()
+    };
+    assert_eq!(woken(&rig.api).len(), 4, "{:?}", woken(&rig.api));
+    assert_eq!(woken(&rig.api).into_iter().collect::<HashSet<_>>(), ids);
     let restored = tasks.consumer_info(&worker_consumer).await.unwrap();
-    assert_eq!(ack_wait(&restored), Duration::from_secs(7));
+    assert_eq!(restored.config.ack_wait, Duration::from_secs(7));
     let restored = events
         .consumer_info(subjects.wake_consumer())
         .await
         .unwrap();
-    assert_eq!(ack_wait(&restored), Duration::from_secs(2));
-
+    assert_eq!(restored.config.ack_wait, Duration::from_secs(2));
+    assert_eq!(restored.config.max_ack_pending, 77);
     for (service, base, consumer) in [
         (&worker, &worker_metrics, "tasks"),
         (&wake, &wake_metrics, "completions"),
     ] {
         let log = std::fs::read_to_string(&service.log).unwrap();
-        let restored = log.matches("created it again").count();
-        assert_eq!(restored, 1, "{consumer}:\n{log}");
+        assert_eq!(log.matches("created it again").count(), 1, "{consumer}");
         // The pull in flight at the deletion ended in an error, counted.
         assert!(failed_pulls(base, consumer).await >= 1.0, "{consumer}");
     }
+
+    // A completion the session API refuses is dead-lettered and acked with
+    // no `delivered` entry in the ledger. Once the wake's keeper has seen
+    // it acknowledged, its consumer is deleted again: the new one starts
+    // after it, so it is not posted again.
+    rig.api.fail_next(1, 422);
+    let refused = delegate("s.vanish.refused").await;
+    wait_until(WAIT, "the refused post", || async {
+        rig.api.all_posts().len() == 5
+    })
+    .await;
+    wake_consumer_settled(&rig.bus).await;
+    let floor = wake_consumer_info(&rig.bus)
+        .await
+        .unwrap()
+        .ack_floor
+        .stream_sequence;
+    wait_until(
+        WAIT,
+        "the keeper to see the refused completion acked",
+        || async {
+            let log = std::fs::read_to_string(&wake.log).unwrap();
+            ack_floor_seen(&log).is_some_and(|seen| seen >= floor)
+        },
+    )
+    .await;
+    events
+        .delete_consumer(subjects.wake_consumer())
+        .await
+        .unwrap();
+    wait_until(WAIT, "the wake consumer created again", || async {
+        let log = std::fs::read_to_string(&wake.log).unwrap();
+        log.matches("created it again").count() == 2
+    })
+    .await;
+    ids.insert(delegate("s.vanish.5").await);
+    wait_until(WAIT, "the last wake", || async {
+        rig.api.accepted().len() >= 5
+    })
+    .await;
+    wake_consumer_settled(&rig.bus).await;
+    let posts_of_refused = rig
+        .api
+        .all_posts()
+        .iter()
+        .filter(|post| post.delegation_ids().contains(&refused))
+        .count();
+    assert_eq!(
+        posts_of_refused, 1,
+        "the refused completion was posted again"
+    );
+    assert_eq!(woken(&rig.api).into_iter().collect::<HashSet<_>>(), ids);
+    assert_eq!(woken(&rig.api).len(), 5);
+    let restored = events
+        .consumer_info(subjects.wake_consumer())
+        .await
+        .unwrap();
+    match restored.config.deliver_policy {
+        DeliverPolicy::ByStartSequence { start_sequence } => assert!(start_sequence > floor),
+        other => panic!("the new consumer delivers from {other:?}"),
+    }
+
+    // A wake starting on that consumer keeps where it delivers from (the
+    // server refuses to change it) and works.
+    wake.restart();
+    ids.insert(delegate("s.vanish.6").await);
+    wait_until(WAIT, "a wake after the restart", || async {
+        rig.api.accepted().len() >= 6
+    })
+    .await;
+    let log = std::fs::read_to_string(&wake.log).unwrap();
+    assert_eq!(log.matches("Wake service started.").count(), 2);
+    assert_eq!(woken(&rig.api).into_iter().collect::<HashSet<_>>(), ids);
 }

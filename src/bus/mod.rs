@@ -5,8 +5,9 @@
 //!   ([`BusSettings`]) and the errors of provisioning and publishing;
 //! - `provision.rs`: the streams and KV buckets, created or updated
 //!   idempotently and never deleted;
-//! - `consumers.rs`: the durable consumers of the workers and the wake, and
-//!   keeping them in place while the services run;
+//! - `consumers.rs`: the durable consumers of the workers and the wake;
+//! - `keeper.rs`: creating a service's consumer again if it is deleted
+//!   while the service runs;
 //! - `pulls.rs`: pacing a service's pull requests while they fail;
 //! - `queue.rs`: whether a delegation's request is still in the task queue;
 //! - `publish.rs`: publishing until JetStream confirms the message stored;
@@ -14,6 +15,7 @@
 
 mod consumers;
 mod dead_letter;
+mod keeper;
 mod provision;
 mod publish;
 mod pulls;

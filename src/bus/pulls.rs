@@ -58,6 +58,7 @@ impl PullRetry {
         }
     }
 
+    /// The delays between failed pulls, from the start of a streak.
     fn backoff() -> backon::ExponentialBackoff {
         use backon::BackoffBuilder;
         backon::ExponentialBuilder::default()
@@ -122,6 +123,7 @@ impl PullRetry {
         self.end_streak();
     }
 
+    /// Forgets the streak: the next failure is the first of a new one.
     fn end_streak(&mut self) {
         if self.failures > 0 {
             self.failures = 0;

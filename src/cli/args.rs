@@ -395,6 +395,11 @@ pub(crate) struct WakeArgs {
     /// AckWait of the wake consumer.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub(crate) ack_wait: Duration,
+    /// Most completions held unacknowledged at once, across every wake
+    /// instance (the consumer's MaxAckPending): a larger backlog waits in
+    /// JetStream, not in the wake's memory.
+    #[arg(long, default_value_t = wakebus::wake::DEFAULT_MAX_IN_FLIGHT, value_parser = clap::value_parser!(i64).range(1..))]
+    pub(crate) max_in_flight: i64,
     /// First delay before re-posting a failed wake (at most half of
     /// `--retry-max`); it doubles up to half of `--retry-max`, and jitter
     /// adds up to as much again to each wait.

@@ -195,6 +195,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.coalesce_window = args.coalesce_window;
             config.lock_linger = args.lock_linger;
             config.ack_wait = args.ack_wait;
+            config.max_in_flight = args.max_in_flight;
             config.retry_min = args.retry_min;
             config.retry_max = args.retry_max;
             config.verify_origin = args.verify_origin;

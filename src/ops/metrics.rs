@@ -62,9 +62,9 @@ pub const WAKE_POSTS_IN_FLIGHT: &str = "wakebus_wake_posts_in_flight";
 /// its lock kept for the session's next completion.
 pub const WAKE_SESSIONS_ACTIVE: &str = "wakebus_wake_sessions_active";
 /// Pull requests that ended in an error, by `consumer` (`tasks`,
-/// `completions`): a 503 while the consumer elects a leader or does not
-/// exist, a request gone silent. Each is asked again after a backoff; a
-/// steady rise means the service is getting no work.
+/// `completions`): a 409 (consumer deleted, server shutdown, leadership
+/// change), a 503 while the consumer has no leader, the wake's request gone
+/// silent (missed heartbeats). Each is asked again after a backoff.
 pub const PULLS_FAILED: &str = "wakebus_pulls_failed_total";
 /// Messages the service's consumer has not yet delivered, by `stream` and `consumer`.
 pub const CONSUMER_PENDING: &str = "wakebus_consumer_pending";

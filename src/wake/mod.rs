@@ -180,7 +180,7 @@ pub async fn run(
     info!(api = %session_api::redacted_url(&config.api.base_url), instance = %config.instance, verify_origin = config.verify_origin, "Wake service started.");
     // Created again if it goes away while the wake runs.
     let keeping = CancellationToken::new();
-    let _stop_keeping_on_exit = keeping.clone().drop_guard();
+    let stop_keeping = keeping.clone().drop_guard();
     tokio::spawn(bus.clone().keep_consumer(
         ServiceConsumer::Wake {
             ack_wait: config.ack_wait,
@@ -283,6 +283,8 @@ pub async fn run(
         }
     }
 
+    // Stopping: a consumer deleted from now on stays deleted.
+    drop(stop_keeping);
     info!("Wake service stopping; handing held completions back.");
     if !crate::connect::is_connected(&bus.client) {
         warn!(

@@ -161,7 +161,7 @@ pub async fn run(
 
     // Created again if it goes away while the worker runs.
     let keeping = CancellationToken::new();
-    let _stop_keeping_on_exit = keeping.clone().drop_guard();
+    let stop_keeping = keeping.clone().drop_guard();
     tokio::spawn(bus.clone().keep_consumer(
         ServiceConsumer::Worker {
             pool: config.pool.clone(),
@@ -293,6 +293,9 @@ pub async fn run(
         }
     }
 
+    // Stopping: a consumer deleted from now on (retiring the pool, say)
+    // stays deleted.
+    drop(stop_keeping);
     // With the client gone, no result could be stored: nothing to wait for.
     let grace = if lost.happened() {
         Duration::ZERO

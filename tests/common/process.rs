@@ -197,8 +197,20 @@ pub fn sample(text: &str, name: &str) -> Option<f64> {
 
 /// Starts `wakebus <args> --metrics-addr <a free port>`, logging to
 /// `log`; returns it and the base URL of its metrics.
-pub fn spawn_with_metrics(mut args: Vec<String>, log: std::path::PathBuf) -> (Service, String) {
+pub fn spawn_with_metrics(args: Vec<String>, log: PathBuf) -> (Service, String) {
+    spawn_with_metrics_and_env(args, log, Vec::new())
+}
+
+/// [`spawn_with_metrics`] with extra environment variables.
+pub fn spawn_with_metrics_and_env(
+    mut args: Vec<String>,
+    log: PathBuf,
+    env: Vec<(String, String)>,
+) -> (Service, String) {
     let addr = format!("127.0.0.1:{}", super::nats::free_port());
     args.extend(["--metrics-addr".to_owned(), addr.clone()]);
-    (Service::spawn(args, log), format!("http://{addr}"))
+    (
+        Service::spawn_with_env(args, log, env),
+        format!("http://{addr}"),
+    )
 }
