@@ -3,38 +3,47 @@
 //! A service whose consumer is deleted under it (by hand, or lost with a
 //! cluster's data) gets nothing and is told nothing: the pull in flight ends
 //! with a 409 once, and later pulls go unanswered. So each worker and wake
-//! instance checks its consumer every 10 s and creates it again when
-//! JetStream says, twice and 2 s apart, that it does not exist (a node that
-//! has just restarted or become leader can answer "not found" for a consumer
-//! that exists until it has caught up). It creates it with
+//! instance checks its consumer every 6 to 12 s (at random, so that
+//! instances started together do not ask together) and creates it again
+//! when JetStream says, twice and 2 s apart, that it does not exist (a node
+//! that has just restarted or become leader can answer "not found" for a
+//! consumer that exists until it has caught up). It creates it with
 //! `create_consumer_strict`, which nats-server 2.10 and later refuse for a
-//! consumer that exists; 2.9 ignores the action and updates it to the
-//! service's settings, as a starting service does.
+//! consumer that exists; 2.9 ignores the action and updates it.
 //!
-//! A wake consumer created again starts after the last acknowledged
-//! completion the keeper saw, not at the beginning of the events stream:
-//! starting there would post again every completion that was acknowledged
-//! without a `delivered` ledger entry (those the session API refused, which
-//! went to the dead letters) and read the whole history once more. A worker
-//! consumer starts at the beginning of the task queue, which holds only what
-//! was not acknowledged.
+//! A wake consumer created again starts right after the ack floor of the
+//! one the keeper last saw (the oldest completion not yet acknowledged),
+//! not at the beginning of the events stream: starting there would read the
+//! whole history again and post again every completion that was
+//! acknowledged without a `delivered` ledger entry (those the session API
+//! refused, which went to the dead letters). It starts at the beginning
+//! when there is no such floor: none was seen, or the stream is newer than
+//! the consumer it was seen on (the stream was created anew, and its
+//! sequences start again). A worker consumer starts at the beginning of the
+//! task queue, which holds only what was not acknowledged.
 
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{self, DeliverPolicy};
 use async_nats::jetstream::context::{ConsumerInfoError, ConsumerInfoErrorKind};
-use async_nats::jetstream::stream::ConsumerCreateStrictErrorKind;
+use backon::BackoffBuilder;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::{Bus, ServiceConsumer};
 
-/// How often a running service checks its consumer.
-const CHECK_INTERVAL: Duration = Duration::from_secs(10);
-
 /// How long after a first "not found" the keeper asks again before it
 /// believes it.
 const CONFIRM_AFTER: Duration = Duration::from_secs(2);
+
+/// The waits between checks: 6 s plus up to as much again at random.
+fn check_delays() -> backon::ConstantBackoff {
+    backon::ConstantBuilder::default()
+        .with_delay(Duration::from_secs(6))
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
 
 /// What a check found.
 #[derive(Debug)]
@@ -45,38 +54,53 @@ enum Found {
     Missing,
 }
 
+/// Where the consumer the keeper last saw had got to.
+#[derive(Debug, Clone, Copy)]
+struct Floor {
+    /// Its ack floor, a stream sequence: everything up to it was
+    /// acknowledged.
+    sequence: u64,
+    /// When that consumer was created (the server's clock): a stream
+    /// created after it is not the stream `sequence` belongs to.
+    consumer_created: time::OffsetDateTime,
+}
+
 /// One service's keeper and what it remembers between checks.
 struct Keeper {
     /// The service's connection.
     bus: Bus,
     /// The consumer and the settings the service gives it.
     wanted: ServiceConsumer,
-    /// The highest ack floor seen (a stream sequence): everything up to it
-    /// was acknowledged. A wake consumer created again starts after it.
-    ack_floor: u64,
+    /// Where the consumer had got to at the last check that found it.
+    floor: Option<Floor>,
     /// The consumer's AckWait last warned about, so that one differing
     /// setting is one warning, not one every check.
     warned_ack_wait: Option<Duration>,
+    /// Whether the missing stream was warned about since it was last seen.
+    warned_no_stream: bool,
 }
 
 impl Bus {
     /// Keeps `wanted` in place until `stop` (see the module doc): checks it
-    /// at once, then every 10 s while connected.
+    /// at once, then every 6 to 12 s while connected.
     pub(crate) async fn keep_consumer(self, wanted: ServiceConsumer, stop: CancellationToken) {
         let mut keeper = Keeper {
             bus: self,
             wanted,
-            ack_floor: 0,
+            floor: None,
             warned_ack_wait: None,
+            warned_no_stream: false,
         };
+        let mut delays = check_delays();
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
                 () = keeper.round() => {}
             }
+            let delay = delays.next().unwrap_or(Duration::from_secs(10));
             tokio::select! {
                 () = stop.cancelled() => return,
-                () = tokio::time::sleep(CHECK_INTERVAL) => {}
+                () = tokio::time::sleep(delay) => {}
             }
         }
     }
@@ -98,10 +122,14 @@ impl Keeper {
         match found {
             Ok(Found::Exists(info)) => self.seen(&info),
             Ok(Found::Missing) => self.create_again().await,
+            Err(error) if error.kind() == ConsumerInfoErrorKind::StreamNotFound => {
+                self.stream_missing();
+            }
             Err(error) => {
                 // Transient (a leader election, NATS unreachable): the pulls
                 // show it too. Checked again next round.
-                debug!(%error, "Could not check that the consumer exists.");
+                let consumer = self.wanted.name(&self.bus.subjects);
+                debug!(%consumer, %error, "Could not check that the consumer exists.");
             }
         }
     }
@@ -122,11 +150,16 @@ impl Keeper {
         }
     }
 
-    /// Remembers the consumer's ack floor, and warns once when its AckWait
-    /// is not this service's (`wakebus init` or another instance set it).
+    /// Remembers where the consumer has got to, and warns once when its
+    /// AckWait is not this service's (`wakebus init` or another instance
+    /// set it).
     fn seen(&mut self, info: &consumer::Info) {
-        self.ack_floor = self.ack_floor.max(info.ack_floor.stream_sequence);
-        debug!(consumer = %info.name, ack_floor = self.ack_floor, "Consumer checked.");
+        self.warned_no_stream = false;
+        self.floor = Some(Floor {
+            sequence: info.ack_floor.stream_sequence,
+            consumer_created: info.created,
+        });
+        debug!(consumer = %info.name, ack_floor = info.ack_floor.stream_sequence, "Consumer checked.");
         let (theirs, ours) = (info.config.ack_wait, self.wanted.ack_wait());
         if theirs == ours {
             self.warned_ack_wait = None;
@@ -136,37 +169,66 @@ impl Keeper {
         }
     }
 
-    /// Creates the consumer again with the service's settings; a wake's
-    /// starts after the last ack floor seen.
+    /// The stream itself is gone: nothing can be created on it. Warned once
+    /// until it is seen again.
+    fn stream_missing(&mut self) {
+        if !self.warned_no_stream {
+            self.warned_no_stream = true;
+            let stream = self.wanted.stream(&self.bus.subjects);
+            warn!(%stream, "The stream does not exist: this service gets no work until it is created again (`wakebus init`, or a service restart).");
+        }
+    }
+
+    /// Creates the consumer again with the service's settings: a wake's
+    /// starts after the last ack floor seen, if that floor belongs to this
+    /// stream.
     async fn create_again(&mut self) {
         let subjects = &self.bus.subjects;
         let (stream, name) = (self.wanted.stream(subjects), self.wanted.name(subjects));
+        let handle = match self.bus.js.get_stream(&stream).await {
+            Ok(handle) => handle,
+            Err(error) => {
+                if super::is_stream_not_found(&error) {
+                    self.stream_missing();
+                } else {
+                    debug!(consumer = %name, %stream, %error, "Could not read the stream to create the consumer again; trying at the next check.");
+                }
+                return;
+            }
+        };
         let mut config = self.wanted.config(subjects);
-        let from_sequence = match self.wanted {
-            ServiceConsumer::Wake { .. } if self.ack_floor > 0 => {
-                let start_sequence = self.ack_floor + 1;
+        let stream_created = handle.cached_info().created;
+        let from_sequence = match (&self.wanted, self.floor) {
+            (ServiceConsumer::Wake { .. }, Some(floor))
+                if floor.sequence > 0 && stream_created <= floor.consumer_created =>
+            {
+                let start_sequence = floor.sequence + 1;
                 config.deliver_policy = DeliverPolicy::ByStartSequence { start_sequence };
                 start_sequence
             }
             _ => 1,
         };
-        let handle = match self.bus.js.get_stream_no_info(&stream).await {
-            Ok(handle) => handle,
-            Err(error) => {
-                warn!(consumer = %name, %stream, %error, "The consumer does not exist and could not be created again; trying at the next check.");
-                return;
-            }
-        };
         match handle.create_consumer_strict(config).await {
-            Ok(_) => {
-                warn!(consumer = %name, %stream, from_sequence, "The consumer did not exist; created it again with this service's settings.");
+            Ok(created) => {
+                // Where the new consumer starts, until the next check.
+                let info = created.cached_info();
+                self.floor = Some(Floor {
+                    sequence: info.ack_floor.stream_sequence,
+                    consumer_created: info.created,
+                });
+                warn!(consumer = %name, %stream, from_sequence, "The consumer did not exist; it was created again with this service's settings.");
             }
-            Err(error) if error.kind() == ConsumerCreateStrictErrorKind::AlreadyExists => {
-                debug!(consumer = %name, %stream, "Another instance created the consumer again first.");
-            }
-            Err(error) => {
-                warn!(consumer = %name, %stream, %error, "The consumer does not exist and could not be created again; trying at the next check.");
-            }
+            Err(error) => match self.check().await {
+                Ok(Found::Exists(info)) => {
+                    // Another instance was first (nats-server 2.10 and later
+                    // refuse the create; 2.9 refuses a changed start).
+                    debug!(consumer = %name, %stream, %error, "The consumer exists again.");
+                    self.seen(&info);
+                }
+                _ => {
+                    warn!(consumer = %name, %stream, %error, "The consumer does not exist and could not be created again; trying at the next check.");
+                }
+            },
         }
     }
 }

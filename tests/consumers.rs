@@ -1,0 +1,279 @@
+//! Durable consumers deleted under running `wakebus` processes (by hand, or
+//! lost with a cluster's data): each service creates its own again, and a
+//! wake consumer made again starts where the old one had got to.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::DeliverPolicy;
+use common::process::{
+    LogsOnPanic, Service, base_args, sample, spawn_with_metrics, spawn_with_metrics_and_env,
+    wake_args,
+};
+use common::*;
+use wakebus::bus::BusSettings;
+use wakebus::delegate::{Delegation, Delegator};
+
+/// How long a step of a test may take: a keeper checks every 6 to 12 s.
+const WAIT: Duration = Duration::from_secs(40);
+
+/// A server, a session API, an echo worker process (`--ack-wait 7s`) and a
+/// wake process (`--ack-wait 2s`, `--max-in-flight 77`, its keeper logging
+/// each check), each with its metrics endpoint.
+struct Rig {
+    /// The server every process talks to.
+    _nats: NatsServer,
+    /// Where the wake posts.
+    api: SessionApiServer,
+    /// The test's own connection.
+    bus: wakebus::bus::Bus,
+    /// The worker and the base URL of its metrics.
+    worker: (Service, String),
+    /// The wake and the base URL of its metrics.
+    wake: (Service, String),
+    /// Prints both logs if the test fails.
+    _logs: LogsOnPanic,
+    /// Where the logs are.
+    _dir: tempfile::TempDir,
+}
+
+impl Rig {
+    async fn start() -> Self {
+        init_logs();
+        let nats = NatsServer::start().await;
+        let api = SessionApiServer::start().await;
+        let prefix = unique_prefix();
+        let bus = bus(&nats.url(), &prefix).await;
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = base_args(&nats.url(), &prefix);
+        args.extend(["worker", "--executor", "echo", "--ack-wait", "7s"].map(String::from));
+        let worker = spawn_with_metrics(args, dir.path().join("worker.log"));
+        let mut args = wake_args(&nats.url(), &prefix, &api.url());
+        args.extend(["--max-in-flight", "77"].map(String::from));
+        let debug = (
+            "RUST_LOG".to_owned(),
+            "wakebus=info,wakebus::bus::keeper=debug".to_owned(),
+        );
+        let wake = spawn_with_metrics_and_env(args, dir.path().join("wake.log"), vec![debug]);
+        let logs = LogsOnPanic(vec![worker.0.log.clone(), wake.0.log.clone()]);
+        Self {
+            _nats: nats,
+            api,
+            bus,
+            worker,
+            wake,
+            _logs: logs,
+            _dir: dir,
+        }
+    }
+
+    /// Delegates a task for `session`; returns its delegation id.
+    async fn delegate(&self, session: &str) -> String {
+        let delegation = Delegation::new("hello").session(session);
+        id_of(
+            &Delegator::new(self.bus.clone())
+                .delegate(delegation)
+                .await
+                .unwrap(),
+        )
+    }
+
+    /// Waits until `n` delegations were woken.
+    async fn woken(&self, n: usize) {
+        wait_until(WAIT, "the wakes", || async {
+            self.api.accepted().len() >= n
+        })
+        .await;
+        wake_consumer_settled(&self.bus).await;
+    }
+
+    /// The delegation ids of every accepted post.
+    fn woken_ids(&self) -> Vec<String> {
+        let posts = self.api.accepted();
+        posts
+            .iter()
+            .flat_map(|post| post.delegation_ids())
+            .collect()
+    }
+
+    fn wake_log(&self) -> String {
+        std::fs::read_to_string(&self.wake.0.log).unwrap()
+    }
+
+    /// Waits until the wake's keeper has seen its consumer's ack floor at
+    /// `floor` or beyond; returns the floor it saw.
+    async fn keeper_saw(&self, floor: u64) -> u64 {
+        eventually(WAIT, "the keeper to see the ack floor", || async {
+            ack_floor_seen(&self.wake_log()).filter(|seen| *seen >= floor)
+        })
+        .await
+    }
+
+    /// Deletes the wake's consumer.
+    async fn delete_wake_consumer(&self) {
+        let s = &self.bus.subjects;
+        let events = self.bus.js.get_stream(s.events_stream()).await.unwrap();
+        events.delete_consumer(s.wake_consumer()).await.unwrap();
+    }
+
+    /// Waits until the wake logged `n` consumers created again; returns the
+    /// `from_sequence` of the last.
+    async fn wake_consumer_created(&self, n: usize) -> u64 {
+        eventually(WAIT, "the wake consumer created again", || async {
+            let log = self.wake_log();
+            let created: Vec<&str> = log
+                .lines()
+                .filter(|line| line.contains("created again"))
+                .collect();
+            (created.len() == n).then(|| field(created[n - 1], "from_sequence"))
+        })
+        .await
+    }
+}
+
+/// The number after `name=` in a log line.
+fn field(line: &str, name: &str) -> u64 {
+    let value = line.split(&format!("{name}=")).nth(1).expect(name);
+    value.split(' ').next().unwrap().parse().expect(name)
+}
+
+/// The ack floor the wake's keeper last logged seeing, if any.
+fn ack_floor_seen(log: &str) -> Option<u64> {
+    log.lines()
+        .filter(|line| line.contains("Consumer checked."))
+        .map(|line| field(line, "ack_floor"))
+        .max()
+}
+
+/// `wakebus_pulls_failed_total` for `consumer` from the metrics at `base`
+/// (0 until one failed).
+async fn failed_pulls(base: &str, consumer: &str) -> f64 {
+    let (_, text) = eventually(Duration::from_secs(10), "the metrics", || async {
+        http_get(&format!("{base}/metrics")).await
+    })
+    .await;
+    let name = format!(r#"wakebus_pulls_failed_total{{consumer="{consumer}"}}"#);
+    sample(&text, &name).unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn a_worker_and_a_wake_whose_consumers_are_deleted_create_them_again_and_wake_everything_once()
+ {
+    let rig = Rig::start().await;
+    let mut ids = HashSet::from([rig.delegate("s.vanish.0").await]);
+    rig.woken(1).await;
+
+    // Both consumers are deleted under the running services. Their pulls in
+    // flight end with a 409; later ones go unanswered.
+    let s = &rig.bus.subjects;
+    let tasks = rig.bus.js.get_stream(s.tasks_stream()).await.unwrap();
+    let worker_consumer = s.worker_consumer("default");
+    tasks.delete_consumer(&worker_consumer).await.unwrap();
+    rig.delete_wake_consumer().await;
+    for i in 1..=3 {
+        ids.insert(rig.delegate(&format!("s.vanish.{i}")).await);
+    }
+
+    // Each service finds its consumer gone and creates it again, with its
+    // own settings; the work that waited is done, once.
+    rig.woken(4).await;
+    assert_eq!(rig.woken_ids().len(), 4, "{:?}", rig.woken_ids());
+    assert_eq!(rig.woken_ids().into_iter().collect::<HashSet<_>>(), ids);
+    let restored = tasks.consumer_info(&worker_consumer).await.unwrap();
+    assert_eq!(restored.config.ack_wait, Duration::from_secs(7));
+    let restored = wake_consumer_info(&rig.bus).await.unwrap();
+    assert_eq!(restored.config.ack_wait, Duration::from_secs(2));
+    assert_eq!(restored.config.max_ack_pending, 77);
+    for ((service, base), consumer) in [(&rig.worker, "tasks"), (&rig.wake, "completions")] {
+        let log = std::fs::read_to_string(&service.log).unwrap();
+        assert_eq!(log.matches("created again").count(), 1, "{consumer}");
+        // The pull in flight at the deletion ended in an error, counted.
+        assert!(failed_pulls(base, consumer).await >= 1.0, "{consumer}");
+    }
+}
+
+#[tokio::test]
+async fn a_wake_consumer_made_again_starts_after_its_ack_floor_so_a_refused_completion_is_not_posted_again()
+ {
+    let mut rig = Rig::start().await;
+    let mut ids = HashSet::from([rig.delegate("s.floor.0").await]);
+    rig.woken(1).await;
+    // A completion the session API refuses is dead-lettered and acked with
+    // no `delivered` entry in the ledger: only where the consumer starts
+    // keeps it from being posted again.
+    rig.api.fail_next(1, 422);
+    let refused = rig.delegate("s.floor.refused").await;
+    wait_until(WAIT, "the refused post", || async {
+        rig.api.all_posts().len() == 2
+    })
+    .await;
+    wake_consumer_settled(&rig.bus).await;
+    let floor = wake_consumer_info(&rig.bus)
+        .await
+        .unwrap()
+        .ack_floor
+        .stream_sequence;
+    let seen = rig.keeper_saw(floor).await;
+
+    // Deleted, with a completion stored while it is gone.
+    rig.delete_wake_consumer().await;
+    ids.insert(rig.delegate("s.floor.1").await);
+    assert_eq!(rig.wake_consumer_created(1).await, seen + 1);
+    rig.woken(2).await;
+    let restored = wake_consumer_info(&rig.bus).await.unwrap();
+    assert_eq!(
+        restored.config.deliver_policy,
+        DeliverPolicy::ByStartSequence {
+            start_sequence: seen + 1
+        }
+    );
+    let posts_of_refused = rig
+        .api
+        .all_posts()
+        .iter()
+        .filter(|post| post.delegation_ids().contains(&refused))
+        .count();
+    assert_eq!(
+        posts_of_refused, 1,
+        "the refused completion was posted again"
+    );
+    assert_eq!(rig.woken_ids().into_iter().collect::<HashSet<_>>(), ids);
+
+    // A wake starting on that consumer keeps where it starts (the server
+    // refuses to change it) and works.
+    rig.wake.0.restart();
+    ids.insert(rig.delegate("s.floor.2").await);
+    rig.woken(3).await;
+    assert_eq!(rig.wake_log().matches("Wake service started.").count(), 2);
+    assert_eq!(rig.woken_ids().into_iter().collect::<HashSet<_>>(), ids);
+}
+
+#[tokio::test]
+async fn a_wake_whose_events_stream_was_made_anew_reads_the_new_stream_from_its_start() {
+    let rig = Rig::start().await;
+    let mut ids = HashSet::from([rig.delegate("s.anew.0").await]);
+    rig.woken(1).await;
+    let floor = wake_consumer_info(&rig.bus)
+        .await
+        .unwrap()
+        .ack_floor
+        .stream_sequence;
+    rig.keeper_saw(floor).await;
+    assert!(floor > 0);
+
+    // The events stream is deleted (and its consumer with it) and made
+    // again: its sequences start again at 1, below the floor the keeper saw.
+    let events = rig.bus.subjects.events_stream();
+    rig.bus.js.delete_stream(&events).await.unwrap();
+    rig.bus.provision(&BusSettings::default()).await.unwrap();
+    for i in 1..=2 {
+        ids.insert(rig.delegate(&format!("s.anew.{i}")).await);
+    }
+    assert_eq!(rig.wake_consumer_created(1).await, 1);
+    rig.woken(3).await;
+    assert_eq!(rig.woken_ids().into_iter().collect::<HashSet<_>>(), ids);
+    let restored = wake_consumer_info(&rig.bus).await.unwrap();
+    assert_eq!(restored.config.deliver_policy, DeliverPolicy::All);
+}
