@@ -8,8 +8,9 @@
 //! when JetStream says, twice and 2 s apart, that it does not exist (a node
 //! that has just restarted or become leader can answer "not found" for a
 //! consumer that exists until it has caught up). It creates it with
-//! `create_consumer_strict`, which nats-server 2.10 and later refuse for a
-//! consumer that exists; 2.9 ignores the action and updates it.
+//! `create_consumer_strict`: nats-server 2.10 and later refuse it for a
+//! consumer that exists with other settings (the same settings are a
+//! no-op); 2.9 ignores the action, so it updates one that exists.
 //!
 //! A wake consumer created again starts right after the ack floor of the
 //! one the keeper last saw (the oldest completion not yet acknowledged),
@@ -17,9 +18,9 @@
 //! whole history again and post again every completion that was
 //! acknowledged without a `delivered` ledger entry (those the session API
 //! refused, which went to the dead letters). It starts at the beginning
-//! when there is no such floor: none was seen, or the stream is newer than
-//! the consumer it was seen on (the stream was created anew, and its
-//! sequences start again). A worker consumer starts at the beginning of the
+//! when there is no such floor: none was seen, or the floor is not of this
+//! stream (the stream is newer than the consumer it was seen on, or does
+//! not reach that sequence: made anew, or restored from a backup). A worker consumer starts at the beginning of the
 //! task queue, which holds only what was not acknowledged.
 
 use std::time::Duration;
@@ -78,6 +79,9 @@ struct Keeper {
     warned_ack_wait: Option<Duration>,
     /// Whether the missing stream was warned about since it was last seen.
     warned_no_stream: bool,
+    /// Whether a failed create was warned about since the consumer was
+    /// last seen or made.
+    warned_create: bool,
 }
 
 impl Bus {
@@ -90,6 +94,7 @@ impl Bus {
             floor: None,
             warned_ack_wait: None,
             warned_no_stream: false,
+            warned_create: false,
         };
         let mut delays = check_delays();
         loop {
@@ -155,6 +160,7 @@ impl Keeper {
     /// set it).
     fn seen(&mut self, info: &consumer::Info) {
         self.warned_no_stream = false;
+        self.warned_create = false;
         self.floor = Some(Floor {
             sequence: info.ack_floor.stream_sequence,
             consumer_created: info.created,
@@ -165,7 +171,7 @@ impl Keeper {
             self.warned_ack_wait = None;
         } else if self.warned_ack_wait != Some(theirs) {
             self.warned_ack_wait = Some(theirs);
-            warn!(consumer = %info.name, consumer_ack_wait = ?theirs, ack_wait = ?ours, "The consumer's AckWait is not this service's --ack-wait: work held longer than the shorter one is redelivered while it runs. Restart the service, or give every instance the same --ack-wait.");
+            warn!(consumer = %info.name, consumer_ack_wait = ?theirs, ack_wait = ?ours, "The consumer's AckWait is not this service's --ack-wait: work held longer than the shorter one is redelivered while it runs. Give every instance the same --ack-wait (a starting instance sets its own).");
         }
     }
 
@@ -174,8 +180,9 @@ impl Keeper {
     fn stream_missing(&mut self) {
         if !self.warned_no_stream {
             self.warned_no_stream = true;
-            let stream = self.wanted.stream(&self.bus.subjects);
-            warn!(%stream, "The stream does not exist: this service gets no work until it is created again (`wakebus init`, or a service restart).");
+            let subjects = &self.bus.subjects;
+            let (stream, consumer) = (self.wanted.stream(subjects), self.wanted.name(subjects));
+            warn!(%stream, %consumer, "The stream does not exist: this service gets no work until it is created again (`wakebus init`, or a service restart).");
         }
     }
 
@@ -191,42 +198,62 @@ impl Keeper {
                 if super::is_stream_not_found(&error) {
                     self.stream_missing();
                 } else {
-                    debug!(consumer = %name, %stream, %error, "Could not read the stream to create the consumer again; trying at the next check.");
+                    warn!(consumer = %name, %stream, %error, "The consumer does not exist, and its stream could not be read to create it again; trying at the next check.");
                 }
                 return;
             }
         };
         let mut config = self.wanted.config(subjects);
-        let stream_created = handle.cached_info().created;
-        let from_sequence = match (&self.wanted, self.floor) {
-            (ServiceConsumer::Wake { .. }, Some(floor))
-                if floor.sequence > 0 && stream_created <= floor.consumer_created =>
+        // Everything before this was acknowledged on the old consumer.
+        let mut start_after = None;
+        if let (ServiceConsumer::Wake { .. }, Some(floor)) = (&self.wanted, self.floor) {
+            let stream_info = handle.cached_info();
+            // The floor is of this stream only if the stream is not newer
+            // than the consumer it came from, and holds that sequence (a
+            // stream restored from a backup keeps its creation time).
+            if floor.sequence > 0
+                && stream_info.created <= floor.consumer_created
+                && floor.sequence <= stream_info.state.last_sequence
             {
                 let start_sequence = floor.sequence + 1;
                 config.deliver_policy = DeliverPolicy::ByStartSequence { start_sequence };
-                start_sequence
+                start_after = Some(floor.sequence);
             }
-            _ => 1,
-        };
+        }
         match handle.create_consumer_strict(config).await {
             Ok(created) => {
-                // Where the new consumer starts, until the next check.
+                self.warned_create = false;
+                // Where the new consumer starts, until the next check. (The
+                // start asked for is within the stream, so the server keeps
+                // it; nats-server 2.9 answers an ack floor of 0 for it.)
                 let info = created.cached_info();
+                let sequence = start_after.unwrap_or(info.ack_floor.stream_sequence);
                 self.floor = Some(Floor {
-                    sequence: info.ack_floor.stream_sequence,
+                    sequence,
                     consumer_created: info.created,
                 });
+                let from_sequence = sequence + 1;
                 warn!(consumer = %name, %stream, from_sequence, "The consumer did not exist; it was created again with this service's settings.");
             }
             Err(error) => match self.check().await {
                 Ok(Found::Exists(info)) => {
                     // Another instance was first (nats-server 2.10 and later
-                    // refuse the create; 2.9 refuses a changed start).
+                    // refuse a create with other settings; 2.9 an update
+                    // that changes the start).
                     debug!(consumer = %name, %stream, %error, "The consumer exists again.");
                     self.seen(&info);
                 }
+                Err(check) if check.kind() == ConsumerInfoErrorKind::StreamNotFound => {
+                    self.stream_missing();
+                }
+                _ if self.warned_create => {
+                    debug!(consumer = %name, %stream, %error, "The consumer could still not be created again.");
+                }
                 _ => {
-                    warn!(consumer = %name, %stream, %error, "The consumer does not exist and could not be created again; trying at the next check.");
+                    // Once per streak: a refusal that lasts (a consumer
+                    // limit, a rejected setting) would warn every check.
+                    self.warned_create = true;
+                    warn!(consumer = %name, %stream, %error, "The consumer could not be created again, and it could not be found after; trying at each check.");
                 }
             },
         }

@@ -47,6 +47,8 @@ impl Service {
             .env("RUST_LOG", "wakebus=info")
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env_remove("NATS_URL")
+            // Tests read the text logs.
+            .env_remove("WAKEBUS_LOG_FORMAT")
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
