@@ -28,7 +28,7 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::{self, DeliverPolicy};
 use async_nats::jetstream::context::{ConsumerInfoError, ConsumerInfoErrorKind};
 use backon::BackoffBuilder;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::{debug, warn};
 
 use super::{Bus, ServiceConsumer};
@@ -85,9 +85,17 @@ struct Keeper {
 }
 
 impl Bus {
-    /// Keeps `wanted` in place until `stop` (see the module doc): checks it
-    /// at once, then every 6 to 12 s while connected.
-    pub(crate) async fn keep_consumer(self, wanted: ServiceConsumer, stop: CancellationToken) {
+    /// Keeps `wanted` in place (see the module doc) until the returned
+    /// guard is dropped: checks it at once, then every 6 to 12 s while
+    /// connected.
+    pub(crate) fn keep_consumer(&self, wanted: ServiceConsumer) -> DropGuard {
+        let stop = CancellationToken::new();
+        tokio::spawn(self.clone().keeping(wanted, stop.clone()));
+        stop.drop_guard()
+    }
+
+    /// The keeper's loop, until `stop`.
+    async fn keeping(self, wanted: ServiceConsumer, stop: CancellationToken) {
         let mut keeper = Keeper {
             bus: self,
             wanted,

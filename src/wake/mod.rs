@@ -179,15 +179,10 @@ pub async fn run(
     };
     info!(api = %session_api::redacted_url(&config.api.base_url), instance = %config.instance, verify_origin = config.verify_origin, "Wake service started.");
     // Created again if it goes away while the wake runs.
-    let keeping = CancellationToken::new();
-    let stop_keeping = keeping.clone().drop_guard();
-    tokio::spawn(bus.clone().keep_consumer(
-        ServiceConsumer::Wake {
-            ack_wait: config.ack_wait,
-            max_ack_pending: config.max_in_flight,
-        },
-        keeping,
-    ));
+    let stop_keeping = bus.keep_consumer(ServiceConsumer::Wake {
+        ack_wait: config.ack_wait,
+        max_ack_pending: config.max_in_flight,
+    });
     let shared = Arc::new(Shared {
         api,
         ledger: WakeLedger::new(provisioned.wake_ledger),

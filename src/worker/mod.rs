@@ -160,15 +160,10 @@ pub async fn run(
     info!(pool = %config.pool, concurrency = config.concurrency, executor = executor.name(), instance = %config.instance, "Worker started.");
 
     // Created again if it goes away while the worker runs.
-    let keeping = CancellationToken::new();
-    let stop_keeping = keeping.clone().drop_guard();
-    tokio::spawn(bus.clone().keep_consumer(
-        ServiceConsumer::Worker {
-            pool: config.pool.clone(),
-            ack_wait: config.ack_wait,
-        },
-        keeping,
-    ));
+    let stop_keeping = bus.keep_consumer(ServiceConsumer::Worker {
+        pool: config.pool.clone(),
+        ack_wait: config.ack_wait,
+    });
 
     let cancels = Arc::new(cancel::CancelRegistry::new(settings.history_max_age));
     let stop_following = CancellationToken::new();
