@@ -16,12 +16,13 @@ use common::*;
 use wakebus::bus::BusSettings;
 use wakebus::delegate::{Delegation, Delegator};
 
-/// How long a step of a test may take: a keeper checks every 6 to 12 s.
-const WAIT: Duration = Duration::from_secs(40);
+/// How long a step of a test may take: a keeper checks every 1 to 2 s
+/// here, and believes a consumer missing after two checks 2 s apart.
+const WAIT: Duration = Duration::from_secs(30);
 
 /// A server, a session API, an echo worker process (`--ack-wait 7s`) and a
 /// wake process (`--ack-wait 2s`, `--max-in-flight 77`, its keeper logging
-/// each check), each with its metrics endpoint.
+/// each check), each with its metrics endpoint and `--consumer-check 1s`.
 struct Rig {
     /// The server every process talks to.
     _nats: NatsServer,
@@ -47,11 +48,14 @@ impl Rig {
         let prefix = unique_prefix();
         let bus = bus(&nats.url(), &prefix).await;
         let dir = tempfile::tempdir().unwrap();
+        let often = ["--consumer-check", "1s"].map(String::from);
         let mut args = base_args(&nats.url(), &prefix);
         args.extend(["worker", "--executor", "echo", "--ack-wait", "7s"].map(String::from));
+        args.extend(often.clone());
         let worker = spawn_with_metrics(args, dir.path().join("worker.log"));
         let mut args = wake_args(&nats.url(), &prefix, &api.url());
         args.extend(["--max-in-flight", "77"].map(String::from));
+        args.extend(often);
         let debug = (
             "RUST_LOG".to_owned(),
             "wakebus=info,wakebus::bus::keeper=debug".to_owned(),
@@ -132,6 +136,33 @@ impl Rig {
                 .flatten()
         })
         .await
+    }
+
+    /// Sets the wake consumer's AckWait, as another instance or `init`
+    /// could.
+    async fn set_wake_ack_wait(&self, ack_wait: Duration) {
+        let s = &self.bus.subjects;
+        let events = self.bus.js.get_stream(s.events_stream()).await.unwrap();
+        let info = wake_consumer_info(&self.bus).await.unwrap();
+        let config = async_nats::jetstream::consumer::Config {
+            ack_wait,
+            ..info.config
+        };
+        events
+            .update_consumer::<async_nats::jetstream::consumer::Config>(config)
+            .await
+            .unwrap();
+    }
+
+    /// Waits until the wake's keeper has checked its consumer `n` more
+    /// times than it had when this was called.
+    async fn checks_later(&self, n: usize) {
+        let checks = |log: String| log.matches("Consumer checked.").count();
+        let before = checks(self.wake_log());
+        wait_until(WAIT, "more checks of the wake consumer", || async {
+            checks(self.wake_log()) >= before + n
+        })
+        .await;
     }
 }
 
@@ -281,4 +312,38 @@ async fn a_wake_whose_events_stream_was_made_anew_reads_the_new_stream_from_its_
     assert_eq!(restored.config.deliver_policy, DeliverPolicy::All);
     // The stream missing for a moment is one warning at most.
     assert!(rig.wake_log().matches("The stream does not exist").count() <= 1);
+}
+
+#[tokio::test]
+async fn a_service_whose_consumer_has_another_ack_wait_warns_once_until_the_setting_changes_again()
+{
+    let rig = Rig::start().await;
+    let warning = "The consumer's AckWait is not this service's --ack-wait";
+    let warnings = || rig.wake_log().matches(warning).count();
+    rig.checks_later(1).await;
+    assert_eq!(warnings(), 0, "the wake's own setting is no warning");
+
+    // Another instance (or `init`) gives the consumer a longer AckWait.
+    rig.set_wake_ack_wait(Duration::from_secs(30)).await;
+    wait_until(WAIT, "the warning", || async { warnings() == 1 }).await;
+    let line = rig
+        .wake_log()
+        .lines()
+        .find(|line| line.contains(warning))
+        .map(str::to_owned)
+        .unwrap();
+    assert!(
+        line.contains("consumer_ack_wait=30s") && line.contains(" ack_wait=2s"),
+        "{line}"
+    );
+    // Later checks find the same setting: no more warnings.
+    rig.checks_later(3).await;
+    assert_eq!(warnings(), 1);
+
+    // Set back, the next difference is a new warning.
+    rig.set_wake_ack_wait(Duration::from_secs(2)).await;
+    rig.checks_later(2).await;
+    assert_eq!(warnings(), 1);
+    rig.set_wake_ack_wait(Duration::from_secs(30)).await;
+    wait_until(WAIT, "the second warning", || async { warnings() == 2 }).await;
 }

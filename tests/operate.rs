@@ -802,6 +802,26 @@ async fn a_worker_started_without_an_executor_refuses_to_start_and_names_the_fla
 }
 
 #[tokio::test]
+async fn a_service_given_a_zero_consumer_check_refuses_to_start_and_says_why() {
+    // A zero interval would be a loop of requests, not a wait.
+    let run = wakebus(
+        "nats://127.0.0.1:1",
+        "wakebus",
+        &["--consumer-check", "0s", "worker", "--executor", "echo"],
+    )
+    .await;
+    assert_eq!(run.code(), Some(2), "{}", run.stderr());
+    assert!(
+        run.stderr().contains(
+            "invalid value '0s' for '--consumer-check <CONSUMER_CHECK>': must be more than 0"
+        ),
+        "{}",
+        run.stderr()
+    );
+    assert!(run.stdout().is_empty());
+}
+
+#[tokio::test]
 async fn a_worker_whose_task_program_cannot_run_refuses_to_start_and_says_why() {
     use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();

@@ -21,7 +21,7 @@ enum Existing {
 }
 
 /// A consumer a service pulls from, with the settings that service gives it.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) enum ServiceConsumer {
     /// The consumer shared by the workers of a pool.
     Worker {

@@ -3,25 +3,27 @@
 //! A service whose consumer is deleted under it (by hand, or lost with a
 //! cluster's data) gets nothing and is told nothing: the pull in flight ends
 //! with a 409 once, and later pulls go unanswered. So each worker and wake
-//! instance checks its consumer every 6 to 12 s (at random, so that
-//! instances started together do not ask together) and creates it again
-//! when JetStream says, twice and 2 s apart, that it does not exist (a node
-//! that has just restarted or become leader can answer "not found" for a
-//! consumer that exists until it has caught up). It creates it with
-//! `create_consumer_strict`: nats-server 2.10 and later refuse it for a
-//! consumer that exists with other settings (the same settings are a
-//! no-op); 2.9 ignores the action, so it updates one that exists.
+//! instance checks its consumer every `--consumer-check` (6 s by default)
+//! plus up to as much again at random (so that instances started together do
+//! not ask together), and creates it again when JetStream says, twice and
+//! 2 s apart, that it does not exist (a node that has just restarted or become
+//! leader can answer "not found" for a consumer that exists until it has
+//! caught up). It creates it with `create_consumer_strict`: nats-server 2.10
+//! and later refuse it for a consumer that exists with other settings (the
+//! same settings are a no-op); 2.9 ignores the action, so it updates one
+//! that exists.
 //!
-//! A wake consumer created again starts right after the ack floor of the
-//! one the keeper last saw (the oldest completion not yet acknowledged),
-//! not at the beginning of the events stream: starting there would read the
-//! whole history again and post again every completion that was
-//! acknowledged without a `delivered` ledger entry (those the session API
-//! refused, which went to the dead letters). It starts at the beginning
-//! when there is no such floor: none was seen, or the floor is not of this
-//! stream (the stream is newer than the consumer it was seen on, or does
-//! not reach that sequence: made anew, or restored from a backup). A worker consumer starts at the beginning of the
-//! task queue, which holds only what was not acknowledged.
+//! A wake consumer created again starts right after the ack floor of the one
+//! the keeper last saw (the oldest completion not yet acknowledged), not at
+//! the beginning of the events stream: starting there would read the whole
+//! history again and post again every completion that was acknowledged
+//! without a `delivered` ledger entry (those the session API refused, which
+//! went to the dead letters). It starts at the beginning when there is no
+//! such floor: none was seen, or the floor is not of this stream (the stream
+//! is newer than the consumer it was seen on, or does not reach that
+//! sequence: made anew, or restored from a backup). A worker consumer starts
+//! at the beginning of the task queue, which holds only what was not
+//! acknowledged.
 
 use std::time::Duration;
 
@@ -37,10 +39,10 @@ use super::{Bus, ServiceConsumer};
 /// believes it.
 const CONFIRM_AFTER: Duration = Duration::from_secs(2);
 
-/// The waits between checks: 6 s plus up to as much again at random.
-fn check_delays() -> backon::ConstantBackoff {
+/// The waits between checks: `every` plus up to as much again at random.
+fn check_delays(every: Duration) -> backon::ConstantBackoff {
     backon::ConstantBuilder::default()
-        .with_delay(Duration::from_secs(6))
+        .with_delay(every)
         .with_jitter()
         .without_max_times()
         .build()
@@ -86,16 +88,16 @@ struct Keeper {
 
 impl Bus {
     /// Keeps `wanted` in place (see the module doc) until the returned
-    /// guard is dropped: checks it at once, then every 6 to 12 s while
-    /// connected.
-    pub(crate) fn keep_consumer(&self, wanted: ServiceConsumer) -> DropGuard {
+    /// guard is dropped: checks it at once, then every `every` to twice
+    /// that while connected.
+    pub(crate) fn keep_consumer(&self, wanted: ServiceConsumer, every: Duration) -> DropGuard {
         let stop = CancellationToken::new();
-        tokio::spawn(self.clone().keeping(wanted, stop.clone()));
+        tokio::spawn(self.clone().keeping(wanted, every, stop.clone()));
         stop.drop_guard()
     }
 
     /// The keeper's loop, until `stop`.
-    async fn keeping(self, wanted: ServiceConsumer, stop: CancellationToken) {
+    async fn keeping(self, wanted: ServiceConsumer, every: Duration, stop: CancellationToken) {
         let mut keeper = Keeper {
             bus: self,
             wanted,
@@ -104,13 +106,13 @@ impl Bus {
             warned_no_stream: false,
             warned_create: false,
         };
-        let mut delays = check_delays();
+        let mut delays = check_delays(every);
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
                 () = keeper.round() => {}
             }
-            let delay = delays.next().unwrap_or(Duration::from_secs(10));
+            let delay = delays.next().unwrap_or(every);
             tokio::select! {
                 () = stop.cancelled() => return,
                 () = tokio::time::sleep(delay) => {}

@@ -54,6 +54,10 @@ pub struct BusSettings {
     /// started with a shorter `--history` than the others cannot delete
     /// their history.
     pub shorten_retention: bool,
+    /// How often a running worker or wake checks that its durable consumer
+    /// still exists (plus up to as much again at random), to create it
+    /// again when it was deleted under it.
+    pub consumer_check: Duration,
 }
 
 impl Default for BusSettings {
@@ -65,8 +69,15 @@ impl Default for BusSettings {
             replicas: None,
             session_lock_ttl: Duration::from_secs(30),
             shorten_retention: false,
+            consumer_check: default_consumer_check(),
         }
     }
+}
+
+/// A service checks its consumer every 6 s (plus up to 6 s at random): one
+/// small request, soon enough that a deleted consumer costs seconds of work.
+pub fn default_consumer_check() -> Duration {
+    Duration::from_secs(6)
 }
 
 /// Events are kept for 7 days by default.

@@ -79,6 +79,11 @@ pub(crate) struct Global {
     /// A wake lock whose holder died expires after this long.
     #[arg(long, env = "WAKEBUS_SESSION_LOCK_TTL", value_parser = humantime::parse_duration, default_value = "30s", global = true)]
     pub(crate) session_lock_ttl: Duration,
+    /// A worker or wake checks that its consumer exists every this long
+    /// (plus up to as much again at random), and creates it again when it
+    /// was deleted.
+    #[arg(long, env = "WAKEBUS_CONSUMER_CHECK", value_parser = positive_duration, default_value = "6s", global = true)]
+    pub(crate) consumer_check: Duration,
     /// Replicas of new streams and buckets [default: 1 on a single server,
     /// the cluster size (at most 3) on a cluster; existing ones keep theirs].
     #[arg(long, env = "WAKEBUS_REPLICAS", global = true)]
@@ -438,4 +443,14 @@ pub(crate) struct DevArgs {
     /// Where the built-in session endpoint listens.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub(crate) session_addr: SocketAddr,
+}
+
+/// A duration like `humantime` reads it, more than zero (a zero interval
+/// would make a loop of what should be a wait).
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(duration) if duration.is_zero() => Err("must be more than 0".to_owned()),
+        Ok(duration) => Ok(duration),
+        Err(error) => Err(error.to_string()),
+    }
 }

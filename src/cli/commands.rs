@@ -304,6 +304,7 @@ fn settings(global: &Global) -> BusSettings {
         history_max_age: global.history,
         replicas: global.replicas,
         session_lock_ttl: global.session_lock_ttl,
+        consumer_check: global.consumer_check,
         ..BusSettings::default()
     }
 }

@@ -179,10 +179,11 @@ pub async fn run(
     };
     info!(api = %session_api::redacted_url(&config.api.base_url), instance = %config.instance, verify_origin = config.verify_origin, "Wake service started.");
     // Created again if it goes away while the wake runs.
-    let stop_keeping = bus.keep_consumer(ServiceConsumer::Wake {
+    let wanted = ServiceConsumer::Wake {
         ack_wait: config.ack_wait,
         max_ack_pending: config.max_in_flight,
-    });
+    };
+    let stop_keeping = bus.keep_consumer(wanted, settings.consumer_check);
     let shared = Arc::new(Shared {
         api,
         ledger: WakeLedger::new(provisioned.wake_ledger),

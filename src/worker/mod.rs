@@ -160,10 +160,11 @@ pub async fn run(
     info!(pool = %config.pool, concurrency = config.concurrency, executor = executor.name(), instance = %config.instance, "Worker started.");
 
     // Created again if it goes away while the worker runs.
-    let stop_keeping = bus.keep_consumer(ServiceConsumer::Worker {
+    let wanted = ServiceConsumer::Worker {
         pool: config.pool.clone(),
         ack_wait: config.ack_wait,
-    });
+    };
+    let stop_keeping = bus.keep_consumer(wanted, settings.consumer_check);
 
     let cancels = Arc::new(cancel::CancelRegistry::new(settings.history_max_age));
     let stop_following = CancellationToken::new();
