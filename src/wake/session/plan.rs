@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use futures::future::join_all;
+use futures::future::{join_all, try_join_all};
 use tracing::{info, warn};
 
 use super::{Pending, Router, Turn};
@@ -426,7 +426,8 @@ impl Router {
     }
 
     /// Records a combined turn before its post: the intent, then each
-    /// covered completion's `posting` entry.
+    /// covered completion's `posting` entry, all at once (a mark that
+    /// lands while another fails is read as recorded: the intent exists).
     async fn record_intent(
         &self,
         key: &str,
@@ -439,9 +440,12 @@ impl Router {
             covers: covers.to_vec(),
         };
         ledger.put_intent(key, &intent).await?;
-        for covered in covers {
-            ledger.mark_posting(covered, key).await?;
-        }
+        try_join_all(
+            covers
+                .iter()
+                .map(|covered| ledger.mark_posting(covered, key)),
+        )
+        .await?;
         Ok(())
     }
 }
