@@ -502,6 +502,23 @@ async fn a_batch_larger_than_the_limit_is_refused_and_nothing_is_published() {
         "{err}"
     );
     assert!(err.to_string().contains("larger than the limit of 10"));
+    // A raised limit stops at the protocol's: a worker would refuse more.
+    let goals: Vec<String> = (0..10_001).map(|i| format!("task {i}")).collect();
+    let err = Delegator::new(bus.clone())
+        .with_max_batch(1_000_000)
+        .delegate(Delegation::batch(goals).session("s"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DelegateError::BatchTooLarge {
+                size: 10_001,
+                max: 10_000
+            }
+        ),
+        "{err}"
+    );
     let mut tasks = bus
         .js
         .get_stream(bus.subjects.tasks_stream())

@@ -617,6 +617,31 @@ async fn forged_and_inconsistent_completions_are_dead_lettered_once_and_real_wak
                 serde_json::json!({"task_index": 2, "task_count": 2}),
             ),
         ),
+        // A task count no delegation may have: a batch's wake would size
+        // itself by it.
+        (
+            "count",
+            with_origin(victim),
+            completion(
+                "count",
+                serde_json::json!({"task_count": 4_294_967_295_u32}),
+            ),
+        ),
+        // Headers the server acts on, which held for the events stream but
+        // would make its dead letter be refused (and the completion come
+        // back) forever.
+        (
+            "expects",
+            {
+                let mut headers = with_origin("s.other");
+                headers.insert(
+                    "Nats-Expected-Stream",
+                    bus.subjects.events_stream().as_str(),
+                );
+                headers
+            },
+            completion("expects", serde_json::json!({})),
+        ),
         // So large that its dead letter cannot carry the body.
         (
             "huge",
@@ -671,6 +696,7 @@ async fn forged_and_inconsistent_completions_are_dead_lettered_once_and_real_wak
         "completion is not valid",
         "invalid type: string \"zero\"",
         "task_index 2 is not below its task_count 2",
+        "task_count 4294967295 is above the limit of 10000",
         "left out: too large to store again",
     ] {
         assert!(

@@ -307,6 +307,47 @@ async fn replay_of_wake_dead_letters_delivers_them_once_the_session_api_recovers
     assert_eq!(api.accepted().len(), 1);
 }
 
+/// A refused post leaves its ledger entry at `posting`: a forced replay must
+/// clear that too, or the wake would send the copy under the old key (the
+/// one an API that stores answers per key refused) while the replay prints
+/// another.
+#[tokio::test]
+async fn replay_with_force_of_a_refused_wake_posts_it_under_the_key_it_prints() {
+    let p = Pipeline::start().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
+    api.fail_always(403);
+    let session = "s.refused.forced";
+    let id = delegate(&bus, Delegation::new("refused at first").session(session)).await;
+    wait_until(WAIT, "the wake dead letter", || async {
+        !all_messages(&bus, &bus.subjects.dead_letter_stream())
+            .await
+            .is_empty()
+    })
+    .await;
+    api.recover();
+
+    let args = [
+        "replay",
+        "wakes",
+        "--dead-letters",
+        "--session",
+        session,
+        "--force",
+    ];
+    let lines = wakebus(&nats.url(), &prefix, &args).await.ok_json();
+    assert_eq!(lines[0]["action"], "replayed", "{lines:#?}");
+    assert_eq!(lines[0]["ledger_cleared"], true, "{lines:#?}");
+    let key = lines[0]["idempotency_key"].as_str().unwrap().to_owned();
+    assert!(key.starts_with(&format!("{id}.0.done.replay.")), "{key}");
+    wait_until(WAIT, "the forced wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(api.accepted()[0].delegation_ids(), [id.as_str()]);
+    assert_eq!(api.accepted()[0].header("idempotency-key"), Some(key));
+}
+
 /// Delegates one task for `session` to a worker that cannot start its
 /// program and gives up at once; returns the delegation id once the
 /// failure has woken the session (a wake service must be running) and the

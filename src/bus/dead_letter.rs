@@ -5,14 +5,16 @@ use async_nats::HeaderMap;
 use async_nats::jetstream;
 
 use super::{Bus, PublishError};
-use crate::protocol::{HEADER_DEAD_LETTER_REASON, HEADER_MSG_ID, header_safe};
+use crate::protocol::{HEADER_DEAD_LETTER_REASON, HEADER_MSG_ID, header_safe, is_server_directive};
 
 impl Bus {
     /// Copies `message` to the dead-letter `subject` with `reason`, deduped
     /// by `msg_id`, and waits until JetStream has stored it.
     ///
     /// The copy keeps the original headers and body when they fit in one
-    /// message. A message that was already near the server's max payload
+    /// message, but for those the server acts on (`Nats-*`: a
+    /// `Nats-Expected-Stream` that held for the original's stream would make
+    /// the copy be refused forever). A message that was already near the server's max payload
     /// would not fit with the added headers, and a dead letter that can never
     /// be stored would make the original come back forever: then the body
     /// (and, if still too large, the original headers) are left out and the
@@ -49,6 +51,20 @@ fn dead_letter_parts(
     max_payload: usize,
 ) -> (HeaderMap, bytes::Bytes) {
     let budget = max_payload.saturating_sub(DEAD_LETTER_MARGIN);
+    let original = original.map(|headers| {
+        let mut kept = HeaderMap::new();
+        for (name, values) in headers.iter() {
+            let name: &str = name.as_ref();
+            if is_server_directive(name) {
+                continue;
+            }
+            for value in values {
+                kept.append(name, value.as_str());
+            }
+        }
+        kept
+    });
+    let original = original.as_ref();
     let header_bytes = original.map_or(0, |headers| {
         headers
             .iter()
@@ -89,11 +105,18 @@ mod tests {
     fn a_dead_letter_keeps_the_original_when_it_fits() {
         let mut original = HeaderMap::new();
         original.insert("Wakebus-Delegation-Id", "d1");
+        original.insert("Nats-Msg-Id", "d1.0");
+        original.insert("nats-expected-stream", "WAKEBUS_TASKS");
+        original.insert("Nats-TTL", "1s");
         let body = bytes::Bytes::from_static(b"{}");
         let (headers, payload) =
             dead_letter_parts(Some(&original), &body, "bad\nthing", "dlq.1", 1 << 20);
         assert_eq!(payload, body);
         assert_eq!(headers.get("Wakebus-Delegation-Id").unwrap().as_str(), "d1");
+        // What the server acts on held where the original was stored, not
+        // necessarily in the dead-letter stream.
+        assert!(headers.get("Nats-Expected-Stream").is_none());
+        assert!(headers.get("Nats-TTL").is_none());
         assert_eq!(
             headers.get(HEADER_DEAD_LETTER_REASON).unwrap().as_str(),
             "bad thing"

@@ -210,7 +210,10 @@ fn describe(item: &ReplayItem) -> String {
         .map(|id| format!(" as delegation {id}"))
         .unwrap_or_default();
     let cleared = match (&item.idempotency_key, item.ledger_cleared) {
-        (Some(key), _) => format!(" (ledger entry cleared; posted under Idempotency-Key {key})"),
+        (Some(key), true) => {
+            format!(" (ledger entry cleared; posted under Idempotency-Key {key})")
+        }
+        (Some(key), false) => format!(" (posted under Idempotency-Key {key})"),
         (None, true) => " (ledger entry cleared)".to_owned(),
         (None, false) => String::new(),
     };

@@ -213,7 +213,9 @@ pub enum DelegateError {
     #[error("goal of task {0} must not be empty")]
     EmptyGoal(usize),
     /// The batch is larger than allowed.
-    #[error("batch of {size} tasks is larger than the limit of {max}; split it or raise the limit")]
+    #[error(
+        "batch of {size} tasks is larger than the limit of {max}; split it or raise the limit (at most 10000)"
+    )]
     BatchTooLarge {
         /// Tasks given.
         size: usize,
@@ -317,7 +319,8 @@ impl Delegator {
         self
     }
 
-    /// Sets the largest batch accepted (default 10).
+    /// Sets the largest batch accepted (default 10; never above
+    /// [`crate::protocol::MAX_TASK_COUNT`]).
     pub fn with_max_batch(mut self, max_batch: usize) -> Self {
         self.max_batch = max_batch;
         self
@@ -391,11 +394,10 @@ impl Delegator {
         if count == 0 {
             return Err(DelegateError::NoTasks);
         }
-        if count > self.max_batch {
-            return Err(DelegateError::BatchTooLarge {
-                size: count,
-                max: self.max_batch,
-            });
+        // A raised limit still stops at the protocol's.
+        let max = self.max_batch.min(crate::protocol::MAX_TASK_COUNT as usize);
+        if count > max {
+            return Err(DelegateError::BatchTooLarge { size: count, max });
         }
         if let Some(index) = delegation
             .tasks

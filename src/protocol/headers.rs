@@ -160,6 +160,18 @@ pub fn header_safe(text: &str) -> String {
         .collect()
 }
 
+/// Whether nats-server acts on a header of this name when a message is
+/// published (`Nats-Expected-Stream`, `Nats-Expected-Last-Sequence`,
+/// `Nats-Rollup`, `Nats-TTL`, `Nats-Msg-Id`, …: every name it reads starts
+/// with `Nats-`). A copy of a message to another stream or subject (a dead
+/// letter, a replay) leaves them out: what held where the original was
+/// stored may be refused where the copy goes, and a copy refused forever
+/// would bring the original back forever.
+pub fn is_server_directive(name: &str) -> bool {
+    name.get(..5)
+        .is_some_and(|start| start.eq_ignore_ascii_case("nats-"))
+}
+
 /// Reads a header as text, if present.
 pub fn header<'h>(headers: Option<&'h HeaderMap>, name: &str) -> Option<&'h str> {
     headers?.get(name).map(|value| value.as_str())

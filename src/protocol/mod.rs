@@ -16,7 +16,7 @@ pub use headers::{
     CE_SPECVERSION, EventHeaders, HEADER_CE_ID, HEADER_CE_SOURCE, HEADER_CE_SPECVERSION,
     HEADER_CE_TIME, HEADER_CE_TYPE, HEADER_CONTENT_TYPE, HEADER_DEAD_LETTER_REASON,
     HEADER_DELEGATION_ID, HEADER_MSG_ID, HEADER_ORIGIN_SESSION, HEADER_REPLAY, HEADER_TASK_INDEX,
-    HEADER_TRACEPARENT, TraceParent, header, header_safe,
+    HEADER_TRACEPARENT, TraceParent, header, header_safe, is_server_directive,
 };
 pub use ids::{
     IdError, MAX_SESSION_ID_BYTES, SYNC_SESSION_TOKEN, new_delegation_id, session_token,
@@ -27,7 +27,7 @@ pub use limits::{
     bounded,
 };
 pub use request::{
-    DEFAULT_MAX_DEPTH, DecodeError, PROTOCOL_VERSION, Role, TaskRequest, WakeMode,
+    DEFAULT_MAX_DEPTH, DecodeError, MAX_TASK_COUNT, PROTOCOL_VERSION, Role, TaskRequest, WakeMode,
     check_output_schema,
 };
 pub use subjects::{PrefixError, Subjects};

@@ -107,6 +107,12 @@ fn default_depth() -> u32 {
 /// The deepest subagent nesting allowed by default: subagents cannot delegate.
 pub const DEFAULT_MAX_DEPTH: u32 = 1;
 
+/// The most tasks one delegation may have. A batch's wake reads every
+/// task's completion to build one turn, so the count a request or
+/// completion claims must be bounded: an untrusted one is never used to
+/// size memory or a loop of reads beyond this.
+pub const MAX_TASK_COUNT: u32 = 10_000;
+
 /// Why a request body could not be used. Each kind ends the task with an
 /// `error` completion rather than a retry: sending it again cannot help.
 #[derive(Debug, thiserror::Error)]
@@ -139,6 +145,12 @@ pub enum DecodeError {
     TaskIndex {
         /// The index.
         index: u32,
+        /// The count.
+        count: u32,
+    },
+    /// The task count is above [`MAX_TASK_COUNT`].
+    #[error("task_count {count} is above the limit of {MAX_TASK_COUNT}")]
+    TaskCount {
         /// The count.
         count: u32,
     },
@@ -207,6 +219,11 @@ impl TaskRequest {
         if let Some(schema) = &self.output_schema {
             check_output_schema(schema).map_err(DecodeError::OutputSchema)?;
         }
+        if self.task_count > MAX_TASK_COUNT {
+            return Err(DecodeError::TaskCount {
+                count: self.task_count,
+            });
+        }
         if self.task_count == 0 || self.task_index >= self.task_count {
             return Err(DecodeError::TaskIndex {
                 index: self.task_index,
@@ -241,6 +258,20 @@ pub fn check_output_schema(schema: &serde_json::Value) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_task_count_above_the_limit_is_refused_and_the_limit_itself_is_not() {
+        let body = |count: u32| {
+            format!(r#"{{"version":1,"delegation_id":"d1","goal":"g","task_count":{count}}}"#)
+        };
+        let refused = TaskRequest::decode(body(MAX_TASK_COUNT + 1).as_bytes()).unwrap_err();
+        assert_eq!(
+            refused.to_string(),
+            "task_count 10001 is above the limit of 10000"
+        );
+        let most = TaskRequest::decode(body(MAX_TASK_COUNT).as_bytes()).unwrap();
+        assert_eq!(most.task_count, MAX_TASK_COUNT);
+    }
 
     #[test]
     fn minimal_request_from_another_language_decodes() {

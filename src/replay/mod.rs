@@ -59,6 +59,7 @@ use crate::bus::{Bus, PublishError};
 use crate::history::{HistoryError, HistoryReader, Record, Selection, Source};
 use crate::protocol::{
     EventKind, HEADER_CE_ID, HEADER_DEAD_LETTER_REASON, HEADER_MSG_ID, HEADER_REPLAY, Subjects,
+    is_server_directive,
 };
 use crate::wake::ledger::{LedgerError, WakeLedger};
 
@@ -159,7 +160,8 @@ pub struct ReplayItem {
     /// The delegation id a re-queued task runs under.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub new_delegation_id: Option<String>,
-    /// Whether a delivered ledger entry was (or would be) removed (`force`).
+    /// Whether a ledger entry was (or would be) removed (`force`): one that
+    /// says delivered, or one whose post was refused or is in doubt.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub ledger_cleared: bool,
     /// The Idempotency-Key a forced re-post is delivered under (a new one,
@@ -393,7 +395,8 @@ fn set_ids(headers: &mut HeaderMap, id: &str) {
 }
 
 /// The original's headers without the dead-letter reason (nor an earlier
-/// replay's marks), plus `Wakebus-Replay: <stream>:<sequence>`.
+/// replay's marks, nor those the server acts on: the copy's `Nats-Msg-Id`
+/// is set by the caller), plus `Wakebus-Replay: <stream>:<sequence>`.
 fn replay_headers(record: &Record) -> HeaderMap {
     let mut headers = HeaderMap::new();
     for (name, values) in record.headers.iter() {
@@ -404,6 +407,7 @@ fn replay_headers(record: &Record) -> HeaderMap {
             HEADER_FORCED_REPLAY,
         ]
         .contains(&name)
+            || is_server_directive(name)
         {
             continue;
         }

@@ -70,20 +70,20 @@ impl Replayer {
             }));
         }
         let ledger = self.ledger.as_ref().expect("wake replays open the ledger");
-        let delivered = match ledger.get(&key).await? {
-            Some(LedgerState::Delivered { at, .. }) => Some(at),
-            _ => None,
-        };
+        let entry = ledger.get(&key).await?;
         let mut item = item;
-        if let Some(at) = delivered {
-            if !self.plan.force {
-                return Ok(item.skipped(format!(
-                    "already delivered at {} (use --force to post it again)",
-                    crate::history::rfc3339(at)
-                )));
-            }
-            item.ledger_cleared = true;
+        if let Some(LedgerState::Delivered { at, .. }) = &entry
+            && !self.plan.force
+        {
+            return Ok(item.skipped(format!(
+                "already delivered at {} (use --force to post it again)",
+                crate::history::rfc3339(*at)
+            )));
         }
+        // Forced, any entry goes: a `posting` one (a post the session API
+        // refused, or one in doubt) would have the wake send the copy again
+        // under the old key, or inside the old combined turn.
+        item.ledger_cleared = self.plan.force && entry.is_some();
         let subject = self.bus.subjects.event(
             &session_token(&session),
             &event.delegation_id,

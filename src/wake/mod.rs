@@ -27,8 +27,8 @@ use crate::bus::{Bus, BusSettings, ProvisionError, PullRetry, ServiceConsumer};
 use crate::ops::service::{Registration, register};
 use crate::outcome::Outcome;
 use crate::protocol::{
-    CompletionEvent, HEADER_ORIGIN_SESSION, HEADER_TRACEPARENT, TraceParent, bounded,
-    validate_delegation_id, validate_session_id,
+    CompletionEvent, HEADER_ORIGIN_SESSION, HEADER_TRACEPARENT, MAX_TASK_COUNT, TraceParent,
+    bounded, validate_delegation_id, validate_session_id,
 };
 use crate::quarantine::{ReconnectWatch, sweep_after_reconnect, sweep_at_start};
 use ledger::WakeLedger;
@@ -382,6 +382,12 @@ pub fn check_completion(
     validate_delegation_id(&event.delegation_id).map_err(|err| {
         Admission::Poison(format!("completion has an invalid delegation id: {err}"))
     })?;
+    if event.task_count > MAX_TASK_COUNT {
+        return Err(Admission::Poison(format!(
+            "completion's task_count {} is above the limit of {MAX_TASK_COUNT}",
+            event.task_count
+        )));
+    }
     if event.task_index >= event.task_count {
         return Err(Admission::Poison(format!(
             "completion's task_index {} is not below its task_count {}",

@@ -139,7 +139,7 @@ impl Router {
         let member = members[0];
         let subjects = &self.shared.bus.subjects;
         let token = session_token(&member.session);
-        let mut all = Vec::with_capacity(member.event.task_count as usize);
+        let mut all = Vec::new();
         for index in 0..member.event.task_count {
             if let Some(held) = members.iter().find(|p| p.event.task_index == index) {
                 all.push(held.event.clone());

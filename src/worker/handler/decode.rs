@@ -4,8 +4,8 @@
 use async_nats::HeaderMap;
 
 use crate::protocol::{
-    HEADER_DELEGATION_ID, HEADER_ORIGIN_SESSION, HEADER_TASK_INDEX, Limits, TaskRequest, bounded,
-    header, validate_delegation_id, validate_session_id,
+    HEADER_DELEGATION_ID, HEADER_ORIGIN_SESSION, HEADER_TASK_INDEX, Limits, MAX_TASK_COUNT,
+    TaskRequest, bounded, header, validate_delegation_id, validate_session_id,
 };
 
 /// Why a request could not be used, with whatever identity could be salvaged
@@ -65,7 +65,7 @@ pub fn decode_request(
             .get("task_count")
             .and_then(serde_json::Value::as_u64)
             .and_then(|v| u32::try_from(v).ok())
-            .filter(|count| *count > task_index)
+            .filter(|count| *count > task_index && *count <= MAX_TASK_COUNT)
             .map(|count| {
                 let mode = loose
                     .get("wake_mode")
