@@ -188,6 +188,44 @@ async fn a_request_at_the_servers_max_payload_completes_with_its_context_cut_to_
     );
 }
 
+/// The completions a worker writes without running the task (here: nested
+/// too deep) repeat the request's goal and context too: cut to fit as well,
+/// or the request would be NAKed every second, forever, and never woken.
+#[tokio::test]
+async fn a_request_nested_too_deep_at_the_servers_max_payload_still_wakes_its_session_with_the_error()
+ {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let max_payload = bus.client.server_info().max_payload;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    let mut body: serde_json::Value =
+        serde_json::from_slice(&request_body("too-deep", "s.deep", "g", "")).unwrap();
+    body["depth"] = 5.into();
+    // As large as the request can be: its completion, with more fields and
+    // headers, cannot be as large.
+    let overhead = serde_json::to_vec(&body).unwrap().len();
+    body["context"] = "c".repeat(max_payload - overhead - 200).into();
+    let body = serde_json::to_vec(&body).unwrap();
+    assert!(body.len() < max_payload && body.len() > max_payload - 300);
+    publish_raw(&bus, "s.deep", "too-deep", body).await;
+
+    wait_until(WAIT, "the error wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    let redelivered = drained(&bus, &bus.subjects.tasks_stream(), "worker-default", WAIT).await;
+    services.stop().await;
+    let text = api.accepted()[0].text();
+    assert!(text.contains("Status: error"), "{text}");
+    assert!(text.contains("Delegation depth limit reached"), "{text}");
+    assert_eq!(redelivered, 0);
+}
+
 #[tokio::test]
 async fn completions_too_large_to_combine_into_one_turn_are_each_woken_alone() {
     init_logs();

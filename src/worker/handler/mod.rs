@@ -196,6 +196,7 @@ impl TaskHandler {
                 max = self.config.max_depth,
                 "Refusing a request nested too deep."
             );
+            fit_to_payload(&mut done, self.bus.max_payload());
             return match self.publish(&request, EventKind::Done, trace, &done).await {
                 Ok(()) => Outcome::Ack,
                 Err(error) => {
@@ -316,13 +317,15 @@ impl TaskHandler {
         done.duration_seconds = duration.as_secs_f64();
         done.suppress_wake = suppress_wake;
         done.truncated = output.truncated;
-        fit_to_payload(&mut done, self.bus.max_payload());
         info!(status = %done.status, duration_ms = duration.as_millis() as u64, "Task done.");
         self.finish(message, &request, trace, done, Ending::Ran, stop)
             .await
     }
 
-    /// Publishes the completion; acks the request only once it is stored.
+    /// Publishes the completion, cut to fit in one message (every
+    /// completion repeats the request's goal and context, so one near the
+    /// max payload would never be stored); acks the request only once it
+    /// is stored.
     ///
     /// The result is in hand, so a completion JetStream does not take (an
     /// outage, a leader election, a stream at its limits) is published
@@ -334,10 +337,11 @@ impl TaskHandler {
         message: &jetstream::Message,
         request: &TaskRequest,
         trace: TraceParent,
-        done: CompletionEvent,
+        mut done: CompletionEvent,
         ending: Ending,
         stop: &CancellationToken,
     ) -> Outcome {
+        fit_to_payload(&mut done, self.bus.max_payload());
         let publish = || self.publish(request, EventKind::Done, trace, &done);
         let stored = self
             .keeping_alive(

@@ -134,15 +134,20 @@ impl TaskHandler {
     }
 }
 
-/// Room left for headers and JSON overhead below the server's max payload.
+/// Room left below the server's max payload for the headers (besides the
+/// origin session id, which they repeat: see [`fit_to_payload`]) and JSON
+/// overhead.
 const PAYLOAD_MARGIN: usize = 16 * 1024;
 
-/// Cuts `context`, `summary`, `error` and, last, `goal` so the completion
-/// fits in one NATS message: a completion that cannot be published would make
-/// the task run again, forever. The context goes first because the wake's
-/// turn text does not show it.
+/// Cuts `context`, `summary`, `error`, `goal` and, last, the copied
+/// `parent_session_id` and `model` (nothing limits them in a request) so
+/// the completion fits in one NATS message with its headers, which repeat
+/// the origin session id (up to 16 KiB): a completion that cannot be
+/// published would hold its task forever. The context goes first because
+/// the wake's turn text does not show it.
 pub(super) fn fit_to_payload(done: &mut CompletionEvent, max_payload: usize) {
-    let budget = max_payload.saturating_sub(PAYLOAD_MARGIN).max(1024);
+    let header_room = PAYLOAD_MARGIN + done.origin_session_id.as_ref().map_or(0, String::len);
+    let budget = max_payload.saturating_sub(header_room).max(1024);
     let size = |d: &CompletionEvent| serde_json::to_vec(d).map(|v| v.len()).unwrap_or(0);
     let mut excess = size(done).saturating_sub(budget);
     let CompletionEvent {
@@ -150,30 +155,44 @@ pub(super) fn fit_to_payload(done: &mut CompletionEvent, max_payload: usize) {
         summary,
         error,
         goal,
+        parent_session_id,
+        model,
         ..
     } = done;
-    for text in [Some(context), summary.as_mut(), error.as_mut(), Some(goal)]
-        .into_iter()
-        .flatten()
+    for text in [
+        Some(context),
+        summary.as_mut(),
+        error.as_mut(),
+        Some(goal),
+        parent_session_id.as_mut(),
+        model.as_mut(),
+    ]
+    .into_iter()
+    .flatten()
     {
         if excess == 0 {
             break;
         }
-        if text.is_empty() {
+        // A text no longer than the mark would only grow.
+        if text.len() <= CUT_MARK.len() {
             continue;
         }
-        // JSON escaping may make a byte of text cost up to 6 bytes of body.
-        let keep = text.len().saturating_sub(excess + 64);
+        // JSON escaping may make a byte of text cost up to 6 bytes of body,
+        // so cutting a byte of text saves at least one byte of body.
+        let keep = text.len().saturating_sub(excess + CUT_MARK.len() + 1);
         let mut cut = keep;
         while !text.is_char_boundary(cut) {
             cut -= 1;
         }
         let before = size_of_json_string(text);
         text.truncate(cut);
-        text.push_str("\n[truncated to fit the NATS max payload]");
-        excess = excess.saturating_sub(before.saturating_sub(size_of_json_string(text)));
+        text.push_str(CUT_MARK);
+        excess = (excess + size_of_json_string(text)).saturating_sub(before);
     }
 }
+
+/// Ends a text [`fit_to_payload`] cut.
+const CUT_MARK: &str = "\n[truncated to fit the NATS max payload]";
 
 fn size_of_json_string(text: &str) -> usize {
     serde_json::to_vec(text)
@@ -220,6 +239,30 @@ mod tests {
         assert!(size <= 1024 * 1024 - PAYLOAD_MARGIN, "{size}");
         assert!(
             done.context
+                .ends_with("[truncated to fit the NATS max payload]")
+        );
+    }
+
+    #[test]
+    fn a_huge_parent_session_or_model_is_cut_and_the_origin_header_is_made_room_for() {
+        let origin = "s".repeat(16 * 1024);
+        let body = serde_json::json!({
+            "version": 1, "delegation_id": "d", "goal": "g", "origin_session_id": origin,
+            "parent_session_id": "p".repeat(600_000), "model": "m".repeat(600_000),
+        });
+        let request = TaskRequest::decode(&serde_json::to_vec(&body).unwrap()).unwrap();
+        let mut done = CompletionEvent::for_request(&request, Status::Interrupted, "cancelled");
+        fit_to_payload(&mut done, 1024 * 1024);
+        let size = serde_json::to_vec(&done).unwrap().len();
+        // The body leaves room for the headers, the origin session among them.
+        assert!(
+            size <= 1024 * 1024 - PAYLOAD_MARGIN - origin.len(),
+            "{size}"
+        );
+        assert_eq!(done.origin_session_id.as_deref(), Some(origin.as_str()));
+        assert!(
+            done.parent_session_id
+                .unwrap()
                 .ends_with("[truncated to fit the NATS max payload]")
         );
     }
