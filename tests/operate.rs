@@ -1095,9 +1095,11 @@ async fn init_run_again_keeps_the_settings_the_services_gave_their_consumers() {
 
 /// Shortening a stream's max age deletes at once what is older: a service
 /// started with a shorter `--history` than the deployment's must not do it;
-/// `wakebus init` with the shorter setting does, on the operator's word.
+/// `wakebus init` with the shorter setting does, on the operator's word,
+/// and only when given it: `init --pool gpu` from a shell without the
+/// deployment's settings must not cut them back to the defaults.
 #[tokio::test]
-async fn only_init_shortens_the_history_a_stream_keeps() {
+async fn only_init_given_a_shorter_setting_shortens_what_a_stream_keeps() {
     init_logs();
     let nats = NatsServer::start().await;
     let prefix = unique_prefix();
@@ -1105,18 +1107,35 @@ async fn only_init_shortens_the_history_a_stream_keeps() {
     let month = Duration::from_secs(30 * 24 * 3600);
     let long = wakebus::bus::BusSettings {
         history_max_age: month,
+        session_lock_ttl: Duration::from_secs(120),
         ..Default::default()
     };
     bus.provision(&long).await.unwrap();
-    let max_age = || async {
-        let mut events = bus
-            .js
-            .get_stream(bus.subjects.events_stream())
-            .await
-            .unwrap();
-        events.info().await.unwrap().config.max_age
+    bus.provision_wake_state(&long).await.unwrap();
+    let age_of = |stream: String| {
+        let bus = bus.clone();
+        async move {
+            let mut stream = bus.js.get_stream(stream).await.unwrap();
+            stream.info().await.unwrap().config.max_age
+        }
+    };
+    let max_age = || age_of(bus.subjects.events_stream());
+    let lock_ttl = || {
+        age_of(wakebus::protocol::Subjects::bucket_stream(
+            &bus.subjects.session_lock_bucket(),
+        ))
     };
     assert_eq!(max_age().await, month);
+
+    // init for another pool, without the deployment's settings.
+    let run = wakebus(&nats.url(), &prefix, &["init", "--pool", "gpu"]).await;
+    assert!(run.success(), "{}", run.stderr());
+    assert_eq!(max_age().await, month, "init shortened to a default");
+    assert_eq!(lock_ttl().await, Duration::from_secs(120));
+    let run = wakebus(&nats.url(), &prefix, &["--session-lock-ttl", "30s", "init"]).await;
+    assert!(run.success(), "{}", run.stderr());
+    assert_eq!(lock_ttl().await, Duration::from_secs(30));
+    assert_eq!(max_age().await, month, "only the lock TTL was given");
 
     // A service with the default week.
     bus.provision(&wakebus::bus::BusSettings::default())
@@ -1387,6 +1406,10 @@ async fn a_worker_without_its_consumer_is_not_ready() {
     assert!(body.contains("consumer worker-gpu"), "{body}");
 }
 
+/// A stream at a limit with discard=old makes room by deleting its oldest
+/// messages, stored work among them; with discard=new it refuses the write,
+/// which a publisher sees and retries. So streams are made with new, and the
+/// policy of an existing stream is never changed.
 #[tokio::test]
 async fn updating_a_stream_keeps_the_limits_an_operator_set_by_hand() {
     init_logs();
@@ -1403,8 +1426,22 @@ async fn updating_a_stream_keeps_the_limits_an_operator_set_by_hand() {
         events.info().await.unwrap().config.clone()
     };
     let mut capped = config().await;
+    assert_eq!(
+        capped.discard,
+        async_nats::jetstream::stream::DiscardPolicy::New
+    );
     capped.max_bytes = 1 << 30;
     bus.js.update_stream(&capped).await.unwrap();
+    let mut tasks = bus
+        .js
+        .get_stream(bus.subjects.tasks_stream())
+        .await
+        .unwrap();
+    let tasks_config = tasks.info().await.unwrap().config.clone();
+    assert_eq!(
+        tasks_config.discard,
+        async_nats::jetstream::stream::DiscardPolicy::New
+    );
 
     // A service that keeps history longer updates the stream.
     let month = Duration::from_secs(30 * 24 * 3600);
@@ -1416,6 +1453,27 @@ async fn updating_a_stream_keeps_the_limits_an_operator_set_by_hand() {
     let updated = config().await;
     assert_eq!(updated.max_age, month);
     assert_eq!(updated.max_bytes, 1 << 30, "the operator's cap was cleared");
+    assert_eq!(
+        updated.discard,
+        async_nats::jetstream::stream::DiscardPolicy::New
+    );
+
+    // An operator's discard=old (a history that keeps its newest part) stays
+    // too, through an update of other settings.
+    let mut old = config().await;
+    old.discard = async_nats::jetstream::stream::DiscardPolicy::Old;
+    bus.js.update_stream(&old).await.unwrap();
+    let week = wakebus::bus::BusSettings {
+        shorten_history: true,
+        ..Default::default()
+    };
+    bus.provision(&week).await.unwrap();
+    let updated = config().await;
+    assert_eq!(updated.max_age, week.history_max_age);
+    assert_eq!(
+        updated.discard,
+        async_nats::jetstream::stream::DiscardPolicy::Old
+    );
 }
 
 /// A stream that takes other subjects or lets messages go otherwise than

@@ -48,12 +48,17 @@ pub struct BusSettings {
     pub replicas: Option<usize>,
     /// Time-to-live of a session lock that its holder stops refreshing.
     pub session_lock_ttl: Duration,
-    /// Whether provisioning may shorten the max age of an existing stream
-    /// or bucket (which deletes at once what is older): `wakebus init` may,
-    /// on the operator's word; a starting service never does, so that one
-    /// started with a shorter `--history` than the others cannot delete
+    /// Whether provisioning may shorten the max age of the existing events
+    /// stream, wake ledger and cancel bucket to `history_max_age` (which
+    /// deletes at once what is older): `wakebus init` may, when the
+    /// operator gave `--history`; a starting service never does, so that
+    /// one started with a shorter `--history` than the others cannot delete
     /// their history.
-    pub shorten_retention: bool,
+    pub shorten_history: bool,
+    /// The same for the session-lock bucket and `session_lock_ttl` (a
+    /// shorter TTL under running wakes lets locks expire between their
+    /// refreshes).
+    pub shorten_session_lock_ttl: bool,
     /// How often a running worker or wake checks that its durable consumer
     /// still exists (plus up to as much again at random), to create it
     /// again when it was deleted under it.
@@ -67,8 +72,9 @@ impl Default for BusSettings {
             dead_letter_max_age: Duration::from_secs(30 * 24 * 3600),
             duplicate_window: Duration::from_secs(120),
             replicas: None,
-            session_lock_ttl: Duration::from_secs(30),
-            shorten_retention: false,
+            session_lock_ttl: default_session_lock_ttl(),
+            shorten_history: false,
+            shorten_session_lock_ttl: false,
             consumer_check: default_consumer_check(),
         }
     }
@@ -78,6 +84,12 @@ impl Default for BusSettings {
 /// small request, soon enough that a deleted consumer costs seconds of work.
 pub fn default_consumer_check() -> Duration {
     Duration::from_secs(6)
+}
+
+/// A session lock whose holder stops refreshing it expires after 30 s by
+/// default.
+pub fn default_session_lock_ttl() -> Duration {
+    Duration::from_secs(30)
 }
 
 /// Events are kept for 7 days by default.

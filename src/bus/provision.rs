@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv, stream};
 use backon::{ExponentialBuilder, Retryable};
-use tracing::warn;
+use tracing::{info, warn};
 
 use super::{Bus, BusSettings, ProvisionError, Streams, WakeState};
 use crate::protocol::Subjects;
@@ -135,7 +135,7 @@ impl Bus {
 
     async fn provision_streams(&self, settings: &BusSettings) -> Result<Streams, ProvisionError> {
         let s = &self.subjects;
-        self.ensure_stream(self.tasks_config(settings).await?, settings)
+        self.ensure_stream(self.tasks_config(settings).await?, false)
             .await?;
         let events = self
             .ensure_stream(
@@ -147,12 +147,13 @@ impl Bus {
                     storage: stream::StorageType::File,
                     max_age: settings.history_max_age,
                     duplicate_window: settings.duplicate_window.min(settings.history_max_age),
+                    discard: REFUSE_AT_LIMITS,
                     ..Default::default()
                 },
-                settings,
+                settings.shorten_history,
             )
             .await?;
-        self.ensure_stream(self.dead_letters_config(settings).await?, settings)
+        self.ensure_stream(self.dead_letters_config(settings).await?, false)
             .await?;
         let cancels = self.ensure_cancels(settings).await?;
         Ok(Streams { events, cancels })
@@ -168,6 +169,7 @@ impl Bus {
             retention: stream::RetentionPolicy::WorkQueue,
             storage: stream::StorageType::File,
             duplicate_window: settings.duplicate_window,
+            discard: REFUSE_AT_LIMITS,
             ..Default::default()
         })
     }
@@ -186,6 +188,7 @@ impl Bus {
             storage: stream::StorageType::File,
             max_age: settings.dead_letter_max_age,
             duplicate_window: settings.duplicate_window,
+            discard: REFUSE_AT_LIMITS,
             ..Default::default()
         })
     }
@@ -207,7 +210,7 @@ impl Bus {
                 ..Default::default()
             },
             Direct::AnyReplica,
-            settings,
+            settings.shorten_history,
         )
         .await
     }
@@ -217,9 +220,9 @@ impl Bus {
         &self,
         settings: &BusSettings,
     ) -> Result<kv::Store, ProvisionError> {
-        self.ensure_stream(self.tasks_config(settings).await?, settings)
+        self.ensure_stream(self.tasks_config(settings).await?, false)
             .await?;
-        self.ensure_stream(self.dead_letters_config(settings).await?, settings)
+        self.ensure_stream(self.dead_letters_config(settings).await?, false)
             .await?;
         self.ensure_cancels(settings).await
     }
@@ -242,7 +245,7 @@ impl Bus {
                     ..Default::default()
                 },
                 Direct::LeaderOnly,
-                settings,
+                settings.shorten_history,
             )
             .await?;
         let session_locks = self
@@ -260,7 +263,7 @@ impl Bus {
                     ..Default::default()
                 },
                 Direct::LeaderOnly,
-                settings,
+                settings.shorten_session_lock_ttl,
             )
             .await?;
         Ok(WakeState {
@@ -281,7 +284,7 @@ impl Bus {
     async fn ensure_stream(
         &self,
         mut config: stream::Config,
-        settings: &BusSettings,
+        may_shorten: bool,
     ) -> Result<stream::Stream, ProvisionError> {
         let name = config.name.clone();
         match self.js.get_stream(&name).await {
@@ -290,7 +293,7 @@ impl Bus {
             }
             Ok(existing) => {
                 let kept = existing.cached_info().config.max_age;
-                if !settings.shorten_retention && shortens(kept, config.max_age) {
+                if !may_shorten && shortens(kept, config.max_age) {
                     warn!(stream = %name, kept = ?kept, asked = ?config.max_age, "This service keeps history for less time than the stream does; the stream keeps its max age, as shortening it deletes what is older at once. Run `wakebus init` with the shorter setting to shorten it on purpose.");
                     config.max_age = kept;
                     if stream_matches(&existing.cached_info().config, &config) {
@@ -303,12 +306,18 @@ impl Bus {
                 // documented (storage, say, is the operator's choice).
                 let unusable =
                     current.subjects != config.subjects || current.retention != config.retention;
+                let asked_age = config.max_age;
                 if let Err(source) = self.js.update_stream(managed_update(current, config)).await {
                     if unusable {
                         return Err(ProvisionError::Stream { name, source });
                     }
                     warn!(stream = %name, error = %source, "Stream settings differ from this service's and could not be updated (does this NATS user manage streams? run `wakebus init` as operator); using it as it is.");
                     return Ok(existing);
+                }
+                if shortens(kept, asked_age) {
+                    warn!(stream = %name, was = ?kept, now = ?asked_age, "Stream max age shortened: what was older is deleted.");
+                } else if asked_age != kept {
+                    info!(stream = %name, was = ?kept, now = ?asked_age, "Stream max age changed.");
                 }
             }
             Err(error) if is_stream_not_found(&error) => {
@@ -345,7 +354,7 @@ impl Bus {
         &self,
         config: kv::Config,
         direct: Direct,
-        settings: &BusSettings,
+        may_shorten: bool,
     ) -> Result<kv::Store, ProvisionError> {
         let name = config.bucket.clone();
         self.ensure_stream(
@@ -364,7 +373,7 @@ impl Bus {
                 discard: stream::DiscardPolicy::New,
                 ..Default::default()
             },
-            settings,
+            may_shorten,
         )
         .await?;
         self.js
@@ -383,7 +392,15 @@ pub(super) fn setup_backoff() -> ExponentialBuilder {
         .with_max_times(usize::MAX)
 }
 
-/// Whether `existing` already has every setting wakebus asks for in `wanted`.
+/// What a new stream does at a limit an operator sets (`max_bytes`,
+/// `max_msgs`): refuse the write, which the publisher sees and retries (a
+/// worker keeps its result until the completion is stored), rather than
+/// delete the oldest messages, stored work among them. The policy of an
+/// existing stream is the operator's, and never changed.
+const REFUSE_AT_LIMITS: stream::DiscardPolicy = stream::DiscardPolicy::New;
+
+/// Whether `existing` already has every setting wakebus asks for in `wanted`
+/// (but for the discard policy: see [`REFUSE_AT_LIMITS`]).
 fn stream_matches(existing: &stream::Config, wanted: &stream::Config) -> bool {
     existing.subjects == wanted.subjects
         && existing.retention == wanted.retention
@@ -392,7 +409,6 @@ fn stream_matches(existing: &stream::Config, wanted: &stream::Config) -> bool {
         && existing.num_replicas.max(1) == wanted.num_replicas.max(1)
         && unlimited_as_minus_one(existing.max_messages_per_subject)
             == unlimited_as_minus_one(wanted.max_messages_per_subject)
-        && existing.discard == wanted.discard
         && existing.allow_rollup == wanted.allow_rollup
         && existing.deny_delete == wanted.deny_delete
         && existing.allow_direct == wanted.allow_direct
@@ -404,7 +420,7 @@ fn stream_matches(existing: &stream::Config, wanted: &stream::Config) -> bool {
 /// `wanted`'s settings on top of the stream's `current` ones: the fields
 /// wakebus manages (those [`stream_matches`] compares, and the description)
 /// from `wanted`, every other one (limits an operator set by hand, such as
-/// `max_bytes` or `max_msgs`) as it is.
+/// `max_bytes` or `max_msgs`, and what the stream does at them) as it is.
 fn managed_update(current: &stream::Config, wanted: stream::Config) -> stream::Config {
     stream::Config {
         name: wanted.name,
@@ -415,15 +431,15 @@ fn managed_update(current: &stream::Config, wanted: stream::Config) -> stream::C
         max_age: wanted.max_age,
         num_replicas: wanted.num_replicas,
         max_messages_per_subject: wanted.max_messages_per_subject,
-        discard: wanted.discard,
         allow_rollup: wanted.allow_rollup,
         deny_delete: wanted.deny_delete,
         deny_purge: wanted.deny_purge,
         allow_direct: wanted.allow_direct,
-        duplicate_window: if wanted.duplicate_window.is_zero() {
-            current.duplicate_window
-        } else {
-            wanted.duplicate_window
+        // The server refuses a duplicate window longer than the max age.
+        duplicate_window: match (wanted.duplicate_window, wanted.max_age) {
+            (asked, _) if !asked.is_zero() => asked,
+            (_, age) if !age.is_zero() => current.duplicate_window.min(age),
+            _ => current.duplicate_window,
         },
         ..current.clone()
     }

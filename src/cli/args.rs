@@ -73,12 +73,14 @@ pub(crate) struct Global {
     #[cfg(feature = "otel")]
     #[arg(long, global = true)]
     pub(crate) otlp_endpoint: Option<String>,
-    /// How long events are kept (e.g. 7d, 12h).
-    #[arg(long, env = "WAKEBUS_HISTORY", value_parser = humantime::parse_duration, default_value = "7d", global = true)]
-    pub(crate) history: Duration,
-    /// A wake lock whose holder died expires after this long.
-    #[arg(long, env = "WAKEBUS_SESSION_LOCK_TTL", value_parser = humantime::parse_duration, default_value = "30s", global = true)]
-    pub(crate) session_lock_ttl: Duration,
+    /// How long events are kept (e.g. 7d, 12h) [default: 7d]. `init`
+    /// shortens the history to it only when it is given.
+    #[arg(long, env = "WAKEBUS_HISTORY", value_parser = humantime::parse_duration, global = true)]
+    pub(crate) history: Option<Duration>,
+    /// A wake lock whose holder died expires after this long [default:
+    /// 30s]. `init` shortens it only when it is given.
+    #[arg(long, env = "WAKEBUS_SESSION_LOCK_TTL", value_parser = humantime::parse_duration, global = true)]
+    pub(crate) session_lock_ttl: Option<Duration>,
     /// A worker or wake checks that its consumer exists every this long
     /// (plus up to as much again at random), and creates it again when it
     /// was deleted.

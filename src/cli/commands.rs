@@ -43,9 +43,11 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Init(args) => {
             let bus = connect(&global, "wakebus-init").await?;
-            // The operator's word: init may shorten what streams keep.
+            // The operator's word: init may shorten what streams keep to
+            // what it was given, never to a default it was not.
             let settings = BusSettings {
-                shorten_retention: true,
+                shorten_history: global.history.is_some(),
+                shorten_session_lock_ttl: global.session_lock_ttl.is_some(),
                 ..settings(&global)
             };
             bus.provision(&settings).await?;
@@ -301,9 +303,13 @@ fn tasks_from(
 
 fn settings(global: &Global) -> BusSettings {
     BusSettings {
-        history_max_age: global.history,
+        history_max_age: global
+            .history
+            .unwrap_or_else(wakebus::bus::default_history_max_age),
         replicas: global.replicas,
-        session_lock_ttl: global.session_lock_ttl,
+        session_lock_ttl: global
+            .session_lock_ttl
+            .unwrap_or_else(wakebus::bus::default_session_lock_ttl),
         consumer_check: global.consumer_check,
         ..BusSettings::default()
     }
