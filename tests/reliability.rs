@@ -694,6 +694,36 @@ async fn retry_after_from_the_session_api_is_honoured() {
     );
 }
 
+/// `Retry-After: 0` (some gateways send it while overloaded) must not make
+/// a loop of posts: the wait is never below `--retry-min`.
+#[tokio::test]
+async fn a_retry_after_of_zero_still_waits_the_minimum_backoff_between_posts() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    api.fail_next(8, 503);
+    api.set_retry_after(0);
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let config = test_wake_config(&api.url());
+    let retry_min = config.retry_min;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, config);
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("throttled").session("s.retry.zero"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    services.stop().await;
+    let posts = api.all_posts();
+    assert_eq!(posts.len(), 9);
+    // At least --retry-min between one post and the next.
+    for pair in posts.windows(2) {
+        let gap = pair[1].at - pair[0].at;
+        assert!(gap >= retry_min, "{gap:?}");
+    }
+}
+
 #[tokio::test]
 async fn a_post_slower_than_ack_wait_keeps_its_completion_and_the_sessions_next_one_in_the_wake() {
     let nats = NatsServer::start().await;

@@ -19,6 +19,8 @@ use serde_json::{Value, json};
 pub struct Recorded {
     pub headers: HeaderMap,
     pub body: Value,
+    /// When the post arrived.
+    pub at: std::time::Instant,
 }
 
 impl Recorded {
@@ -65,7 +67,7 @@ struct Inner {
     /// Posts in flight per session, and the most ever seen at once.
     in_flight: Mutex<HashMap<String, usize>>,
     max_in_flight_per_session: AtomicUsize,
-    /// `Retry-After` seconds sent with refusals (0: none).
+    /// `Retry-After` seconds sent with refusals, plus one (0: none).
     retry_after: AtomicU64,
     /// Roughly how long the assistant's answer in a 2xx is, in bytes.
     answer_size: AtomicUsize,
@@ -125,7 +127,7 @@ impl SessionApiServer {
 
     /// Send `Retry-After: seconds` with refusals.
     pub fn set_retry_after(&self, seconds: u64) {
-        self.inner.retry_after.store(seconds, Ordering::SeqCst);
+        self.inner.retry_after.store(seconds + 1, Ordering::SeqCst);
     }
 
     /// Posts received and not yet answered.
@@ -194,7 +196,11 @@ async fn receive(
     Json(body): Json<Value>,
 ) -> Response {
     inner.peers.lock().unwrap().insert(peer);
-    let recorded = Recorded { headers, body };
+    let recorded = Recorded {
+        headers,
+        body,
+        at: std::time::Instant::now(),
+    };
     let session = recorded.session();
     {
         let mut in_flight = inner.in_flight.lock().unwrap();
@@ -223,9 +229,10 @@ fn answer(inner: &Inner, recorded: Recorded) -> Response {
         )
             .into_response();
         if retry_after > 0 {
+            let seconds = retry_after - 1;
             response
                 .headers_mut()
-                .insert("retry-after", retry_after.to_string().parse().unwrap());
+                .insert("retry-after", seconds.to_string().parse().unwrap());
         }
         response
     };

@@ -125,7 +125,13 @@ impl Router {
                     return Posted::Done;
                 }
                 PostResult::Retry { reason, after } => {
-                    let delay = after.unwrap_or_else(|| backoff.next().unwrap_or(retry_max));
+                    // The API's `Retry-After`, but never below `--retry-min`:
+                    // `Retry-After: 0` from an overloaded gateway would
+                    // otherwise make a loop of posts.
+                    let delay = match after {
+                        Some(after) => after.max(shared.config.retry_min),
+                        None => backoff.next().unwrap_or(retry_max),
+                    };
                     warn!(%reason, attempt, retry_in = ?delay, "Wake post failed, will retry.");
                     m::wake_posted("retry");
                     let until = Instant::now() + delay;
