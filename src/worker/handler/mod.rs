@@ -178,7 +178,12 @@ impl TaskHandler {
             stored_at,
             self.duplicate_window,
         );
-        if late && self.already_done(&request).await {
+        // Kept from other workers while it asks, which may take a while.
+        if late
+            && self
+                .keeping_alive(message, self.already_done(&request))
+                .await
+        {
             info!(
                 "Completion already published by an earlier attempt or copy; acking this delivery."
             );

@@ -1,7 +1,10 @@
 //! Publishing a task's events, the "already done?" probe, dead letters, and
 //! fitting a completion into one NATS message.
 
+use std::time::Duration;
+
 use async_nats::jetstream::{self};
+use backon::Retryable;
 use bytes::Bytes;
 use tracing::{Instrument, debug, warn};
 
@@ -12,16 +15,36 @@ use crate::protocol::{
 };
 
 use super::TaskHandler;
+use crate::worker::probe::ProbeError;
 
 impl TaskHandler {
     /// Whether a completion for this task is already in the history.
+    ///
+    /// Asked again (0.5 s, then 1 s later) when the question fails: a
+    /// redelivery often follows cluster trouble, when the question is
+    /// likeliest to fail too, and an answer that never comes means running
+    /// a task whose result may be stored already, a second time.
     pub(super) async fn already_done(&self, request: &TaskRequest) -> bool {
         let subject = self.done_subject(request);
         // Asked by a probe publish: workers may not read the events stream.
-        match crate::worker::probe::last_sequence_on(&self.bus, &subject).await {
+        let ask = || crate::worker::probe::last_sequence_on(&self.bus, &subject);
+        let asked = ask
+            .retry(
+                backon::ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(500))
+                    .with_max_times(2),
+            )
+            .when(|error| !matches!(error, ProbeError::NoStream))
+            .notify(|error, delay| {
+                debug!(%error, retry_in = ?delay, "Could not ask whether the completion is stored; asking again.");
+            })
+            .await;
+        match asked {
             Ok(last) => last > 0,
+            // No stream takes completions: none can be stored.
+            Err(ProbeError::NoStream) => false,
             Err(error) => {
-                debug!(%error, "No earlier completion found.");
+                warn!(%error, "Could not ask whether this task's completion is already stored; running it, which runs it a second time if it was.");
                 false
             }
         }
