@@ -125,7 +125,15 @@ impl CancelRegistry {
                 run.stop.cancel();
             }
         }
-        inner.records.insert(target, record);
+        // The newer record wins: the watch and the broadcast may bring a
+        // session's two cancels in either order, and an older one kept
+        // would let requests stored between the two start.
+        match inner.records.get(&target) {
+            Some(kept) if kept.at > record.at => {}
+            _ => {
+                inner.records.insert(target, record);
+            }
+        }
         let cutoff = OffsetDateTime::now_utc() - inner.keep;
         inner.records.retain(|_, record| record.at >= cutoff);
     }
@@ -253,6 +261,23 @@ mod tests {
             at: OffsetDateTime::now_utc() - age,
             silent: false,
         }
+    }
+
+    #[test]
+    fn an_older_session_cancel_arriving_late_does_not_replace_a_newer_one() {
+        let registry = Arc::new(CancelRegistry::new(Duration::from_secs(3600)));
+        let session = || CancelTarget::Session("tok".to_owned());
+        registry.apply(session(), record(Duration::ZERO));
+        registry.apply(session(), record(Duration::from_secs(60)));
+        // Stored 30 s ago: before the newer cancel, after the older one.
+        let refused = registry.register(
+            "d1",
+            "tok",
+            OffsetDateTime::now_utc() - Duration::from_secs(30),
+            CancellationToken::new(),
+            Arc::new(OnceLock::new()),
+        );
+        assert!(refused.is_err(), "the newer cancel was replaced");
     }
 
     #[test]
