@@ -77,6 +77,11 @@ impl TaskHandler {
     /// for JetStream's ack on the task's path: nothing depends on it being
     /// stored, and waiting would add a round trip to every task. The ack is
     /// awaited in the background, so a failure is still logged.
+    ///
+    /// Skipped while the client is disconnected: it would only queue in
+    /// the client, and tasks reporting progress every second through a
+    /// long outage would fill its queue, after which every send (the
+    /// in-progress acks, the hand-backs at a stop) waits for the server.
     pub(super) async fn publish_history(
         &self,
         request: &TaskRequest,
@@ -84,6 +89,13 @@ impl TaskHandler {
         trace: TraceParent,
         body: &impl serde::Serialize,
     ) {
+        if !crate::connect::is_connected(&self.bus.client) {
+            debug!(
+                kind = kind.as_str(),
+                "NATS is unreachable; this history event is left out."
+            );
+            return;
+        }
         match self.send(request, kind, trace, body).await {
             Ok(ack) => {
                 tokio::spawn(
