@@ -342,3 +342,63 @@ async fn command_output_beyond_the_cap_is_cut_and_flagged_truncated() {
     );
     assert!(summary.len() < 200);
 }
+
+/// Whether process `pid` still runs (a zombie waiting to be reaped does not).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the command name, which is in parentheses.
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
+    })
+}
+
+/// The pid a task program printed first.
+fn printed_pid(done: &CompletionEvent) -> u32 {
+    let summary = done.summary.as_deref().unwrap_or_default();
+    summary
+        .split_whitespace()
+        .next()
+        .and_then(|pid| pid.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {summary:?}"))
+}
+
+#[tokio::test]
+async fn a_program_that_exits_leaving_a_process_on_its_output_completes_and_that_process_is_stopped()
+ {
+    init_logs();
+    // The helper inherits stdout, so the output never ends by itself.
+    let script = "sleep 600 & echo $!";
+    let mut config = CommandConfig::new("sh", vec!["-c".into(), script.into()]);
+    config.kill_grace = Duration::from_millis(500);
+    let (done, _bus, _nats) = run_one(
+        Executor::Command(CommandExecutor::new(config)),
+        Delegation::new("leave a helper behind"),
+    )
+    .await;
+    assert_eq!(done.status, Status::Completed, "{done:?}");
+    let helper = printed_pid(&done);
+    wait_until(WAIT, "the helper to be stopped", || async {
+        !running(helper)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_timed_out_program_whose_helper_ignores_sigterm_is_killed_with_its_whole_group() {
+    init_logs();
+    // The program dies on SIGTERM; the helper it started ignores it and
+    // holds the output open.
+    let script = "(trap '' TERM; exec sleep 600) & echo $!; wait";
+    let mut config = CommandConfig::new("sh", vec!["-c".into(), script.into()]);
+    config.kill_grace = Duration::from_millis(500);
+    let mut delegation = Delegation::new("time out with a stubborn helper");
+    delegation.timeout_seconds = Some(1);
+    let (done, _bus, _nats) =
+        run_one(Executor::Command(CommandExecutor::new(config)), delegation).await;
+    assert_eq!(done.status, Status::Timeout, "{done:?}");
+    let helper = printed_pid(&done);
+    wait_until(WAIT, "the helper to be killed", || async {
+        !running(helper)
+    })
+    .await;
+}

@@ -242,24 +242,48 @@ impl CommandExecutor {
         let io = async { tokio::join!(feed, stdout, stderr) };
         tokio::pin!(io);
 
-        let ((), (out, truncated), (err, _)) = tokio::select! {
-            results = &mut io => results,
-            () = stop.cancelled() => {
-                terminate(pid, cfg.kill_grace, &mut child).await;
-                let ((), (out, _), _) = io.await;
-                let partial = String::from_utf8_lossy(&out).trim().to_owned();
-                return Err(ExecError::Stopped { partial: (!partial.is_empty()).then_some(partial), api_calls: 0, tokens: None });
+        // The output is read while the program runs (a full pipe would
+        // block it), and to its end after it exits, which a process it left
+        // behind in its group may keep open: that one gets `kill_grace` to
+        // let go, and is then stopped with the rest of the group.
+        let mut output = None;
+        let mut exit = None;
+        let mut drain_until = None;
+        let ((), (out, truncated), (err, _)) = loop {
+            if exit.is_some()
+                && let Some(results) = output.take()
+            {
+                break results;
+            }
+            tokio::select! {
+                results = &mut io, if output.is_none() => output = Some(results),
+                exited = child.wait(), if exit.is_none() => {
+                    exit = Some(exited);
+                    drain_until = Some(tokio::time::Instant::now() + cfg.kill_grace);
+                }
+                () = sleep_until_some(drain_until), if output.is_none() => {
+                    warn!(?pid, "The task's program exited, but a process it started still holds its output; stopping its process group.");
+                    stop_group(pid, cfg.kill_grace, &mut child).await;
+                    output = Some(io.as_mut().await);
+                }
+                () = stop.cancelled() => {
+                    stop_group(pid, cfg.kill_grace, &mut child).await;
+                    let ((), (out, _), _) = match output {
+                        Some(results) => results,
+                        None => io.as_mut().await,
+                    };
+                    let partial = String::from_utf8_lossy(&out).trim().to_owned();
+                    return Err(ExecError::Stopped { partial: (!partial.is_empty()).then_some(partial), api_calls: 0, tokens: None });
+                }
             }
         };
-        let exit = tokio::select! {
-            exit = child.wait() => exit,
-            () = stop.cancelled() => {
-                terminate(pid, cfg.kill_grace, &mut child).await;
-                let partial = String::from_utf8_lossy(&out).trim().to_owned();
-                return Err(ExecError::Stopped { partial: (!partial.is_empty()).then_some(partial), api_calls: 0, tokens: None });
-            }
-        }
-        .map_err(|err| ExecError::Transient(format!("could not wait for the process: {err}")))?;
+        // Whatever it left running in its group ends with its task.
+        stop_group(pid, cfg.kill_grace, &mut child).await;
+        let exit = exit
+            .expect("the loop ends once the program has exited")
+            .map_err(|err| {
+                ExecError::Transient(format!("could not wait for the process: {err}"))
+            })?;
 
         let stdout_text = String::from_utf8_lossy(&out).trim().to_owned();
         let stderr_text = String::from_utf8_lossy(&err).trim().to_owned();
@@ -426,20 +450,47 @@ async fn read_capped(
     (kept, dropped)
 }
 
-/// SIGTERM to the process group, SIGKILL after `grace`.
-async fn terminate(pid: Option<u32>, grace: Duration, child: &mut tokio::process::Child) {
+/// Sleeps until `deadline`, or for ever without one.
+async fn sleep_until_some(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Stops the program's process group, whatever of it is left: SIGTERM,
+/// then SIGKILL to every process still in it after `grace` (the leader's
+/// exit is not enough: a process it started may have outlived it). Reaps
+/// the leader. Nothing is sent to a group already empty.
+async fn stop_group(pid: Option<u32>, grace: Duration, child: &mut tokio::process::Child) {
     let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) else {
         return;
     };
     let group = Pid::from_raw(pid);
+    if !group_alive(group) {
+        let _ = child.wait().await;
+        return;
+    }
     if let Err(err) = killpg(group, Signal::SIGTERM) {
         debug!(pid, %err, "SIGTERM to the process group failed (already gone?).");
     }
-    if tokio::time::timeout(grace, child.wait()).await.is_err() {
+    let emptied = async {
+        let _ = child.wait().await;
+        while group_alive(group) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    if tokio::time::timeout(grace, emptied).await.is_err() {
         warn!(pid, "Process group ignored SIGTERM; sending SIGKILL.");
         let _ = killpg(group, Signal::SIGKILL);
         let _ = child.wait().await;
     }
+}
+
+/// Whether any process is left in `group` (a zombie leader counts until it
+/// is reaped; a group the worker may not signal is taken as alive).
+fn group_alive(group: Pid) -> bool {
+    !matches!(killpg(group, None), Err(nix::errno::Errno::ESRCH))
 }
 
 #[cfg(test)]
