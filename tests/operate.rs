@@ -1505,3 +1505,46 @@ async fn a_stream_whose_retention_cannot_be_made_right_is_an_error_not_a_warning
         "{error}"
     );
 }
+
+/// A sync delegation whose requests were stored but whose wait then failed
+/// (here: the user may not create the consumer it waits with) must say the
+/// delegation was stored and name it: a caller that delegates again on an
+/// error would run the task twice.
+#[tokio::test]
+async fn a_delegation_stored_whose_wait_fails_names_itself_and_says_not_to_delegate_again() {
+    init_logs();
+    let prefix = unique_prefix();
+    let events = wakebus::protocol::Subjects::new(&prefix)
+        .unwrap()
+        .events_stream();
+    let denied = [
+        format!("$JS.API.CONSUMER.CREATE.{events}"),
+        format!("$JS.API.CONSUMER.CREATE.{events}.>"),
+    ];
+    let server = common::nats::LimitedUserServer::start(&denied).await;
+    let bus = bus(&server.nats.url(), &prefix).await;
+    bus.provision(&Default::default()).await.unwrap();
+
+    let run = server
+        .wakebus_as_limited(
+            &prefix,
+            &["delegate", "--goal", "stored, then not waited for"],
+        )
+        .await;
+    assert_eq!(run.code(), Some(1), "{}", run.stderr());
+    let queued = all_messages(&bus, &bus.subjects.tasks_stream()).await;
+    assert_eq!(queued.len(), 1, "the request was stored");
+    let id = queued[0]
+        .headers
+        .get("Wakebus-Delegation-Id")
+        .unwrap()
+        .to_string();
+    let said = run.stderr();
+    assert!(
+        said.contains(&format!(
+            "delegation {id} was stored and runs, but waiting for its completion failed"
+        )),
+        "{said}"
+    );
+    assert!(said.contains("do not delegate it again"), "{said}");
+}

@@ -265,9 +265,17 @@ pub enum DelegateError {
         /// The subject the publish went to.
         subject: String,
     },
-    /// Waiting for the completions failed.
-    #[error("could not wait for the completion: {0}")]
-    Wait(String),
+    /// Waiting for the completions failed, after the delegation was stored:
+    /// it runs anyway (delegating again would run it twice).
+    #[error(
+        "delegation {delegation_id} was stored and runs, but waiting for its completion failed: {reason} (follow it with `wakebus events --delegation {delegation_id}`; do not delegate it again)"
+    )]
+    Wait {
+        /// The stored delegation.
+        delegation_id: String,
+        /// Why the wait failed.
+        reason: String,
+    },
     /// Not every completion arrived within the wait timeout.
     #[error("no completion within {0:?}; the task may still run (delegation {1})")]
     WaitTimeout(Duration, String),

@@ -23,7 +23,10 @@ impl Delegator {
             first.delegation_id
         );
         let wait = async {
-            let failed = |e: &dyn std::fmt::Display| DelegateError::Wait(e.to_string());
+            let failed = |e: &dyn std::fmt::Display| DelegateError::Wait {
+                delegation_id: first.delegation_id.clone(),
+                reason: e.to_string(),
+            };
             let stream = self
                 .bus
                 .js
@@ -66,7 +69,7 @@ impl Delegator {
                     Some(Err(error)) => {
                         tracing::debug!(%error, "Ordered consumer hiccup; it recreates itself.");
                     }
-                    None => return Err(DelegateError::Wait("event stream ended".to_owned())),
+                    None => return Err(failed(&"the event stream ended")),
                 }
             }
             Ok(done.into_values().collect())

@@ -171,12 +171,25 @@ impl Router {
                     }
                 },
                 Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                    if self.older_than_history(&member.event) {
+                        warn!(delegation_id = %member.event.delegation_id, task_index = index, "A batch task's completion is not in the history, and the batch was dispatched longer ago than the history keeps: if that task ended and its completion expired, this batch never wakes its session. See its completions with `wakebus events --delegation`.");
+                    }
                     return Ok(None);
                 }
                 Err(error) => return Err(PlanError::History(error.to_string())),
             }
         }
         Ok(Some(all))
+    }
+
+    /// Whether `event`'s delegation was dispatched longer ago than the
+    /// events stream keeps messages (so completions of it may have expired).
+    fn older_than_history(&self, event: &CompletionEvent) -> bool {
+        let max_age = self.shared.events.cached_info().config.max_age;
+        match event.dispatched_at {
+            Some(at) if !max_age.is_zero() => at < time::OffsetDateTime::now_utc() - max_age,
+            _ => false,
+        }
     }
 
     /// The newest completion on `subject` stored before `sequence` that can

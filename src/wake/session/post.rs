@@ -45,6 +45,9 @@ impl Posting<'_> {
     }
 }
 
+/// How soon a lock refresh that failed during a post is tried again.
+const LOCK_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl Router {
     /// Posts one turn until it is delivered, refused for good, or shutdown.
     pub(super) async fn post_turn(&self, posting: &mut Posting<'_>, hold: &mut Hold) -> Posted {
@@ -82,15 +85,27 @@ impl Router {
             let post = async {
                 let post = shared.api.post(turn.post(posting.session, &events));
                 tokio::pin!(post);
-                let mut lock_lost = false;
+                // When a refresh failed: when to try again. A refresh at the
+                // lock's revision that succeeds later (a NATS hiccup, not
+                // another holder) holds it again, before it can expire.
+                let mut retry_at = None;
                 loop {
+                    let next = retry_at.unwrap_or(*posting.refresh_at);
                     tokio::select! {
                         result = &mut post => break result,
-                        () = tokio::time::sleep_until(*posting.refresh_at), if !lock_lost => {
+                        () = tokio::time::sleep_until(next) => {
                             // A slow post keeps the lock alive.
-                            if let Err(error) = posting.refresh_lock_if_due(&shared.locks).await {
-                                warn!(%error, "Session lock lost during a post; another instance may post for this session.");
-                                lock_lost = true;
+                            match posting.refresh_lock_if_due(&shared.locks).await {
+                                Ok(()) if retry_at.take().is_some() => {
+                                    info!("Session lock held again during the post.");
+                                }
+                                Ok(()) => {}
+                                Err(error) => {
+                                    if retry_at.is_none() {
+                                        warn!(%error, "Session lock refresh failed during a post; trying again every second. If the lock expires meanwhile, another instance may post for this session.");
+                                    }
+                                    retry_at = Some(Instant::now() + LOCK_RETRY);
+                                }
                             }
                         }
                     }
