@@ -1548,3 +1548,37 @@ async fn a_delegation_stored_whose_wait_fails_names_itself_and_says_not_to_deleg
     );
     assert!(said.contains("do not delegate it again"), "{said}");
 }
+
+/// Locks expire when the bucket says, whatever `--session-lock-ttl` says: a
+/// wake that may not (or must not) change the bucket times its refreshes by
+/// the bucket's age, and says so.
+#[tokio::test]
+async fn a_wake_whose_lock_ttl_is_not_the_buckets_times_its_locks_by_the_bucket_and_warns() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let run = wakebus(&nats.url(), &prefix, &["--session-lock-ttl", "30s", "init"]).await;
+    assert!(run.success(), "{}", run.stderr());
+    let logs = tempfile::tempdir().unwrap();
+    // `wake_args` asks for 3 s, which a service never shortens the bucket to.
+    let args = common::process::wake_args(&nats.url(), &prefix, &api.url());
+    assert!(
+        args.windows(2)
+            .any(|pair| pair == ["--session-lock-ttl", "3s"])
+    );
+    let log = logs.path().join("wake.log");
+    let _wake = common::process::Service::spawn(args, log.clone());
+    let line = eventually(WAIT, "the warning", || async {
+        std::fs::read_to_string(&log).ok().and_then(|text| {
+            text.lines()
+                .find(|line| line.contains("The session-lock bucket expires locks"))
+                .map(str::to_owned)
+        })
+    })
+    .await;
+    assert!(
+        line.contains("bucket_ttl=30s") && line.contains("session_lock_ttl=3s"),
+        "{line}"
+    );
+}
