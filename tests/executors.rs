@@ -402,3 +402,20 @@ async fn a_timed_out_program_whose_helper_ignores_sigterm_is_killed_with_its_who
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_goal_the_environment_cannot_hold_is_given_on_stdin_only_and_the_task_runs() {
+    init_logs();
+    // An environment string cannot hold a NUL character: passing this goal
+    // there would fail every start of the program.
+    let script =
+        r#"[ -z "${WAKEBUS_GOAL+set}" ] && echo "no goal in the environment"; cat >/dev/null"#;
+    let config = CommandConfig::new("sh", vec!["-c".into(), script.into()]);
+    let (done, _bus, _nats) = run_one(
+        Executor::Command(CommandExecutor::new(config)),
+        Delegation::new("before\u{0}after"),
+    )
+    .await;
+    assert_eq!(done.status, Status::Completed, "{done:?}");
+    assert_eq!(done.summary.as_deref(), Some("no goal in the environment"));
+}

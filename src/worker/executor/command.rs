@@ -159,8 +159,16 @@ pub struct CommandExecutor {
     config: CommandConfig,
 }
 
-/// Largest context also passed as `WAKEBUS_CONTEXT`.
-const MAX_ENV_CONTEXT: usize = 64 * 1024;
+/// Largest goal or context also passed in the environment
+/// (`WAKEBUS_GOAL`, `WAKEBUS_CONTEXT`).
+const MAX_ENV_TEXT: usize = 64 * 1024;
+
+/// Whether `text` can be passed in the environment: a string there is
+/// limited (128 KiB on Linux) and cannot hold a NUL byte, and either would
+/// make every start of the program fail. Such a text is on stdin only.
+fn fits_env(text: &str) -> bool {
+    text.len() <= MAX_ENV_TEXT && !text.contains('\0')
+}
 
 /// How much of stderr ends up in `error`.
 const STDERR_TAIL_BYTES: usize = 4096;
@@ -204,7 +212,6 @@ impl CommandExecutor {
             .env("WAKEBUS_DELEGATION_ID", &request.delegation_id)
             .env("WAKEBUS_TASK_INDEX", request.task_index.to_string())
             .env("WAKEBUS_DEPTH", request.depth.to_string())
-            .env("WAKEBUS_GOAL", &request.goal)
             .env("WAKEBUS_POOL", &env.pool)
             .env("NATS_URL", &env.nats_url)
             .env("WAKEBUS_PREFIX", &env.prefix);
@@ -212,12 +219,15 @@ impl CommandExecutor {
             Some(session) => command.env("WAKEBUS_ORIGIN_SESSION", session),
             None => command.env_remove("WAKEBUS_ORIGIN_SESSION"),
         };
-        // Environment strings are limited (128 KiB on Linux): a large
-        // context is only on stdin.
-        if request.context.len() <= MAX_ENV_CONTEXT {
-            command.env("WAKEBUS_CONTEXT", &request.context);
-        } else {
-            command.env_remove("WAKEBUS_CONTEXT");
+        for (name, text) in [
+            ("WAKEBUS_GOAL", &request.goal),
+            ("WAKEBUS_CONTEXT", &request.context),
+        ] {
+            if fits_env(text) {
+                command.env(name, text);
+            } else {
+                command.env_remove(name);
+            }
         }
         if let Some(dir) = &cfg.working_dir {
             command.current_dir(dir);
