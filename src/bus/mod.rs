@@ -29,7 +29,7 @@ use async_nats::jetstream::{self, kv, stream};
 use crate::protocol::Subjects;
 
 pub(crate) use consumers::ServiceConsumer;
-pub(crate) use provision::is_stream_not_found;
+pub(crate) use provision::{is_stream_not_found, setup_backoff};
 pub(crate) use publish::confirm_stored;
 pub(crate) use pulls::PullRetry;
 

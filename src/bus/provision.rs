@@ -385,7 +385,7 @@ impl Bus {
 
 /// How set-up steps retry while NATS is not up yet or what they need is
 /// missing: from 200 ms up to every 5 s, for as long as it takes.
-pub(super) fn setup_backoff() -> ExponentialBuilder {
+pub(crate) fn setup_backoff() -> ExponentialBuilder {
     ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(200))
         .with_max_delay(Duration::from_secs(5))

@@ -94,6 +94,9 @@ fn matches(
     }
 }
 
+/// How long a starting worker waits for the cancel records that exist.
+const LOAD_PATIENCE: Duration = Duration::from_secs(10);
+
 impl CancelRegistry {
     /// A registry forgetting records older than `keep` (the cancel bucket's
     /// max age), so a long-lived worker's memory does not grow with every
@@ -184,7 +187,7 @@ impl CancelRegistry {
     }
 
     /// Follows the cancel bucket and the broadcasts until `stop`; returns
-    /// once the records that existed at start are loaded.
+    /// once the records that existed at start are loaded (or after 10 s).
     pub(crate) async fn follow(
         self: &Arc<Self>,
         bus: &Bus,
@@ -239,7 +242,11 @@ impl CancelRegistry {
                 }
             }
         });
-        let _ = loaded_rx.await;
+        if tokio::time::timeout(LOAD_PATIENCE, loaded_rx).await.is_err() {
+            // The last record may have expired before it was delivered, so
+            // that none comes marked as the last: the rest load as they come.
+            warn!("The cancel records are still loading; starting anyway.");
+        }
         Ok(())
     }
 }

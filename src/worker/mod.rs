@@ -15,6 +15,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use backon::Retryable;
 use futures::StreamExt;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -142,15 +143,27 @@ pub async fn run(
         bus.subjects.worker_consumer(&config.pool),
         bus.subjects.dead_letter_task(&config.pool),
     );
+    let cancels = Arc::new(cancel::CancelRegistry::new(settings.history_max_age));
+    let stop_following = CancellationToken::new();
+    let _stop_following_on_exit = stop_following.clone().drop_guard();
     // Provisioning waits for NATS as long as it takes; a stop must not.
     let starting = async {
         let cancels_store = bus.provision_for_worker(&settings).await?;
         let consumer = bus.worker_consumer(&config.pool, config.ack_wait).await?;
         sweep_at_start(&bus, &tasks_stream, &consumer_name, &dead_letters).await;
         let duplicate_window = duplicate_window(&bus, &tasks_stream, &settings).await;
-        Ok::<_, WorkerError>((cancels_store, consumer, duplicate_window))
+        // The cancels known so far, before any task can start.
+        let follow = || cancels.follow(&bus, cancels_store.clone(), stop_following.clone());
+        follow
+            .retry(crate::bus::setup_backoff())
+            .notify(|error, delay| {
+                warn!(%error, retry_in = ?delay, "Cannot follow the cancel records yet; will retry.");
+            })
+            .await
+            .map_err(WorkerError::Cancels)?;
+        Ok::<_, WorkerError>((consumer, duplicate_window))
     };
-    let (cancels_store, consumer, duplicate_window) = tokio::select! {
+    let (consumer, duplicate_window) = tokio::select! {
         started = starting => started?,
         () = &mut shutdown => {
             info!("Worker stopped before it started.");
@@ -166,13 +179,6 @@ pub async fn run(
     };
     let stop_keeping = bus.keep_consumer(wanted, settings.consumer_check);
 
-    let cancels = Arc::new(cancel::CancelRegistry::new(settings.history_max_age));
-    let stop_following = CancellationToken::new();
-    let _stop_following_on_exit = stop_following.clone().drop_guard();
-    cancels
-        .follow(&bus, cancels_store, stop_following)
-        .await
-        .map_err(WorkerError::Cancels)?;
     let concurrency = config.concurrency.max(1);
     let grace = config.shutdown_grace;
     let tracker = TaskTracker::new();
