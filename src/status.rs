@@ -19,7 +19,7 @@ use time::OffsetDateTime;
 use crate::bus::{Bus, is_stream_not_found};
 use crate::history::{HistoryReader, Selection, Source};
 use crate::ops::service::{ServiceSnapshot, WAKE_SERVICE, WORKER_SERVICE};
-use crate::protocol::{EventKind, SYNC_SESSION_TOKEN};
+use crate::protocol::{CompletionEvent, EventKind, SYNC_SESSION_TOKEN, WakeMode};
 use crate::wake::ledger::{LedgerState, WakeLedger};
 
 /// How the snapshot is taken.
@@ -579,7 +579,9 @@ async fn discover(
 
 /// Completions above the wake consumer's ack floor that the ledger does not
 /// record as delivered, grouped by session. Without a ledger (the wake
-/// service never ran) every background completion there counts.
+/// service never ran) every background completion there counts. A batch
+/// member (`wake_mode: batch`) counts as delivered when its batch was; a
+/// completion that wakes nobody (a silent cancel) does not count.
 async fn undelivered(
     bus: &Bus,
     from_seq: u64,
@@ -589,12 +591,17 @@ async fn undelivered(
         from_seq,
         ..ScanInfo::default()
     };
-    let ledger = bus
+    // Missing means the wake never ran; any other failure is reported, not
+    // read as "nothing delivered".
+    let ledger = match bus
         .js
         .get_key_value(bus.subjects.wake_ledger_bucket())
         .await
-        .ok()
-        .map(WakeLedger::new);
+    {
+        Ok(bucket) => Some(WakeLedger::new(bucket)),
+        Err(error) if bucket_missing(&error) => None,
+        Err(error) => return Err(read_error("the wake ledger", error)),
+    };
     let selection = Selection {
         kind: Some(EventKind::Done),
         from_seq: Some(scan.from_seq),
@@ -602,7 +609,9 @@ async fn undelivered(
     };
     let mut reader = match HistoryReader::open(bus, Source::Events, selection, false).await {
         Ok(reader) => reader,
-        Err(crate::history::HistoryError::Stream { .. }) => {
+        Err(crate::history::HistoryError::Stream { source, .. })
+            if is_stream_not_found(&source) =>
+        {
             scan.complete = true;
             return Ok((Vec::new(), scan));
         }
@@ -629,9 +638,21 @@ async fn undelivered(
         if token == SYNC_SESSION_TOKEN {
             continue;
         }
+        let event = CompletionEvent::decode(&record.payload).ok();
+        if event.as_ref().is_some_and(|event| event.suppress_wake) {
+            continue;
+        }
         if let Some(ledger) = &ledger {
+            let batch = event
+                .as_ref()
+                .is_some_and(|e| e.task_count > 1 && e.wake_mode == WakeMode::Batch);
+            let key = if batch {
+                WakeLedger::batch_key(&delegation)
+            } else {
+                WakeLedger::key(&delegation, task)
+            };
             let state = ledger
-                .get(&WakeLedger::key(&delegation, task))
+                .get(&key)
                 .await
                 .map_err(|e| read_error("the wake ledger", e))?;
             if matches!(state, Some(LedgerState::Delivered { .. })) {
@@ -654,6 +675,13 @@ async fn undelivered(
     list.sort_by_key(|s| s.oldest);
     list.truncate(options.top_sessions);
     Ok((list, scan))
+}
+
+/// Whether opening a KV bucket failed because it does not exist.
+fn bucket_missing(error: &async_nats::jetstream::context::KeyValueError) -> bool {
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<async_nats::jetstream::context::GetStreamError>())
+        .is_some_and(is_stream_not_found)
 }
 
 #[cfg(test)]

@@ -1582,3 +1582,76 @@ async fn a_wake_whose_lock_ttl_is_not_the_buckets_times_its_locks_by_the_bucket_
         "{line}"
     );
 }
+
+/// A woken batch is recorded once, under `<delegation>.batch`, and a
+/// completion that wakes nobody is recorded nowhere: neither may show as an
+/// undelivered wake, which is what an operator reads when a session is stuck.
+#[tokio::test]
+async fn status_does_not_list_a_woken_batch_or_a_silent_completion_as_undelivered() {
+    let p = Pipeline::start().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
+    let goals = ["first", "second"].map(String::from);
+    delegate(&bus, Delegation::batch(goals).session("s.batch.woken")).await;
+    wait_until(WAIT, "the batch's one wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    // Without the wake's consumer, status scans every completion.
+    let events = bus
+        .js
+        .get_stream(bus.subjects.events_stream())
+        .await
+        .unwrap();
+    events
+        .delete_consumer(bus.subjects.wake_consumer())
+        .await
+        .unwrap();
+    let publish = |session: &str, id: &str, extra: Value| {
+        let mut body = serde_json::json!({
+            "type": "async_delegation", "delegation_id": id, "origin_session_id": session,
+            "status": "completed", "completed_at": "2026-01-01T00:00:00Z", "exit_reason": "completed",
+        });
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Wakebus-Origin-Session", session);
+        headers.insert("Wakebus-Delegation-Id", id);
+        headers.insert("Wakebus-Task-Index", "0");
+        let subject = format!("{prefix}.evt.{}.{id}.0.done", session_token(session));
+        let bus = bus.clone();
+        async move {
+            bus.js
+                .publish_with_headers(subject, headers, serde_json::to_vec(&body).unwrap().into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+    };
+    publish(
+        "s.silent",
+        "01JV3N4Y8K6D2Q7R9T1W5X0SIL",
+        serde_json::json!({"suppress_wake": true}),
+    )
+    .await;
+    publish(
+        "s.waiting",
+        "01JV3N4Y8K6D2Q7R9T1W5X0WAI",
+        serde_json::json!({}),
+    )
+    .await;
+
+    let run = wakebus(&nats.url(), &prefix, &["status", "--json"]).await;
+    assert!(run.success(), "{}", run.stderr());
+    let report: Value = serde_json::from_str(&run.stdout()).unwrap();
+    let sessions: Vec<&str> = report["oldest_undelivered"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["session"].as_str().unwrap())
+        .collect();
+    assert_eq!(sessions, ["s.waiting"], "{report:#}");
+}

@@ -242,7 +242,10 @@ impl CancelRegistry {
                 }
             }
         });
-        if tokio::time::timeout(LOAD_PATIENCE, loaded_rx).await.is_err() {
+        if tokio::time::timeout(LOAD_PATIENCE, loaded_rx)
+            .await
+            .is_err()
+        {
             // The last record may have expired before it was delivered, so
             // that none comes marked as the last: the rest load as they come.
             warn!("The cancel records are still loading; starting anyway.");
