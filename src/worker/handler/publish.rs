@@ -20,7 +20,8 @@ use crate::worker::probe::ProbeError;
 impl TaskHandler {
     /// Whether a completion for this task is already in the history.
     ///
-    /// Asked again (0.5 s, then 1 s later) when the question fails: a
+    /// Asked again (0.5 s, then 1 s later) when the question fails or finds
+    /// no stream (a stream electing a leader answers so): a
     /// redelivery often follows cluster trouble, when the question is
     /// likeliest to fail too, and an answer that never comes means running
     /// a task whose result may be stored already, a second time.
@@ -34,14 +35,15 @@ impl TaskHandler {
                     .with_min_delay(Duration::from_millis(500))
                     .with_max_times(2),
             )
-            .when(|error| !matches!(error, ProbeError::NoStream))
+            // "No stream" too: it is also what a stream between two
+            // leaders answers (nobody listens on its subjects meanwhile).
             .notify(|error, delay| {
                 debug!(%error, retry_in = ?delay, "Could not ask whether the completion is stored; asking again.");
             })
             .await;
         match asked {
             Ok(last) => last > 0,
-            // No stream takes completions: none can be stored.
+            // Still no stream takes completions: none can be stored.
             Err(ProbeError::NoStream) => false,
             Err(error) => {
                 warn!(%error, "Could not ask whether this task's completion is already stored; running it, which runs it a second time if it was.");
