@@ -188,7 +188,10 @@ impl Bus {
             storage: stream::StorageType::File,
             max_age: settings.dead_letter_max_age,
             duplicate_window: settings.duplicate_window,
-            discard: REFUSE_AT_LIMITS,
+            // Not REFUSE_AT_LIMITS: a dead letter refused would bring its
+            // original back for ever; a capped dead-letter stream drops its
+            // oldest instead.
+            discard: stream::DiscardPolicy::Old,
             ..Default::default()
         })
     }
@@ -392,7 +395,7 @@ pub(crate) fn setup_backoff() -> ExponentialBuilder {
         .with_max_times(usize::MAX)
 }
 
-/// What a new stream does at a limit an operator sets (`max_bytes`,
+/// What a new task or events stream does at a limit an operator sets (`max_bytes`,
 /// `max_msgs`): refuse the write, which the publisher sees and retries (a
 /// worker keeps its result until the completion is stored), rather than
 /// delete the oldest messages, stored work among them. The policy of an
