@@ -419,3 +419,34 @@ async fn a_goal_the_environment_cannot_hold_is_given_on_stdin_only_and_the_task_
     assert_eq!(done.status, Status::Completed, "{done:?}");
     assert_eq!(done.summary.as_deref(), Some("no goal in the environment"));
 }
+
+#[tokio::test]
+async fn a_process_that_left_the_group_holding_the_output_does_not_hold_the_task_for_ever() {
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("escaped.pid");
+    // `setsid` puts the helper out of the process group the worker stops;
+    // it keeps stdout open.
+    let script = format!(
+        "setsid sh -c 'echo $$ > {}; exec sleep 600' & echo started",
+        pid_file.display()
+    );
+    let mut config = CommandConfig::new("sh", vec!["-c".into(), script]);
+    config.kill_grace = Duration::from_millis(500);
+    let (done, _bus, _nats) = run_one(
+        Executor::Command(CommandExecutor::new(config)),
+        Delegation::new("escape the group"),
+    )
+    .await;
+    let escaped: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(escaped),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    assert_eq!(done.status, Status::Completed, "{done:?}");
+    assert!(done.truncated, "the lost output is flagged: {done:?}");
+}

@@ -734,7 +734,7 @@ async fn forged_and_inconsistent_completions_are_dead_lettered_once_and_real_wak
         "completion is not valid",
         "invalid type: string \"zero\"",
         "task_index 2 is not below its task_count 2",
-        "task_count 4294967295 is above the limit of 10000",
+        "task_count 4294967295 is above the limit of 1000",
         "left out: too large to store again",
     ] {
         assert!(

@@ -214,7 +214,7 @@ pub enum DelegateError {
     EmptyGoal(usize),
     /// The batch is larger than allowed.
     #[error(
-        "batch of {size} tasks is larger than the limit of {max}; split it or raise the limit (at most 10000)"
+        "batch of {size} tasks is larger than the limit of {max}; split it or raise the limit (at most 1000)"
     )]
     BatchTooLarge {
         /// Tasks given.

@@ -110,8 +110,10 @@ pub const DEFAULT_MAX_DEPTH: u32 = 1;
 /// The most tasks one delegation may have. A batch's wake reads every
 /// task's completion to build one turn, so the count a request or
 /// completion claims must be bounded: an untrusted one is never used to
-/// size memory or a loop of reads beyond this.
-pub const MAX_TASK_COUNT: u32 = 10_000;
+/// size memory or a loop of reads beyond this. (Each completion of a batch
+/// in hand reads the others: a batch of N costs about N² reads and holds N
+/// completions, up to 1 MiB each.)
+pub const MAX_TASK_COUNT: u32 = 1_000;
 
 /// Why a request body could not be used. Each kind ends the task with an
 /// `error` completion rather than a retry: sending it again cannot help.
@@ -267,7 +269,7 @@ mod tests {
         let refused = TaskRequest::decode(body(MAX_TASK_COUNT + 1).as_bytes()).unwrap_err();
         assert_eq!(
             refused.to_string(),
-            "task_count 10001 is above the limit of 10000"
+            "task_count 1001 is above the limit of 1000"
         );
         let most = TaskRequest::decode(body(MAX_TASK_COUNT).as_bytes()).unwrap();
         assert_eq!(most.task_count, MAX_TASK_COUNT);

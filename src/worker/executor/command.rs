@@ -274,13 +274,13 @@ impl CommandExecutor {
                 () = sleep_until_some(drain_until), if output.is_none() => {
                     warn!(?pid, "The task's program exited, but a process it started still holds its output; stopping its process group.");
                     stop_group(pid, cfg.kill_grace, &mut child).await;
-                    output = Some(io.as_mut().await);
+                    output = Some(read_rest(io.as_mut(), cfg.kill_grace).await);
                 }
                 () = stop.cancelled() => {
                     stop_group(pid, cfg.kill_grace, &mut child).await;
                     let ((), (out, _), _) = match output {
                         Some(results) => results,
-                        None => io.as_mut().await,
+                        None => read_rest(io.as_mut(), cfg.kill_grace).await,
                     };
                     let partial = String::from_utf8_lossy(&out).trim().to_owned();
                     return Err(ExecError::Stopped { partial: (!partial.is_empty()).then_some(partial), api_calls: 0, tokens: None });
@@ -458,6 +458,31 @@ async fn read_capped(
         }
     }
     (kept, dropped)
+}
+
+/// What the program wrote: stdin fed, stdout (and whether it was cut),
+/// stderr (likewise).
+type Written = ((), (Vec<u8>, bool), (Vec<u8>, bool));
+
+/// The rest of the output once the program's group was stopped, within
+/// `patience`: a process that left the group (`setsid`) may still hold it
+/// open, and must not hold the task for ever. Then what was read is lost,
+/// and stderr says why.
+async fn read_rest(
+    io: std::pin::Pin<&mut impl std::future::Future<Output = Written>>,
+    patience: Duration,
+) -> Written {
+    match tokio::time::timeout(patience, io).await {
+        Ok(written) => written,
+        Err(_) => {
+            warn!(
+                "A process outside the task's process group still holds its output; giving up on reading it."
+            );
+            let why =
+                b"the output was lost: a process that left the task's process group kept it open";
+            ((), (Vec::new(), true), (why.to_vec(), true))
+        }
+    }
 }
 
 /// Sleeps until `deadline`, or for ever without one.
