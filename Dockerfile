@@ -6,6 +6,11 @@
 #   docker build -t wakebus .
 #   docker run --rm -e NATS_URL=nats://nats:4222 wakebus worker --executor echo
 #
+# A worker running the command executor needs an init as PID 1 (`docker run
+# --init`, `init: true` in compose): wakebus does not reap the processes a
+# task program leaves behind, and their zombies would make each such task
+# wait out its kill grace.
+#
 # docker-compose.yml builds and runs it against a 3-node NATS cluster.
 
 FROM rust:1-bookworm AS builder

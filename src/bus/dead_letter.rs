@@ -115,7 +115,7 @@ mod tests {
         assert_eq!(headers.get("Wakebus-Delegation-Id").unwrap().as_str(), "d1");
         // What the server acts on held where the original was stored, not
         // necessarily in the dead-letter stream.
-        assert!(headers.get("Nats-Expected-Stream").is_none());
+        assert!(headers.get("nats-expected-stream").is_none());
         assert!(headers.get("Nats-TTL").is_none());
         assert_eq!(
             headers.get(HEADER_DEAD_LETTER_REASON).unwrap().as_str(),

@@ -259,6 +259,8 @@ impl CommandExecutor {
         let mut output = None;
         let mut exit = None;
         let mut drain_until = None;
+        // Whether the output was cut short by stopping what held it open.
+        let mut cut = false;
         let ((), (out, truncated), (err, _)) = loop {
             if exit.is_some()
                 && let Some(results) = output.take()
@@ -275,6 +277,7 @@ impl CommandExecutor {
                     warn!(?pid, "The task's program exited, but a process it started still holds its output; stopping its process group.");
                     stop_group(pid, cfg.kill_grace, &mut child).await;
                     output = Some(read_rest(io.as_mut(), cfg.kill_grace).await);
+                    cut = true;
                 }
                 () = stop.cancelled() => {
                     stop_group(pid, cfg.kill_grace, &mut child).await;
@@ -289,6 +292,8 @@ impl CommandExecutor {
         };
         // Whatever it left running in its group ends with its task.
         stop_group(pid, cfg.kill_grace, &mut child).await;
+        // A helper stopped while it held the output may have had more to say.
+        let truncated = truncated || cut;
         let exit = exit
             .expect("the loop ends once the program has exited")
             .map_err(|err| {
