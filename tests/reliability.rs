@@ -599,6 +599,48 @@ async fn a_lock_refreshed_while_its_answer_was_lost_is_taken_back_instead_of_wai
     assert!(b.try_acquire("tok").await.unwrap().is_some(), "released");
 }
 
+/// A refresh unanswered but applied leaves the lock at a revision the guard
+/// does not know: the next refresh (a slow post retries it every second)
+/// must find its own value there and hold the lock again, not fail until
+/// the lock expires under the post.
+#[tokio::test]
+async fn a_guard_whose_unanswered_refresh_was_applied_is_held_again_by_its_next_refresh() {
+    let LockRig {
+        nats,
+        bus: _,
+        kv,
+        a,
+        b,
+    } = LockRig::start().await;
+
+    let mut held = a.try_acquire("tok").await.unwrap().expect("a free lock");
+    let revision = kv.entry("tok").await.unwrap().expect("the lock").revision;
+    nats.signal(nix::sys::signal::Signal::SIGSTOP);
+    let unanswered = a.refresh(&mut held).await;
+    nats.signal(nix::sys::signal::Signal::SIGCONT);
+    assert!(unanswered.is_err(), "answered by a frozen server");
+    wait_until(WAIT, "the thawed server to apply the refresh", || async {
+        kv.entry("tok")
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|entry| entry.revision > revision)
+    })
+    .await;
+
+    // Fails until it is answered and takes up the applied write.
+    let mut tries = 0;
+    while let Err(error) = a.refresh(&mut held).await {
+        tries += 1;
+        assert!(tries < 50, "never held again: {error}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!held.is_lost(), "the guard is held again");
+    assert_held_by(&kv, "wake-a", &b).await;
+    a.release(held).await;
+    assert!(b.try_acquire("tok").await.unwrap().is_some(), "released");
+}
+
 #[tokio::test]
 async fn a_guard_whose_refresh_was_lost_in_a_nats_crash_is_held_again_once_a_refresh_succeeds() {
     let LockRig {

@@ -266,6 +266,28 @@ impl SessionLocks {
                 // applied: then the key still holds this value.
                 guard.lost = true;
                 self.remember_orphan(&guard.key, guard.value.clone());
+                // An earlier refresh whose answer was lost but which was
+                // applied left this value at a newer revision: no other take
+                // writes it, so the lock is still this guard's to refresh.
+                if error.kind() == kv::UpdateErrorKind::WrongLastRevision
+                    && let Ok(Some(entry)) = self.kv.entry(&guard.key).await
+                    && entry.operation == kv::Operation::Put
+                    && entry.value == guard.value
+                    && entry.revision != guard.revision
+                {
+                    let started = tokio::time::Instant::now();
+                    if let Ok(revision) = self
+                        .kv
+                        .update(&guard.key, guard.value.clone(), entry.revision)
+                        .await
+                    {
+                        guard.revision = revision;
+                        guard.written_at = started;
+                        guard.lost = false;
+                        self.take_orphan(&guard.key);
+                        return Ok(());
+                    }
+                }
                 Err(error.into())
             }
         }
