@@ -1320,6 +1320,18 @@ async fn status_reports_a_stream_it_cannot_read_as_not_read_and_keeps_the_rest()
     );
 }
 
+/// The API subjects that create a consumer on the events stream under
+/// `prefix` (with and without name and filter in the subject).
+fn consumer_creates_on_events(prefix: &str) -> [String; 2] {
+    let events = wakebus::protocol::Subjects::new(prefix)
+        .unwrap()
+        .events_stream();
+    [
+        format!("$JS.API.CONSUMER.CREATE.{events}"),
+        format!("$JS.API.CONSUMER.CREATE.{events}.>"),
+    ]
+}
+
 /// The undelivered-wakes scan reads through a consumer of its own; when
 /// that cannot be created (refused here; in a cluster, while leaders are
 /// elected) the snapshot says so and keeps everything else.
@@ -1330,10 +1342,7 @@ async fn status_keeps_the_rest_of_the_snapshot_when_it_cannot_scan_for_undeliver
     let events = wakebus::protocol::Subjects::new(&prefix)
         .unwrap()
         .events_stream();
-    let denied = [
-        format!("$JS.API.CONSUMER.CREATE.{events}"),
-        format!("$JS.API.CONSUMER.CREATE.{events}.>"),
-    ];
+    let denied = consumer_creates_on_events(&prefix);
     let (server, report, stderr) = status_refused(&prefix, &denied).await;
     let scan = &report["undelivered_scan"];
     assert!(
@@ -1514,13 +1523,7 @@ async fn a_stream_whose_retention_cannot_be_made_right_is_an_error_not_a_warning
 async fn a_delegation_stored_whose_wait_fails_names_itself_and_says_not_to_delegate_again() {
     init_logs();
     let prefix = unique_prefix();
-    let events = wakebus::protocol::Subjects::new(&prefix)
-        .unwrap()
-        .events_stream();
-    let denied = [
-        format!("$JS.API.CONSUMER.CREATE.{events}"),
-        format!("$JS.API.CONSUMER.CREATE.{events}.>"),
-    ];
+    let denied = consumer_creates_on_events(&prefix);
     let server = common::nats::LimitedUserServer::start(&denied).await;
     let bus = bus(&server.nats.url(), &prefix).await;
     bus.provision(&Default::default()).await.unwrap();

@@ -11,7 +11,7 @@ use futures::StreamExt as _;
 use wakebus::bus::Bus;
 use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::{CompletionEvent, Status, TaskRequest};
-use wakebus::wake::lock::{SessionLocks, Taken};
+use wakebus::wake::lock::{LockGuard, SessionLocks, Taken};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -566,6 +566,29 @@ async fn an_orphaned_take_that_never_landed_does_not_adopt_another_instances_loc
     b.release(held).await;
 }
 
+/// Refreshes `held` ("tok") while the server is frozen, so that the
+/// refresh goes unanswered, and waits until the thawed server applied it.
+async fn refresh_applied_unanswered(
+    nats: &NatsServer,
+    kv: &async_nats::jetstream::kv::Store,
+    locks: &SessionLocks,
+    held: &mut LockGuard,
+) {
+    let revision = kv.entry("tok").await.unwrap().expect("the lock").revision;
+    nats.signal(nix::sys::signal::Signal::SIGSTOP);
+    let unanswered = locks.refresh(held).await;
+    nats.signal(nix::sys::signal::Signal::SIGCONT);
+    assert!(unanswered.is_err(), "answered by a frozen server");
+    wait_until(WAIT, "the thawed server to apply the refresh", || async {
+        kv.entry("tok")
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|entry| entry.revision > revision)
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_lock_refreshed_while_its_answer_was_lost_is_taken_back_instead_of_waited_out() {
     let LockRig {
@@ -577,20 +600,8 @@ async fn a_lock_refreshed_while_its_answer_was_lost_is_taken_back_instead_of_wai
     } = LockRig::start().await;
 
     let mut held = a.try_acquire("tok").await.unwrap().expect("a free lock");
-    let revision = kv.entry("tok").await.unwrap().expect("the lock").revision;
-    nats.signal(nix::sys::signal::Signal::SIGSTOP);
-    let unanswered = a.refresh(&mut held).await;
-    nats.signal(nix::sys::signal::Signal::SIGCONT);
-    assert!(unanswered.is_err(), "answered by a frozen server");
+    refresh_applied_unanswered(&nats, &kv, &a, &mut held).await;
     assert!(held.is_lost(), "a guard whose refresh failed is used again");
-    wait_until(WAIT, "the thawed server to apply the refresh", || async {
-        kv.entry("tok")
-            .await
-            .ok()
-            .flatten()
-            .is_some_and(|entry| entry.revision > revision)
-    })
-    .await;
     assert_held_by(&kv, "wake-a", &b).await;
 
     let again = take_through_errors(&a).await;
@@ -614,19 +625,7 @@ async fn a_guard_whose_unanswered_refresh_was_applied_is_held_again_by_its_next_
     } = LockRig::start().await;
 
     let mut held = a.try_acquire("tok").await.unwrap().expect("a free lock");
-    let revision = kv.entry("tok").await.unwrap().expect("the lock").revision;
-    nats.signal(nix::sys::signal::Signal::SIGSTOP);
-    let unanswered = a.refresh(&mut held).await;
-    nats.signal(nix::sys::signal::Signal::SIGCONT);
-    assert!(unanswered.is_err(), "answered by a frozen server");
-    wait_until(WAIT, "the thawed server to apply the refresh", || async {
-        kv.entry("tok")
-            .await
-            .ok()
-            .flatten()
-            .is_some_and(|entry| entry.revision > revision)
-    })
-    .await;
+    refresh_applied_unanswered(&nats, &kv, &a, &mut held).await;
 
     // Fails until it is answered and takes up the applied write.
     let mut tries = 0;
