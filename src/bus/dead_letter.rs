@@ -12,12 +12,13 @@ impl Bus {
     /// by `msg_id`, and waits until JetStream has stored it.
     ///
     /// The copy keeps the original headers and body when they fit in one
-    /// message, but for those the server acts on (`Nats-*`: a
-    /// `Nats-Expected-Stream` that held for the original's stream would make
-    /// the copy be refused forever). A message that was already near the server's max payload
-    /// would not fit with the added headers, and a dead letter that can never
-    /// be stored would make the original come back forever: then the body
-    /// (and, if still too large, the original headers) are left out and the
+    /// message, but for the headers the server acts on (`Nats-*`: a
+    /// `Nats-Expected-Stream` that held for the original's stream would
+    /// make the copy be refused forever). A message that was already near
+    /// the server's max payload would not fit with the added headers, and a
+    /// dead letter that can never be stored would make the original come
+    /// back forever: then the body (and, if still too large, the original
+    /// headers) are left out and the
     /// reason says so.
     pub async fn dead_letter(
         &self,
