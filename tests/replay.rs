@@ -574,6 +574,74 @@ async fn replay_copy_republishes_history_under_another_prefix_with_headers_and_a
     );
 }
 
+/// Headers nats-server acts on held where the original was stored, not
+/// where its copy goes: `Nats-Expected-Stream` would have the copy
+/// refused. A copy leaves them out, but for `Nats-Msg-Id`, which lets the
+/// target drop a second copy.
+#[tokio::test]
+async fn replay_copy_leaves_out_the_headers_the_server_acts_on_but_the_message_id() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let target_prefix = unique_prefix();
+    let target = common::bus(&nats.url(), &target_prefix).await;
+    let request = common::cli::request(Some("s.expects"), "synthetic");
+    let done = wakebus::protocol::CompletionEvent::for_request(&request, Status::Completed, "ok");
+    let id = wakebus::protocol::CompletionEvent::id_for(&request.delegation_id, 0);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", id.as_str());
+    headers.insert(
+        "Nats-Expected-Stream",
+        bus.subjects.events_stream().as_str(),
+    );
+    headers.insert("Wakebus-Origin-Session", "s.expects");
+    let subject = bus.subjects.event(
+        &session_token("s.expects"),
+        &request.delegation_id,
+        0,
+        wakebus::protocol::EventKind::Done,
+    );
+    bus.js
+        .publish_with_headers(subject, headers, serde_json::to_vec(&done).unwrap().into())
+        .await
+        .unwrap()
+        .await
+        .expect("the original is stored");
+
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &[
+            "replay",
+            "copy",
+            "--to-prefix",
+            &target_prefix,
+            "--session",
+            "s.expects",
+        ],
+    )
+    .await
+    .ok_json();
+    assert_eq!(
+        lines.last().unwrap()["summary"]["replayed"],
+        1,
+        "{lines:#?}"
+    );
+    let copies = all_messages(&target, &target.subjects.events_stream()).await;
+    assert_eq!(copies.len(), 1);
+    let copy = &copies[0].headers;
+    assert!(copy.get("Nats-Expected-Stream").is_none(), "{copy:?}");
+    assert_eq!(
+        copy.get("Nats-Msg-Id").map(|v| v.as_str()),
+        Some(id.as_str())
+    );
+    assert_eq!(
+        copy.get("Wakebus-Origin-Session").map(|v| v.as_str()),
+        Some("s.expects")
+    );
+}
+
 #[tokio::test]
 async fn replay_of_wakes_without_a_wake_ledger_says_so() {
     init_logs();

@@ -352,9 +352,7 @@ impl Replayer {
             item.action = Action::WouldReplay;
             return Ok(item);
         }
-        let mut headers = record.headers.clone();
-        headers.insert(HEADER_REPLAY, record.origin_ref().as_str());
-        self.publish(subject, headers, record.payload.clone())
+        self.publish(subject, copy_headers(record), record.payload.clone())
             .await?;
         item.action = Action::Replayed;
         Ok(item)
@@ -392,6 +390,26 @@ fn encode(subject: &str, body: &impl serde::Serialize) -> Result<bytes::Bytes, R
 fn set_ids(headers: &mut HeaderMap, id: &str) {
     headers.insert(HEADER_MSG_ID, id);
     headers.insert(HEADER_CE_ID, id);
+}
+
+/// The original's headers for a copy: all of them but those the server
+/// acts on, which held where the original was stored and may not where the
+/// copy goes (`Nats-Expected-Stream`, say, would have it refused), except
+/// `Nats-Msg-Id`, so that the target drops a second copy; plus
+/// `Wakebus-Replay: <stream>:<sequence>`.
+fn copy_headers(record: &Record) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    for (name, values) in record.headers.iter() {
+        let name: &str = name.as_ref();
+        if is_server_directive(name) && !name.eq_ignore_ascii_case(HEADER_MSG_ID) {
+            continue;
+        }
+        for value in values {
+            headers.append(name, value.as_str());
+        }
+    }
+    headers.insert(HEADER_REPLAY, record.origin_ref().as_str());
+    headers
 }
 
 /// The original's headers without the dead-letter reason (nor an earlier
