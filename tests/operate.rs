@@ -1097,17 +1097,21 @@ async fn init_run_again_keeps_the_settings_the_services_gave_their_consumers() {
 /// started with a shorter `--history` than the deployment's must not do it;
 /// `wakebus init` with the shorter setting does, on the operator's word,
 /// and only when given it: `init --pool gpu` from a shell without the
-/// deployment's settings must not cut them back to the defaults.
+/// deployment's settings must not move them to the defaults, either way.
 #[tokio::test]
-async fn only_init_given_a_shorter_setting_shortens_what_a_stream_keeps() {
+async fn only_init_given_a_shorter_setting_shortens_what_a_stream_keeps_and_a_default_changes_nothing()
+ {
     init_logs();
     let nats = NatsServer::start().await;
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
     let month = Duration::from_secs(30 * 24 * 3600);
+    // As `init --history 30d --session-lock-ttl 2m` sets them.
     let long = wakebus::bus::BusSettings {
         history_max_age: month,
         session_lock_ttl: Duration::from_secs(120),
+        history_change: wakebus::bus::AgeChange::Set,
+        session_lock_ttl_change: wakebus::bus::AgeChange::Set,
         ..Default::default()
     };
     bus.provision(&long).await.unwrap();
@@ -1146,6 +1150,32 @@ async fn only_init_given_a_shorter_setting_shortens_what_a_stream_keeps() {
     let run = wakebus(&nats.url(), &prefix, &["--history", "7d", "init"]).await;
     assert!(run.success(), "{}", run.stderr());
     assert_eq!(max_age().await, Duration::from_secs(7 * 24 * 3600));
+
+    // Shorter than the default: a default does not lengthen it either.
+    let days = Duration::from_secs(3 * 24 * 3600);
+    let run = wakebus(&nats.url(), &prefix, &["--history", "3d", "init"]).await;
+    assert!(run.success(), "{}", run.stderr());
+    assert_eq!(max_age().await, days);
+    let run = wakebus(&nats.url(), &prefix, &["init", "--pool", "gpu"]).await;
+    assert!(run.success(), "{}", run.stderr());
+    assert_eq!(max_age().await, days, "init lengthened to a default");
+    assert_eq!(lock_ttl().await, Duration::from_secs(30));
+    bus.provision(&wakebus::bus::BusSettings::default())
+        .await
+        .unwrap();
+    bus.provision_wake_state(&wakebus::bus::BusSettings::default())
+        .await
+        .unwrap();
+    assert_eq!(max_age().await, days, "a service lengthened to a default");
+
+    // A service given a longer history lengthens it.
+    let given = wakebus::bus::BusSettings {
+        history_max_age: month,
+        history_change: wakebus::bus::AgeChange::Lengthen,
+        ..Default::default()
+    };
+    bus.provision(&given).await.unwrap();
+    assert_eq!(max_age().await, month);
 }
 
 /// `wakebus status --json`, as a user refused the JetStream API requests
@@ -1456,6 +1486,7 @@ async fn updating_a_stream_keeps_the_limits_an_operator_set_by_hand() {
     let month = Duration::from_secs(30 * 24 * 3600);
     let longer = wakebus::bus::BusSettings {
         history_max_age: month,
+        history_change: wakebus::bus::AgeChange::Lengthen,
         ..Default::default()
     };
     bus.provision(&longer).await.unwrap();
@@ -1473,7 +1504,7 @@ async fn updating_a_stream_keeps_the_limits_an_operator_set_by_hand() {
     old.discard = async_nats::jetstream::stream::DiscardPolicy::Old;
     bus.js.update_stream(&old).await.unwrap();
     let week = wakebus::bus::BusSettings {
-        shorten_history: true,
+        history_change: wakebus::bus::AgeChange::Set,
         ..Default::default()
     };
     bus.provision(&week).await.unwrap();

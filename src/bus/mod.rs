@@ -29,16 +29,18 @@ use async_nats::jetstream::{self, kv, stream};
 use crate::protocol::Subjects;
 
 pub(crate) use consumers::ServiceConsumer;
-pub(crate) use provision::{is_stream_not_found, setup_backoff};
+pub(crate) use provision::{is_stream_not_found, is_transient, setup_backoff};
 pub(crate) use publish::confirm_stored;
 pub(crate) use pulls::PullRetry;
 
 /// Settings for the streams and buckets, shared by every service.
 #[derive(Debug, Clone)]
 pub struct BusSettings {
-    /// How long events (the replayable history) are kept.
+    /// How long events (the replayable history) are kept; an existing
+    /// stream's is changed as `history_change` allows.
     pub history_max_age: Duration,
-    /// How long dead letters are kept.
+    /// How long dead letters are kept by a new dead-letter stream (an
+    /// existing one keeps its own).
     pub dead_letter_max_age: Duration,
     /// JetStream dedupe window for `Nats-Msg-Id`.
     pub duplicate_window: Duration,
@@ -48,17 +50,17 @@ pub struct BusSettings {
     pub replicas: Option<usize>,
     /// Time-to-live of a session lock that its holder stops refreshing.
     pub session_lock_ttl: Duration,
-    /// Whether provisioning may shorten the max age of the existing events
-    /// stream, wake ledger and cancel bucket to `history_max_age` (which
-    /// deletes at once what is older): `wakebus init` may, when the
-    /// operator gave `--history`; a starting service never does, so that
-    /// one started with a shorter `--history` than the others cannot delete
-    /// their history.
-    pub shorten_history: bool,
+    /// What provisioning may do to the max age of the existing events
+    /// stream, wake ledger and cancel bucket: a value nobody gave (the
+    /// default) must not replace the deployment's, and only `wakebus init`
+    /// given `--history` may shorten it (which deletes at once what is
+    /// older), so that a service started with a shorter `--history` than
+    /// the others cannot delete their history.
+    pub history_change: AgeChange,
     /// The same for the session-lock bucket and `session_lock_ttl` (a
     /// shorter TTL under running wakes lets locks expire between their
     /// refreshes).
-    pub shorten_session_lock_ttl: bool,
+    pub session_lock_ttl_change: AgeChange,
     /// How often a running worker or wake checks that its durable consumer
     /// still exists (plus up to as much again at random), to create it
     /// again when it was deleted under it.
@@ -73,11 +75,29 @@ impl Default for BusSettings {
             duplicate_window: Duration::from_secs(120),
             replicas: None,
             session_lock_ttl: default_session_lock_ttl(),
-            shorten_history: false,
-            shorten_session_lock_ttl: false,
+            history_change: AgeChange::default(),
+            session_lock_ttl_change: AgeChange::default(),
             consumer_check: default_consumer_check(),
         }
     }
+}
+
+/// What provisioning may do to the max age of an existing stream or bucket
+/// when it differs from the one in [`BusSettings`]. A new one always gets
+/// the setting.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AgeChange {
+    /// Leave it as it is: the setting is a default, not anyone's word, and
+    /// the deployment's own value (set by `wakebus init`) wins.
+    #[default]
+    Keep,
+    /// Lengthen it to the setting, never shorten it: a service given the
+    /// setting keeps at least what it needs, and cannot delete what other
+    /// services still keep.
+    Lengthen,
+    /// Set it to the setting, shortening included: `wakebus init` given
+    /// the setting, on the operator's word.
+    Set,
 }
 
 /// A service checks its consumer every 6 s (plus up to 6 s at random): one

@@ -8,7 +8,7 @@ use async_nats::jetstream::{self, kv, stream};
 use backon::{ExponentialBuilder, Retryable};
 use tracing::{info, warn};
 
-use super::{Bus, BusSettings, ProvisionError, Streams, WakeState};
+use super::{AgeChange, Bus, BusSettings, ProvisionError, Streams, WakeState};
 use crate::protocol::Subjects;
 
 /// Where a KV bucket's reads may be served.
@@ -135,7 +135,7 @@ impl Bus {
 
     async fn provision_streams(&self, settings: &BusSettings) -> Result<Streams, ProvisionError> {
         let s = &self.subjects;
-        self.ensure_stream(self.tasks_config(settings).await?, false)
+        self.ensure_stream(self.tasks_config(settings).await?, AgeChange::Keep)
             .await?;
         let events = self
             .ensure_stream(
@@ -150,10 +150,10 @@ impl Bus {
                     discard: REFUSE_AT_LIMITS,
                     ..Default::default()
                 },
-                settings.shorten_history,
+                settings.history_change,
             )
             .await?;
-        self.ensure_stream(self.dead_letters_config(settings).await?, false)
+        self.ensure_stream(self.dead_letters_config(settings).await?, AgeChange::Keep)
             .await?;
         let cancels = self.ensure_cancels(settings).await?;
         Ok(Streams { events, cancels })
@@ -213,7 +213,7 @@ impl Bus {
                 ..Default::default()
             },
             Direct::AnyReplica,
-            settings.shorten_history,
+            settings.history_change,
         )
         .await
     }
@@ -223,9 +223,9 @@ impl Bus {
         &self,
         settings: &BusSettings,
     ) -> Result<kv::Store, ProvisionError> {
-        self.ensure_stream(self.tasks_config(settings).await?, false)
+        self.ensure_stream(self.tasks_config(settings).await?, AgeChange::Keep)
             .await?;
-        self.ensure_stream(self.dead_letters_config(settings).await?, false)
+        self.ensure_stream(self.dead_letters_config(settings).await?, AgeChange::Keep)
             .await?;
         self.ensure_cancels(settings).await
     }
@@ -248,7 +248,7 @@ impl Bus {
                     ..Default::default()
                 },
                 Direct::LeaderOnly,
-                settings.shorten_history,
+                settings.history_change,
             )
             .await?;
         let session_locks = self
@@ -266,7 +266,7 @@ impl Bus {
                     ..Default::default()
                 },
                 Direct::LeaderOnly,
-                settings.shorten_session_lock_ttl,
+                settings.session_lock_ttl_change,
             )
             .await?;
         Ok(WakeState {
@@ -275,7 +275,8 @@ impl Bus {
         })
     }
 
-    /// Makes sure a stream exists with `config`.
+    /// Makes sure a stream exists with `config`, its max age changed as
+    /// `age_change` allows.
     ///
     /// Reads it first: when it already has these settings (the usual case
     /// once `wakebus init` has run), nothing is written, so a service whose
@@ -287,7 +288,7 @@ impl Bus {
     async fn ensure_stream(
         &self,
         mut config: stream::Config,
-        may_shorten: bool,
+        age_change: AgeChange,
     ) -> Result<stream::Stream, ProvisionError> {
         let name = config.name.clone();
         match self.js.get_stream(&name).await {
@@ -296,9 +297,20 @@ impl Bus {
             }
             Ok(existing) => {
                 let kept = existing.cached_info().config.max_age;
-                if !may_shorten && shortens(kept, config.max_age) {
-                    warn!(stream = %name, kept = ?kept, asked = ?config.max_age, "This service keeps history for less time than the stream does; the stream keeps its max age, as shortening it deletes what is older at once. Run `wakebus init` with the shorter setting to shorten it on purpose.");
+                let keep_age = match age_change {
+                    AgeChange::Keep => true,
+                    AgeChange::Lengthen => shortens(kept, config.max_age),
+                    AgeChange::Set => false,
+                };
+                if keep_age && kept != config.max_age {
+                    if age_change == AgeChange::Lengthen {
+                        warn!(stream = %name, kept = ?kept, asked = ?config.max_age, "This service keeps history for less time than the stream does; the stream keeps its max age, as shortening it deletes what is older at once. Run `wakebus init` with the shorter setting to shorten it on purpose.");
+                    }
                     config.max_age = kept;
+                    // The server refuses a window longer than the max age.
+                    if !kept.is_zero() {
+                        config.duplicate_window = config.duplicate_window.min(kept);
+                    }
                     if stream_matches(&existing.cached_info().config, &config) {
                         return Ok(existing);
                     }
@@ -357,7 +369,7 @@ impl Bus {
         &self,
         config: kv::Config,
         direct: Direct,
-        may_shorten: bool,
+        age_change: AgeChange,
     ) -> Result<kv::Store, ProvisionError> {
         let name = config.bucket.clone();
         self.ensure_stream(
@@ -376,7 +388,7 @@ impl Bus {
                 discard: stream::DiscardPolicy::New,
                 ..Default::default()
             },
-            may_shorten,
+            age_change,
         )
         .await?;
         self.js
@@ -498,9 +510,8 @@ pub(crate) fn is_stream_not_found(error: &jetstream::context::GetStreamError) ->
 
 /// Whether an error may go away by itself (server not up, leader election,
 /// timeouts) as opposed to a configuration conflict an operator must fix.
-pub(super) fn is_transient(err: &ProvisionError) -> bool {
-    let text = err.to_string();
-    let lower = text.to_ascii_lowercase();
+pub(crate) fn is_transient(err: &(impl std::fmt::Display + ?Sized)) -> bool {
+    let lower = err.to_string().to_ascii_lowercase();
     [
         "timed out",
         "timeout",

@@ -73,12 +73,15 @@ pub(crate) struct Global {
     #[cfg(feature = "otel")]
     #[arg(long, global = true)]
     pub(crate) otlp_endpoint: Option<String>,
-    /// How long events are kept (e.g. 7d, 12h) [default: 7d]. `init`
-    /// shortens the history to it only when it is given.
+    /// How long events are kept (e.g. 7d, 12h) [default: 7d, for new
+    /// streams]. When given, a service may lengthen an existing history to
+    /// it and `init` may also shorten it; without it, an existing history
+    /// keeps its age.
     #[arg(long, env = "WAKEBUS_HISTORY", value_parser = humantime::parse_duration, global = true)]
     pub(crate) history: Option<Duration>,
     /// A wake lock whose holder died expires after this long [default:
-    /// 30s]. `init` shortens it only when it is given.
+    /// 30s, for a new lock bucket]. Changes an existing bucket only when
+    /// given, as `--history` does.
     #[arg(long, env = "WAKEBUS_SESSION_LOCK_TTL", value_parser = humantime::parse_duration, global = true)]
     pub(crate) session_lock_ttl: Option<Duration>,
     /// A worker or wake checks that its consumer exists every this long

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use wakebus::bus::{Bus, BusSettings};
+use wakebus::bus::{AgeChange, Bus, BusSettings};
 use wakebus::connect::NatsConfig;
 use wakebus::delegate::{Delegation, Delegator};
 use wakebus::ops::http::Probe;
@@ -44,10 +44,11 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Init(args) => {
             let bus = connect(&global, "wakebus-init").await?;
             // The operator's word: init may shorten what streams keep to
-            // what it was given, never to a default it was not.
+            // what it was given, and changes nothing for a default.
+            let given = |value: Option<Duration>| value.map_or(AgeChange::Keep, |_| AgeChange::Set);
             let settings = BusSettings {
-                shorten_history: global.history.is_some(),
-                shorten_session_lock_ttl: global.session_lock_ttl.is_some(),
+                history_change: given(global.history),
+                session_lock_ttl_change: given(global.session_lock_ttl),
                 ..settings(&global)
             };
             bus.provision(&settings).await?;
@@ -301,8 +302,13 @@ fn tasks_from(
         .collect())
 }
 
+/// A service's settings: a value it was given may lengthen what the
+/// deployment keeps, a default changes nothing.
 fn settings(global: &Global) -> BusSettings {
+    let given = |value: Option<Duration>| value.map_or(AgeChange::Keep, |_| AgeChange::Lengthen);
     BusSettings {
+        history_change: given(global.history),
+        session_lock_ttl_change: given(global.session_lock_ttl),
         history_max_age: global
             .history
             .unwrap_or_else(wakebus::bus::default_history_max_age),

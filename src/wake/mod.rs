@@ -184,7 +184,7 @@ pub async fn run(
         max_ack_pending: config.max_in_flight,
     };
     let stop_keeping = bus.keep_consumer(wanted, settings.consumer_check);
-    let lock_ttl = lock_ttl(settings.session_lock_ttl, &provisioned.session_locks);
+    let lock_ttl = lock_ttl(&settings, &provisioned.session_locks);
     let shared = Arc::new(Shared {
         api,
         ledger: WakeLedger::new(provisioned.wake_ledger),
@@ -352,14 +352,21 @@ fn pending(message: jetstream::Message, event: CompletionEvent, session: String)
 }
 
 /// How long a session lock lives: the lock bucket's max age, which is what
-/// expires locks, whatever `--session-lock-ttl` says. They differ when this
-/// wake could not update the bucket (a user without the permission), or
-/// must not (a shorter setting: only `init` shortens); refreshes timed by
-/// the setting would then come after a shorter bucket had expired the lock.
-fn lock_ttl(setting: Duration, bucket: &async_nats::jetstream::kv::Store) -> Duration {
-    let kept = bucket.stream.cached_info().config.max_age;
+/// expires locks, whatever `--session-lock-ttl` says. They differ when it
+/// was not given (the deployment's value stands), or when this wake could
+/// not update the bucket (a user without the permission) or must not (a
+/// shorter setting: only `init` shortens); refreshes timed by the setting
+/// would then come after a shorter bucket had expired the lock.
+fn lock_ttl(settings: &BusSettings, bucket: &async_nats::jetstream::kv::Store) -> Duration {
+    let (setting, kept) = (
+        settings.session_lock_ttl,
+        bucket.stream.cached_info().config.max_age,
+    );
     if kept.is_zero() || kept == setting {
         return setting;
+    }
+    if settings.session_lock_ttl_change == crate::bus::AgeChange::Keep {
+        return kept;
     }
     warn!(bucket = %bucket.name, bucket_ttl = ?kept, session_lock_ttl = ?setting, "The session-lock bucket expires locks after another time than --session-lock-ttl; timing the locks by the bucket's. Run `wakebus init --session-lock-ttl` with the deployment's value to change it.");
     kept

@@ -143,12 +143,20 @@ pub async fn run(
         bus.subjects.worker_consumer(&config.pool),
         bus.subjects.dead_letter_task(&config.pool),
     );
-    let cancels = Arc::new(cancel::CancelRegistry::new(settings.history_max_age));
     let stop_following = CancellationToken::new();
     let _stop_following_on_exit = stop_following.clone().drop_guard();
     // Provisioning waits for NATS as long as it takes; a stop must not.
     let starting = async {
         let cancels_store = bus.provision_for_worker(&settings).await?;
+        // Records are kept as long as the bucket keeps them, which is the
+        // deployment's setting, not necessarily this worker's.
+        let kept = cancels_store.stream.cached_info().config.max_age;
+        let keep = if kept.is_zero() {
+            settings.history_max_age
+        } else {
+            kept
+        };
+        let cancels = Arc::new(cancel::CancelRegistry::new(keep));
         let consumer = bus.worker_consumer(&config.pool, config.ack_wait).await?;
         sweep_at_start(&bus, &tasks_stream, &consumer_name, &dead_letters).await;
         let duplicate_window = duplicate_window(&bus, &tasks_stream, &settings).await;
@@ -156,14 +164,16 @@ pub async fn run(
         let follow = || cancels.follow(&bus, cancels_store.clone(), stop_following.clone());
         follow
             .retry(crate::bus::setup_backoff())
+            // A stop, not a loop of warnings, when an operator must act.
+            .when(crate::bus::is_transient)
             .notify(|error, delay| {
                 warn!(%error, retry_in = ?delay, "Cannot follow the cancel records yet; will retry.");
             })
             .await
             .map_err(WorkerError::Cancels)?;
-        Ok::<_, WorkerError>((consumer, duplicate_window))
+        Ok::<_, WorkerError>((consumer, duplicate_window, cancels))
     };
-    let (consumer, duplicate_window) = tokio::select! {
+    let (consumer, duplicate_window, cancels) = tokio::select! {
         started = starting => started?,
         () = &mut shutdown => {
             info!("Worker stopped before it started.");
