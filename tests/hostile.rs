@@ -558,6 +558,14 @@ async fn the_delegator_refuses_oversized_or_unsafe_input_before_publishing() {
             },
             "goal of task 1 must not be empty",
         ),
+        (
+            {
+                let mut zero = Delegation::new("g").session("s");
+                zero.timeout_seconds = Some(0);
+                zero
+            },
+            "timeout_seconds must be at least 1",
+        ),
     ];
     for (delegation, expected) in cases {
         let err = delegator.delegate(delegation).await.unwrap_err();
@@ -567,6 +575,7 @@ async fn the_delegator_refuses_oversized_or_unsafe_input_before_publishing() {
                 DelegateError::TooLarge(_)
                     | DelegateError::InvalidId(_)
                     | DelegateError::EmptyGoal(_)
+                    | DelegateError::ZeroTimeout
             ),
             "{err:?}"
         );

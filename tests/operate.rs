@@ -801,24 +801,122 @@ async fn a_worker_started_without_an_executor_refuses_to_start_and_names_the_fla
     assert!(run.stdout().is_empty());
 }
 
+/// A zero where wakebus needs a positive value would fail every task or
+/// post (a timeout firing at once, a give-up on the first delivery), loop
+/// (a zero check interval or retry delay), or quietly mean something else
+/// to the server (a zero max age keeps for ever, zero replicas is one): the
+/// command refuses to start and names the flag.
 #[tokio::test]
-async fn a_service_given_a_zero_consumer_check_refuses_to_start_and_says_why() {
-    // A zero interval would be a loop of requests, not a wait.
-    let run = wakebus(
-        "nats://127.0.0.1:1",
-        "wakebus",
-        &["--consumer-check", "0s", "worker", "--executor", "echo"],
-    )
-    .await;
-    assert_eq!(run.code(), Some(2), "{}", run.stderr());
-    assert!(
-        run.stderr().contains(
-            "invalid value '0s' for '--consumer-check <CONSUMER_CHECK>': must be more than 0"
+async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_says_why() {
+    let worker = ["worker", "--executor", "echo"];
+    let wake = ["wake", "--api-url", "http://127.0.0.1:1"];
+    let cases: [(&[&str], &[&str], &str); 14] = [
+        (
+            &["--consumer-check", "0s"],
+            &worker,
+            "'--consumer-check <CONSUMER_CHECK>': must be more than 0",
         ),
-        "{}",
-        run.stderr()
-    );
-    assert!(run.stdout().is_empty());
+        (
+            &["--history", "0s"],
+            &worker,
+            "'--history <HISTORY>': must be more than 0",
+        ),
+        (
+            &["--session-lock-ttl", "0s"],
+            &wake,
+            "'--session-lock-ttl <SESSION_LOCK_TTL>': must be more than 0",
+        ),
+        (
+            &["--replicas", "0"],
+            &worker,
+            "'--replicas <REPLICAS>': 0 is not in 1..=5",
+        ),
+        (
+            &[],
+            &["worker", "--executor", "echo", "--task-timeout", "0s"],
+            "'--task-timeout <TASK_TIMEOUT>': must be more than 0",
+        ),
+        (
+            &[],
+            &["worker", "--executor", "echo", "--max-deliver", "0"],
+            "'--max-deliver <MAX_DELIVER>': 0 is not in 1..",
+        ),
+        (
+            &[],
+            &["worker", "--executor", "echo", "--ack-wait", "0s"],
+            "'--ack-wait <ACK_WAIT>': must be more than 0",
+        ),
+        (
+            &[],
+            &["worker", "--executor", "echo", "--llm-timeout", "0s"],
+            "'--llm-timeout <LLM_TIMEOUT>': must be more than 0",
+        ),
+        (
+            &[],
+            &[
+                "wake",
+                "--api-url",
+                "http://127.0.0.1:1",
+                "--retry-min",
+                "0s",
+            ],
+            "'--retry-min <RETRY_MIN>': must be more than 0",
+        ),
+        (
+            &[],
+            &[
+                "wake",
+                "--api-url",
+                "http://127.0.0.1:1",
+                "--retry-max",
+                "0s",
+            ],
+            "'--retry-max <RETRY_MAX>': must be more than 0",
+        ),
+        (
+            &[],
+            &[
+                "wake",
+                "--api-url",
+                "http://127.0.0.1:1",
+                "--request-timeout",
+                "0s",
+            ],
+            "'--request-timeout <REQUEST_TIMEOUT>': must be more than 0",
+        ),
+        (
+            &[],
+            &[
+                "wake",
+                "--api-url",
+                "http://127.0.0.1:1",
+                "--ack-wait",
+                "0s",
+            ],
+            "'--ack-wait <ACK_WAIT>': must be more than 0",
+        ),
+        (
+            &[],
+            &["delegate", "--goal", "g", "--timeout-seconds", "0"],
+            "'--timeout-seconds <TIMEOUT_SECONDS>': 0 is not in 1..",
+        ),
+        (
+            &[],
+            &["delegate", "--goal", "g", "--wait-timeout", "0s"],
+            "'--wait-timeout <WAIT_TIMEOUT>': must be more than 0",
+        ),
+    ];
+    for (global, command, said) in cases {
+        let args: Vec<&str> = global.iter().chain(command).copied().collect();
+        let run = wakebus("nats://127.0.0.1:1", "wakebus", &args).await;
+        assert_eq!(run.code(), Some(2), "{args:?}: {}", run.stderr());
+        assert!(
+            run.stderr().contains("invalid value '0") && run.stderr().contains(said),
+            "{args:?}: {}",
+            run.stderr()
+        );
+        assert!(run.stdout().is_empty(), "{args:?}");
+    }
 }
 
 #[tokio::test]

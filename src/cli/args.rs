@@ -77,12 +77,12 @@ pub(crate) struct Global {
     /// streams]. When given, a service may lengthen an existing history to
     /// it and `init` may also shorten it; without it, an existing history
     /// keeps its age.
-    #[arg(long, env = "WAKEBUS_HISTORY", value_parser = humantime::parse_duration, global = true)]
+    #[arg(long, env = "WAKEBUS_HISTORY", value_parser = positive_duration, global = true)]
     pub(crate) history: Option<Duration>,
     /// A wake lock whose holder died expires after this long [default:
     /// 30s, for a new lock bucket]. Changes an existing bucket only when
     /// given, as `--history` does.
-    #[arg(long, env = "WAKEBUS_SESSION_LOCK_TTL", value_parser = humantime::parse_duration, global = true)]
+    #[arg(long, env = "WAKEBUS_SESSION_LOCK_TTL", value_parser = positive_duration, global = true)]
     pub(crate) session_lock_ttl: Option<Duration>,
     /// A worker or wake checks that its consumer exists every this long
     /// (plus up to as much again at random), and creates it again when it
@@ -91,8 +91,8 @@ pub(crate) struct Global {
     pub(crate) consumer_check: Duration,
     /// Replicas of new streams and buckets [default: 1 on a single server,
     /// the cluster size (at most 3) on a cluster; existing ones keep theirs].
-    #[arg(long, env = "WAKEBUS_REPLICAS", global = true)]
-    pub(crate) replicas: Option<usize>,
+    #[arg(long, env = "WAKEBUS_REPLICAS", value_parser = clap::value_parser!(u64).range(1..=5), global = true)]
+    pub(crate) replicas: Option<u64>,
 }
 
 /// Log output format.
@@ -185,7 +185,7 @@ pub(crate) struct DelegateArgs {
     #[arg(long)]
     pub(crate) output_schema: Option<String>,
     /// Per-task time limit, in seconds.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) timeout_seconds: Option<u64>,
     /// Also wait for the completion in background mode and print it.
     #[arg(long)]
@@ -200,7 +200,7 @@ pub(crate) struct DelegateArgs {
     #[arg(long, env = "TRACEPARENT")]
     pub(crate) traceparent: Option<String>,
     /// Give up waiting (sync mode or --wait) after this long, e.g. 10m.
-    #[arg(long, value_parser = humantime::parse_duration)]
+    #[arg(long, value_parser = positive_duration)]
     pub(crate) wait_timeout: Option<Duration>,
     /// Size limits checked before publishing.
     #[command(flatten)]
@@ -278,13 +278,13 @@ pub(crate) struct WorkerArgs {
     #[arg(long, value_enum, env = "WAKEBUS_EXECUTOR")]
     pub(crate) executor: ExecutorKind,
     /// AckWait: how soon a dead worker's task goes to another worker.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    #[arg(long, value_parser = positive_duration, default_value = "30s")]
     pub(crate) ack_wait: Duration,
     /// Deliveries before a task ends as failed and is dead-lettered.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) max_deliver: u64,
     /// Time limit for tasks whose request sets none (default: none).
-    #[arg(long, value_parser = humantime::parse_duration)]
+    #[arg(long, value_parser = positive_duration)]
     pub(crate) task_timeout: Option<Duration>,
     /// Deepest subagent nesting this worker runs; deeper requests end in `error`.
     #[arg(long, env = "WAKEBUS_MAX_DEPTH", default_value_t = wakebus::protocol::DEFAULT_MAX_DEPTH)]
@@ -307,7 +307,7 @@ pub(crate) struct WorkerArgs {
     #[arg(long, env = "WAKEBUS_LLM_API_KEY_FILE")]
     pub(crate) llm_api_key_file: Option<PathBuf>,
     /// LLM executor: limit for one model call.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
+    #[arg(long, value_parser = positive_duration, default_value = "5m")]
     pub(crate) llm_timeout: Duration,
     /// Size limits on requests.
     #[command(flatten)]
@@ -393,7 +393,7 @@ pub(crate) struct WakeArgs {
     #[arg(long, env = "WAKEBUS_MODEL", default_value = "hermes-agent")]
     pub(crate) model: String,
     /// Timeout of one post.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    #[arg(long, value_parser = positive_duration, default_value = "30s")]
     pub(crate) request_timeout: Duration,
     /// Completions for one session within this window become one turn.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "100ms")]
@@ -403,7 +403,7 @@ pub(crate) struct WakeArgs {
     #[arg(long, value_parser = humantime::parse_duration, default_value = "250ms")]
     pub(crate) lock_linger: Duration,
     /// AckWait of the wake consumer.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    #[arg(long, value_parser = positive_duration, default_value = "30s")]
     pub(crate) ack_wait: Duration,
     /// Most completions held unacknowledged at once, across every wake
     /// instance (the consumer's MaxAckPending): a larger backlog waits in
@@ -413,11 +413,11 @@ pub(crate) struct WakeArgs {
     /// First delay before re-posting a failed wake (at most half of
     /// `--retry-max`); it doubles up to half of `--retry-max`, and jitter
     /// adds up to as much again to each wait.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "500ms")]
+    #[arg(long, value_parser = positive_duration, default_value = "500ms")]
     pub(crate) retry_min: Duration,
     /// Longest delay between wake posts, jitter included (a Retry-After may
     /// ask for longer).
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    #[arg(long, value_parser = positive_duration, default_value = "30s")]
     pub(crate) retry_max: Duration,
     /// Act on a completion only if its delegator's `submitted` record exists
     /// and names the same origin session; dead-letter it otherwise (a

@@ -312,7 +312,7 @@ fn settings(global: &Global) -> BusSettings {
         history_max_age: global
             .history
             .unwrap_or_else(wakebus::bus::default_history_max_age),
-        replicas: global.replicas,
+        replicas: global.replicas.map(|replicas| replicas as usize),
         session_lock_ttl: global
             .session_lock_ttl
             .unwrap_or_else(wakebus::bus::default_session_lock_ttl),

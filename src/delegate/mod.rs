@@ -225,6 +225,9 @@ pub enum DelegateError {
     /// The output schema is not a usable JSON Schema.
     #[error("output_schema is not a valid JSON Schema: {0}")]
     OutputSchema(String),
+    /// `timeout_seconds` is 0, which would time every task out at once.
+    #[error("timeout_seconds must be at least 1 (None: the worker's default)")]
+    ZeroTimeout,
     /// The delegation would nest subagents deeper than allowed.
     #[error("Delegation depth limit reached: depth {depth} is above the maximum of {max}")]
     DepthLimit {
@@ -423,6 +426,9 @@ impl Delegator {
         }
         if let Some(session) = &delegation.origin_session_id {
             validate_session_id(session)?;
+        }
+        if delegation.timeout_seconds == Some(0) {
+            return Err(DelegateError::ZeroTimeout);
         }
         if delegation.depth > self.max_depth {
             return Err(DelegateError::DepthLimit {

@@ -142,6 +142,10 @@ pub enum DecodeError {
     /// The output schema is not a usable JSON Schema.
     #[error("output_schema is not a valid JSON Schema: {0}")]
     OutputSchema(String),
+    /// `timeout_seconds` is 0, which would time the task out at once
+    /// (`null` or absent means the pool's default).
+    #[error("timeout_seconds must be at least 1 (null or absent: the worker's default)")]
+    ZeroTimeout,
     /// The task index is not below the task count.
     #[error("task_index {index} is not below task_count {count}")]
     TaskIndex {
@@ -221,6 +225,9 @@ impl TaskRequest {
         if let Some(schema) = &self.output_schema {
             check_output_schema(schema).map_err(DecodeError::OutputSchema)?;
         }
+        if self.timeout_seconds == Some(0) {
+            return Err(DecodeError::ZeroTimeout);
+        }
         if self.task_count > MAX_TASK_COUNT {
             return Err(DecodeError::TaskCount {
                 count: self.task_count,
@@ -298,6 +305,19 @@ mod tests {
         let err =
             TaskRequest::decode(br#"{"version":1,"delegation_id":"d1","goal":"  "}"#).unwrap_err();
         assert!(matches!(err, DecodeError::EmptyGoal));
+    }
+
+    #[test]
+    fn a_zero_time_limit_is_refused_rather_than_timing_the_task_out_at_once() {
+        let err = TaskRequest::decode(
+            br#"{"version":1,"delegation_id":"d1","goal":"g","timeout_seconds":0}"#,
+        )
+        .unwrap_err();
+        assert!(matches!(err, DecodeError::ZeroTimeout), "{err}");
+        let ok = TaskRequest::decode(
+            br#"{"version":1,"delegation_id":"d1","goal":"g","timeout_seconds":null}"#,
+        );
+        assert!(ok.is_ok(), "{ok:?}");
     }
 
     #[test]

@@ -277,6 +277,11 @@ fn schema_and_library_reject_the_same_broken_bodies() {
             with(&request, "goal", json!(7)),
         ),
         (
+            "request with a zero time limit",
+            REQUEST,
+            with(&request, "timeout_seconds", json!(0)),
+        ),
+        (
             "request from the future",
             REQUEST,
             with(&request, "version", json!(2)),
