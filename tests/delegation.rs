@@ -725,6 +725,74 @@ async fn an_unusable_member_still_completes_its_batch() {
     );
 }
 
+/// A request whose index no usable batch holds (numbered from 1, a count
+/// above the limit) still gets a completion the wake accepts: its session
+/// learns the task went nowhere, instead of the completion being
+/// dead-lettered as inconsistent and the session hearing nothing.
+#[tokio::test]
+async fn a_request_whose_index_is_outside_its_batch_still_wakes_its_session_with_the_error() {
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
+    let (off_by_one, far) = (
+        wakebus::protocol::new_delegation_id(),
+        wakebus::protocol::new_delegation_id(),
+    );
+    let requests = [
+        (
+            "s.off",
+            format!(
+                r#"{{"version":1,"delegation_id":"{off_by_one}","task_index":2,"task_count":2,"origin_session_id":"s.off","goal":"g"}}"#
+            ),
+        ),
+        (
+            "s.far",
+            format!(
+                r#"{{"version":1,"delegation_id":"{far}","task_index":5000,"task_count":6000,"origin_session_id":"s.far","goal":"g"}}"#
+            ),
+        ),
+    ];
+    for (session, body) in &requests {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Wakebus-Origin-Session", *session);
+        bus.js
+            .publish_with_headers(bus.subjects.task("default"), headers, body.clone().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    wait_until(WAIT, "both sessions' wakes", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    let text_for = |session: &str| {
+        api.accepted()
+            .into_iter()
+            .find(|post| post.session() == session)
+            .unwrap_or_else(|| panic!("no wake for {session}"))
+            .text()
+    };
+    let off = text_for("s.off");
+    assert!(
+        off.contains(&off_by_one) && off.contains("task_index 2 is not below task_count 2"),
+        "{off}"
+    );
+    let far_text = text_for("s.far");
+    assert!(
+        far_text.contains(&format!("delegation {far}, task_index 5000"))
+            && far_text.contains("above the limit"),
+        "{far_text}"
+    );
+    // Nothing was found inconsistent on the way.
+    let poison = all_messages(&bus, &bus.subjects.dead_letter_stream())
+        .await
+        .into_iter()
+        .filter(|m| m.subject.contains(".wake."))
+        .count();
+    assert_eq!(poison, 0, "a completion was dead-lettered by the wake");
+    services.stop().await;
+}
+
 #[tokio::test]
 async fn a_batch_stored_only_in_part_is_completed_by_delegating_it_again_under_its_id_and_runs_each_task_once()
  {

@@ -488,6 +488,7 @@ impl TaskHandler {
         let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
         let delegation_id = rejected
             .delegation_id
+            .clone()
             .unwrap_or_else(|| format!("invalid-{seq}"));
         warn!(
             delegation_id = %delegation_id,
@@ -500,16 +501,9 @@ impl TaskHandler {
             return Outcome::Nak(Some(Duration::from_secs(1)));
         }
         m::dead_lettered("task");
-        let mut stand_in = TaskRequest::new(delegation_id, String::new());
-        stand_in.task_index = rejected.task_index;
-        stand_in.origin_session_id = rejected.origin_session;
-        if let Some((count, mode, notify)) = rejected.batch {
-            stand_in.task_count = count;
-            stand_in.wake_mode = mode;
-            stand_in.notify_early_failure = notify;
-        }
+        let (stand_in, reason) = stand_in(delegation_id, seq, &rejected);
         let mut done = CompletionEvent::for_request(&stand_in, Status::Error, "invalid_request");
-        done.error = Some(rejected.reason.clone());
+        done.error = Some(reason);
         let trace = header(message.headers.as_ref(), HEADER_TRACEPARENT)
             .and_then(TraceParent::parse)
             .unwrap_or_else(TraceParent::new_root)
@@ -521,6 +515,45 @@ impl TaskHandler {
         m::task_completed(&self.config.pool, Status::Error, Duration::ZERO);
         Outcome::Term(rejected.reason)
     }
+}
+
+/// The request an unusable one's `error` completion is written for, and
+/// the reason it gives: a completion the wake accepts, so that the session
+/// learns its delegation went nowhere. A task of a usable batch completes
+/// its batch. One whose batch is unusable (no count, a count not above its
+/// index, or above the limit) wakes its session on its own, as the last of
+/// an `independent` delegation just long enough to hold its index; one
+/// whose index no batch can hold gets an id of its own (the reason names
+/// the original), since task 0's completion id belongs to the real task 0.
+fn stand_in(delegation_id: String, seq: u64, rejected: &Rejected) -> (TaskRequest, String) {
+    let index = rejected.task_index;
+    let fits = index < crate::protocol::MAX_TASK_COUNT;
+    let (id, reason) = if fits {
+        (delegation_id, rejected.reason.clone())
+    } else {
+        let reason = format!(
+            "delegation {delegation_id}, task_index {index}: {}",
+            rejected.reason
+        );
+        (format!("invalid-{seq}"), reason)
+    };
+    let mut stand_in = TaskRequest::new(id, String::new());
+    stand_in.origin_session_id.clone_from(&rejected.origin_session);
+    match rejected.batch {
+        Some((count, mode, notify)) => {
+            stand_in.task_index = index;
+            stand_in.task_count = count;
+            stand_in.wake_mode = mode;
+            stand_in.notify_early_failure = notify;
+        }
+        None if fits && index > 0 => {
+            stand_in.task_index = index;
+            stand_in.task_count = index + 1;
+            stand_in.wake_mode = crate::protocol::WakeMode::Independent;
+        }
+        None => {}
+    }
+    (stand_in, reason)
 }
 
 /// Whether a delivery may be of a request that already ran, so the history
