@@ -6,6 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use common::*;
+use futures::StreamExt as _;
 use wakebus::delegate::{DelegateResult, Delegation, Delegator, SYNC_NOTE};
 use wakebus::protocol::{CompletionEvent, Status, session_token};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
@@ -396,6 +397,82 @@ async fn a_session_api_that_refuses_with_4xx_gets_the_wake_dead_lettered_not_ret
         .to_string();
     assert!(reason.contains("404"), "{reason}");
     assert_eq!(api.all_posts().len(), 1, "a 404 is not retried");
+}
+
+/// A refused wake whose dead letter cannot be stored yet (here: the
+/// dead-letter stream is full and refuses writes) is kept until it can be,
+/// and never posted again meanwhile: the refusal was the API's answer.
+#[tokio::test]
+async fn a_refused_wake_is_not_posted_again_while_its_dead_letter_is_refused() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    api.fail_always(422);
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    // A dead-letter stream holding one message and taking no more.
+    let dlq = bus.subjects.dead_letter_stream();
+    let dlq_subject = bus.subjects.dead_letter_wake("filler");
+    bus.js
+        .publish(dlq_subject, "filler".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let mut stream = bus.js.get_stream(&dlq).await.unwrap();
+    let open = stream.info().await.unwrap().config.clone();
+    let mut full = open.clone();
+    full.max_messages = 1;
+    full.discard = async_nats::jetstream::stream::DiscardPolicy::New;
+    bus.js.update_stream(&full).await.unwrap();
+    // Every dead-letter attempt, stored or not.
+    let mut attempts = bus
+        .client
+        .subscribe(format!("{}.dlq.wake.>", bus.subjects.prefix()))
+        .await
+        .unwrap();
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("refused").session("s.refused"))
+        .await
+        .unwrap();
+    for attempt in 1..=3 {
+        let message = tokio::time::timeout(WAIT, attempts.next())
+            .await
+            .unwrap_or_else(|_| panic!("dead-letter attempt {attempt}"))
+            .unwrap();
+        assert!(message.subject.ends_with(&session_token("s.refused")));
+    }
+    assert_eq!(
+        api.all_posts().len(),
+        1,
+        "the refused wake was posted again"
+    );
+
+    // Room again: the dead letter is stored and the completion settled.
+    bus.js.update_stream(&open).await.unwrap();
+    wait_until(WAIT, "the wake's dead letter", || async {
+        all_messages(&bus, &dlq).await.len() == 2
+    })
+    .await;
+    wait_until(WAIT, "the completion acked", || async {
+        let mut consumer: async_nats::jetstream::consumer::PullConsumer = bus
+            .js
+            .get_consumer_from_stream(bus.subjects.wake_consumer(), bus.subjects.events_stream())
+            .await
+            .unwrap();
+        let info = consumer.info().await.unwrap();
+        info.num_ack_pending == 0 && info.num_pending == 0
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(
+        api.all_posts().len(),
+        1,
+        "the refused wake was posted again"
+    );
 }
 
 #[tokio::test]

@@ -127,17 +127,11 @@ impl Router {
                     error!(status, body = %body, completions = turn.covers.len(), "Session API rejected the wake; dead-lettering it for replay.");
                     m::wake_posted("rejected");
                     let reason = format!("session API answered {status}: {body}");
-                    for pending in &turn.messages {
-                        if let Err(error) = self.dead_letter(pending, &reason).await {
-                            warn!(%error, "Could not dead-letter the completion; will retry.");
-                            return Posted::Retry;
-                        }
-                        m::dead_lettered("wake");
-                    }
-                    for pending in &turn.messages {
-                        Outcome::Ack.apply(&pending.message).await;
-                    }
-                    return Posted::Done;
+                    return if self.dead_letter_refused(posting, hold, &reason).await {
+                        Posted::Done
+                    } else {
+                        Posted::Shutdown
+                    };
                 }
                 PostResult::Retry { reason, after } => {
                     // The API's `Retry-After`, but never below `--retry-min`:
@@ -246,6 +240,71 @@ impl Router {
                 return false;
             }
         }
+    }
+
+    /// Dead-letters a turn the session API refused, acking each message
+    /// once its dead letter is stored.
+    ///
+    /// The turn is not posted again: a dead letter that cannot be stored
+    /// yet (the dead-letter stream has no leader, the account is full) is
+    /// tried again with backoff while the session and the messages are
+    /// kept, as a delivery's records are. Returns false if the service
+    /// stopped first: the messages not yet dead-lettered are then handed
+    /// back, and the next instance posts them again.
+    async fn dead_letter_refused(
+        &self,
+        posting: &mut Posting<'_>,
+        hold: &mut Hold,
+        reason: &str,
+    ) -> bool {
+        let turn = posting.turn;
+        let mut backoff = crate::bus::until_stored_backoff();
+        let mut left: Vec<&Pending> = turn.messages.iter().collect();
+        loop {
+            let delay = if crate::connect::is_connected(&self.shared.bus.client) {
+                let mut failure = None;
+                let mut still = Vec::new();
+                for pending in left {
+                    match self.dead_letter(pending, reason).await {
+                        // Each one acked once its dead letter is stored.
+                        Ok(()) => {
+                            m::dead_lettered("wake");
+                            Outcome::Ack.apply(&pending.message).await;
+                        }
+                        Err(error) => {
+                            failure = Some(error);
+                            still.push(pending);
+                        }
+                    }
+                }
+                left = still;
+                let Some(error) = failure else {
+                    break;
+                };
+                let delay = backoff.next().unwrap_or(Duration::from_secs(5));
+                warn!(%error, left = left.len(), retry_in = ?delay, "Could not dead-letter the refused wake; keeping its completions and trying again.");
+                delay
+            } else {
+                // Looked at again soon: the dead letters wait for the connection.
+                Duration::from_millis(250)
+            };
+            if !self
+                .keep_session(
+                    posting,
+                    hold,
+                    Instant::now() + delay,
+                    &[std::slice::from_ref(turn), posting.later],
+                )
+                .await
+            {
+                warn!(
+                    left = left.len(),
+                    "Stopping before the refused wake was dead-lettered; its completions will be redelivered and posted again."
+                );
+                return false;
+            }
+        }
+        true
     }
 
     /// Waits until `until` keeping the session: what `hold` has and the

@@ -538,7 +538,9 @@ fn stand_in(delegation_id: String, seq: u64, rejected: &Rejected) -> (TaskReques
         (format!("invalid-{seq}"), reason)
     };
     let mut stand_in = TaskRequest::new(id, String::new());
-    stand_in.origin_session_id.clone_from(&rejected.origin_session);
+    stand_in
+        .origin_session_id
+        .clone_from(&rejected.origin_session);
     match rejected.batch {
         Some((count, mode, notify)) => {
             stand_in.task_index = index;
