@@ -31,7 +31,6 @@ use serde::Deserialize;
 use tracing::{error, info, warn};
 
 use crate::bus::Bus;
-use crate::protocol::{HEADER_DEAD_LETTER_REASON, HEADER_MSG_ID, header_safe};
 
 /// Most messages after a consumer's ack floor read in one sweep.
 const MAX_SCAN: u64 = 512;
@@ -381,14 +380,17 @@ async fn quarantine(
     reason: &str,
     body: Vec<u8>,
 ) -> Result<bool, SweepError> {
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(reason).as_str());
-    headers.insert(
-        HEADER_MSG_ID,
-        format!("dlq.unreadable.{stream}.{seq}").as_str(),
+    // Fitted like any dead letter: a body near the max payload is left out
+    // (and the reason says so) rather than refused again at every sweep.
+    let (headers, payload) = crate::bus::dead_letter_parts(
+        None,
+        &Bytes::from(body),
+        reason,
+        &format!("dlq.unreadable.{stream}.{seq}"),
+        bus.max_payload(),
     );
     let stored = bus
-        .publish_stored(dead_letter_subject.to_owned(), headers, Bytes::from(body))
+        .publish_stored(dead_letter_subject.to_owned(), headers, payload)
         .await;
     if let Err(error) = stored {
         warn!(%error, stream, seq, "Could not dead-letter an unreadable message; will retry after the next reconnect.");

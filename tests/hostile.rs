@@ -436,7 +436,7 @@ async fn a_rejected_request_too_large_to_store_again_is_dead_lettered_without_it
     services.worker(&bus, Executor::Echo(EchoExecutor), config);
     services.wake(&bus, test_wake_config(&api.url()));
 
-    let body = request_body("huge", "s.huge", "g", &"x".repeat(max_payload - 2000));
+    let body = request_body("huge", "s.huge", "g", &"x".repeat(max_payload - 300));
     publish_raw(&bus, "s.huge", "huge", body.clone()).await;
     wait_until(WAIT, "the error wake", || async {
         !api.accepted().is_empty()
@@ -695,7 +695,7 @@ async fn forged_and_inconsistent_completions_are_dead_lettered_once_and_real_wak
             with_origin(victim),
             completion(
                 "huge",
-                serde_json::json!({"status": "bogus", "summary": "y".repeat(max_payload - 3000)}),
+                serde_json::json!({"status": "bogus", "summary": "y".repeat(max_payload - 400)}),
             ),
         ),
     ];
@@ -770,13 +770,15 @@ async fn a_message_whose_headers_the_client_cannot_read_is_removed_and_the_servi
     )
     .await;
     assert_eq!(refused, None, "nats-server stores it without complaint");
-    // And a completion the wake service cannot read.
+    // And a completion the wake service cannot read, so large that its
+    // dead letter cannot carry its body as well as the reason.
     let token = session_token("s.raw");
+    let max_payload = bus.client.server_info().max_payload;
     let refused = raw::hpub(
         nats.port,
         &format!("{}.evt.{token}.rawdone.0.done", bus.subjects.prefix()),
         unreadable,
-        b"{}",
+        &vec![b'x'; max_payload - unreadable.len() - 100],
     )
     .await;
     assert_eq!(refused, None);
@@ -808,6 +810,16 @@ async fn a_message_whose_headers_the_client_cannot_read_is_removed_and_the_servi
     for reason in dead_letter_reasons(&dead) {
         assert!(reason.contains("headers are not valid UTF-8"), "{reason}");
     }
+    let large = dead
+        .iter()
+        .find(|m| m.subject.as_str() == bus.subjects.dead_letter_wake("poison"))
+        .unwrap();
+    assert!(large.payload.is_empty());
+    assert!(
+        dead_letter_reasons(std::slice::from_ref(large))[0].starts_with("(body of "),
+        "{:?}",
+        large.headers
+    );
     assert!(api.accepted().iter().all(|p| p.session() != "s.raw"));
     assert_eq!(
         all_messages(&bus, &bus.subjects.tasks_stream()).await.len(),

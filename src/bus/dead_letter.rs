@@ -40,18 +40,22 @@ impl Bus {
     }
 }
 
-/// Room kept free below the max payload for the headers a dead letter adds.
-const DEAD_LETTER_MARGIN: usize = 4 * 1024;
+/// Room for what a dead letter adds besides the reason itself: the note
+/// saying what was left out, the two header names, the framing.
+const ADDED_BESIDES_REASON: usize = 256;
 
 /// The headers and body of a dead letter that fits in `max_payload`.
-fn dead_letter_parts(
+pub(crate) fn dead_letter_parts(
     original: Option<&HeaderMap>,
     payload: &bytes::Bytes,
     reason: &str,
     msg_id: &str,
     max_payload: usize,
 ) -> (HeaderMap, bytes::Bytes) {
-    let budget = max_payload.saturating_sub(DEAD_LETTER_MARGIN);
+    // The reason header, note included, is at most this reason as sent
+    // (cut at 1024 characters, up to 4 KiB of UTF-8) plus the note.
+    let added = header_safe(reason).len() + msg_id.len() + ADDED_BESIDES_REASON;
+    let budget = max_payload.saturating_sub(added);
     let original = original.map(|headers| {
         let mut kept = HeaderMap::new();
         for (name, values) in headers.iter() {
@@ -77,21 +81,31 @@ fn dead_letter_parts(
             })
             .sum()
     });
-    let mut reason = reason.to_owned();
-    let (mut headers, payload) = if header_bytes + payload.len() <= budget {
-        (original.cloned().unwrap_or_default(), payload.clone())
+    // What was left out goes first: the reason is cut at 1024 characters.
+    let (reason, mut headers, payload) = if header_bytes + payload.len() <= budget {
+        (
+            reason.to_owned(),
+            original.cloned().unwrap_or_default(),
+            payload.clone(),
+        )
     } else if header_bytes <= budget {
-        reason.push_str(&format!(
-            " (body of {} bytes left out: too large to store again)",
-            payload.len()
-        ));
-        (original.cloned().unwrap_or_default(), bytes::Bytes::new())
+        (
+            format!(
+                "(body of {} bytes left out: too large to store again) {reason}",
+                payload.len()
+            ),
+            original.cloned().unwrap_or_default(),
+            bytes::Bytes::new(),
+        )
     } else {
-        reason.push_str(&format!(
-            " (body of {} bytes and headers of {header_bytes} bytes left out: too large to store again)",
-            payload.len()
-        ));
-        (HeaderMap::new(), bytes::Bytes::new())
+        (
+            format!(
+                "(body of {} bytes and headers of {header_bytes} bytes left out: too large to store again) {reason}",
+                payload.len()
+            ),
+            HeaderMap::new(),
+            bytes::Bytes::new(),
+        )
     };
     headers.insert(HEADER_DEAD_LETTER_REASON, header_safe(&reason).as_str());
     headers.insert(HEADER_MSG_ID, msg_id);
@@ -132,7 +146,7 @@ mod tests {
         assert!(payload.is_empty());
         let reason = headers.get(HEADER_DEAD_LETTER_REASON).unwrap().as_str();
         assert!(
-            reason.starts_with("too big (body of 1048576 bytes left out"),
+            reason.starts_with("(body of 1048576 bytes left out") && reason.ends_with("too big"),
             "{reason}"
         );
 
@@ -141,5 +155,26 @@ mod tests {
         let (headers, _) = dead_letter_parts(Some(&huge), &body, "too big", "dlq.3", 1 << 20);
         assert!(headers.get("X-Big").is_none());
         assert_eq!(headers.get(HEADER_MSG_ID).unwrap().as_str(), "dlq.3");
+    }
+
+    #[test]
+    fn a_long_reason_in_four_byte_characters_still_fits_and_keeps_its_note() {
+        let max_payload = 1 << 20;
+        let body = bytes::Bytes::from(vec![b'x'; max_payload - 4200]);
+        let reason = "\u{1d11e}".repeat(3000);
+        let (headers, payload) = dead_letter_parts(None, &body, &reason, "dlq.4", max_payload);
+        let said = headers.get(HEADER_DEAD_LETTER_REASON).unwrap().as_str();
+        assert!(said.starts_with("(body of "), "{}", &said[..64]);
+        let header_bytes: usize = headers
+            .iter()
+            .map(|(name, values)| {
+                values
+                    .iter()
+                    .map(|v| AsRef::<str>::as_ref(name).len() + v.as_str().len() + 4)
+                    .sum::<usize>()
+            })
+            .sum();
+        // "NATS/1.0\r\n" and the closing "\r\n".
+        assert!(12 + header_bytes + payload.len() <= max_payload);
     }
 }

@@ -29,6 +29,7 @@ use async_nats::jetstream::{self, kv, stream};
 use crate::protocol::Subjects;
 
 pub(crate) use consumers::ServiceConsumer;
+pub(crate) use dead_letter::dead_letter_parts;
 pub(crate) use provision::{is_stream_not_found, is_transient, setup_backoff};
 pub(crate) use publish::confirm_stored;
 pub(crate) use pulls::PullRetry;
