@@ -165,8 +165,19 @@ impl NatsConfig {
                     // Needs an operator: retrying will not help.
                     other if is_refusal(&other) => error!(
                         event = %other,
-                        "NATS refused this client: check the credentials (--user/--password-file, --nkey-file, --creds, --token-file) and TLS client certificate, or this user's permissions."
+                        "NATS refused this client: check the credentials (--user/--password-file, --nkey-file, --creds, --token-file) and TLS client certificate."
                     ),
+                    // One request a least-privileged role may not make: some
+                    // are expected and optional (the poison sweep's reads,
+                    // updates of stream settings), and what needs them says
+                    // so in its own log line.
+                    other if is_denial(&other) => warn!(
+                        event = %other,
+                        "NATS denied a request to this user; expected for optional steps of a least-privileged role, otherwise check this user's permissions."
+                    ),
+                    // Messages for this client were dropped: a pull's come
+                    // back after AckWait, a core subscription's are lost.
+                    Event::SlowConsumer(sid) => warn!(sid, "NATS client fell behind; the server dropped messages for it."),
                     other => info!(event = %other, "NATS client event."),
                 }
             }))
@@ -401,18 +412,37 @@ pub async fn close(client: &Client) -> Result<(), async_nats::client::DrainError
     }
 }
 
-/// Whether a client event means the server refused the credentials or a
-/// permission (as opposed to a network hiccup).
+/// Whether a client event means the server refused the credentials (as
+/// opposed to a network hiccup or one denied request).
 fn is_refusal(event: &Event) -> bool {
     let text = event.to_string().to_ascii_lowercase();
-    text.contains("authorization violation")
-        || text.contains("authentication")
-        || text.contains("permissions violation")
+    text.contains("authorization violation") || text.contains("authentication")
+}
+
+/// Whether a client event is the server denying one publish or
+/// subscription to this user.
+fn is_denial(event: &Event) -> bool {
+    event
+        .to_string()
+        .to_ascii_lowercase()
+        .contains("permissions violation")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_denied_request_is_told_apart_from_refused_credentials() {
+        use async_nats::ServerError;
+        let denied = Event::ServerError(ServerError::Other(
+            "permissions violation for publish to \"$JS.API.STREAM.MSG.GET.X\"".to_owned(),
+        ));
+        assert!(is_denial(&denied) && !is_refusal(&denied));
+        let refused = Event::ServerError(ServerError::AuthorizationViolation);
+        assert!(is_refusal(&refused) && !is_denial(&refused));
+        assert!(!is_refusal(&Event::Disconnected) && !is_denial(&Event::Disconnected));
+    }
 
     #[test]
     fn comma_separated_urls_are_every_node_of_a_cluster() {
