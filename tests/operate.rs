@@ -1614,6 +1614,34 @@ async fn updating_a_stream_keeps_the_limits_an_operator_set_by_hand() {
     );
 }
 
+/// Another stream taking the deployment's subjects (an archive on
+/// `<prefix>.>`, a deployment with a nested prefix) is an error naming the
+/// overlap, not a race with another instance ending in "stream not found".
+#[tokio::test]
+async fn a_stream_that_already_takes_the_deployments_subjects_is_an_error_naming_the_overlap() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let prefix = unique_prefix();
+    let subjects = wakebus::protocol::Subjects::new(&prefix).unwrap();
+    let bus = wakebus::bus::Bus::new(client, subjects);
+    bus.js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: "ARCHIVE".to_owned(),
+            subjects: vec![format!("{prefix}.>")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let error = bus
+        .provision(&Default::default())
+        .await
+        .expect_err("the subjects are taken");
+    let said = error.to_string();
+    assert!(said.contains("overlap"), "{said}");
+    assert!(said.contains(&bus.subjects.tasks_stream()), "{said}");
+}
+
 /// A stream that takes other subjects or lets messages go otherwise than
 /// wakebus needs, and that cannot be updated, is an error: a service
 /// using it as it is would lose work (a tasks stream with limits

@@ -486,14 +486,16 @@ fn replicas_for_cluster(cluster: Option<&str>, connect_urls: &[String]) -> usize
     }
 }
 
-/// Whether creating a stream failed because one with that name or those
-/// subjects already exists.
+/// Whether creating a stream failed because one with that name already
+/// exists (another service may just have created it).
 fn is_creation_clash(error: &jetstream::context::CreateStreamError) -> bool {
     match error.kind() {
-        jetstream::context::CreateStreamErrorKind::JetStream(error) => matches!(
-            error.error_code(),
-            jetstream::ErrorCode::STREAM_NAME_EXIST | jetstream::ErrorCode::STREAM_SUBJECT_OVERLAP
-        ),
+        // Not a subject overlap: that is another stream taking these
+        // subjects (an archive on `wakebus.>`, a nested prefix), which the
+        // create error names and an operator must resolve.
+        jetstream::context::CreateStreamErrorKind::JetStream(error) => {
+            error.error_code() == jetstream::ErrorCode::STREAM_NAME_EXIST
+        }
         _ => false,
     }
 }
