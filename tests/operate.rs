@@ -1642,6 +1642,46 @@ async fn a_stream_that_already_takes_the_deployments_subjects_is_an_error_naming
     assert!(said.contains(&bus.subjects.tasks_stream()), "{said}");
 }
 
+/// Two prefixes can map to one set of stream names (`acme.prod` and
+/// `acme_prod` both make `ACME_PROD_TASKS`): the second deployment must
+/// not take the first one's streams by changing their subjects, and says
+/// what it found instead.
+#[tokio::test]
+async fn a_prefix_whose_stream_names_another_deployment_uses_is_refused_and_changes_nothing() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let base = unique_prefix();
+    let first = bus(&nats.url(), &format!("{base}.prod")).await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let second = wakebus::bus::Bus::new(
+        client,
+        wakebus::protocol::Subjects::new(&format!("{base}_prod")).unwrap(),
+    );
+    assert_eq!(
+        first.subjects.tasks_stream(),
+        second.subjects.tasks_stream(),
+        "the two prefixes share stream names"
+    );
+    let error = second
+        .provision(&Default::default())
+        .await
+        .expect_err("the streams are the first deployment's");
+    assert!(
+        matches!(error, wakebus::bus::ProvisionError::SubjectsTaken { .. }),
+        "{error}"
+    );
+    assert!(error.to_string().contains("another deployment"), "{error}");
+    let mut tasks = first
+        .js
+        .get_stream(first.subjects.tasks_stream())
+        .await
+        .unwrap();
+    assert_eq!(
+        tasks.info().await.unwrap().config.subjects,
+        vec![first.subjects.tasks_all()]
+    );
+}
+
 /// A stream that takes other subjects or lets messages go otherwise than
 /// wakebus needs, and that cannot be updated, is an error: a service
 /// using it as it is would lose work (a tasks stream with limits

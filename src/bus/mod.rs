@@ -157,6 +157,20 @@ pub enum ProvisionError {
         /// The JetStream error.
         source: jetstream::context::ConsumerInfoError,
     },
+    /// A stream of this name exists but takes other subjects: another
+    /// deployment's (two prefixes can map to one stream name) or one made
+    /// by hand. Changing its subjects would take it from its owner.
+    #[error(
+        "stream {name} exists but takes {existing:?}, not {wanted:?}: another deployment whose prefix maps to the same stream names (`acme.prod` and `acme_prod` both do) or a stream made by hand; use another prefix, or remove or rename that stream"
+    )]
+    SubjectsTaken {
+        /// The stream.
+        name: String,
+        /// Its subjects.
+        existing: Vec<String>,
+        /// This deployment's.
+        wanted: Vec<String>,
+    },
     /// A stream that should exist could not be read.
     #[error("cannot read stream {name}: {source}")]
     GetStream {

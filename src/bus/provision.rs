@@ -295,6 +295,13 @@ impl Bus {
             Ok(existing) if stream_matches(&existing.cached_info().config, &config) => {
                 return Ok(existing);
             }
+            Ok(existing) if existing.cached_info().config.subjects != config.subjects => {
+                return Err(ProvisionError::SubjectsTaken {
+                    name,
+                    existing: existing.cached_info().config.subjects.clone(),
+                    wanted: config.subjects,
+                });
+            }
             Ok(existing) => {
                 let kept = existing.cached_info().config.max_age;
                 let keep_age = match age_change {
@@ -319,8 +326,7 @@ impl Bus {
                 // Which messages the stream takes and when it lets them go:
                 // with these different, the service would not work as
                 // documented (storage, say, is the operator's choice).
-                let unusable =
-                    current.subjects != config.subjects || current.retention != config.retention;
+                let unusable = current.retention != config.retention;
                 let asked_age = config.max_age;
                 if let Err(source) = self.js.update_stream(managed_update(current, config)).await {
                     if unusable {
