@@ -178,10 +178,12 @@ impl Bus {
                     config.deliver_policy = current.config.deliver_policy;
                 }
                 Err(error)
-                    if existing == Existing::Keep
-                        && error.kind() != jetstream::context::ConsumerInfoErrorKind::NotFound =>
+                    if error.kind() != jetstream::context::ConsumerInfoErrorKind::NotFound =>
                 {
-                    // Not knowing whether it exists, do not overwrite it.
+                    // Not knowing whether it exists, do not overwrite it: a
+                    // create with the default start would be refused by one
+                    // the keeper made again from a later sequence (or undo a
+                    // kept one's settings). A timeout is retried.
                     return Err(ProvisionError::ConsumerInfo {
                         name: name.clone(),
                         stream: stream.to_owned(),

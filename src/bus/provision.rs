@@ -529,6 +529,8 @@ pub(crate) fn is_transient(err: &(impl std::fmt::Display + ?Sized)) -> bool {
         "leader",
         "unavailable",
         "temporarily",
+        // A replica set without quorum, in a rolling restart.
+        "offline",
         // A cluster still forming: not every peer is known yet.
         "peers",
         "insufficient resources",
