@@ -1642,6 +1642,74 @@ async fn a_stream_that_already_takes_the_deployments_subjects_is_an_error_naming
     assert!(said.contains(&bus.subjects.tasks_stream()), "{said}");
 }
 
+/// `deny_delete` and `deny_purge` are one-way: the server refuses an update
+/// that clears them. An operator protecting the history with them must not
+/// make every later update fail (and the history keep its old max age).
+#[tokio::test]
+async fn a_stream_an_operator_protected_with_deny_flags_is_still_updated_and_keeps_them() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let events = bus.subjects.events_stream();
+    let config = || {
+        let bus = bus.clone();
+        let events = events.clone();
+        async move {
+            let mut stream = bus.js.get_stream(events).await.unwrap();
+            stream.info().await.unwrap().config.clone()
+        }
+    };
+    let mut protected = config().await;
+    protected.deny_delete = true;
+    protected.deny_purge = true;
+    bus.js.update_stream(&protected).await.unwrap();
+
+    let month = Duration::from_secs(30 * 24 * 3600);
+    let settings = wakebus::bus::BusSettings {
+        history_max_age: month,
+        history_change: wakebus::bus::AgeChange::Set,
+        require_update: true,
+        ..Default::default()
+    };
+    bus.provision(&settings).await.unwrap();
+    let updated = config().await;
+    assert_eq!(updated.max_age, month);
+    assert!(updated.deny_delete && updated.deny_purge, "{updated:?}");
+}
+
+/// `wakebus init` exists to make the settings right: an update the server
+/// refuses (here: a stream made by hand in memory, which no update turns
+/// into a file stream) is its failure, not an `ok`.
+#[tokio::test]
+async fn init_fails_when_the_server_refuses_an_update_it_needs() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let subjects = wakebus::protocol::Subjects::new(&prefix).unwrap();
+    let bus = wakebus::bus::Bus::new(client, subjects);
+    bus.js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: bus.subjects.tasks_stream(),
+            subjects: vec![bus.subjects.tasks_all()],
+            retention: async_nats::jetstream::stream::RetentionPolicy::WorkQueue,
+            storage: async_nats::jetstream::stream::StorageType::Memory,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let run = wakebus(&nats.url(), &prefix, &["init"]).await;
+    assert_eq!(run.code(), Some(1), "{}", run.stderr());
+    assert!(
+        run.stderr().contains(&bus.subjects.tasks_stream()),
+        "{}",
+        run.stderr()
+    );
+    assert!(!run.stdout().contains("\"ok\""), "{}", run.stdout());
+    // A service uses it as it is, with a warning.
+    bus.provision(&Default::default()).await.unwrap();
+}
+
 /// Two prefixes can map to one set of stream names (`acme.prod` and
 /// `acme_prod` both make `ACME_PROD_TASKS`): the second deployment must
 /// not take the first one's streams by changing their subjects, and says

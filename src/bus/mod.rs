@@ -62,6 +62,11 @@ pub struct BusSettings {
     /// shorter TTL under running wakes lets locks expire between their
     /// refreshes).
     pub session_lock_ttl_change: AgeChange,
+    /// Whether a stream or bucket whose settings differ and cannot be
+    /// updated is an error: for `wakebus init`, which exists to make them
+    /// right, so that it does not report success having changed nothing. A
+    /// service uses it as it is, with a warning.
+    pub require_update: bool,
     /// How often a running worker or wake checks that its durable consumer
     /// still exists (plus up to as much again at random), to create it
     /// again when it was deleted under it.
@@ -78,6 +83,7 @@ impl Default for BusSettings {
             session_lock_ttl: default_session_lock_ttl(),
             history_change: AgeChange::default(),
             session_lock_ttl_change: AgeChange::default(),
+            require_update: false,
             consumer_check: default_consumer_check(),
         }
     }

@@ -135,8 +135,12 @@ impl Bus {
 
     async fn provision_streams(&self, settings: &BusSettings) -> Result<Streams, ProvisionError> {
         let s = &self.subjects;
-        self.ensure_stream(self.tasks_config(settings).await?, AgeChange::Keep)
-            .await?;
+        self.ensure_stream(
+            self.tasks_config(settings).await?,
+            AgeChange::Keep,
+            settings.require_update,
+        )
+        .await?;
         let events = self
             .ensure_stream(
                 stream::Config {
@@ -151,10 +155,15 @@ impl Bus {
                     ..Default::default()
                 },
                 settings.history_change,
+                settings.require_update,
             )
             .await?;
-        self.ensure_stream(self.dead_letters_config(settings).await?, AgeChange::Keep)
-            .await?;
+        self.ensure_stream(
+            self.dead_letters_config(settings).await?,
+            AgeChange::Keep,
+            settings.require_update,
+        )
+        .await?;
         let cancels = self.ensure_cancels(settings).await?;
         Ok(Streams { events, cancels })
     }
@@ -214,6 +223,7 @@ impl Bus {
             },
             Direct::AnyReplica,
             settings.history_change,
+            settings.require_update,
         )
         .await
     }
@@ -223,10 +233,18 @@ impl Bus {
         &self,
         settings: &BusSettings,
     ) -> Result<kv::Store, ProvisionError> {
-        self.ensure_stream(self.tasks_config(settings).await?, AgeChange::Keep)
-            .await?;
-        self.ensure_stream(self.dead_letters_config(settings).await?, AgeChange::Keep)
-            .await?;
+        self.ensure_stream(
+            self.tasks_config(settings).await?,
+            AgeChange::Keep,
+            settings.require_update,
+        )
+        .await?;
+        self.ensure_stream(
+            self.dead_letters_config(settings).await?,
+            AgeChange::Keep,
+            settings.require_update,
+        )
+        .await?;
         self.ensure_cancels(settings).await
     }
 
@@ -249,6 +267,7 @@ impl Bus {
                 },
                 Direct::LeaderOnly,
                 settings.history_change,
+                settings.require_update,
             )
             .await?;
         let session_locks = self
@@ -267,6 +286,7 @@ impl Bus {
                 },
                 Direct::LeaderOnly,
                 settings.session_lock_ttl_change,
+                settings.require_update,
             )
             .await?;
         Ok(WakeState {
@@ -289,6 +309,7 @@ impl Bus {
         &self,
         mut config: stream::Config,
         age_change: AgeChange,
+        require_update: bool,
     ) -> Result<stream::Stream, ProvisionError> {
         let name = config.name.clone();
         match self.js.get_stream(&name).await {
@@ -328,12 +349,16 @@ impl Bus {
                 // documented (storage, say, is the operator's choice).
                 let unusable = current.retention != config.retention;
                 let asked_age = config.max_age;
+                let reset = hand_edits_reset(current, &config);
                 if let Err(source) = self.js.update_stream(managed_update(current, config)).await {
-                    if unusable {
+                    if unusable || require_update {
                         return Err(ProvisionError::Stream { name, source });
                     }
-                    warn!(stream = %name, error = %source, "Stream settings differ from this service's and could not be updated (does this NATS user manage streams? run `wakebus init` as operator); using it as it is.");
+                    warn!(stream = %name, error = %source, "Stream settings differ from this service's and could not be updated (the server's reason is given; `wakebus init` as operator makes them right); using it as it is.");
                     return Ok(existing);
+                }
+                if !reset.is_empty() {
+                    warn!(stream = %name, settings = ?reset, "Stream settings that wakebus manages differed from its own and were set back (a change made by hand is undone at every start).");
                 }
                 if shortens(kept, asked_age) {
                     warn!(stream = %name, was = ?kept, now = ?asked_age, "Stream max age shortened: what was older is deleted.");
@@ -376,6 +401,7 @@ impl Bus {
         config: kv::Config,
         direct: Direct,
         age_change: AgeChange,
+        require_update: bool,
     ) -> Result<kv::Store, ProvisionError> {
         let name = config.bucket.clone();
         self.ensure_stream(
@@ -395,6 +421,7 @@ impl Bus {
                 ..Default::default()
             },
             age_change,
+            require_update,
         )
         .await?;
         self.js
@@ -431,7 +458,10 @@ fn stream_matches(existing: &stream::Config, wanted: &stream::Config) -> bool {
         && unlimited_as_minus_one(existing.max_messages_per_subject)
             == unlimited_as_minus_one(wanted.max_messages_per_subject)
         && existing.allow_rollup == wanted.allow_rollup
-        && existing.deny_delete == wanted.deny_delete
+        // One-way flags: the server never turns them off, and an operator
+        // protecting a stream with them loses nothing wakebus needs.
+        && (existing.deny_delete || !wanted.deny_delete)
+        && (existing.deny_purge || !wanted.deny_purge)
         && existing.allow_direct == wanted.allow_direct
         // Zero means "server default", which the server fills in.
         && (wanted.duplicate_window.is_zero()
@@ -453,8 +483,8 @@ fn managed_update(current: &stream::Config, wanted: stream::Config) -> stream::C
         num_replicas: wanted.num_replicas,
         max_messages_per_subject: wanted.max_messages_per_subject,
         allow_rollup: wanted.allow_rollup,
-        deny_delete: wanted.deny_delete,
-        deny_purge: wanted.deny_purge,
+        deny_delete: current.deny_delete || wanted.deny_delete,
+        deny_purge: current.deny_purge || wanted.deny_purge,
         allow_direct: wanted.allow_direct,
         // The server refuses a duplicate window longer than the max age.
         duplicate_window: match (wanted.duplicate_window, wanted.max_age) {
@@ -464,6 +494,31 @@ fn managed_update(current: &stream::Config, wanted: stream::Config) -> stream::C
         },
         ..current.clone()
     }
+}
+
+/// The settings an update to `wanted` sets back, besides the max age and
+/// replicas (which are the deployment's settings, logged on their own):
+/// what an operator may have changed by hand, for the warning.
+fn hand_edits_reset(current: &stream::Config, wanted: &stream::Config) -> Vec<&'static str> {
+    let mut reset = Vec::new();
+    if unlimited_as_minus_one(current.max_messages_per_subject)
+        != unlimited_as_minus_one(wanted.max_messages_per_subject)
+    {
+        reset.push("max_msgs_per_subject");
+    }
+    if current.allow_rollup != wanted.allow_rollup {
+        reset.push("allow_rollup");
+    }
+    if current.allow_direct != wanted.allow_direct {
+        reset.push("allow_direct");
+    }
+    if current.storage != wanted.storage {
+        reset.push("storage");
+    }
+    if !wanted.duplicate_window.is_zero() && current.duplicate_window != wanted.duplicate_window {
+        reset.push("duplicate_window");
+    }
+    reset
 }
 
 /// Whether a stream keeping messages for `kept` would lose some with a max
@@ -545,6 +600,24 @@ mod tests {
 
     fn urls(n: usize) -> Vec<String> {
         (0..n).map(|i| format!("10.0.0.{i}:4222")).collect()
+    }
+
+    #[test]
+    fn an_update_names_the_hand_made_settings_it_sets_back() {
+        let wanted = stream::Config {
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        };
+        let mut edited = wanted.clone();
+        assert!(hand_edits_reset(&edited, &wanted).is_empty());
+        edited.allow_direct = true;
+        edited.max_messages_per_subject = 5;
+        edited.duplicate_window = Duration::from_secs(600);
+        edited.max_age = Duration::from_secs(60);
+        assert_eq!(
+            hand_edits_reset(&edited, &wanted),
+            ["max_msgs_per_subject", "allow_direct", "duplicate_window"]
+        );
     }
 
     #[test]

@@ -49,6 +49,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let settings = BusSettings {
                 history_change: given(global.history),
                 session_lock_ttl_change: given(global.session_lock_ttl),
+                require_update: true,
                 ..settings(&global)
             };
             bus.provision(&settings).await?;
