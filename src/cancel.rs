@@ -249,34 +249,61 @@ impl Canceller {
                 kind.as_str()
             )
         };
-        if let Ok(done) = events
+        // Only "no such event" means none: a read that failed (a leader
+        // election) is an error, not a delegation to call unknown.
+        let none = |e: &async_nats::jetstream::stream::LastRawMessageError| {
+            e.kind() == async_nats::jetstream::stream::LastRawMessageErrorKind::NoMessageFound
+        };
+        match events
             .get_last_raw_message_by_subject(&filter(EventKind::Done))
             .await
         {
-            let done = CompletionEvent::decode(&done.payload).map_err(|e| history(&e))?;
-            // One subject per task: count the tasks that have a completion.
-            let tasks_done = events
-                .info_with_subjects(filter(EventKind::Done))
-                .await
-                .map_err(|e| history(&e))?
-                .count()
-                .await;
-            if tasks_done >= done.task_count.max(1) as usize {
-                return Ok(DelegationState::Finished);
+            Ok(done) => {
+                // Garbage on a completion subject (anyone allowed to publish
+                // events can put it there) must not make the delegation
+                // impossible to cancel: taken as running, the record is
+                // written.
+                let Ok(done) = CompletionEvent::decode(&done.payload) else {
+                    return Ok(DelegationState::Running);
+                };
+                return self.finished_or_running(&events, &filter, &done).await;
             }
-            return Ok(DelegationState::Running);
+            Err(e) if none(&e) => {}
+            Err(e) => return Err(history(&e)),
         }
-        if events
+        match events
             .get_last_raw_message_by_subject(&filter(EventKind::Started))
             .await
-            .is_ok()
         {
-            return Ok(DelegationState::Running);
+            Ok(_) => return Ok(DelegationState::Running),
+            Err(e) if none(&e) => {}
+            Err(e) => return Err(history(&e)),
         }
         if self.is_queued(delegation_id).await? {
             return Ok(DelegationState::Queued);
         }
         Ok(DelegationState::Unknown)
+    }
+
+    /// Finished when every task of the delegation has a completion.
+    async fn finished_or_running(
+        &self,
+        events: &async_nats::jetstream::stream::Stream,
+        filter: &impl Fn(EventKind) -> String,
+        done: &CompletionEvent,
+    ) -> Result<DelegationState, CancelError> {
+        // One subject per task: count the tasks that have a completion.
+        let tasks_done = events
+            .info_with_subjects(filter(EventKind::Done))
+            .await
+            .map_err(|e| CancelError::History(e.to_string()))?
+            .count()
+            .await;
+        Ok(if tasks_done >= done.task_count.max(1) as usize {
+            DelegationState::Finished
+        } else {
+            DelegationState::Running
+        })
     }
 
     /// Whether a request of the delegation waits in the work queue (see

@@ -322,6 +322,44 @@ async fn cancelling_a_finished_or_unknown_delegation_says_so() {
     assert!(canceller.cancel_delegation("bad id!", false).await.is_err());
 }
 
+/// Garbage on a delegation's completion subject (anyone allowed to publish
+/// events can put it there) must not make the delegation impossible to
+/// cancel: it is taken as still running, and the cancel record written.
+#[tokio::test]
+async fn an_unreadable_completion_does_not_stop_the_delegation_from_being_cancelled() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let id = wakebus::protocol::new_delegation_id();
+    bus.js
+        .publish(
+            format!("{}.evt.sync.{id}.0.done", bus.subjects.prefix()),
+            "not a completion".into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let outcome = Canceller::new(bus.clone())
+        .cancel_delegation(&id, false)
+        .await
+        .expect("the cancel is not refused");
+    assert_eq!(outcome.state, Some(DelegationState::Running), "{outcome:?}");
+    let records = bus
+        .js
+        .get_key_value(bus.subjects.cancel_bucket())
+        .await
+        .unwrap();
+    assert!(
+        records
+            .get(wakebus::cancel::CancelTarget::Delegation(id.clone()).key())
+            .await
+            .unwrap()
+            .is_some(),
+        "no cancel record"
+    );
+}
+
 /// The queue check reads at most 10,000 stored requests. With more queued
 /// it cannot tell, and a cancel of a delegation it did not find assumes it
 /// is queued (better a cancel record too many than a task that runs after
