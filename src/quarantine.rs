@@ -210,7 +210,12 @@ pub fn sweep_after_reconnect(
     consumer: &str,
     dead_letter_subject: &str,
 ) {
-    if !watch.reconnected(&bus.client) || watch.sweeping.swap(true, Ordering::AcqRel) {
+    // A reconnect during a sweep stays unseen, so that it is swept for once
+    // that one ends: the running sweep read where to look before it.
+    if watch.sweeping.load(Ordering::Acquire)
+        || !watch.reconnected(&bus.client)
+        || watch.sweeping.swap(true, Ordering::AcqRel)
+    {
         return;
     }
     let sweeping = watch.sweeping.clone();
