@@ -203,7 +203,10 @@ impl TaskHandler {
             );
             fit_to_payload(&mut done, self.bus.max_payload());
             return match self.publish(&request, EventKind::Done, trace, &done).await {
-                Ok(()) => Outcome::Ack,
+                Ok(()) => {
+                    m::task_completed(&self.config.pool, Status::Error, Duration::ZERO);
+                    Outcome::Ack
+                }
                 Err(error) => {
                     warn!(%error, "Could not publish the error completion; will retry.");
                     Outcome::Nak(Some(Duration::from_secs(1)))
