@@ -313,14 +313,67 @@ async fn a_hermes_agent_runs_as_the_subagent_through_the_command_executor() {
         )
         .await
         .unwrap();
-    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    // A context too large for a variable comes from stdin, through a file.
+    Delegator::new(bus.clone())
+        .delegate(
+            Delegation::new("Read the dump")
+                .context("y".repeat(70_000))
+                .session("hermes-session-2"),
+        )
+        .await
+        .unwrap();
+    wait_until(WAIT, "the wakes", || async { api.accepted().len() == 2 }).await;
     services.stop().await;
-    let text = api.accepted()[0].text();
+    let text_for = |session: &str| {
+        api.accepted()
+            .into_iter()
+            .find(|post| post.session() == session)
+            .unwrap()
+            .text()
+    };
+    let text = text_for("hermes-session-1");
     assert!(text.contains("Status: completed"), "{text}");
     assert!(
         text.contains("hermes answered: Summarise INC-2291\n\nContext:\ngateway logs (session hermes-session-1, depth 1)"),
         "{text}"
     );
+    let text = text_for("hermes-session-2");
+    assert!(text.contains("Status: completed"), "{text}");
+    assert!(
+        text.contains("hermes answered: Read the dump\n\nContext: in the file ")
+            && text.contains(" (70000 bytes); read it."),
+        "{text}"
+    );
+}
+
+/// A program reports its result as a JSON object of known fields; a JSON
+/// object with none of them (a structured answer) is the result itself,
+/// not an empty report.
+#[tokio::test]
+async fn a_program_reports_its_result_as_json_and_a_structured_answer_is_kept_whole() {
+    init_logs();
+    let report =
+        r#"{"summary": "half done", "status": "failed", "error": "quota", "api_calls": 3}"#;
+    let config = CommandConfig::new("sh", vec!["-c".into(), format!("echo '{report}'")]);
+    let (done, _bus, _nats) = run_one(
+        Executor::Command(CommandExecutor::new(config)),
+        Delegation::new("report"),
+    )
+    .await;
+    assert_eq!(done.status, Status::Failed);
+    assert_eq!(done.summary.as_deref(), Some("half done"));
+    assert_eq!(done.error.as_deref(), Some("quota"));
+    assert_eq!(done.api_calls, 3);
+
+    let answer = r#"{"verdict": "green", "checked": 9}"#;
+    let config = CommandConfig::new("sh", vec!["-c".into(), format!("echo '{answer}'")]);
+    let (done, _bus, _nats) = run_one(
+        Executor::Command(CommandExecutor::new(config)),
+        Delegation::new("answer"),
+    )
+    .await;
+    assert_eq!(done.status, Status::Completed);
+    assert_eq!(done.summary.as_deref(), Some(answer));
 }
 
 #[tokio::test]

@@ -186,6 +186,16 @@ struct StructuredOutput {
     api_calls: Option<u64>,
 }
 
+impl StructuredOutput {
+    /// Whether it has any of the fields a result report has.
+    fn says_anything(&self) -> bool {
+        self.summary.is_some()
+            || self.status.is_some()
+            || self.error.is_some()
+            || self.api_calls.is_some()
+    }
+}
+
 impl CommandExecutor {
     /// An executor running `config.program`.
     pub fn new(config: CommandConfig) -> Self {
@@ -302,7 +312,11 @@ impl CommandExecutor {
 
         let stdout_text = String::from_utf8_lossy(&out).trim().to_owned();
         let stderr_text = String::from_utf8_lossy(&err).trim().to_owned();
-        let structured = serde_json::from_str::<StructuredOutput>(&stdout_text).ok();
+        // A JSON object with none of the fields is the result itself (a
+        // structured answer), not an empty report.
+        let structured = serde_json::from_str::<StructuredOutput>(&stdout_text)
+            .ok()
+            .filter(StructuredOutput::says_anything);
         let (mut summary, status_override, error_override, api_calls) = match structured {
             Some(s) => (s.summary, s.status, s.error, s.api_calls.unwrap_or(0)),
             None => (
