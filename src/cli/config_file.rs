@@ -10,7 +10,9 @@
 //! inbox-prefix = "_INBOX_worker"
 //! ```
 //!
-//! Flags win over environment variables, which win over the file. Secrets
+//! Values may be in double or single quotes, and a ` # comment` may follow
+//! one. Flags win over environment variables, which win over the file
+//! (for `otlp-endpoint`, the `OTEL_EXPORTER_OTLP_*` variables do). Secrets
 //! stay in their own files; this one only names them.
 
 use std::ffi::OsString;
@@ -45,7 +47,9 @@ pub(crate) fn with_config_file(args: Vec<OsString>, path: &Path) -> anyhow::Resu
                 number + 1
             );
         };
-        let (name, value) = (name.trim(), unquote(value.trim()));
+        let name = name.trim();
+        let value = parse_value(value)
+            .with_context(|| format!("{} line {}: option {name:?}", path.display(), number + 1))?;
         let Some(arg) = globals.iter().find(|arg| arg.get_long() == Some(name)) else {
             let known: Vec<&str> = globals.iter().filter_map(|a| a.get_long()).collect();
             bail!(
@@ -58,6 +62,7 @@ pub(crate) fn with_config_file(args: Vec<OsString>, path: &Path) -> anyhow::Resu
         if arg
             .get_env()
             .is_some_and(|env| std::env::var_os(env).is_some())
+            || overridden_by_otel_variables(name)
         {
             continue;
         }
@@ -71,9 +76,72 @@ pub(crate) fn with_config_file(args: Vec<OsString>, path: &Path) -> anyhow::Resu
     Ok(out)
 }
 
-fn unquote(value: &str) -> &str {
-    value
-        .strip_prefix('"')
-        .and_then(|v| v.strip_suffix('"'))
-        .unwrap_or(value)
+/// A value as written after `=`: in double or single quotes (kept as
+/// they are inside), or bare; either may be followed by a ` # comment`.
+fn parse_value(raw: &str) -> anyhow::Result<String> {
+    let raw = raw.trim();
+    let Some(quote) = raw.chars().next().filter(|c| *c == '"' || *c == '\'') else {
+        // A bare value ends where a comment starts (`#` after a space).
+        let end = raw
+            .char_indices()
+            .find(|&(i, c)| c == '#' && raw[..i].ends_with(char::is_whitespace))
+            .map_or(raw.len(), |(i, _)| i);
+        return Ok(raw[..end].trim_end().to_owned());
+    };
+    let rest = &raw[1..];
+    let Some(close) = rest.find(quote) else {
+        bail!("the value's closing {quote} is missing");
+    };
+    let after = rest[close + 1..].trim_start();
+    if !after.is_empty() && !after.starts_with('#') {
+        bail!("unexpected {after:?} after the quoted value");
+    }
+    Ok(rest[..close].to_owned())
+}
+
+/// `otlp-endpoint` has no variable of its own: the OpenTelemetry ones
+/// stand for it, and win over the file as variables do.
+fn overridden_by_otel_variables(name: &str) -> bool {
+    name == "otlp-endpoint"
+        && [
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        ]
+        .iter()
+        .any(|variable| std::env::var_os(variable).is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_may_be_quoted_either_way_and_followed_by_a_comment() {
+        let cases = [
+            (r#""tls://n:4222""#, "tls://n:4222"),
+            (r#""tls://n:4222" # prod"#, "tls://n:4222"),
+            ("'/etc/wakebus/worker.nk'", "/etc/wakebus/worker.nk"),
+            (
+                "/etc/wakebus/worker.nk   # worker role",
+                "/etc/wakebus/worker.nk",
+            ),
+            ("_INBOX_worker#1", "_INBOX_worker#1"),
+            (r#""a # in quotes""#, "a # in quotes"),
+            ("  plain  ", "plain"),
+        ];
+        for (raw, value) in cases {
+            assert_eq!(parse_value(raw).unwrap(), value, "{raw}");
+        }
+    }
+
+    #[test]
+    fn a_quoted_value_that_is_not_closed_or_has_text_after_it_is_an_error() {
+        let open = parse_value(r#""tls://n:4222"#).unwrap_err();
+        assert!(open.to_string().contains("closing"), "{open}");
+        let after = parse_value(r#""a" b"#).unwrap_err();
+        assert!(
+            after.to_string().contains("after the quoted value"),
+            "{after}"
+        );
+    }
 }
