@@ -31,6 +31,17 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Deliver `message` again later, because a NATS request its handling
+    /// needs failed (a dead letter or an `error` completion not stored, a
+    /// record that could not be read): after 1 s,
+    /// doubling with each delivery up to 32 s, so that a failure that lasts
+    /// (a full dead-letter stream) is retried at a gentle pace instead of
+    /// every second.
+    pub fn retry_later(message: &jetstream::Message) -> Self {
+        let delivered = message.info().map_or(1, |info| info.delivered);
+        Self::Nak(Some(retry_delay(delivered)))
+    }
+
     /// Sends the disposition to the server. A lost ack only means a
     /// redelivery, which every handler tolerates, so failures are logged.
     pub async fn apply(&self, message: &jetstream::Message) {
@@ -48,6 +59,13 @@ impl Outcome {
     }
 }
 
+/// The wait before the next delivery of a message delivered `delivered`
+/// times so far (see [`Outcome::retry_later`]).
+fn retry_delay(delivered: i64) -> Duration {
+    let doublings = u32::try_from(delivered.saturating_sub(1)).unwrap_or(0).min(5);
+    Duration::from_secs(1 << doublings)
+}
+
 /// Tells the server that `message` is still being worked on, unless the
 /// client is disconnected: async-nats does not drain its command queue
 /// while it reconnects, so during a long outage these periodic acks could
@@ -61,5 +79,19 @@ pub async fn keep_alive(message: &jetstream::Message) {
     }
     if let Err(error) = message.ack_with(AckKind::Progress).await {
         warn!(%error, subject = %message.subject, "Could not send an in-progress ack.");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_retry_waits_a_second_then_doubles_up_to_32_seconds() {
+        let waits: Vec<u64> = [0, 1, 2, 3, 6, 7, 1000]
+            .into_iter()
+            .map(|delivered| retry_delay(delivered).as_secs())
+            .collect();
+        assert_eq!(waits, [1, 1, 2, 4, 32, 32, 32]);
     }
 }

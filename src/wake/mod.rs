@@ -449,9 +449,7 @@ async fn outcome_for(shared: &Shared, message: &jetstream::Message, admission: A
                 crate::ops::metrics::dead_lettered("poison");
                 Outcome::Term(reason).apply(message).await;
             } else {
-                Outcome::Nak(Some(Duration::from_secs(1)))
-                    .apply(message)
-                    .await;
+                Outcome::retry_later(message).apply(message).await;
             }
         }
     }

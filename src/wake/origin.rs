@@ -16,7 +16,6 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use tokio_util::task::TaskTracker;
@@ -76,7 +75,7 @@ impl OriginGate {
                 Err(Refusal::Forged(reason)) => gate.refuse(&pending, &reason).await,
                 Err(Refusal::Unavailable(error)) => {
                     warn!(delegation_id = %pending.event.delegation_id, task_index = pending.event.task_index, %error, "Could not read the submitted record; will retry.");
-                    Outcome::Nak(Some(Duration::from_secs(1)))
+                    Outcome::retry_later(&pending.message)
                         .apply(&pending.message)
                         .await;
                 }
@@ -205,7 +204,7 @@ impl OriginGate {
             }
             Err(error) => {
                 warn!(%error, "Could not dead-letter the refused completion; will retry.");
-                Outcome::Nak(Some(Duration::from_secs(1)))
+                Outcome::retry_later(&pending.message)
                     .apply(&pending.message)
                     .await;
             }

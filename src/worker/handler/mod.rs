@@ -209,7 +209,7 @@ impl TaskHandler {
                 }
                 Err(error) => {
                     warn!(%error, "Could not publish the error completion; will retry.");
-                    Outcome::Nak(Some(Duration::from_secs(1)))
+                    Outcome::retry_later(message)
                 }
             };
         }
@@ -501,7 +501,7 @@ impl TaskHandler {
         );
         if let Err(error) = self.dead_letter(message, &rejected.reason).await {
             warn!(%error, "Could not dead-letter the request; will retry.");
-            return Outcome::Nak(Some(Duration::from_secs(1)));
+            return Outcome::retry_later(message);
         }
         m::dead_lettered("task");
         let (stand_in, reason) = stand_in(delegation_id, seq, &rejected);
@@ -513,7 +513,7 @@ impl TaskHandler {
             .child();
         if let Err(error) = self.publish(&stand_in, EventKind::Done, trace, &done).await {
             warn!(%error, "Could not publish the error completion; will retry.");
-            return Outcome::Nak(Some(Duration::from_secs(1)));
+            return Outcome::retry_later(message);
         }
         m::task_completed(&self.config.pool, Status::Error, Duration::ZERO);
         Outcome::Term(rejected.reason)
