@@ -399,6 +399,53 @@ async fn a_session_api_that_refuses_with_4xx_gets_the_wake_dead_lettered_not_ret
     assert_eq!(api.all_posts().len(), 1, "a 404 is not retried");
 }
 
+/// An API that enforces `Idempotency-Key` answers 409 while a post under
+/// the same key is still in progress (one whose answer was lost, or a dead
+/// instance's): the wake tries again, and takes only a conflict that lasts
+/// for a refusal.
+#[tokio::test]
+async fn a_409_conflict_is_retried_a_few_times_before_the_wake_is_dead_lettered() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    let dlq = bus.subjects.dead_letter_stream();
+
+    // In progress for two posts, then the API's stored answer.
+    api.fail_next(2, 409);
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("settles").session("s.settles"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the wake delivered", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    assert_eq!(api.all_posts().len(), 3);
+    assert!(all_messages(&bus, &dlq).await.is_empty());
+
+    // A conflict that lasts.
+    api.fail_always(409);
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("conflicts").session("s.conflicts"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the wake dead-lettered", || async {
+        !all_messages(&bus, &dlq).await.is_empty()
+    })
+    .await;
+    services.stop().await;
+    let conflicted = api
+        .all_posts()
+        .iter()
+        .filter(|post| post.session() == "s.conflicts")
+        .count();
+    assert_eq!(conflicted, 6, "one post and five retries");
+}
+
 /// A refused wake whose dead letter cannot be stored yet (here: the
 /// dead-letter stream is full and refuses writes) is kept until it can be,
 /// and never posted again meanwhile: the refusal was the API's answer.

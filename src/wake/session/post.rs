@@ -45,6 +45,11 @@ impl Posting<'_> {
     }
 }
 
+/// How many 409 answers to a turn are retried before the turn is taken as
+/// refused: with the backoff, long enough for a post still in progress
+/// under the same key to finish.
+const CONFLICT_RETRIES: u32 = 5;
+
 /// How soon a lock refresh that failed during a post is tried again.
 const LOCK_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -65,6 +70,7 @@ impl Router {
         let in_hand = [std::slice::from_ref(turn), posting.later];
         let events = turn.events();
         let mut attempt = 0u32;
+        let mut conflicts = 0u32;
         loop {
             attempt += 1;
             // Post only while the lock is surely ours: refresh it when due
@@ -111,8 +117,21 @@ impl Router {
                     }
                 }
             };
-            let result = hold.during(post, &in_hand).await;
+            let mut result = hold.during(post, &in_hand).await;
             drop(posting_gauge);
+            if let PostResult::Rejected { status: 409, .. } = result
+                && conflicts < CONFLICT_RETRIES
+            {
+                // An API enforcing Idempotency-Key answers 409 while a post
+                // under the same key is still being processed: one whose
+                // answer was lost, or a dead instance's. It settles soon;
+                // a conflict that lasts is a refusal.
+                conflicts += 1;
+                result = PostResult::Retry {
+                    reason: "session API answered 409 Conflict (a post under this Idempotency-Key may still be in progress)".to_owned(),
+                    after: None,
+                };
+            }
             match result {
                 PostResult::Delivered => {
                     m::wake_posted("delivered");
