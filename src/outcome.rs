@@ -62,7 +62,9 @@ impl Outcome {
 /// The wait before the next delivery of a message delivered `delivered`
 /// times so far (see [`Outcome::retry_later`]).
 fn retry_delay(delivered: i64) -> Duration {
-    let doublings = u32::try_from(delivered.saturating_sub(1)).unwrap_or(0).min(5);
+    let doublings = u32::try_from(delivered.saturating_sub(1))
+        .unwrap_or(0)
+        .min(5);
     Duration::from_secs(1 << doublings)
 }
 
