@@ -1638,7 +1638,11 @@ async fn a_stream_that_already_takes_the_deployments_subjects_is_an_error_naming
         .await
         .expect_err("the subjects are taken");
     let said = error.to_string();
-    assert!(said.contains("overlap"), "{said}");
+    assert!(
+        matches!(error, wakebus::bus::ProvisionError::SubjectsOverlap { .. }),
+        "{said}"
+    );
+    assert!(said.contains("overlap those of stream ARCHIVE"), "{said}");
     assert!(said.contains(&bus.subjects.tasks_stream()), "{said}");
 }
 
@@ -1678,36 +1682,31 @@ async fn a_stream_an_operator_protected_with_deny_flags_is_still_updated_and_kee
 }
 
 /// `wakebus init` exists to make the settings right: an update the server
-/// refuses (here: a stream made by hand in memory, which no update turns
-/// into a file stream) is its failure, not an `ok`.
+/// refuses (here: three replicas on a single server) is its failure, at
+/// once, not an `ok` and not a retry for ever.
 #[tokio::test]
 async fn init_fails_when_the_server_refuses_an_update_it_needs() {
     init_logs();
     let nats = NatsServer::start().await;
     let prefix = unique_prefix();
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let subjects = wakebus::protocol::Subjects::new(&prefix).unwrap();
-    let bus = wakebus::bus::Bus::new(client, subjects);
-    bus.js
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: bus.subjects.tasks_stream(),
-            subjects: vec![bus.subjects.tasks_all()],
-            retention: async_nats::jetstream::stream::RetentionPolicy::WorkQueue,
-            storage: async_nats::jetstream::stream::StorageType::Memory,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let run = wakebus(&nats.url(), &prefix, &["init"]).await;
+    let bus = bus(&nats.url(), &prefix).await;
+    let run = wakebus(&nats.url(), &prefix, &["--replicas", "3", "init"]).await;
     assert_eq!(run.code(), Some(1), "{}", run.stderr());
     assert!(
-        run.stderr().contains(&bus.subjects.tasks_stream()),
+        run.stderr().contains(&format!(
+            "cannot update stream {}",
+            bus.subjects.tasks_stream()
+        )),
         "{}",
         run.stderr()
     );
     assert!(!run.stdout().contains("\"ok\""), "{}", run.stdout());
     // A service uses it as it is, with a warning.
-    bus.provision(&Default::default()).await.unwrap();
+    let three = wakebus::bus::BusSettings {
+        replicas: Some(3),
+        ..Default::default()
+    };
+    bus.provision(&three).await.unwrap();
 }
 
 /// Two prefixes can map to one set of stream names (`acme.prod` and

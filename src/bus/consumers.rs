@@ -7,7 +7,7 @@ use async_nats::jetstream::{self, consumer};
 use backon::Retryable;
 use tracing::{info, warn};
 
-use super::provision::{is_transient, setup_backoff};
+use super::provision::{may_pass, setup_backoff};
 use super::{Bus, ProvisionError};
 use crate::protocol::Subjects;
 
@@ -204,7 +204,7 @@ impl Bus {
         };
         attempt
             .retry(setup_backoff())
-            .when(is_transient)
+            .when(may_pass)
             .notify(|err, delay| {
                 warn!(error = %err, retry_in = ?delay, "Consumer setup failed; will retry.");
             })

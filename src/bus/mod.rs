@@ -163,6 +163,32 @@ pub enum ProvisionError {
         /// The JetStream error.
         source: jetstream::context::ConsumerInfoError,
     },
+    /// `wakebus init` could not update a stream whose settings differ: it
+    /// exists to make them right, so this is its failure (a service uses
+    /// the stream as it is, with a warning).
+    #[error(
+        "cannot update stream {name}: {source} (a timeout here usually means this NATS user may not update streams: run init as the operator)"
+    )]
+    Update {
+        /// The stream.
+        name: String,
+        /// The JetStream error.
+        source: jetstream::context::UpdateStreamError,
+    },
+    /// Another stream takes this stream's subjects (an archive on
+    /// `<prefix>.>`, a deployment with a nested prefix), so it cannot be
+    /// created.
+    #[error(
+        "cannot create stream {name}: its subjects {subjects:?} overlap those of stream {owner}; remove that stream or give this deployment another prefix"
+    )]
+    SubjectsOverlap {
+        /// The stream.
+        name: String,
+        /// Its subjects.
+        subjects: Vec<String>,
+        /// The stream that takes them.
+        owner: String,
+    },
     /// A stream of this name exists but takes other subjects: another
     /// deployment's (two prefixes can map to one stream name) or one made
     /// by hand. Changing its subjects would take it from its owner.

@@ -126,7 +126,7 @@ impl Bus {
     {
         attempt
             .retry(setup_backoff())
-            .when(is_transient)
+            .when(may_pass)
             .notify(|err, delay| {
                 warn!(error = %err, retry_in = ?delay, "Provisioning failed: NATS may not be up yet, or this NATS user may not create what is missing (run `wakebus init` as operator); will retry.");
             })
@@ -351,7 +351,10 @@ impl Bus {
                 let asked_age = config.max_age;
                 let reset = hand_edits_reset(current, &config);
                 if let Err(source) = self.js.update_stream(managed_update(current, config)).await {
-                    if unusable || require_update {
+                    if require_update {
+                        return Err(ProvisionError::Update { name, source });
+                    }
+                    if unusable {
                         return Err(ProvisionError::Stream { name, source });
                     }
                     warn!(stream = %name, error = %source, "Stream settings differ from this service's and could not be updated (the server's reason is given; `wakebus init` as operator makes them right); using it as it is.");
@@ -367,10 +370,24 @@ impl Bus {
                 }
             }
             Err(error) if is_stream_not_found(&error) => {
+                let subjects = config.subjects.clone();
                 match self.js.create_stream(config).await {
                     Ok(_) => {}
                     // On a cluster, another service may just have created it.
                     Err(error) if is_creation_clash(&error) => {}
+                    // Also answered to a second create of the same stream on
+                    // a cluster, before the first one shows: only another
+                    // stream taking the subjects is an error.
+                    Err(error) if is_subject_overlap(&error) => {
+                        let owner = self.js.stream_by_subject(subjects[0].clone()).await;
+                        if let Some(owner) = owner.ok().filter(|owner| *owner != name) {
+                            return Err(ProvisionError::SubjectsOverlap {
+                                name,
+                                subjects,
+                                owner,
+                            });
+                        }
+                    }
                     Err(source) => {
                         return Err(ProvisionError::Stream {
                             name: name.clone(),
@@ -452,7 +469,6 @@ const REFUSE_AT_LIMITS: stream::DiscardPolicy = stream::DiscardPolicy::New;
 fn stream_matches(existing: &stream::Config, wanted: &stream::Config) -> bool {
     existing.subjects == wanted.subjects
         && existing.retention == wanted.retention
-        && existing.storage == wanted.storage
         && existing.max_age == wanted.max_age
         && existing.num_replicas.max(1) == wanted.num_replicas.max(1)
         && unlimited_as_minus_one(existing.max_messages_per_subject)
@@ -478,7 +494,6 @@ fn managed_update(current: &stream::Config, wanted: stream::Config) -> stream::C
         description: wanted.description,
         subjects: wanted.subjects,
         retention: wanted.retention,
-        storage: wanted.storage,
         max_age: wanted.max_age,
         num_replicas: wanted.num_replicas,
         max_messages_per_subject: wanted.max_messages_per_subject,
@@ -511,9 +526,6 @@ fn hand_edits_reset(current: &stream::Config, wanted: &stream::Config) -> Vec<&'
     }
     if current.allow_direct != wanted.allow_direct {
         reset.push("allow_direct");
-    }
-    if current.storage != wanted.storage {
-        reset.push("storage");
     }
     if !wanted.duplicate_window.is_zero() && current.duplicate_window != wanted.duplicate_window {
         reset.push("duplicate_window");
@@ -561,6 +573,15 @@ fn is_creation_clash(error: &jetstream::context::CreateStreamError) -> bool {
     }
 }
 
+/// Whether creating a stream failed because another one takes its subjects.
+fn is_subject_overlap(error: &jetstream::context::CreateStreamError) -> bool {
+    matches!(
+        error.kind(),
+        jetstream::context::CreateStreamErrorKind::JetStream(error)
+            if error.error_code() == jetstream::ErrorCode::STREAM_SUBJECT_OVERLAP
+    )
+}
+
 /// Whether a stream lookup failed only because the stream does not exist yet.
 pub(crate) fn is_stream_not_found(error: &jetstream::context::GetStreamError) -> bool {
     match error.kind() {
@@ -571,8 +592,32 @@ pub(crate) fn is_stream_not_found(error: &jetstream::context::GetStreamError) ->
     }
 }
 
-/// Whether an error may go away by itself (server not up, leader election,
-/// timeouts) as opposed to a configuration conflict an operator must fix.
+/// Whether a provisioning error may go away by itself, judged by its kind
+/// where async-nats gives one and otherwise by the text of the server's or
+/// client's error alone (never by ours, which holds names made from the
+/// prefix: a prefix `peers` must not make every error look passing).
+pub(crate) fn may_pass(err: &ProvisionError) -> bool {
+    use jetstream::context::ConsumerInfoErrorKind as Info;
+    match err {
+        // The operator's to resolve: retrying changes nothing.
+        ProvisionError::Update { .. }
+        | ProvisionError::SubjectsTaken { .. }
+        | ProvisionError::SubjectsOverlap { .. } => false,
+        ProvisionError::ConsumerInfo { source, .. } => match source.kind() {
+            Info::TimedOut | Info::NoResponders | Info::Request | Info::Offline => true,
+            Info::JetStream(error) => is_transient(&error),
+            _ => false,
+        },
+        ProvisionError::Stream { source, .. } => is_transient(source),
+        ProvisionError::Bucket { source, .. } => is_transient(source),
+        ProvisionError::Consumer { source, .. } => is_transient(source),
+        ProvisionError::GetStream { source, .. } => is_transient(source),
+    }
+}
+
+/// Whether an error's text says it may go away by itself (server not up,
+/// leader election, timeouts) as opposed to a configuration conflict an
+/// operator must fix.
 pub(crate) fn is_transient(err: &(impl std::fmt::Display + ?Sized)) -> bool {
     let lower = err.to_string().to_ascii_lowercase();
     [
