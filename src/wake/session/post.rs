@@ -281,21 +281,29 @@ impl Router {
         let mut left: Vec<&Pending> = turn.messages.iter().collect();
         loop {
             let delay = if crate::connect::is_connected(&self.shared.bus.client) {
-                let mut failure = None;
-                let mut still = Vec::new();
-                for pending in left {
-                    match self.dead_letter(pending, reason).await {
-                        // Each one acked once its dead letter is stored.
-                        Ok(()) => {
-                            m::dead_lettered("wake");
-                            Outcome::Ack.apply(&pending.message).await;
-                        }
-                        Err(error) => {
-                            failure = Some(error);
-                            still.push(pending);
+                // Up to the first failure (a publish to a leaderless stream
+                // takes its whole timeout), keeping everything alive.
+                let round = async {
+                    let mut rest = left.into_iter();
+                    for pending in rest.by_ref() {
+                        match self.dead_letter(pending, reason).await {
+                            // Each one acked once its dead letter is stored.
+                            Ok(()) => {
+                                m::dead_lettered("wake");
+                                Outcome::Ack.apply(&pending.message).await;
+                            }
+                            Err(error) => {
+                                let mut still = vec![pending];
+                                still.extend(rest);
+                                return (still, Some(error));
+                            }
                         }
                     }
-                }
+                    (Vec::new(), None)
+                };
+                let (still, failure) = hold
+                    .during(round, &[std::slice::from_ref(turn), posting.later])
+                    .await;
                 left = still;
                 let Some(error) = failure else {
                     break;
