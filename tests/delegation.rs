@@ -788,6 +788,14 @@ async fn a_request_whose_index_is_outside_its_batch_still_wakes_its_session_with
                 r#"{{"version":1,"delegation_id":"{far}","task_index":5000,"task_count":6000,"origin_session_id":"s.far","goal":"g"}}"#
             ),
         ),
+        // An index that cannot be read is not task 0, whose id belongs
+        // to the real task 0.
+        (
+            "s.huge",
+            format!(
+                r#"{{"version":1,"delegation_id":"{far}","task_index":5000000000,"origin_session_id":"s.huge","goal":"g"}}"#
+            ),
+        ),
     ];
     for (session, body) in &requests {
         let mut headers = async_nats::HeaderMap::new();
@@ -799,8 +807,8 @@ async fn a_request_whose_index_is_outside_its_batch_still_wakes_its_session_with
             .await
             .unwrap();
     }
-    wait_until(WAIT, "both sessions' wakes", || async {
-        api.accepted().len() == 2
+    wait_until(WAIT, "the three sessions' wakes", || async {
+        api.accepted().len() == 3
     })
     .await;
     let text_for = |session: &str| {
@@ -820,6 +828,12 @@ async fn a_request_whose_index_is_outside_its_batch_still_wakes_its_session_with
         far_text.contains(&format!("delegation {far}, task_index 5000"))
             && far_text.contains("above the limit"),
         "{far_text}"
+    );
+    let huge = text_for("s.huge");
+    assert!(
+        huge.contains(&format!("delegation {far}, task_index unreadable"))
+            && huge.contains("[ASYNC DELEGATION COMPLETE — invalid-"),
+        "{huge}"
     );
     // Nothing was found inconsistent on the way.
     let poison = all_messages(&bus, &bus.subjects.dead_letter_stream())

@@ -16,8 +16,11 @@ pub struct Rejected {
     pub reason: String,
     /// The delegation id from the body or headers, if valid.
     pub delegation_id: Option<String>,
-    /// The task index from the body or headers.
-    pub task_index: u32,
+    /// The task index from the body or headers: 0 when neither gives one
+    /// (the protocol's default), `None` when one is given but unreadable
+    /// (not an integer, above `u32::MAX`), which must not be taken for 0:
+    /// that id belongs to the real task 0.
+    pub task_index: Option<u32>,
     /// The origin session from the body or headers, if valid.
     pub origin_session: Option<String>,
     /// The batch the task belongs to, as far as the body says, so that an
@@ -46,12 +49,12 @@ pub fn decode_request(
             .or_else(|| header(headers, HEADER_DELEGATION_ID))
             .filter(|id| validate_delegation_id(id).is_ok())
             .map(str::to_owned);
-        let task_index = loose
-            .get("task_index")
-            .and_then(serde_json::Value::as_u64)
-            .or_else(|| header(headers, HEADER_TASK_INDEX).and_then(|v| v.parse().ok()))
-            .and_then(|v| u32::try_from(v).ok())
-            .unwrap_or(0);
+        let read = |value: Option<u64>| value.and_then(|v| u32::try_from(v).ok());
+        let task_index = match (loose.get("task_index"), header(headers, HEADER_TASK_INDEX)) {
+            (Some(body), _) => read(body.as_u64()),
+            (None, Some(header)) => read(header.parse().ok()),
+            (None, None) => Some(0),
+        };
         // With a forged or mismatched origin, wake nobody: the body's claim
         // is exactly what cannot be trusted.
         let origin_session = match err {
@@ -65,7 +68,8 @@ pub fn decode_request(
             .get("task_count")
             .and_then(serde_json::Value::as_u64)
             .and_then(|v| u32::try_from(v).ok())
-            .filter(|count| *count > task_index && *count <= MAX_TASK_COUNT)
+            .filter(|count| task_index.is_some_and(|index| *count > index))
+            .filter(|count| *count <= MAX_TASK_COUNT)
             .map(|count| {
                 let mode = loose
                     .get("wake_mode")

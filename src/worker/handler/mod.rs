@@ -529,11 +529,16 @@ impl TaskHandler {
 /// whose index no batch can hold gets an id of its own (the reason names
 /// the original), since task 0's completion id belongs to the real task 0.
 fn stand_in(delegation_id: String, seq: u64, rejected: &Rejected) -> (TaskRequest, String) {
-    let index = rejected.task_index;
-    let fits = index < crate::protocol::MAX_TASK_COUNT;
+    let (fits, index) = match rejected.task_index {
+        Some(index) if index < crate::protocol::MAX_TASK_COUNT => (true, index),
+        _ => (false, 0),
+    };
     let (id, reason) = if fits {
         (delegation_id, rejected.reason.clone())
     } else {
+        let index = rejected
+            .task_index
+            .map_or_else(|| "unreadable".to_owned(), |index| index.to_string());
         let reason = format!(
             "delegation {delegation_id}, task_index {index}: {}",
             rejected.reason
