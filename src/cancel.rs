@@ -134,7 +134,17 @@ impl Canceller {
         silent: bool,
     ) -> Result<CancelReport, CancelError> {
         validate_delegation_id(delegation_id)?;
-        let state = self.state_of(delegation_id).await?;
+        let state = match self.state_of(delegation_id).await {
+            Ok(state) => state,
+            // Better a cancel record too many than a task that runs after
+            // its cancel was refused (a leader election, a message the
+            // client cannot read on the delegation's subjects).
+            Err(CancelError::History(error)) => {
+                tracing::warn!(%error, delegation_id, "Could not tell where the delegation stands; writing the cancel record anyway.");
+                DelegationState::Running
+            }
+            Err(error) => return Err(error),
+        };
         let report = |status, message: String| CancelReport {
             status,
             scope: "delegation",
