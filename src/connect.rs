@@ -167,6 +167,12 @@ impl NatsConfig {
                         event = %other,
                         "NATS refused this client: check the credentials (--user/--password-file, --nkey-file, --creds, --token-file) and TLS client certificate."
                     ),
+                    // A subscription the service needs (its replies, the
+                    // cancel broadcasts): without it, it cannot work.
+                    other if is_denial(&other) && other.to_string().to_ascii_lowercase().contains("subscription") => error!(
+                        event = %other,
+                        "NATS denied this user a subscription the service needs: check this user's permissions."
+                    ),
                     // One request a least-privileged role may not make: some
                     // are expected and optional (the poison sweep's reads,
                     // updates of stream settings), and what needs them says
@@ -175,9 +181,11 @@ impl NatsConfig {
                         event = %other,
                         "NATS denied a request to this user; expected for optional steps of a least-privileged role, otherwise check this user's permissions."
                     ),
-                    // Messages for this client were dropped: a pull's come
-                    // back after AckWait, a core subscription's are lost.
-                    Event::SlowConsumer(sid) => warn!(sid, "NATS client fell behind; the server dropped messages for it."),
+                    // Raised for every message dropped, so said at most once
+                    // a minute: a pull's come back after AckWait, a core
+                    // subscription's are lost.
+                    Event::SlowConsumer(sid) if once_a_minute(&SLOW_CONSUMER_SAID) => warn!(sid, "A subscription of this client fell behind and the client dropped messages for it (said at most once a minute)."),
+                    Event::SlowConsumer(_) => {}
                     other => info!(event = %other, "NATS client event."),
                 }
             }))
@@ -412,6 +420,26 @@ pub async fn close(client: &Client) -> Result<(), async_nats::client::DrainError
     }
 }
 
+/// When a slow-consumer event was last logged, in seconds since the epoch.
+static SLOW_CONSUMER_SAID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Whether a minute has passed since `last` (then set to now).
+fn once_a_minute(last: &std::sync::atomic::AtomicU64) -> bool {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs());
+    let before = last.load(std::sync::atomic::Ordering::Relaxed);
+    now.saturating_sub(before) >= 60
+        && last
+            .compare_exchange(
+                before,
+                now,
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            )
+            .is_ok()
+}
+
 /// Whether a client event means the server refused the credentials (as
 /// opposed to a network hiccup or one denied request).
 fn is_refusal(event: &Event) -> bool {
@@ -431,6 +459,13 @@ fn is_denial(event: &Event) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_frequent_event_is_said_once_a_minute() {
+        let last = std::sync::atomic::AtomicU64::new(0);
+        assert!(once_a_minute(&last));
+        assert!(!once_a_minute(&last));
+    }
 
     #[test]
     fn a_denied_request_is_told_apart_from_refused_credentials() {
