@@ -9,8 +9,8 @@
 # and free of NUL characters), WAKEBUS_DELEGATION_ID, WAKEBUS_TASK_INDEX,
 # WAKEBUS_ORIGIN_SESSION, WAKEBUS_DEPTH, WAKEBUS_POOL, NATS_URL,
 # WAKEBUS_PREFIX. A goal or context too large for a variable (or for one
-# command-line argument) is written to a file the prompt points Hermes to;
-# that needs `jq`. Whatever Hermes prints becomes the task's summary (a JSON
+# command-line argument) is written to a file the prompt points Hermes to:
+# that needs `jq`, and a Hermes toolset that can read files. Whatever Hermes prints becomes the task's summary (a JSON
 # object, the answer to a request's output_schema, is kept whole); a nonzero
 # exit marks it failed with the tail of stderr as the error. A subagent that
 # delegates in turn (`wakebus delegate` inside it) nests one level deeper and
@@ -18,12 +18,15 @@
 set -eu
 hermes="${1:-hermes}"
 
-files=""
-trap 'rm -f $files' EXIT
-# A new file, removed when the run ends.
+# Files for this run, removed when it ends (a stop's SIGTERM included: an
+# untrapped signal would skip the EXIT trap).
+dir="$(mktemp -d "${TMPDIR:-/tmp}/wakebus-$WAKEBUS_DELEGATION_ID.XXXXXX")"
+trap 'rm -rf "$dir"' EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
+trap 'exit 129' HUP
 new_file() {
-    file="$(mktemp "${TMPDIR:-/tmp}/wakebus-$WAKEBUS_DELEGATION_ID-$1.XXXXXX")"
-    files="$files $file"
+    file="$dir/$1"
 }
 
 # What the variables could not carry comes from the request on stdin.
@@ -42,7 +45,8 @@ else
 fi
 # One command-line argument holds at most 128 KiB: a context that would not
 # fit beside the goal goes to a file too.
-if [ -n "${WAKEBUS_CONTEXT+set}" ] && [ $((${#prompt} + ${#WAKEBUS_CONTEXT})) -gt 100000 ]; then
+bytes() { printf %s "$1" | LC_ALL=C wc -c; }
+if [ -n "${WAKEBUS_CONTEXT+set}" ] && [ $(($(bytes "$prompt") + $(bytes "$WAKEBUS_CONTEXT"))) -gt 100000 ]; then
     new_file context
     printf '%s' "$WAKEBUS_CONTEXT" > "$file"
     unset WAKEBUS_CONTEXT
