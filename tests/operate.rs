@@ -810,7 +810,7 @@ async fn a_worker_started_without_an_executor_refuses_to_start_and_names_the_fla
 async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_says_why() {
     let worker = ["worker", "--executor", "echo"];
     let wake = ["wake", "--api-url", "http://127.0.0.1:1"];
-    let cases: [(&[&str], &[&str], &str); 14] = [
+    let cases: [(&[&str], &[&str], &str); 16] = [
         (
             &["--consumer-check", "0s"],
             &worker,
@@ -819,12 +819,17 @@ async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_say
         (
             &["--history", "0s"],
             &worker,
-            "'--history <HISTORY>': must be more than 0",
+            "'--history <HISTORY>': must be at least 1s",
+        ),
+        (
+            &["--history", "0.5s"],
+            &worker,
+            "'--history <HISTORY>': must be at least 1s",
         ),
         (
             &["--session-lock-ttl", "0s"],
             &wake,
-            "'--session-lock-ttl <SESSION_LOCK_TTL>': must be more than 0",
+            "'--session-lock-ttl <SESSION_LOCK_TTL>': must be at least 1s",
         ),
         (
             &["--replicas", "0"],
@@ -839,7 +844,12 @@ async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_say
         (
             &[],
             &["worker", "--executor", "echo", "--max-deliver", "0"],
-            "'--max-deliver <MAX_DELIVER>': 0 is not in 1..",
+            "'--max-deliver <MAX_DELIVER>': must be at least 1",
+        ),
+        (
+            &[],
+            &["worker", "--executor", "echo", "--max-goal-bytes", "0"],
+            "'--max-goal-bytes <MAX_GOAL_BYTES>': must be at least 1",
         ),
         (
             &[],
@@ -898,7 +908,7 @@ async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_say
         (
             &[],
             &["delegate", "--goal", "g", "--timeout-seconds", "0"],
-            "'--timeout-seconds <TIMEOUT_SECONDS>': 0 is not in 1..",
+            "'--timeout-seconds <TIMEOUT_SECONDS>': must be at least 1",
         ),
         (
             &[],

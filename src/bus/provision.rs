@@ -333,6 +333,8 @@ impl Bus {
                 if keep_age && kept != config.max_age {
                     if age_change == AgeChange::Lengthen {
                         warn!(stream = %name, kept = ?kept, asked = ?config.max_age, "This service keeps history for less time than the stream does; the stream keeps its max age, as shortening it deletes what is older at once. Run `wakebus init` with the shorter setting to shorten it on purpose.");
+                    } else {
+                        info!(stream = %name, kept = ?kept, default = ?config.max_age, "The stream keeps the deployment's max age; this service was given none.");
                     }
                     config.max_age = kept;
                     // The server refuses a window longer than the max age.

@@ -77,12 +77,12 @@ pub(crate) struct Global {
     /// streams]. When given, a service may lengthen an existing history to
     /// it and `init` may also shorten it; without it, an existing history
     /// keeps its age.
-    #[arg(long, env = "WAKEBUS_HISTORY", value_parser = positive_duration, global = true)]
+    #[arg(long, env = "WAKEBUS_HISTORY", value_parser = at_least_a_second, global = true)]
     pub(crate) history: Option<Duration>,
     /// A wake lock whose holder died expires after this long [default:
     /// 30s, for a new lock bucket]. Changes an existing bucket only when
     /// given, as `--history` does.
-    #[arg(long, env = "WAKEBUS_SESSION_LOCK_TTL", value_parser = positive_duration, global = true)]
+    #[arg(long, env = "WAKEBUS_SESSION_LOCK_TTL", value_parser = at_least_a_second, global = true)]
     pub(crate) session_lock_ttl: Option<Duration>,
     /// A worker or wake checks that its consumer exists every this long
     /// (plus up to as much again at random), and creates it again when it
@@ -185,7 +185,7 @@ pub(crate) struct DelegateArgs {
     #[arg(long)]
     pub(crate) output_schema: Option<String>,
     /// Per-task time limit, in seconds.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_parser = at_least_one::<u64>)]
     pub(crate) timeout_seconds: Option<u64>,
     /// Also wait for the completion in background mode and print it.
     #[arg(long)]
@@ -226,13 +226,13 @@ pub(crate) struct PatienceArgs {
 #[derive(Debug, Args)]
 pub(crate) struct LimitArgs {
     /// Largest request body, in bytes.
-    #[arg(long, env = "WAKEBUS_MAX_REQUEST_BYTES", default_value_t = wakebus::protocol::DEFAULT_MAX_REQUEST_BYTES)]
+    #[arg(long, env = "WAKEBUS_MAX_REQUEST_BYTES", value_parser = at_least_one::<usize>, default_value_t = wakebus::protocol::DEFAULT_MAX_REQUEST_BYTES)]
     pub(crate) max_request_bytes: usize,
     /// Largest goal, in bytes.
-    #[arg(long, env = "WAKEBUS_MAX_GOAL_BYTES", default_value_t = wakebus::protocol::DEFAULT_MAX_GOAL_BYTES)]
+    #[arg(long, env = "WAKEBUS_MAX_GOAL_BYTES", value_parser = at_least_one::<usize>, default_value_t = wakebus::protocol::DEFAULT_MAX_GOAL_BYTES)]
     pub(crate) max_goal_bytes: usize,
     /// Largest context, in bytes.
-    #[arg(long, env = "WAKEBUS_MAX_CONTEXT_BYTES", default_value_t = wakebus::protocol::DEFAULT_MAX_CONTEXT_BYTES)]
+    #[arg(long, env = "WAKEBUS_MAX_CONTEXT_BYTES", value_parser = at_least_one::<usize>, default_value_t = wakebus::protocol::DEFAULT_MAX_CONTEXT_BYTES)]
     pub(crate) max_context_bytes: usize,
 }
 
@@ -281,7 +281,7 @@ pub(crate) struct WorkerArgs {
     #[arg(long, value_parser = positive_duration, default_value = "30s")]
     pub(crate) ack_wait: Duration,
     /// Deliveries before a task ends as failed and is dead-lettered.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 5, value_parser = at_least_one::<u64>)]
     pub(crate) max_deliver: u64,
     /// Time limit for tasks whose request sets none (default: none).
     #[arg(long, value_parser = positive_duration)]
@@ -452,6 +452,32 @@ pub(crate) struct DevArgs {
 
 /// A duration like `humantime` reads it, more than zero (a zero interval
 /// would make a loop of what should be a wait).
+/// A count that must be 1 or more: 0 would refuse or give up every task.
+fn at_least_one<T>(text: &str) -> Result<T, String>
+where
+    T: std::str::FromStr + From<u8> + PartialOrd,
+    T::Err: std::fmt::Display,
+{
+    let value: T = text
+        .trim()
+        .parse()
+        .map_err(|error: T::Err| error.to_string())?;
+    if value < T::from(1) {
+        return Err("must be at least 1".to_owned());
+    }
+    Ok(value)
+}
+
+/// An age of at least a second: the server refuses a max age under 100 ms,
+/// and a lock refreshed every third of a shorter TTL is a stream of writes.
+fn at_least_a_second(text: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(duration) if duration < Duration::from_secs(1) => Err("must be at least 1s".to_owned()),
+        Ok(duration) => Ok(duration),
+        Err(error) => Err(error.to_string()),
+    }
+}
+
 fn positive_duration(text: &str) -> Result<Duration, String> {
     match humantime::parse_duration(text) {
         Ok(duration) if duration.is_zero() => Err("must be more than 0".to_owned()),
