@@ -514,7 +514,7 @@ fn managed_update(current: &stream::Config, wanted: stream::Config) -> stream::C
 }
 
 /// The settings an update to `wanted` sets back, besides the max age and
-/// replicas (which are the deployment's settings, logged on their own):
+/// replicas (which are the deployment's settings, set on purpose):
 /// what an operator may have changed by hand, for the warning.
 fn hand_edits_reset(current: &stream::Config, wanted: &stream::Config) -> Vec<&'static str> {
     let mut reset = Vec::new();

@@ -84,9 +84,13 @@ fn parse_value(raw: &str) -> anyhow::Result<String> {
         // A bare value ends where a comment starts (`#` after a space).
         let end = raw
             .char_indices()
-            .find(|&(i, c)| c == '#' && raw[..i].ends_with(char::is_whitespace))
+            .find(|&(i, c)| c == '#' && (i == 0 || raw[..i].ends_with(char::is_whitespace)))
             .map_or(raw.len(), |(i, _)| i);
-        return Ok(raw[..end].trim_end().to_owned());
+        let value = raw[..end].trim_end();
+        if value.is_empty() {
+            bail!("no value (a `#` starts a comment; quote a value that begins with one)");
+        }
+        return Ok(value.to_owned());
     };
     let rest = &raw[1..];
     let Some(close) = rest.find(quote) else {
@@ -138,6 +142,9 @@ mod tests {
     fn a_quoted_value_that_is_not_closed_or_has_text_after_it_is_an_error() {
         let open = parse_value(r#""tls://n:4222"#).unwrap_err();
         assert!(open.to_string().contains("closing"), "{open}");
+        let empty = parse_value("# set per host").unwrap_err();
+        assert!(empty.to_string().contains("no value"), "{empty}");
+        assert_eq!(parse_value("'# not a comment'").unwrap(), "# not a comment");
         let after = parse_value(r#""a" b"#).unwrap_err();
         assert!(
             after.to_string().contains("after the quoted value"),

@@ -33,8 +33,9 @@
 //!   A member of a batch is re-queued with `wake_mode: independent`, since
 //!   under its new id it has no siblings to wait for.
 //! * **Copy**: messages are published, unchanged but for a `Wakebus-Replay`
-//!   header, under another prefix or to one subject (to rebuild a downstream
-//!   consumer or reproduce an incident in a test deployment).
+//!   header and without the `Nats-*` headers the server acts on (but
+//!   `Nats-Msg-Id`), under another prefix or to one subject (to rebuild a
+//!   downstream consumer or reproduce an incident in a test deployment).
 //!
 //! A replay stops between two records when cancelled (Ctrl-C), never in the
 //! middle of one.
