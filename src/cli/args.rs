@@ -89,8 +89,9 @@ pub(crate) struct Global {
     /// was deleted.
     #[arg(long, env = "WAKEBUS_CONSUMER_CHECK", value_parser = positive_duration, default_value = "6s", global = true)]
     pub(crate) consumer_check: Duration,
-    /// Replicas of new streams and buckets [default: 1 on a single server,
-    /// the cluster size (at most 3) on a cluster; existing ones keep theirs].
+    /// Replicas of the streams and buckets, 1 to 5; existing ones are
+    /// changed to it [default: new ones get 1 on a single server, the
+    /// cluster size (at most 3) on a cluster; existing ones keep theirs].
     #[arg(long, env = "WAKEBUS_REPLICAS", value_parser = clap::value_parser!(u64).range(1..=5), global = true)]
     pub(crate) replicas: Option<u64>,
 }
@@ -346,7 +347,8 @@ pub(crate) enum ExecutorKind {
 /// `wakebus wake`.
 #[derive(Debug, Args)]
 pub(crate) struct WakeArgs {
-    /// Base URL of the session API (Hermes: http://127.0.0.1:8642).
+    /// Base URL of the session API (Hermes: http://127.0.0.1:8642);
+    /// required unless --webhook-url is given.
     #[arg(
         long,
         env = "WAKEBUS_API_URL",
@@ -359,18 +361,21 @@ pub(crate) struct WakeArgs {
     #[arg(long, env = "WAKEBUS_WEBHOOK_URL")]
     pub(crate) webhook_url: Option<String>,
     /// File holding webhook signing secrets (`whsec_...`), one per line;
-    /// repeat the flag or add lines during a key rotation: each secret
-    /// signs every post.
+    /// repeat the flag (or separate files with commas) or add lines during
+    /// a key rotation: each secret signs every post. Only with
+    /// --webhook-url.
     #[arg(
         long = "webhook-secret-file",
         env = "WAKEBUS_WEBHOOK_SECRET_FILE",
         value_delimiter = ',',
-        requires = "webhook_url"
+        requires = "webhook_url",
+        conflicts_with = "api_url"
     )]
     pub(crate) webhook_secret_files: Vec<PathBuf>,
     /// Allow plain http:// to hosts other than this machine (turns, API
-    /// keys and signatures then cross the network unencrypted).
-    #[arg(long, env = "WAKEBUS_ALLOW_INSECURE_HTTP")]
+    /// keys and signatures then cross the network unencrypted). In the
+    /// environment: true/false, 1/0, yes/no, on/off.
+    #[arg(long, env = "WAKEBUS_ALLOW_INSECURE_HTTP", value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::SetTrue)]
     pub(crate) allow_insecure_http: bool,
     /// Allow plain http:// to these hosts only (comma-separated or
     /// repeated), e.g. `host.docker.internal` for an API on the Docker
@@ -422,8 +427,9 @@ pub(crate) struct WakeArgs {
     /// Act on a completion only if its delegator's `submitted` record exists
     /// and names the same origin session; dead-letter it otherwise (a
     /// forged completion). Needs every publisher of tasks to write the
-    /// records (`wakebus delegate` and the library do).
-    #[arg(long, env = "WAKEBUS_VERIFY_ORIGIN")]
+    /// records (`wakebus delegate` and the library do). In the
+    /// environment: true/false, 1/0, yes/no, on/off.
+    #[arg(long, env = "WAKEBUS_VERIFY_ORIGIN", value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::SetTrue)]
     pub(crate) verify_origin: bool,
     /// Metrics and health endpoints.
     #[command(flatten)]
