@@ -9,7 +9,9 @@ use crate::protocol::{HEADER_DEAD_LETTER_REASON, HEADER_MSG_ID, header_safe, is_
 
 impl Bus {
     /// Copies `message` to the dead-letter `subject` with `reason`, deduped
-    /// by `msg_id`, and waits until JetStream has stored it.
+    /// by `msg_id`, and waits until JetStream has stored it. The first copy
+    /// stored counts in `wakebus_dead_letters_total{kind}`; a duplicate (a
+    /// redelivery of a message dead-lettered before) does not.
     ///
     /// The copy keeps the original headers and body when they fit in one
     /// message, but for the headers the server acts on (`Nats-*`: a
@@ -26,6 +28,7 @@ impl Bus {
         message: &jetstream::Message,
         reason: &str,
         msg_id: &str,
+        kind: &'static str,
     ) -> Result<(), PublishError> {
         let max_payload = self.max_payload();
         let (headers, payload) = dead_letter_parts(
@@ -35,7 +38,10 @@ impl Bus {
             msg_id,
             max_payload,
         );
-        self.publish_stored(subject, headers, payload).await?;
+        let ack = self.publish_stored(subject, headers, payload).await?;
+        if !ack.duplicate {
+            crate::ops::metrics::dead_lettered(kind);
+        }
         Ok(())
     }
 }

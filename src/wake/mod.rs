@@ -416,8 +416,9 @@ pub fn check_completion(
             event.task_index, event.task_count
         )));
     }
-    // The event id becomes the Idempotency-Key header: only the documented
-    // value is accepted (or filled in when absent).
+    // The event id names the completion everywhere (the Nats-Msg-Id, the
+    // Idempotency-Key is derived from the same two fields): only the
+    // documented value is accepted (or filled in when absent).
     let event_id = CompletionEvent::id_for(&event.delegation_id, event.task_index);
     if event.event_id.is_empty() {
         event.event_id = event_id;
@@ -442,11 +443,11 @@ async fn outcome_for(shared: &Shared, message: &jetstream::Message, admission: A
                     message,
                     &reason,
                     &format!("dlq.wake.poison.{seq}"),
+                    "poison",
                 )
                 .await
                 .is_ok();
             if published {
-                crate::ops::metrics::dead_lettered("poison");
                 Outcome::Term(reason).apply(message).await;
             } else {
                 Outcome::retry_later(message).apply(message).await;

@@ -195,11 +195,10 @@ impl OriginGate {
             .dead_letter_wake(&session_token(&pending.session));
         let msg_id = format!("dlq.wake.origin.{seq}");
         match bus
-            .dead_letter(subject, &pending.message, &reason, &msg_id)
+            .dead_letter(subject, &pending.message, &reason, &msg_id, "origin")
             .await
         {
             Ok(()) => {
-                crate::ops::metrics::dead_lettered("origin");
                 Outcome::Term(reason).apply(&pending.message).await;
             }
             Err(error) => {

@@ -289,7 +289,6 @@ impl Router {
                         match self.dead_letter(pending, reason).await {
                             // Each one acked once its dead letter is stored.
                             Ok(()) => {
-                                m::dead_lettered("wake");
                                 Outcome::Ack.apply(&pending.message).await;
                             }
                             Err(error) => {
@@ -383,6 +382,7 @@ impl Router {
                     .info()
                     .map_or(0, |info| info.stream_sequence)
             ),
+            "wake",
         )
         .await
     }

@@ -478,7 +478,6 @@ impl TaskHandler {
             warn!(%error, "Could not dead-letter the request and the worker is stopping; handing the task back.");
             return Outcome::HandBack;
         }
-        m::dead_lettered("task");
         let mut done = CompletionEvent::for_request(request, Status::Failed, exit_reason);
         done.error = Some(reason);
         self.finish(message, request, trace, done, Ending::GivenUp, stop)
@@ -503,7 +502,6 @@ impl TaskHandler {
             warn!(%error, "Could not dead-letter the request; will retry.");
             return Outcome::retry_later(message);
         }
-        m::dead_lettered("task");
         let (stand_in, reason) = stand_in(delegation_id, seq, &rejected);
         let mut done = CompletionEvent::for_request(&stand_in, Status::Error, "invalid_request");
         done.error = Some(reason);

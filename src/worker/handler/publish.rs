@@ -166,7 +166,7 @@ impl TaskHandler {
         let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
         let subject = self.bus.subjects.dead_letter_task(&self.config.pool);
         self.bus
-            .dead_letter(subject, message, reason, &format!("dlq.task.{seq}"))
+            .dead_letter(subject, message, reason, &format!("dlq.task.{seq}"), "task")
             .await
     }
 }
