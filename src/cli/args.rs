@@ -134,7 +134,8 @@ pub(crate) enum Command {
 /// `wakebus init`.
 #[derive(Debug, Args)]
 pub(crate) struct InitArgs {
-    /// Pools whose worker consumers to create as well.
+    /// Pools whose worker consumers to create; repeat for several (given,
+    /// they replace `default`).
     #[arg(long = "pool", default_value = "default")]
     pub(crate) pools: Vec<String>,
 }
@@ -293,9 +294,9 @@ pub(crate) struct WorkerArgs {
     /// How long running tasks may finish after SIGTERM.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub(crate) shutdown_grace: Duration,
-    /// Write a task's `started` event once it has run this long; quicker
-    /// tasks go from `submitted` to `done` with one write fewer. `0s`
-    /// writes it as every run begins.
+    /// Write a task's `started` event once it has run this long (or at its
+    /// first progress report); quicker tasks go from `submitted` to `done`
+    /// with one write fewer. `0s` writes it as every run begins.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "1s")]
     pub(crate) started_after: Duration,
     /// LLM executor: base URL including the version, e.g. https://api.openai.com/v1.
@@ -346,15 +347,11 @@ pub(crate) enum ExecutorKind {
 
 /// `wakebus wake`.
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["api_url", "webhook_url"])))]
 pub(crate) struct WakeArgs {
     /// Base URL of the session API (Hermes: http://127.0.0.1:8642);
     /// required unless --webhook-url is given.
-    #[arg(
-        long,
-        env = "WAKEBUS_API_URL",
-        required_unless_present = "webhook_url",
-        conflicts_with = "webhook_url"
-    )]
+    #[arg(long, env = "WAKEBUS_API_URL")]
     pub(crate) api_url: Option<String>,
     /// Instead of Hermes: post each wake to this URL as a signed webhook
     /// (Standard Webhooks).

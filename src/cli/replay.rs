@@ -83,6 +83,7 @@ pub(crate) struct TasksArgs {
 
 /// `wakebus replay copy`.
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["to_prefix", "to_subject"])))]
 pub(crate) struct CopyArgs {
     /// Filters and output.
     #[command(flatten)]
@@ -91,11 +92,7 @@ pub(crate) struct CopyArgs {
     #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "all")]
     pub(crate) dead_letters: Option<DeadLetterArg>,
     /// Publish each message on the same subject under this prefix.
-    #[arg(
-        long,
-        conflicts_with = "to_subject",
-        required_unless_present = "to_subject"
-    )]
+    #[arg(long)]
     pub(crate) to_prefix: Option<String>,
     /// Publish every message on this one subject.
     #[arg(long)]
