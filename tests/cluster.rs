@@ -611,7 +611,9 @@ async fn status_names_each_streams_leader_and_the_replicas_that_are_not_current(
         let report: Value = serde_json::from_str(&status(&["status", "--json"]).await?).unwrap();
         Some(report["streams"].as_array().unwrap().clone())
     };
-    for stream in streams().await.expect("status") {
+    let before = streams().await.expect("status");
+    assert!(before.len() >= 3, "{before:?}");
+    for stream in before {
         assert_eq!(stream["replicas"], 3, "{stream}");
         let set = &stream["cluster"];
         assert!(set["leader"].is_string(), "{stream}");

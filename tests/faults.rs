@@ -249,7 +249,9 @@ async fn sigterm_hands_running_work_back_at_once_and_exits_zero() {
     .await;
 
     let _second = rig.worker("second", &script, &extra);
-    let status = first.signal_and_wait(Signal::SIGTERM, Duration::from_secs(20));
+    let status = first
+        .signal_and_wait(Signal::SIGTERM, Duration::from_secs(20))
+        .await;
     assert!(status.success(), "worker exited with {status}");
     wait_until(
         Duration::from_secs(20),
@@ -274,7 +276,9 @@ async fn a_wake_holding_hundreds_of_completions_through_an_outage_still_stops_on
     // hand-backs at shutdown included, waited for the server: the wake
     // never exited. Queued keep-alives would have filled it in under 3 s.
     tokio::time::sleep(Duration::from_secs(12)).await;
-    let status = wake.signal_and_wait(Signal::SIGTERM, Duration::from_secs(30));
+    let status = wake
+        .signal_and_wait(Signal::SIGTERM, Duration::from_secs(30))
+        .await;
     assert!(status.success(), "wake exited with {status}");
     // Not ended by the stop's last resort (the request timeout plus 5 s):
     // nothing the sessions did while stopping waited for the server.
@@ -340,7 +344,9 @@ async fn a_second_sigterm_ends_a_worker_waiting_out_its_shutdown_grace() {
     })
     .await;
     // The second ends it now.
-    let status = worker.signal_and_wait(Signal::SIGTERM, Duration::from_secs(10));
+    let status = worker
+        .signal_and_wait(Signal::SIGTERM, Duration::from_secs(10))
+        .await;
     assert_eq!(status.code(), Some(130), "{status}");
     let log = std::fs::read_to_string(&worker.log).unwrap();
     assert!(log.contains("Second shutdown signal"), "{log}");
@@ -392,7 +398,9 @@ async fn a_worker_and_a_wake_stopped_while_nats_is_down_exit_without_waiting_for
     // A flush or a drain would wait for the server to come back; stopping
     // gives up on them after a bound instead.
     for (name, service) in [("worker", &mut worker), ("wake", &mut wake)] {
-        let status = service.signal_and_wait(Signal::SIGTERM, Duration::from_secs(30));
+        let status = service
+            .signal_and_wait(Signal::SIGTERM, Duration::from_secs(30))
+            .await;
         assert!(status.success(), "{name} exited with {status}");
     }
 }
@@ -433,7 +441,9 @@ async fn a_worker_and_a_wake_still_waiting_for_nats_to_start_stop_on_the_first_s
     }
 
     for (name, service) in &mut services {
-        let status = service.signal_and_wait(Signal::SIGTERM, Duration::from_secs(10));
+        let status = service
+            .signal_and_wait(Signal::SIGTERM, Duration::from_secs(10))
+            .await;
         assert!(status.success(), "{name} exited with {status}");
         let log = std::fs::read_to_string(&service.log).unwrap();
         assert!(log.contains("stopped before it started"), "{name}: {log}");
@@ -441,8 +451,7 @@ async fn a_worker_and_a_wake_still_waiting_for_nats_to_start_stop_on_the_first_s
 }
 
 #[tokio::test]
-async fn ledger_every_delegation_wakes_its_session_exactly_once_through_crashes_outages_and_restarts()
- {
+async fn every_delegation_wakes_its_session_exactly_once_through_crashes_outages_and_restarts() {
     init_logs();
     const N: usize = 300;
     let mut nats = NatsServer::start().await;
@@ -581,7 +590,6 @@ async fn ledger_every_delegation_wakes_its_session_exactly_once_through_crashes_
     // A repeated post only ever repeats an earlier key (a post in doubt),
     // so a session API honouring Idempotency-Key never shows a second turn.
     assert_eq!(api.delegations_under_two_keys(), Vec::<String>::new());
-    assert_eq!(phase, 6, "every fault was injected");
 }
 
 /// A worker whose one task ends when the test says so, leaving a line in
@@ -708,7 +716,8 @@ async fn a_worker_stopping_while_its_completion_cannot_be_stored_hands_the_task_
 
     let status = task
         .worker
-        .signal_and_wait(Signal::SIGTERM, Duration::from_secs(30));
+        .signal_and_wait(Signal::SIGTERM, Duration::from_secs(30))
+        .await;
     assert!(status.success(), "worker exited with {status}");
     let log = std::fs::read_to_string(&task.worker.log).unwrap();
     assert!(

@@ -822,7 +822,7 @@ async fn a_message_whose_headers_the_client_cannot_read_is_removed_and_the_servi
     );
     assert!(api.accepted().iter().all(|p| p.session() != "s.raw"));
     assert_eq!(
-        all_messages(&bus, &bus.subjects.tasks_stream()).await.len(),
+        stored_messages(&bus, &bus.subjects.tasks_stream()).await,
         0,
         "the unreadable request is gone from the work queue"
     );
@@ -869,6 +869,16 @@ async fn a_completion_whose_subject_is_not_utf8_is_removed_and_the_wake_goes_on(
     );
     let reason = &dead_letter_reasons(&dead)[0];
     assert!(reason.contains("subject is not valid UTF-8"), "{reason}");
+    // Gone from the events stream: what is left there is every readable event.
+    let events = bus.subjects.events_stream();
+    let readable = all_messages(&bus, &events).await;
+    assert!(
+        readable
+            .iter()
+            .all(|m| !m.subject.contains(char::REPLACEMENT_CHARACTER)),
+        "the completion is still in the events stream"
+    );
+    assert_eq!(stored_messages(&bus, &events).await, readable.len() as u64);
 }
 
 /// The sweep reads a consumer's range of unacknowledged stream sequences,

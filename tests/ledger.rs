@@ -58,18 +58,18 @@ async fn recorded_once_there_is_room(bus: &Bus, config: &StreamConfig, id: &str)
 async fn a_delivery_the_ledger_refuses_to_record_is_recorded_once_it_takes_writes_again() {
     let p = Pipeline::start().await;
     let (api, bus, services) = (p.api, p.bus, p.services);
-    // Time for the refusal's API calls before the post is answered.
-    api.set_delay(Duration::from_secs(3));
+    // Held until the ledger refuses writes.
+    api.hold_posts();
     let id = delegate(&bus, Delegation::new("refused").session("s.refused")).await;
     wait_until(WAIT, "the post to be in flight", || async {
         api.in_flight() == 1
     })
     .await;
     let config = refuse_ledger_writes(&bus).await;
+    api.release_posts();
     // The acks go out with the first `delivered` write, after it on the
     // same connection: once the completion is acked, the write was refused.
     wake_consumer_settled(&bus).await;
-    api.set_delay(Duration::ZERO);
     assert!(
         ledger_entry(&bus, &id).await.contains("posting"),
         "the delivery was recorded through a refusing stream"
@@ -84,8 +84,8 @@ async fn a_delivery_the_ledger_refuses_to_record_is_recorded_once_it_takes_write
 async fn a_wake_delivered_while_nats_is_down_is_recorded_by_a_write_made_after_it_returns() {
     let p = Pipeline::start().await;
     let (mut nats, api, bus, services) = (p.nats, p.api, p.bus, p.services);
-    // The post is held long enough for NATS to go down under it.
-    api.set_delay(Duration::from_secs(3));
+    // The post is held until NATS is down under it.
+    api.hold_posts();
     let id = delegate(&bus, Delegation::new("outage").session("s.outage")).await;
     wait_until(WAIT, "the post to be in flight", || async {
         api.in_flight() == 1
@@ -96,11 +96,11 @@ async fn a_wake_delivered_while_nats_is_down_is_recorded_by_a_write_made_after_i
     // client during the outage cannot be what records the delivery.
     let config = refuse_ledger_writes(&bus).await;
     nats.kill();
+    api.release_posts();
     wait_until(WAIT, "the post to be answered 200", || async {
         api.accepted().len() == 1
     })
     .await;
-    api.set_delay(Duration::ZERO);
     // The outage (its length is the scenario) outlasts a JetStream write's
     // 5 s timeout.
     tokio::time::sleep(Duration::from_secs(7)).await;
@@ -131,14 +131,15 @@ async fn a_session_stays_with_its_wake_and_keeps_its_lock_while_a_delivery_recor
     let mut services = Services::new();
     services.echo_worker(&bus);
     services.wake_with(&bus, settings.clone(), config);
-    // Time for the refusal's API calls before the post is answered.
-    api.set_delay(Duration::from_secs(3));
+    // Held until the ledger refuses writes.
+    api.hold_posts();
     let first = delegate(&bus, Delegation::new("first").session("s.kept")).await;
     wait_until(WAIT, "the first post to be in flight", || async {
         api.in_flight() == 1
     })
     .await;
     let room = refuse_ledger_writes(&bus).await;
+    api.release_posts();
     let second = delegate(&bus, Delegation::new("second").session("s.kept")).await;
     wait_until(WAIT, "both completions to be published", || async {
         done_events(&bus).await.len() == 2
@@ -156,7 +157,6 @@ async fn a_session_stays_with_its_wake_and_keeps_its_lock_while_a_delivery_recor
         },
     )
     .await;
-    api.set_delay(Duration::ZERO);
     assert_eq!(api.accepted().len(), 1);
 
     // The refusal (its length is the scenario) lasts three AckWaits.
@@ -196,16 +196,16 @@ async fn a_session_stays_with_its_wake_and_keeps_its_lock_while_a_delivery_recor
 async fn a_wake_stopped_while_its_delivery_record_is_refused_stops_and_leaves_the_entry_posting() {
     let p = Pipeline::start().await;
     let (api, bus, services) = (p.api, p.bus, p.services);
-    // Time for the refusal's API calls before the post is answered.
-    api.set_delay(Duration::from_secs(3));
+    // Held until the ledger refuses writes.
+    api.hold_posts();
     let id = delegate(&bus, Delegation::new("stopped").session("s.stopped")).await;
     wait_until(WAIT, "the post to be in flight", || async {
         api.in_flight() == 1
     })
     .await;
     refuse_ledger_writes(&bus).await;
+    api.release_posts();
     wake_consumer_settled(&bus).await;
-    api.set_delay(Duration::ZERO);
 
     // The record loop ends at the stop instead of retrying forever.
     tokio::time::timeout(WAIT, services.stop())

@@ -472,7 +472,9 @@ async fn status_json_reports_streams_consumers_dead_letters_instances_and_waitin
     })
     .await;
     services.stop().await;
-    let after = wakebus(&nats.url(), &prefix, &args).await;
+    // An absence: read with time for any instance still registered to answer.
+    let patient = ["status", "--json", "--discovery-timeout", "3s"];
+    let after = wakebus(&nats.url(), &prefix, &patient).await;
     assert!(after.success(), "{}", after.stderr());
     let after: Value = serde_json::from_str(&after.stdout()).unwrap();
     assert_eq!(after["oldest_undelivered"], serde_json::json!([]));
@@ -1692,31 +1694,30 @@ async fn a_stream_an_operator_protected_with_deny_flags_is_still_updated_and_kee
 }
 
 /// `wakebus init` exists to make the settings right: an update the server
-/// refuses (here: three replicas on a single server) is its failure, at
-/// once, not an `ok` and not a retry for ever.
+/// refuses (here: a user without `STREAM.UPDATE`, whose request goes
+/// unanswered) is its failure, at once, not an `ok` and not a retry for
+/// ever.
 #[tokio::test]
 async fn init_fails_when_the_server_refuses_an_update_it_needs() {
     init_logs();
-    let nats = NatsServer::start().await;
     let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let run = wakebus(&nats.url(), &prefix, &["--replicas", "3", "init"]).await;
+    let events = wakebus::protocol::Subjects::new(&prefix)
+        .unwrap()
+        .events_stream();
+    let server =
+        common::nats::LimitedUserServer::start(&[format!("$JS.API.STREAM.UPDATE.{events}")]).await;
+    bus(&server.nats.url(), &prefix).await;
+    let run = server
+        .wakebus_as_limited(&prefix, &["--history", "14d", "init"])
+        .await;
     assert_eq!(run.code(), Some(1), "{}", run.stderr());
     assert!(
-        run.stderr().contains(&format!(
-            "cannot update stream {}",
-            bus.subjects.tasks_stream()
-        )),
+        run.stderr()
+            .contains(&format!("cannot update stream {events}")),
         "{}",
         run.stderr()
     );
     assert!(!run.stdout().contains("\"ok\""), "{}", run.stdout());
-    // A service uses it as it is, with a warning.
-    let three = wakebus::bus::BusSettings {
-        replicas: Some(3),
-        ..Default::default()
-    };
-    bus.provision(&three).await.unwrap();
 }
 
 /// Two prefixes can map to one set of stream names (`acme.prod` and

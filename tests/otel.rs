@@ -186,10 +186,12 @@ async fn a_delegation_exports_one_trace_under_the_callers_traceparent() {
     assert!(
         worker
             .signal_and_wait(Signal::SIGTERM, Duration::from_secs(30))
+            .await
             .success()
     );
     assert!(
         wake.signal_and_wait(Signal::SIGTERM, Duration::from_secs(30))
+            .await
             .success()
     );
     wait_until(

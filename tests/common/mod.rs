@@ -299,11 +299,14 @@ pub fn test_wake_config(api_url: &str) -> WakeConfig {
     config
 }
 
-/// Every message of `stream` (for assertions on history).
+/// Every message of `stream` (for assertions on history). A message the
+/// client cannot read (headers that are not UTF-8) fails the test rather
+/// than go unseen: count such messages with [`stored_messages`].
 pub async fn all_messages(
     bus: &Bus,
     stream: &str,
 ) -> Vec<async_nats::jetstream::message::StreamMessage> {
+    use async_nats::jetstream::stream::RawMessageErrorKind;
     let mut handle = bus.js.get_stream(stream).await.expect("stream");
     let info = handle.info().await.expect("info").clone();
     let mut out = Vec::new();
@@ -311,11 +314,21 @@ pub async fn all_messages(
         if seq == 0 {
             continue;
         }
-        if let Ok(message) = handle.get_raw_message(seq).await {
-            out.push(message);
+        match handle.get_raw_message(seq).await {
+            Ok(message) => out.push(message),
+            // Deleted: an acked request of a work queue, a swept message.
+            Err(error) if error.kind() == RawMessageErrorKind::NoMessageFound => {}
+            Err(error) => panic!("message {seq} of {stream} cannot be read: {error}"),
         }
     }
     out
+}
+
+/// How many messages `stream` holds, read from its state (nothing is
+/// decoded, so unreadable messages count too).
+pub async fn stored_messages(bus: &Bus, stream: &str) -> u64 {
+    let mut handle = bus.js.get_stream(stream).await.expect("stream");
+    handle.info().await.expect("info").state.messages
 }
 
 /// The wake consumer's state, or `None` while it does not exist yet.

@@ -127,6 +127,7 @@ impl NatsServer {
             child: None,
         };
         server.spawn();
+        server.wait_ready().await;
         server
     }
 

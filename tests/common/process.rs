@@ -80,10 +80,10 @@ impl Service {
     }
 
     /// Sends `signal` and waits up to `timeout` for the exit status.
-    pub fn signal_and_wait(&mut self, signal: Signal, timeout: Duration) -> ExitStatus {
+    pub async fn signal_and_wait(&mut self, signal: Signal, timeout: Duration) -> ExitStatus {
         let child = self.child.as_ref().expect("running");
         let _ = kill(Pid::from_raw(child.id() as i32), signal);
-        self.wait_exit(timeout, &format!("after {signal:?}"))
+        self.wait_exit(timeout, &format!("after {signal:?}")).await
     }
 
     /// Whether it is still running (it has not exited by itself).
@@ -95,8 +95,10 @@ impl Service {
 
     /// Waits up to `timeout` for it to exit by itself, and returns its exit
     /// status; panics with its log's end if it does not (`when` says what
-    /// it was expected to exit after).
-    pub fn wait_exit(&mut self, timeout: Duration, when: &str) -> ExitStatus {
+    /// it was expected to exit after). Polls without blocking the runtime,
+    /// so that the test's own servers (a session API, a collector) answer
+    /// the process while it stops.
+    pub async fn wait_exit(&mut self, timeout: Duration, when: &str) -> ExitStatus {
         let mut child = self.child.take().expect("running");
         let deadline = Instant::now() + timeout;
         loop {
@@ -113,7 +115,7 @@ impl Service {
                     tail.join("\n")
                 );
             }
-            std::thread::sleep(Duration::from_millis(20));
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 }

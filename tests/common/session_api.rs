@@ -64,6 +64,8 @@ struct Inner {
     always_status: AtomicU16,
     /// Hold each post this many milliseconds before answering.
     delay_ms: AtomicU64,
+    /// Hold each post, unanswered, until released.
+    held: std::sync::atomic::AtomicBool,
     /// Posts in flight per session, and the most ever seen at once.
     in_flight: Mutex<HashMap<String, usize>>,
     max_in_flight_per_session: AtomicUsize,
@@ -123,6 +125,18 @@ impl SessionApiServer {
         self.inner
             .delay_ms
             .store(delay.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// Hold every post unanswered until [`Self::release_posts`]: a post
+    /// in flight for as long as the test needs, whatever the machine's
+    /// speed.
+    pub fn hold_posts(&self) {
+        self.inner.held.store(true, Ordering::SeqCst);
+    }
+
+    /// Answers the held posts, and those to come.
+    pub fn release_posts(&self) {
+        self.inner.held.store(false, Ordering::SeqCst);
     }
 
     /// Send `Retry-After: seconds` with refusals.
@@ -210,13 +224,22 @@ async fn receive(
             .max_in_flight_per_session
             .fetch_max(*n, Ordering::SeqCst);
     }
+    // No longer in flight once answered, or once the client gave up.
+    struct Landed<'a>(&'a Inner, String);
+    impl Drop for Landed<'_> {
+        fn drop(&mut self) {
+            *self.0.in_flight.lock().unwrap().get_mut(&self.1).unwrap() -= 1;
+        }
+    }
+    let _landed = Landed(&inner, session);
     let delay = inner.delay_ms.load(Ordering::SeqCst);
     if delay > 0 {
         tokio::time::sleep(Duration::from_millis(delay)).await;
     }
-    let response = answer(&inner, recorded);
-    *inner.in_flight.lock().unwrap().get_mut(&session).unwrap() -= 1;
-    response
+    while inner.held.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    answer(&inner, recorded)
 }
 
 fn answer(inner: &Inner, recorded: Recorded) -> Response {
