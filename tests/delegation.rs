@@ -249,8 +249,11 @@ async fn cancelling_a_session_stops_its_delegations_and_no_others() {
     let mut services = Services::new();
     let mut config = test_worker_config("default");
     config.concurrency = 2;
-    // Each task takes a while, so some run and some wait in the queue.
-    services.worker(&bus, shell("echo part; sleep 2"), config);
+    // The session's tasks run until stopped (only the cancel can end
+    // them), so some run and some wait in the queue; the other one ends.
+    let script =
+        r#"input=$(cat); case "$input" in *"keep me"*) echo kept;; *) echo part; sleep 600;; esac"#;
+    services.worker(&bus, shell(script), config);
     services.wake(&bus, test_wake_config(&api.url()));
     let delegator = Delegator::new(bus.clone());
     for i in 0..4 {
@@ -398,6 +401,15 @@ async fn a_cancel_assumes_queued_when_the_queue_is_longer_than_the_check_reads()
 /// Fails goals containing FAIL, sleeps 2 s for SLOW, completes the rest.
 const BATCH_SCRIPT: &str = r#"input=$(cat); case "$input" in *FAIL*) echo "it broke" >&2; exit 1;; *SLOW*) sleep 2; echo "slow done";; *) echo "fine";; esac"#;
 
+/// [`BATCH_SCRIPT`], but a SLOW task runs until the file `gate` exists:
+/// the test says when it ends.
+fn gated_batch_script(gate: &std::path::Path) -> String {
+    format!(
+        r#"input=$(cat); case "$input" in *FAIL*) echo "it broke" >&2; exit 1;; *SLOW*) while [ ! -e '{}' ]; do sleep 0.05; done; echo "slow done";; *) echo "fine";; esac"#,
+        gate.display()
+    )
+}
+
 fn batch(goals: &[&str], session: &str) -> Delegation {
     Delegation::batch(goals.iter().map(|g| g.to_string())).session(session)
 }
@@ -462,17 +474,30 @@ async fn independent_batch_tasks_each_wake_on_their_own() {
     let nats = NatsServer::start().await;
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
+    // The second task ends only once the first has woken the session.
+    let gates = tempfile::tempdir().unwrap();
+    let gate = gates.path().join("b");
     let mut services = Services::new();
-    services.echo_worker(&bus);
+    services.worker(
+        &bus,
+        shell(&gated_batch_script(&gate)),
+        test_worker_config("default"),
+    );
     let mut config = test_wake_config(&api.url());
     config.coalesce_window = Duration::ZERO;
     services.wake(&bus, config);
-    let mut delegation = batch(&["a", "b"], "s.indep");
+    let mut delegation = batch(&["a", "b SLOW"], "s.indep");
     delegation.wake_mode = wakebus::protocol::WakeMode::Independent;
     Delegator::new(bus.clone())
         .delegate(delegation)
         .await
         .unwrap();
+    wait_until(WAIT, "the first task woken", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    assert_eq!(done_events(&bus).await.len(), 1, "the sibling still runs");
+    std::fs::write(&gate, "").unwrap();
     wait_until(WAIT, "both tasks woken", || async {
         api.accepted()
             .iter()
@@ -495,13 +520,23 @@ async fn an_early_failure_notice_arrives_while_siblings_still_run() {
     let nats = NatsServer::start().await;
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
+    let gates = tempfile::tempdir().unwrap();
+    let gate = gates.path().join("slow");
     let mut services = Services::new();
-    services.worker(&bus, shell(BATCH_SCRIPT), test_worker_config("default"));
+    services.worker(
+        &bus,
+        shell(&gated_batch_script(&gate)),
+        test_worker_config("default"),
+    );
     services.wake(&bus, test_wake_config(&api.url()));
     let mut delegation = batch(&["quick FAIL", "patient SLOW"], "s.early");
     delegation.notify_early_failure = true;
     let id = delegate(&bus, delegation).await;
-    wait_until(WAIT, "the notice and the batch wake", || async {
+    wait_until(WAIT, "the notice", || async { api.accepted().len() == 1 }).await;
+    // The sibling still runs: it has no completion yet.
+    assert_eq!(done_events(&bus).await.len(), 1);
+    std::fs::write(&gate, "").unwrap();
+    wait_until(WAIT, "the batch wake", || async {
         api.accepted().len() == 2
     })
     .await;
@@ -650,8 +685,14 @@ async fn a_batch_survives_a_wake_service_restart_between_its_completions() {
     let nats = NatsServer::start().await;
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
+    let gates = tempfile::tempdir().unwrap();
+    let gate = gates.path().join("later");
     let mut workers = Services::new();
-    workers.worker(&bus, shell(BATCH_SCRIPT), test_worker_config("default"));
+    workers.worker(
+        &bus,
+        shell(&gated_batch_script(&gate)),
+        test_worker_config("default"),
+    );
     let mut first_wake = Services::new();
     first_wake.wake(&bus, test_wake_config(&api.url()));
     let id = delegate(&bus, batch(&["now", "later SLOW"], "s.restart")).await;
@@ -666,6 +707,9 @@ async fn a_batch_survives_a_wake_service_restart_between_its_completions() {
     first_wake.stop().await;
     let mut second_wake = Services::new();
     second_wake.wake(&bus, test_wake_config(&api.url()));
+    // Only now does the second task end.
+    assert_eq!(done_events(&bus).await.len(), 1);
+    std::fs::write(&gate, "").unwrap();
     wait_until(WAIT, "the batch wake", || async {
         !api.accepted().is_empty()
     })

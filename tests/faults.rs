@@ -119,7 +119,14 @@ impl Rig {
 async fn a_worker_killed_mid_task_is_rerun_by_another_and_wakes_once() {
     let rig = Rig::start().await;
     let (bus, api) = (&rig.bus, &rig.api);
-    let script = "sleep 2; echo finished";
+    // The task runs until the test lets it end: after the kill.
+    let gates = tempfile::tempdir().unwrap();
+    let gate = gates.path().join("finish");
+    let script = format!(
+        "while [ ! -e '{}' ]; do sleep 0.05; done; echo finished",
+        gate.display()
+    );
+    let script = script.as_str();
     let mut workers: Vec<Service> = (0..2)
         .map(|i| rig.worker(&format!("worker{i}"), script, &[]))
         .collect();
@@ -134,8 +141,9 @@ async fn a_worker_killed_mid_task_is_rerun_by_another_and_wakes_once() {
         .find(|w| started.worker.ends_with(&format!("-{}", w.pid())))
         .expect("the worker that started the task");
     victim.kill();
+    std::fs::write(&gate, "").unwrap();
 
-    wait_until(Duration::from_secs(30), "the wake", || async {
+    wait_until(Duration::from_secs(60), "the wake", || async {
         !api.accepted().is_empty()
     })
     .await;

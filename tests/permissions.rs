@@ -30,14 +30,18 @@ async fn the_pipeline_runs_end_to_end_with_each_service_in_its_least_privileged_
         Executor::Echo(EchoExecutor),
         test_worker_config("default"),
     );
-    // A long window, so the burst below becomes one combined turn (which
-    // records its intent in the ledger first).
+    // The burst below becomes one combined turn (which records its intent
+    // in the ledger first).
     let mut wake_config = test_wake_config(&api.url());
     wake_config.coalesce_window = Duration::from_millis(500);
     services.wake(&server.bus("wake").await, wake_config);
 
     let delegator_bus = server.bus("delegator").await;
     let delegator = Delegator::new(delegator_bus.clone()).with_wait_timeout(Some(WAIT));
+    // Another instance holds the session until the whole burst waits in the
+    // wake, so that it becomes one turn however slowly the tasks run.
+    let operator = server.bus("operator").await;
+    let (locks, guard) = hold_session_elsewhere(&operator, "sess.roles *>").await;
     let mut background = Vec::new();
     for goal in ["one", "two", "three"] {
         let result = delegator
@@ -49,6 +53,8 @@ async fn the_pipeline_runs_end_to_end_with_each_service_in_its_least_privileged_
         };
         background.push(delegation_id);
     }
+    completions_waiting_in_wake(&operator, 3).await;
+    locks.release(guard).await;
     // Sent again under its id (a retry after a partial store): JetStream
     // drops the copy, and the delegator may read when it was first
     // submitted.
@@ -111,7 +117,6 @@ async fn the_pipeline_runs_end_to_end_with_each_service_in_its_least_privileged_
         api.accepted().iter().any(|p| p.delegation_ids().len() > 1),
         "the burst was combined into one turn"
     );
-    let operator = server.bus("operator").await;
     assert_eq!(all_messages(&operator, "WAKEBUS_DLQ").await.len(), 1);
     assert_eq!(
         server.violations(),

@@ -611,18 +611,25 @@ async fn a_task_quicker_than_started_after_writes_no_started_event_and_a_slower_
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let mut services = Services::new();
-    let script = r#"read -r request
+    // The slow task runs until the test has seen its `started` event.
+    let gates = tempfile::tempdir().unwrap();
+    let gate = gates.path().join("slow");
+    let script = format!(
+        r#"read -r request
 case "$request" in
-  *slow*) sleep 1 ;;
-  *chatty*) echo '{"progress": "at once"}' ;;
+  *slow*) while [ ! -e '{}' ]; do sleep 0.05; done ;;
+  *chatty*) echo '{{"progress": "at once"}}' ;;
 esac
-echo finished"#;
+echo finished"#,
+        gate.display()
+    );
     let executor = Executor::Command(CommandExecutor::new(CommandConfig::new(
         "sh",
-        vec!["-c".to_owned(), script.to_owned()],
+        vec!["-c".to_owned(), script],
     )));
     let mut config = test_worker_config("default");
-    let started_after = Duration::from_millis(400);
+    // Long enough for a quick task to end well before it on a busy machine.
+    let started_after = Duration::from_secs(3);
     config.started_after = started_after;
     services.worker(&bus, executor, config);
     services.wake(&bus, test_wake_config(&api.url()));
@@ -636,6 +643,14 @@ echo finished"#;
             .unwrap();
         ids.push(id_of(&result));
     }
+    wait_until(WAIT, "the slow task's started event", || async {
+        history_of(&bus, &ids[1])
+            .await
+            .iter()
+            .any(|(kind, _)| kind == "started")
+    })
+    .await;
+    std::fs::write(&gate, "").unwrap();
     wait_until(WAIT, "all three delegations woken", || async {
         api.accepted().len() == 3
     })
