@@ -288,7 +288,13 @@ impl Flow {
     /// doubt may be repeated, but only under the key of the first: the
     /// session API keeps one turn per key.
     async fn finish(mut self) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
         while !self.publishing.is_empty() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{} publishers still publishing after 120 s",
+                self.publishing.len()
+            );
             self.reap_publishers().await;
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -672,7 +672,12 @@ async fn lost_wakes(bus: &wakebus::bus::Bus, count: usize, sessions: usize) {
         .await
         .expect("wake consumer");
     let mut acked = 0;
+    let deadline = tokio::time::Instant::now() + WAIT;
     while acked < count {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {acked} of {count} completions came to be acked"
+        );
         let mut batch = consumer
             .fetch()
             .max_messages(500)
