@@ -15,13 +15,16 @@ pub(crate) struct FilterArgs {
     /// Only this delegation.
     #[arg(long)]
     pub(crate) delegation: Option<String>,
-    /// Only events of this kind.
+    /// Only events of this kind (not with dead letters; `replay wakes`
+    /// always takes `done`, `replay tasks` refuses it).
     #[arg(long, value_enum)]
     pub(crate) kind: Option<KindArg>,
-    /// Only completions with this status.
+    /// Only completions with this status (not with task dead letters;
+    /// `replay tasks` refuses it).
     #[arg(long, value_enum)]
     pub(crate) status: Option<StatusArg>,
-    /// Only dead letters of this pool.
+    /// Only task dead letters of this pool (with `--dead-letters` or
+    /// `replay tasks` only).
     #[arg(long)]
     pub(crate) pool: Option<String>,
     /// From this time on: a duration back from now (90s, 2h, 3d) or an RFC 3339 time.
