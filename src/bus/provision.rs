@@ -650,6 +650,26 @@ mod tests {
     }
 
     #[test]
+    fn errors_pass_by_their_kind_not_by_names_made_from_the_prefix() {
+        use jetstream::context::{ConsumerInfoError, ConsumerInfoErrorKind};
+        // A prefix that happens to hold a word of a passing error.
+        let taken = ProvisionError::SubjectsTaken {
+            name: "PEERS_TIMEOUT_TASKS".to_owned(),
+            existing: vec!["peers.timeout.x.>".to_owned()],
+            wanted: vec!["peers.timeout.task.>".to_owned()],
+        };
+        assert!(!may_pass(&taken));
+        let info = |kind| ProvisionError::ConsumerInfo {
+            name: "wake".to_owned(),
+            stream: "LEADERBOARD_EVENTS".to_owned(),
+            source: ConsumerInfoError::new(kind),
+        };
+        assert!(may_pass(&info(ConsumerInfoErrorKind::TimedOut)));
+        assert!(may_pass(&info(ConsumerInfoErrorKind::Offline)));
+        assert!(!may_pass(&info(ConsumerInfoErrorKind::InvalidName)));
+    }
+
+    #[test]
     fn an_update_names_the_hand_made_settings_it_sets_back() {
         let wanted = stream::Config {
             duplicate_window: Duration::from_secs(120),
