@@ -45,10 +45,11 @@ impl Posting<'_> {
     }
 }
 
-/// How many 409 answers to a turn are retried before the turn is taken as
-/// refused: with the backoff, long enough for a post still in progress
-/// under the same key to finish.
-const CONFLICT_RETRIES: u32 = 5;
+/// How long 409 answers to a turn are retried, in `--request-timeout`s
+/// from the first: the post still in progress under the same key is most
+/// often this wake's own, given up after one request timeout, so it has
+/// had as long again to finish when a conflict is taken as a refusal.
+const CONFLICT_PATIENCE: u32 = 2;
 
 /// How soon a lock refresh that failed during a post is tried again.
 const LOCK_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
@@ -70,7 +71,8 @@ impl Router {
         let in_hand = [std::slice::from_ref(turn), posting.later];
         let events = turn.events();
         let mut attempt = 0u32;
-        let mut conflicts = 0u32;
+        let mut first_conflict: Option<Instant> = None;
+        let conflict_patience = shared.config.api.request_timeout * CONFLICT_PATIENCE;
         loop {
             attempt += 1;
             // Post only while the lock is surely ours: refresh it when due
@@ -120,13 +122,12 @@ impl Router {
             let mut result = hold.during(post, &in_hand).await;
             drop(posting_gauge);
             if let PostResult::Rejected { status: 409, .. } = result
-                && conflicts < CONFLICT_RETRIES
+                && first_conflict.get_or_insert_with(Instant::now).elapsed() < conflict_patience
             {
                 // An API enforcing Idempotency-Key answers 409 while a post
                 // under the same key is still being processed: one whose
-                // answer was lost, or a dead instance's. It settles soon;
-                // a conflict that lasts is a refusal.
-                conflicts += 1;
+                // answer was lost, or a dead instance's. It settles; a
+                // conflict that lasts is a refusal.
                 result = PostResult::Retry {
                     reason: "session API answered 409 Conflict (a post under this Idempotency-Key may still be in progress)".to_owned(),
                     after: None,
