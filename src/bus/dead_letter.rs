@@ -9,9 +9,11 @@ use crate::protocol::{HEADER_DEAD_LETTER_REASON, HEADER_MSG_ID, header_safe, is_
 
 impl Bus {
     /// Copies `message` to the dead-letter `subject` with `reason`, deduped
-    /// by `msg_id`, and waits until JetStream has stored it. The first copy
-    /// stored counts in `wakebus_dead_letters_total{kind}`; a duplicate (a
-    /// redelivery of a message dead-lettered before) does not.
+    /// by `msg_id`, and waits until JetStream has stored it, counting it in
+    /// `wakebus_dead_letters_total{kind}`. A duplicate counts too: it may be
+    /// the retry of a first copy whose ack was lost (never counted), so an
+    /// alert on the counter never misses a dead letter; a message
+    /// redelivered after its dead letter was stored may count twice.
     ///
     /// The copy keeps the original headers and body when they fit in one
     /// message, but for the headers the server acts on (`Nats-*`: a
@@ -38,10 +40,8 @@ impl Bus {
             msg_id,
             max_payload,
         );
-        let ack = self.publish_stored(subject, headers, payload).await?;
-        if !ack.duplicate {
-            crate::ops::metrics::dead_lettered(kind);
-        }
+        self.publish_stored(subject, headers, payload).await?;
+        crate::ops::metrics::dead_lettered(kind);
         Ok(())
     }
 }
