@@ -613,7 +613,12 @@ pub(crate) fn may_pass(err: &ProvisionError) -> bool {
         ProvisionError::Stream { source, .. } => is_transient(source),
         ProvisionError::Bucket { source, .. } => is_transient(source),
         ProvisionError::Consumer { source, .. } => is_transient(source),
-        ProvisionError::GetStream { source, .. } => is_transient(source),
+        // A stream not there (yet): one another instance is creating on a
+        // cluster shows a moment later, and one nobody may create here
+        // waits for an operator's `init`.
+        ProvisionError::GetStream { source, .. } => {
+            is_stream_not_found(source) || is_transient(source)
+        }
     }
 }
 
