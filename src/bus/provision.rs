@@ -352,7 +352,20 @@ impl Bus {
                 let unusable = current.retention != config.retention;
                 let asked_age = config.max_age;
                 let reset = hand_edits_reset(current, &config);
-                if let Err(source) = self.js.update_stream(managed_update(current, config)).await {
+                let update = managed_update(current, config);
+                // `init` tries a passing failure (a leader election) a few
+                // times before it reports it; a service goes on either way.
+                let mut tries = if require_update { UPDATE_TRIES } else { 1 };
+                let updated = loop {
+                    tries -= 1;
+                    match self.js.update_stream(&update).await {
+                        Err(source) if tries > 0 && is_transient(&source) => {
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                        other => break other,
+                    }
+                };
+                if let Err(source) = updated {
                     if require_update {
                         return Err(ProvisionError::Update { name, source });
                     }
@@ -458,6 +471,10 @@ pub(crate) fn setup_backoff() -> ExponentialBuilder {
         .with_max_delay(Duration::from_secs(5))
         .with_max_times(usize::MAX)
 }
+
+/// How many times `init` tries an update that fails in a way that may
+/// pass, before it reports the failure.
+const UPDATE_TRIES: u32 = 3;
 
 /// What a new task or events stream does at a limit an operator sets (`max_bytes`,
 /// `max_msgs`): refuse the write, which the publisher sees and retries (a
