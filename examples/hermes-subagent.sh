@@ -20,7 +20,7 @@ hermes="${1:-hermes}"
 
 # Files for this run, removed when it ends (a stop's SIGTERM included: an
 # untrapped signal would skip the EXIT trap).
-dir="$(mktemp -d "${TMPDIR:-/tmp}/wakebus-$WAKEBUS_DELEGATION_ID.XXXXXX")"
+dir="$(mktemp -d "${TMPDIR:-/tmp}/wakebus-${WAKEBUS_DELEGATION_ID:-task}.XXXXXX")"
 trap 'rm -rf "$dir"' EXIT
 trap 'exit 143' TERM
 trap 'exit 130' INT

@@ -169,7 +169,7 @@ impl NatsConfig {
                     ),
                     // A subscription the service needs (its replies, the
                     // cancel broadcasts): without it, it cannot work.
-                    other if is_denial(&other) && other.to_string().to_ascii_lowercase().contains("subscription") => error!(
+                    other if is_denial(&other) && other.to_string().to_ascii_lowercase().contains("violation for subscription") => error!(
                         event = %other,
                         "NATS denied this user a subscription the service needs: check this user's permissions."
                     ),

@@ -453,8 +453,6 @@ pub(crate) struct DevArgs {
     pub(crate) session_addr: SocketAddr,
 }
 
-/// A duration like `humantime` reads it, more than zero (a zero interval
-/// would make a loop of what should be a wait).
 /// A count that must be 1 or more: 0 would refuse or give up every task.
 fn at_least_one<T>(text: &str) -> Result<T, String>
 where
@@ -481,6 +479,8 @@ fn at_least_a_second(text: &str) -> Result<Duration, String> {
     }
 }
 
+/// A duration like `humantime` reads it, more than zero (a zero interval
+/// would make a loop of what should be a wait, a zero timeout a failure).
 fn positive_duration(text: &str) -> Result<Duration, String> {
     match humantime::parse_duration(text) {
         Ok(duration) if duration.is_zero() => Err("must be more than 0".to_owned()),
