@@ -50,6 +50,19 @@ impl Bus {
 /// saying what was left out, the two header names, the framing.
 const ADDED_BESIDES_REASON: usize = 256;
 
+/// The bytes `headers` take on the wire: `Name: value\r\n` for each value.
+fn header_bytes(headers: &HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(name, values)| {
+            values
+                .iter()
+                .map(|v| AsRef::<str>::as_ref(name).len() + v.as_str().len() + 4)
+                .sum::<usize>()
+        })
+        .sum()
+}
+
 /// The headers and body of a dead letter that fits in `max_payload`.
 pub(crate) fn dead_letter_parts(
     original: Option<&HeaderMap>,
@@ -76,17 +89,7 @@ pub(crate) fn dead_letter_parts(
         kept
     });
     let original = original.as_ref();
-    let header_bytes = original.map_or(0, |headers| {
-        headers
-            .iter()
-            .map(|(name, values)| {
-                values
-                    .iter()
-                    .map(|v| AsRef::<str>::as_ref(name).len() + v.as_str().len() + 4)
-                    .sum::<usize>()
-            })
-            .sum()
-    });
+    let header_bytes = original.map_or(0, header_bytes);
     // What was left out goes first: the reason is cut at 1024 characters.
     let (reason, mut headers, payload) = if header_bytes + payload.len() <= budget {
         (
@@ -171,16 +174,7 @@ mod tests {
         let (headers, payload) = dead_letter_parts(None, &body, &reason, "dlq.4", max_payload);
         let said = headers.get(HEADER_DEAD_LETTER_REASON).unwrap().as_str();
         assert!(said.starts_with("(body of "), "{}", &said[..64]);
-        let header_bytes: usize = headers
-            .iter()
-            .map(|(name, values)| {
-                values
-                    .iter()
-                    .map(|v| AsRef::<str>::as_ref(name).len() + v.as_str().len() + 4)
-                    .sum::<usize>()
-            })
-            .sum();
         // "NATS/1.0\r\n" and the closing "\r\n".
-        assert!(12 + header_bytes + payload.len() <= max_payload);
+        assert!(12 + header_bytes(&headers) + payload.len() <= max_payload);
     }
 }

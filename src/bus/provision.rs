@@ -135,12 +135,7 @@ impl Bus {
 
     async fn provision_streams(&self, settings: &BusSettings) -> Result<Streams, ProvisionError> {
         let s = &self.subjects;
-        self.ensure_stream(
-            self.tasks_config(settings).await?,
-            AgeChange::Keep,
-            settings.require_update,
-        )
-        .await?;
+        self.ensure_queue_streams(settings).await?;
         let events = self
             .ensure_stream(
                 stream::Config {
@@ -158,12 +153,6 @@ impl Bus {
                 settings.require_update,
             )
             .await?;
-        self.ensure_stream(
-            self.dead_letters_config(settings).await?,
-            AgeChange::Keep,
-            settings.require_update,
-        )
-        .await?;
         let cancels = self.ensure_cancels(settings).await?;
         Ok(Streams { events, cancels })
     }
@@ -233,6 +222,13 @@ impl Bus {
         &self,
         settings: &BusSettings,
     ) -> Result<kv::Store, ProvisionError> {
+        self.ensure_queue_streams(settings).await?;
+        self.ensure_cancels(settings).await
+    }
+
+    /// The requests and dead-letter streams, which every service needs;
+    /// their ages are not settings, so existing ones keep theirs.
+    async fn ensure_queue_streams(&self, settings: &BusSettings) -> Result<(), ProvisionError> {
         self.ensure_stream(
             self.tasks_config(settings).await?,
             AgeChange::Keep,
@@ -245,7 +241,7 @@ impl Bus {
             settings.require_update,
         )
         .await?;
-        self.ensure_cancels(settings).await
+        Ok(())
     }
 
     async fn provision_buckets(&self, settings: &BusSettings) -> Result<WakeState, ProvisionError> {
