@@ -487,6 +487,35 @@ async fn replay_does_not_requeue_a_request_that_can_never_run() {
     services.stop().await;
 }
 
+/// `replay copy --to-prefix` of `session`'s history from `prefix` to
+/// `target`'s deployment, which must report and store `count` copies;
+/// returns them.
+async fn copied_session(
+    nats: &NatsServer,
+    prefix: &str,
+    target: &wakebus::bus::Bus,
+    session: &str,
+    count: usize,
+) -> Vec<async_nats::jetstream::message::StreamMessage> {
+    let args = [
+        "replay",
+        "copy",
+        "--to-prefix",
+        target.subjects.prefix(),
+        "--session",
+        session,
+    ];
+    let lines = wakebus(&nats.url(), prefix, &args).await.ok_json();
+    assert_eq!(
+        lines.last().unwrap()["summary"]["replayed"],
+        count,
+        "{lines:#?}"
+    );
+    let copies = all_messages(target, &target.subjects.events_stream()).await;
+    assert_eq!(copies.len(), count);
+    copies
+}
+
 #[tokio::test]
 async fn replay_copy_republishes_history_under_another_prefix_with_headers_and_a_replay_mark() {
     init_logs();
@@ -498,27 +527,7 @@ async fn replay_copy_republishes_history_under_another_prefix_with_headers_and_a
     let (req, _, done_seq) = publish_task(&bus, Some("s.copy *>"), Status::Failed).await;
     publish_task(&bus, Some("s.other"), Status::Completed).await;
 
-    let lines = wakebus(
-        &nats.url(),
-        &prefix,
-        &[
-            "replay",
-            "copy",
-            "--to-prefix",
-            &target_prefix,
-            "--session",
-            "s.copy *>",
-        ],
-    )
-    .await
-    .ok_json();
-    assert_eq!(
-        lines.last().unwrap()["summary"]["replayed"],
-        2,
-        "{lines:#?}"
-    );
-    let copies = all_messages(&target, &target.subjects.events_stream()).await;
-    assert_eq!(copies.len(), 2);
+    let copies = copied_session(&nats, &prefix, &target, "s.copy *>", 2).await;
     let originals = all_messages(&bus, &bus.subjects.events_stream()).await;
     let done_copy = copies
         .iter()
@@ -609,27 +618,7 @@ async fn replay_copy_leaves_out_the_headers_the_server_acts_on_but_the_message_i
         .await
         .expect("the original is stored");
 
-    let lines = wakebus(
-        &nats.url(),
-        &prefix,
-        &[
-            "replay",
-            "copy",
-            "--to-prefix",
-            &target_prefix,
-            "--session",
-            "s.expects",
-        ],
-    )
-    .await
-    .ok_json();
-    assert_eq!(
-        lines.last().unwrap()["summary"]["replayed"],
-        1,
-        "{lines:#?}"
-    );
-    let copies = all_messages(&target, &target.subjects.events_stream()).await;
-    assert_eq!(copies.len(), 1);
+    let copies = copied_session(&nats, &prefix, &target, "s.expects", 1).await;
     let copy = &copies[0].headers;
     assert!(copy.get("Nats-Expected-Stream").is_none(), "{copy:?}");
     assert_eq!(
