@@ -9,6 +9,7 @@ use std::time::Duration;
 use common::cli::{field, publish_task, wakebus};
 use common::process::{sample, spawn_with_metrics};
 use common::*;
+use futures::TryStreamExt;
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use wakebus::delegate::{Delegation, Delegator};
@@ -1718,6 +1719,45 @@ async fn init_fails_when_the_server_refuses_an_update_it_needs() {
         run.stderr()
     );
     assert!(!run.stdout().contains("\"ok\""), "{}", run.stdout());
+}
+
+/// A user that may not create streams cannot make `init` wait for ever:
+/// its requests go unanswered like those to a server still electing a
+/// leader, so `init` gives up after `--timeout`, names the causes to
+/// check, and creates nothing.
+#[tokio::test]
+async fn init_gives_up_after_its_timeout_when_this_user_may_not_create_streams() {
+    init_logs();
+    let prefix = unique_prefix();
+    let server =
+        common::nats::LimitedUserServer::start(&["$JS.API.STREAM.CREATE.>".to_owned()]).await;
+    let run = server
+        .wakebus_as_limited(&prefix, &["init", "--timeout", "2s"])
+        .await;
+    assert_eq!(run.code(), Some(1), "{}", run.stderr());
+    assert!(
+        run.stderr().contains("init did not finish within 2s")
+            && run.stderr().contains("may not create streams"),
+        "{}",
+        run.stderr()
+    );
+    assert!(!run.stdout().contains("\"ok\""), "{}", run.stdout());
+    let client = async_nats::connect(server.nats.url()).await.unwrap();
+    let streams: Vec<String> = async_nats::jetstream::new(client)
+        .stream_names()
+        .try_collect::<Vec<String>>()
+        .await
+        .unwrap();
+    assert!(streams.is_empty(), "{streams:?}");
+}
+
+/// A pool name `init` cannot use is refused before it waits for anything.
+#[tokio::test]
+async fn init_refuses_a_bad_pool_name_at_once_even_with_nats_unreachable() {
+    let prefix = unique_prefix();
+    let run = wakebus("nats://127.0.0.1:1", &prefix, &["init", "--pool", "gpu.a"]).await;
+    assert_eq!(run.code(), Some(1), "{}", run.stderr());
+    assert!(run.stderr().contains("gpu.a"), "{}", run.stderr());
 }
 
 /// Two prefixes can map to one set of stream names (`acme.prod` and

@@ -138,6 +138,13 @@ pub(crate) struct InitArgs {
     /// they replace `default`).
     #[arg(long = "pool", default_value = "default")]
     pub(crate) pools: Vec<String>,
+    /// Give up, exit 1 and name the likely causes when NATS, its JetStream
+    /// leader or the permission to create streams, consumers and buckets
+    /// is still missing after this long (the warnings before say which
+    /// error kept coming back); long enough for a cluster started with it
+    /// to elect its leaders.
+    #[arg(long, value_parser = positive_duration, default_value = "2m")]
+    pub(crate) timeout: Duration,
 }
 
 /// `wakebus delegate`.

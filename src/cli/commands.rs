@@ -42,22 +42,19 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .await?;
         }
         Command::Init(args) => {
-            let bus = connect(&global, "wakebus-init").await?;
-            // The operator's word: init may shorten what streams keep to
-            // what it was given, and changes nothing for a default.
-            let given = |value: Option<Duration>| value.map_or(AgeChange::Keep, |_| AgeChange::Set);
-            let settings = BusSettings {
-                history_change: given(global.history),
-                session_lock_ttl_change: given(global.session_lock_ttl),
-                require_update: true,
-                ..settings(&global)
-            };
-            bus.provision(&settings).await?;
-            bus.provision_wake_state(&settings).await?;
+            // Bad input fails at once, not after waiting for NATS.
             for pool in &args.pools {
-                wakebus::protocol::validate_pool(pool)?;
+                wakebus::protocol::validate_pool(pool)
+                    .with_context(|| format!("--pool {pool:?}"))?;
             }
-            bus.init_consumers(&args.pools).await?;
+            let Ok(done) = tokio::time::timeout(args.timeout, init(&global, &args.pools)).await
+            else {
+                bail!(
+                    "init did not finish within {}: NATS is not reachable, has no JetStream leader yet, or this NATS user may not create streams, consumers and buckets (init needs the operator's permissions); the warnings above name the error that kept coming back",
+                    humantime::format_duration(args.timeout)
+                );
+            };
+            done?;
             println!(
                 "{}",
                 serde_json::json!({"status": "ok", "prefix": global.prefix})
@@ -320,6 +317,25 @@ fn settings(global: &Global) -> BusSettings {
         consumer_check: global.consumer_check,
         ..BusSettings::default()
     }
+}
+
+/// `wakebus init`: the streams, buckets and consumers of `pools`, with
+/// the operator's settings, retried while that may pass.
+async fn init(global: &Global, pools: &[String]) -> anyhow::Result<()> {
+    let bus = connect(global, "wakebus-init").await?;
+    // The operator's word: init may shorten what streams keep to what it
+    // was given, and changes nothing for a default.
+    let given = |value: Option<Duration>| value.map_or(AgeChange::Keep, |_| AgeChange::Set);
+    let settings = BusSettings {
+        history_change: given(global.history),
+        session_lock_ttl_change: given(global.session_lock_ttl),
+        require_update: true,
+        ..settings(global)
+    };
+    bus.provision(&settings).await?;
+    bus.provision_wake_state(&settings).await?;
+    bus.init_consumers(pools).await?;
+    Ok(())
 }
 
 /// Connects a service, or `init`: they wait for NATS to come up.
