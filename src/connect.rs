@@ -2,6 +2,7 @@
 //! patience when the server is not up yet.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::connection::State;
@@ -420,23 +421,33 @@ pub async fn close(client: &Client) -> Result<(), async_nats::client::DrainError
     }
 }
 
-/// When a slow-consumer event was last logged, in seconds since the epoch.
-static SLOW_CONSUMER_SAID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// When a slow-consumer event was last logged, in seconds on
+/// [`process_seconds`]'s clock (0: never).
+static SLOW_CONSUMER_SAID: AtomicU64 = AtomicU64::new(0);
 
 /// Whether a minute has passed since `last` (then set to now).
-fn once_a_minute(last: &std::sync::atomic::AtomicU64) -> bool {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| since.as_secs());
-    let before = last.load(std::sync::atomic::Ordering::Relaxed);
+fn once_a_minute(last: &AtomicU64) -> bool {
+    once_a_minute_at(last, process_seconds())
+}
+
+/// Seconds on a monotonic clock that reads at least 60 at its first use,
+/// so that the first event is always said, and that a wall clock set back
+/// cannot silence the warning until it catches up.
+fn process_seconds() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_secs()
+        + 60
+}
+
+/// [`once_a_minute`] at `now` seconds.
+fn once_a_minute_at(last: &AtomicU64, now: u64) -> bool {
+    let before = last.load(Ordering::Relaxed);
     now.saturating_sub(before) >= 60
         && last
-            .compare_exchange(
-                before,
-                now,
-                std::sync::atomic::Ordering::Relaxed,
-                std::sync::atomic::Ordering::Relaxed,
-            )
+            .compare_exchange(before, now, Ordering::Relaxed, Ordering::Relaxed)
             .is_ok()
 }
 
@@ -462,9 +473,14 @@ mod tests {
 
     #[test]
     fn a_frequent_event_is_said_once_a_minute() {
-        let last = std::sync::atomic::AtomicU64::new(0);
+        let last = AtomicU64::new(0);
         assert!(once_a_minute(&last));
         assert!(!once_a_minute(&last));
+        let last = AtomicU64::new(0);
+        assert!(once_a_minute_at(&last, 60), "the first is said");
+        assert!(!once_a_minute_at(&last, 119));
+        assert!(once_a_minute_at(&last, 120));
+        assert!(!once_a_minute_at(&last, 150));
     }
 
     #[test]
