@@ -74,6 +74,9 @@ pub enum DelegationState {
     Queued,
     /// No trace of it in the history or the queue: unknown (or already expired).
     Unknown,
+    /// The history could not be read (a leader election, a user that may
+    /// not read it): the cancel is recorded anyway, as for a running one.
+    NotRead,
 }
 
 /// The answer to a cancel, printed as JSON by the CLI.
@@ -137,11 +140,11 @@ impl Canceller {
         let state = match self.state_of(delegation_id).await {
             Ok(state) => state,
             // Better a cancel record too many than a task that runs after
-            // its cancel was refused (a leader election, a message the
-            // client cannot read on the delegation's subjects).
+            // its cancel was refused (a leader election, a user that may
+            // not read the history).
             Err(CancelError::History(error)) => {
                 tracing::warn!(%error, delegation_id, "Could not tell where the delegation stands; writing the cancel record anyway.");
-                DelegationState::Running
+                DelegationState::NotRead
             }
             Err(error) => return Err(error),
         };
@@ -168,13 +171,16 @@ impl Canceller {
                     ),
                 ));
             }
-            DelegationState::Running | DelegationState::Queued => {}
+            DelegationState::Running | DelegationState::Queued | DelegationState::NotRead => {}
         }
         self.record_and_broadcast(&CancelTarget::Delegation(delegation_id.to_owned()), silent)
             .await?;
         let message = match state {
             DelegationState::Running => format!(
                 "Delegation {delegation_id} is being interrupted; queued tasks of it will not run."
+            ),
+            DelegationState::NotRead => format!(
+                "Could not read where delegation {delegation_id} stands; the cancel is recorded anyway: its tasks that are running are interrupted, and queued ones will not run."
             ),
             _ => format!(
                 "Delegation {delegation_id} is queued; it will not run (a task that has only just started is interrupted)."

@@ -1751,6 +1751,50 @@ async fn init_gives_up_after_its_timeout_when_this_user_may_not_create_streams()
     assert!(streams.is_empty(), "{streams:?}");
 }
 
+/// A cancel that cannot read where its delegation stands (here: a user
+/// that may not read the history) records the cancel all the same, and
+/// says that it could not tell instead of calling the delegation running.
+#[tokio::test]
+async fn a_cancel_that_cannot_read_the_history_records_the_cancel_and_says_so() {
+    init_logs();
+    let prefix = unique_prefix();
+    let events = wakebus::protocol::Subjects::new(&prefix)
+        .unwrap()
+        .events_stream();
+    let denied = [
+        format!("$JS.API.DIRECT.GET.{events}"),
+        format!("$JS.API.DIRECT.GET.{events}.>"),
+        format!("$JS.API.STREAM.MSG.GET.{events}"),
+    ];
+    let server = common::nats::LimitedUserServer::start(&denied).await;
+    let bus = bus(&server.nats.url(), &prefix).await;
+    let id = delegate(&bus, Delegation::new("queued work").session("s.unread")).await;
+    let run = server
+        .wakebus_as_limited(&prefix, &["cancel", &id, "--connect-timeout", "2s"])
+        .await;
+    let report = &run.ok_json()[0];
+    assert_eq!(
+        (report["status"].as_str(), report["state"].as_str()),
+        (Some("cancelled"), Some("not_read")),
+        "{report}"
+    );
+    assert!(
+        report["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("Could not read where")),
+        "{report}"
+    );
+    let record = bus
+        .js
+        .get_key_value(bus.subjects.cancel_bucket())
+        .await
+        .unwrap()
+        .entry(wakebus::cancel::CancelTarget::Delegation(id.clone()).key())
+        .await
+        .unwrap();
+    assert!(record.is_some(), "no cancel record for {id}");
+}
+
 /// A pool name `init` cannot use is refused before it waits for anything.
 #[tokio::test]
 async fn init_refuses_a_bad_pool_name_at_once_even_with_nats_unreachable() {

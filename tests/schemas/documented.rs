@@ -273,6 +273,7 @@ fn documented_cancel_reports_are_what_the_library_prints() {
         DelegationState::Running,
         DelegationState::Queued,
         DelegationState::Unknown,
+        DelegationState::NotRead,
     ] {
         let name = serde_json::to_value(state).unwrap();
         let shown = format!("`{}`:", name.as_str().unwrap());
