@@ -18,6 +18,23 @@ use wakebus::protocol::Subjects;
 use wakebus::worker::executor::{EchoExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
+
+/// Runs a `wakebus` command to its end within a deadline, so that a
+/// command that hangs fails its test with a message instead of holding it
+/// until the harness kills it (the child is killed with the future).
+trait OutputWithin {
+    async fn output_within(&mut self, deadline: Duration) -> std::process::Output;
+}
+
+impl OutputWithin for Command {
+    async fn output_within(&mut self, deadline: Duration) -> std::process::Output {
+        self.kill_on_drop(true);
+        tokio::time::timeout(deadline, self.output())
+            .await
+            .unwrap_or_else(|_| panic!("{self:?} did not finish within {deadline:?}"))
+            .expect("run the command")
+    }
+}
 const ROLES: [&str; 4] = ["operator", "delegator", "worker", "wake"];
 
 struct Deployment {
@@ -109,9 +126,8 @@ async fn the_pipeline_runs_over_mutual_tls_with_an_nkey_per_role() {
         .arg("--tls-key")
         .arg(&deployment.pki.client_key)
         .arg("init")
-        .output()
-        .await
-        .unwrap();
+        .output_within(WAIT)
+        .await;
     assert!(
         output.status.success(),
         "{}",
@@ -144,9 +160,8 @@ async fn the_pipeline_runs_over_mutual_tls_with_an_nkey_per_role() {
             "--wait-timeout",
             "30s",
         ])
-        .output()
-        .await
-        .unwrap();
+        .output_within(WAIT)
+        .await;
 
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(
@@ -185,9 +200,8 @@ async fn a_client_without_the_right_key_or_certificate_is_refused_and_no_secret_
             "--wait-timeout",
             "5s",
         ])
-        .output()
-        .await
-        .unwrap();
+        .output_within(WAIT)
+        .await;
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
     assert!(
@@ -246,9 +260,8 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
         command
     };
     let output = init(&["--token-file", token_file.to_str().unwrap()])
-        .output()
-        .await
-        .unwrap();
+        .output_within(WAIT)
+        .await;
     assert!(
         output.status.success(),
         "{}",
@@ -265,9 +278,8 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
         .env("NATS_USER", "operator")
         .env("NATS_PASSWORD_FILE", &password_file)
         .arg("init")
-        .output()
-        .await
-        .unwrap();
+        .output_within(WAIT)
+        .await;
     assert!(
         output.status.success(),
         "{}",
@@ -288,9 +300,8 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
         .env_clear()
         .env("WAKEBUS_CONFIG", &config)
         .arg("init")
-        .output()
-        .await
-        .unwrap();
+        .output_within(WAIT)
+        .await;
     assert!(
         output.status.success(),
         "{}",
@@ -300,9 +311,8 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
     let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
         .env_clear()
         .args(["--config", bad.to_str().unwrap(), "init"])
-        .output()
-        .await
-        .unwrap();
+        .output_within(WAIT)
+        .await;
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
     assert!(
@@ -312,9 +322,8 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
 
     // A missing secret file is a clear error naming the file.
     let output = init(&["--token-file", "/nonexistent/token"])
-        .output()
-        .await
-        .unwrap();
+        .output_within(WAIT)
+        .await;
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
     assert!(
