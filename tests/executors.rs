@@ -36,6 +36,20 @@ enum Reply {
 struct ModelState {
     replies: Mutex<VecDeque<Reply>>,
     requests: Mutex<Vec<(HeaderMap, Value)>>,
+    /// Hanging calls whose client went away (their handler was dropped).
+    abandoned: std::sync::atomic::AtomicUsize,
+}
+
+/// Counts a hanging call as abandoned when its handler is dropped: hyper
+/// drops it when the client closes the connection.
+struct CountWhenDropped(Arc<ModelState>);
+
+impl Drop for CountWhenDropped {
+    fn drop(&mut self) {
+        self.0
+            .abandoned
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// A chat-completions server answering from a script of replies.
@@ -61,6 +75,13 @@ impl ModelServer {
 
     fn requests(&self) -> Vec<(HeaderMap, Value)> {
         self.state.requests.lock().unwrap().clone()
+    }
+
+    /// How many hanging calls the client gave up on.
+    fn abandoned(&self) -> usize {
+        self.state
+            .abandoned
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     fn executor(&self) -> Executor {
@@ -98,6 +119,7 @@ async fn answer(
         .into_response(),
         Reply::Status(code) => (StatusCode::from_u16(code).unwrap(), "model says no").into_response(),
         Reply::Hang => {
+            let _abandoned = CountWhenDropped(state.clone());
             tokio::time::sleep(Duration::from_secs(3600)).await;
             StatusCode::OK.into_response()
         }
@@ -218,7 +240,8 @@ async fn an_llm_endpoint_answering_5xx_is_retried_and_a_4xx_is_not() {
 }
 
 /// Delegates `delegation` to an llm worker, cancels it (silently) once the
-/// model has received `calls` requests, and returns its completion.
+/// model has received `calls` requests (the last of which hangs), checks
+/// that the hanging call was abandoned, and returns its completion.
 async fn cancel_after_model_calls(
     model: &ModelServer,
     delegation: Delegation,
@@ -242,6 +265,12 @@ async fn cancel_after_model_calls(
         .unwrap();
     wait_until(WAIT, "the interrupted completion", || async {
         !done_events(&bus).await.is_empty()
+    })
+    .await;
+    // The hanging call itself was given up, by the cancel, not left
+    // running in the worker until it stops.
+    wait_until(WAIT, "the model call to be abandoned", || async {
+        model.abandoned() == 1
     })
     .await;
     services.stop().await;
