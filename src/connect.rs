@@ -67,6 +67,11 @@ pub enum ConnectError {
         /// Why it is invalid.
         source: std::io::Error,
     },
+    /// No server URL was given (an empty `--nats-url` or
+    /// `NATS_URL`): connecting to a default instead could reach
+    /// another deployment's server.
+    #[error("no NATS server URL given (--nats-url or NATS_URL is empty)")]
+    NoUrl,
     /// The server refused this client's credentials: retrying will not help.
     #[error(
         "NATS at {url} refused this client ({source}): check the credentials (--user/--password-file, --nkey-file, --creds, --token-file) and TLS client certificate"
@@ -195,7 +200,8 @@ impl NatsConfig {
     /// The server addresses in `url`: one URL, or several separated by
     /// commas (the nodes of a cluster; the client fails over between them).
     pub fn servers(&self) -> Result<Vec<ServerAddr>, ConnectError> {
-        self.url
+        let servers: Vec<ServerAddr> = self
+            .url
             .split(',')
             .map(str::trim)
             .filter(|url| !url.is_empty())
@@ -206,7 +212,11 @@ impl NatsConfig {
                         source,
                     })
             })
-            .collect()
+            .collect::<Result<_, _>>()?;
+        if servers.is_empty() {
+            return Err(ConnectError::NoUrl);
+        }
+        Ok(servers)
     }
 
     /// Connects, waiting for the server if it is not up yet.
@@ -516,6 +526,14 @@ mod tests {
                 matches!(error, ConnectError::IncompleteClientCertificate),
                 "{error}"
             );
+        }
+    }
+
+    #[test]
+    fn an_empty_url_is_an_error_not_a_default_server() {
+        for url in ["", " ", ","] {
+            let error = NatsConfig::new(url).servers().expect_err("no server");
+            assert!(matches!(error, ConnectError::NoUrl), "{url:?}: {error}");
         }
     }
 

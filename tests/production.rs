@@ -286,7 +286,9 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
         String::from_utf8_lossy(&output.stderr)
     );
 
-    // The same from a config file (WAKEBUS_CONFIG), with a comment.
+    // The same from a config file (WAKEBUS_CONFIG), with a comment; a
+    // variable set to nothing (`NATS_URL: ${UNSET:-}` in a compose file)
+    // does not hide the file's value.
     let config = write(
         dir.path(),
         "wakebus.conf",
@@ -299,6 +301,7 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
     let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
         .env_clear()
         .env("WAKEBUS_CONFIG", &config)
+        .env("NATS_URL", "")
         .arg("init")
         .output_within(WAIT)
         .await;
@@ -319,6 +322,17 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
         stderr.contains("line 1: unknown option \"nats-ur1\""),
         "{stderr}"
     );
+
+    // An empty URL is an error, not the default server.
+    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .env_clear()
+        .env("NATS_URL", "")
+        .args(["cancel", "--session", "s1", "--connect-timeout", "0s"])
+        .output_within(WAIT)
+        .await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("no NATS server URL given"), "{stderr}");
 
     // A missing secret file is a clear error naming the file.
     let output = init(&["--token-file", "/nonexistent/token"])

@@ -12,7 +12,8 @@
 //!
 //! Values may be in double or single quotes, and a ` # comment` may follow
 //! one. Flags win over environment variables, which win over the file
-//! (for `otlp-endpoint`, the `OTEL_EXPORTER_OTLP_*` variables do). Secrets
+//! (for `otlp-endpoint`, the `OTEL_EXPORTER_OTLP_*` variables do); a
+//! variable set to nothing does not hide the file's value. Secrets
 //! stay in their own files; this one only names them.
 
 use std::ffi::OsString;
@@ -59,11 +60,7 @@ pub(crate) fn with_config_file(args: Vec<OsString>, path: &Path) -> anyhow::Resu
                 known.join(", ")
             );
         };
-        if arg
-            .get_env()
-            .is_some_and(|env| std::env::var_os(env).is_some())
-            || overridden_by_otel_variables(name)
-        {
+        if arg.get_env().is_some_and(is_set) || overridden_by_otel_variables(name) {
             continue;
         }
         from_file.push(OsString::from(format!("--{name}")));
@@ -112,7 +109,13 @@ fn overridden_by_otel_variables(name: &str) -> bool {
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
         ]
         .iter()
-        .any(|variable| std::env::var_os(variable).is_some())
+        .any(|variable| is_set(std::ffi::OsStr::new(variable)))
+}
+
+/// Whether an environment variable has a value: one set to nothing (as
+/// `VAR: ${UNSET:-}` in a compose file makes) does not hide the file's.
+fn is_set(variable: &std::ffi::OsStr) -> bool {
+    std::env::var_os(variable).is_some_and(|value| !value.is_empty())
 }
 
 #[cfg(test)]
