@@ -813,7 +813,7 @@ async fn a_worker_started_without_an_executor_refuses_to_start_and_names_the_fla
 async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_says_why() {
     let worker = ["worker", "--executor", "echo"];
     let wake = ["wake", "--api-url", "http://127.0.0.1:1"];
-    let cases: [(&[&str], &[&str], &str); 16] = [
+    let cases: [(&[&str], &[&str], &str); 17] = [
         (
             &["--consumer-check", "0s"],
             &worker,
@@ -863,6 +863,11 @@ async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_say
             &[],
             &["worker", "--executor", "echo", "--llm-timeout", "0s"],
             "'--llm-timeout <LLM_TIMEOUT>': must be more than 0",
+        ),
+        (
+            &[],
+            &["worker", "--executor", "echo", "--concurrency", "0"],
+            "'--concurrency <CONCURRENCY>': must be at least 1",
         ),
         (
             &[],

@@ -280,7 +280,7 @@ pub(crate) struct WorkerArgs {
     #[arg(long, env = "WAKEBUS_POOL", default_value = "default")]
     pub(crate) pool: String,
     /// Tasks run at once.
-    #[arg(long, env = "WAKEBUS_CONCURRENCY", default_value_t = 16)]
+    #[arg(long, env = "WAKEBUS_CONCURRENCY", value_parser = at_least_one::<usize>, default_value_t = 16)]
     pub(crate) concurrency: usize,
     /// What runs the tasks. Required: a worker that guessed `echo` would
     /// complete real tasks with their goal echoed back.

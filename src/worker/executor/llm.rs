@@ -41,6 +41,12 @@ pub enum LlmConfigError {
     /// The API key has characters a header cannot carry.
     #[error("the LLM API key contains characters not allowed in an HTTP header")]
     BadApiKey,
+    /// The base URL is not an http(s) URL.
+    #[error("the LLM base URL {url:?} is not an http:// or https:// URL")]
+    BadUrl {
+        /// The URL as given.
+        url: String,
+    },
 }
 
 /// Runs tasks on a chat-completions endpoint.
@@ -97,6 +103,18 @@ enum Call {
     Refused(String),
 }
 
+/// Whether a request to `url` crosses the network unencrypted: plain
+/// http to anything but this machine.
+fn sends_in_clear(url: &reqwest::Url) -> bool {
+    let host = url.host_str().unwrap_or_default().trim_matches(['[', ']']);
+    let loopback = host
+        .parse::<std::net::IpAddr>()
+        .map_or(host.eq_ignore_ascii_case("localhost"), |ip| {
+            ip.is_loopback()
+        });
+    url.scheme() == "http" && !loopback
+}
+
 fn system_prompt(role: Role) -> &'static str {
     match role {
         Role::Leaf => {
@@ -111,6 +129,18 @@ fn system_prompt(role: Role) -> &'static str {
 impl LlmExecutor {
     /// An executor calling `config.base_url`.
     pub fn new(config: &LlmConfig) -> Result<Self, LlmConfigError> {
+        let base = reqwest::Url::parse(&config.base_url)
+            .ok()
+            .filter(|url| matches!(url.scheme(), "http" | "https") && url.has_host())
+            .ok_or_else(|| LlmConfigError::BadUrl {
+                url: config.base_url.clone(),
+            })?;
+        if config.api_key.is_some() && sends_in_clear(&base) {
+            tracing::warn!(
+                host = base.host_str().unwrap_or_default(),
+                "The LLM API key is sent in clear over plain http to another machine; use https unless the network between them is trusted."
+            );
+        }
         crate::tls::install_crypto_provider();
         let http = reqwest::Client::builder()
             .timeout(config.request_timeout)
@@ -304,5 +334,46 @@ fn output(
         tokens: Some(tokens),
         truncated: false,
         exit_reason: exit_reason.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(base_url: &str) -> LlmConfig {
+        LlmConfig {
+            base_url: base_url.to_owned(),
+            model: "m".to_owned(),
+            api_key: Some("sk-test".to_owned()),
+            request_timeout: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn a_base_url_that_is_not_http_is_refused_at_start() {
+        for bad in ["api.openai.com/v1", "ftp://models/v1", "", "http://"] {
+            let error = LlmExecutor::new(&config(bad)).expect_err(bad);
+            assert!(
+                matches!(error, LlmConfigError::BadUrl { .. }),
+                "{bad}: {error}"
+            );
+        }
+        assert!(LlmExecutor::new(&config("https://api.openai.com/v1")).is_ok());
+    }
+
+    #[test]
+    fn only_plain_http_to_another_machine_sends_the_key_in_clear() {
+        let in_clear = |url: &str| sends_in_clear(&reqwest::Url::parse(url).unwrap());
+        assert!(in_clear("http://10.0.0.7:8000/v1"));
+        assert!(in_clear("http://models.internal/v1"));
+        for local in [
+            "http://127.0.0.1:11434/v1",
+            "http://localhost:8000/v1",
+            "http://[::1]:8000/v1",
+            "https://models.internal/v1",
+        ] {
+            assert!(!in_clear(local), "{local}");
+        }
     }
 }
