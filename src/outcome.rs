@@ -21,6 +21,11 @@ pub enum Outcome {
     /// full queue), and the server redelivers the message after its ack
     /// wait anyway.
     HandBack,
+    /// Handed back like [`Outcome::HandBack`], but delivered again only
+    /// after the delay: a delivery refused while this service's own pull
+    /// may still be open, which a NAK for at once would send straight back
+    /// into that pull, once per message it still asks for.
+    HandBackAfter(Duration),
     /// Poison: never deliver it again. The reason has been recorded (a dead
     /// letter and, where possible, an `error` completion) before this is returned.
     Term(String),
@@ -49,8 +54,13 @@ impl Outcome {
             Self::Ack => AckKind::Ack,
             Self::Nak(delay) => AckKind::Nak(*delay),
             Self::Term(_) => AckKind::Term,
-            Self::HandBack if !crate::connect::is_connected(&message.context.client()) => return,
+            Self::HandBack | Self::HandBackAfter(_)
+                if !crate::connect::is_connected(&message.context.client()) =>
+            {
+                return;
+            }
             Self::HandBack => AckKind::Nak(None),
+            Self::HandBackAfter(delay) => AckKind::Nak(Some(*delay)),
             Self::Leave => return,
         };
         if let Err(error) = message.ack_with(kind).await {

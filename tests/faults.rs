@@ -816,3 +816,49 @@ async fn a_header_value_with_a_carriage_return_is_handled_like_any_other_message
     let woken: Vec<String> = api.accepted().iter().map(|p| p.session()).collect();
     assert_eq!(woken, ["s.cr", "s.after"]);
 }
+
+/// A task published while the only worker is stopping lands in the pull
+/// that worker still has open. Handed back at once, it would come straight
+/// back into that same pull, once per free slot, and the next worker would
+/// give it up as delivered too often without ever running it; handed back
+/// for after that pull has ended, it is delivered once more and run.
+#[tokio::test]
+async fn a_task_arriving_while_the_only_worker_stops_is_run_by_the_next_worker() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let wait = Duration::from_secs(30);
+    let mut stopping = Services::new();
+    stopping.echo_worker(&bus);
+    wait_until(wait, "the worker's pull", || async {
+        let consumer = bus
+            .js
+            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                bus.subjects.worker_consumer("default"),
+                bus.subjects.tasks_stream(),
+            )
+            .await;
+        match consumer {
+            Ok(mut consumer) => consumer.info().await.is_ok_and(|info| info.num_waiting > 0),
+            Err(_) => false,
+        }
+    })
+    .await;
+    stopping.stop.cancel();
+    publish_until_stored(&bus, &request("s.late", "arrives during the stop")).await;
+    stopping.stop().await;
+
+    let mut next = Services::new();
+    next.echo_worker(&bus);
+    wait_until(wait, "the completion", || async {
+        !done_events(&bus).await.is_empty()
+    })
+    .await;
+    next.stop().await;
+    let done = &done_events(&bus).await[0];
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Completed, "completed"),
+        "{done:?}"
+    );
+}

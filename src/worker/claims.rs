@@ -12,6 +12,7 @@
 use std::collections::HashSet;
 use std::sync::Mutex;
 
+use super::REFUSED_REDELIVERY_DELAY;
 use crate::outcome::Outcome;
 
 /// Stream sequences of the tasks running here.
@@ -45,15 +46,18 @@ impl Claims {
     }
 
     /// What to do with a delivery pulled after the shutdown signal: hand it
-    /// back for another worker, unless it is a redelivery of a task still
-    /// running here, whose running attempt settles it (a NAK would have
-    /// another worker run it a second time).
+    /// back for another worker once this worker's open pull has ended (a
+    /// NAK for at once would bring it straight back into that pull, once
+    /// per free slot, each a delivery, until the next worker gave it up
+    /// unrun), unless it is a redelivery of a task still running here,
+    /// whose running attempt settles it (a NAK would have another worker
+    /// run it a second time).
     pub(crate) fn after_stop(&self, sequence: Option<u64>) -> Outcome {
         match sequence {
             Some(sequence) if self.held.lock().expect("claims").contains(&sequence) => {
                 Outcome::Leave
             }
-            _ => Outcome::HandBack,
+            _ => Outcome::HandBackAfter(REFUSED_REDELIVERY_DELAY),
         }
     }
 }
@@ -88,9 +92,10 @@ mod tests {
         let claims = Claims::default();
         let running = claims.claim(7).expect("a fresh sequence is claimed");
         assert_eq!(claims.after_stop(Some(7)), Outcome::Leave);
-        assert_eq!(claims.after_stop(Some(8)), Outcome::HandBack);
-        assert_eq!(claims.after_stop(None), Outcome::HandBack);
+        let later = Outcome::HandBackAfter(REFUSED_REDELIVERY_DELAY);
+        assert_eq!(claims.after_stop(Some(8)), later);
+        assert_eq!(claims.after_stop(None), later);
         drop(running);
-        assert_eq!(claims.after_stop(Some(7)), Outcome::HandBack);
+        assert_eq!(claims.after_stop(Some(7)), later);
     }
 }

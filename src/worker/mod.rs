@@ -32,6 +32,16 @@ use crate::protocol::Limits;
 use crate::quarantine::{ReconnectWatch, sweep_after_reconnect, sweep_at_start};
 use executor::{Executor, TaskEnv};
 
+/// How long one pull request of a worker waits for tasks before it ends
+/// (and the next one is sent).
+const PULL_EXPIRES: Duration = Duration::from_secs(2);
+
+/// When a task pulled after the shutdown signal is delivered again: once
+/// the pull it came in has surely ended, so that it goes to another
+/// worker's pull instead of straight back into this one.
+pub(crate) const REFUSED_REDELIVERY_DELAY: Duration =
+    Duration::from_secs(PULL_EXPIRES.as_secs() + 1);
+
 /// How a worker behaves.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
@@ -242,7 +252,7 @@ pub async fn run(
         let mut batch = match consumer
             .batch()
             .max_messages(wanted)
-            .expires(Duration::from_secs(2))
+            .expires(PULL_EXPIRES)
             .messages()
             .await
         {
