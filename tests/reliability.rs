@@ -11,6 +11,7 @@ use futures::StreamExt as _;
 use wakebus::bus::Bus;
 use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::{CompletionEvent, Status, TaskRequest};
+use wakebus::wake::ledger::WakeLedger;
 use wakebus::wake::lock::{LockGuard, SessionLocks, Taken};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
@@ -1423,4 +1424,44 @@ async fn neither_a_worker_nor_the_wake_queues_pull_requests_while_nats_is_down()
     })
     .await;
     services.stop().await;
+}
+
+/// A combined turn's intent is written after its completions' `posting`
+/// marks and before its post, so a completion marked for a combined turn
+/// whose intent is missing (an instance stopped between the two) was never
+/// posted: it is woken on its own, under its own key, not re-sent under a
+/// combined key that no recorded intent explains (which would report it
+/// twice if another instance later recovered a turn covering it).
+#[tokio::test]
+async fn a_completion_marked_for_a_combined_turn_never_recorded_is_woken_under_its_own_key() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let id = id_of(
+        &Delegator::new(bus.clone())
+            .delegate(Delegation::new("half recorded").session("s.half"))
+            .await
+            .unwrap(),
+    );
+    let state = bus
+        .provision_wake_state(&wakebus::bus::BusSettings::default())
+        .await
+        .unwrap();
+    WakeLedger::new(state.wake_ledger)
+        .mark_posting(&WakeLedger::key(&id, 0), "wake.01JV3S2D6F8H0K2M4P6R8T0W2Y")
+        .await
+        .unwrap();
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    services.stop().await;
+    let posts = api.accepted();
+    assert_eq!(posts.len(), 1, "{posts:?}");
+    assert_eq!(
+        posts[0].header("idempotency-key"),
+        Some(format!("{id}.0.done"))
+    );
+    assert_eq!(posts[0].delegation_ids(), vec![id]);
 }

@@ -295,6 +295,13 @@ impl Router {
                             covers: intent.covers,
                             messages: vec![pending],
                         });
+                    } else if is_combined_key(&idempotency_key) {
+                        // Marked for a combined turn whose intent was never
+                        // stored: the intent is written after every mark
+                        // and before the post, so that turn was never
+                        // posted. Planned afresh (alone, if redelivered).
+                        info!(idempotency_key = %idempotency_key, delegation_id = %pending.event.delegation_id, task_index = pending.event.task_index, "A combined turn was never recorded in full, so never posted; planning its completion afresh.");
+                        fresh.push(pending);
                     } else {
                         // A single post in doubt (singles record no
                         // intent): repeat it alone, under the same key.
@@ -378,8 +385,8 @@ impl Router {
 
     /// One turn for completions never posted before, added to `turns`; if
     /// its ledger writes fail, its messages go back to `held`. A combined
-    /// turn's intent is recorded first, so a post that ends in doubt can be
-    /// repeated exactly.
+    /// turn's intent is recorded before the post, so a post that ends in
+    /// doubt can be repeated exactly.
     async fn new_turn(
         &self,
         mut messages: Vec<Pending>,
@@ -416,7 +423,7 @@ impl Router {
                     .map(|()| key)
             }
             _ => {
-                let key = format!("wake.{}", ulid::Ulid::new());
+                let key = format!("{COMBINED_KEY_PREFIX}{}", ulid::Ulid::new());
                 self.record_intent(&key, &text, &covers).await.map(|()| key)
             }
         };
@@ -438,9 +445,12 @@ impl Router {
         }
     }
 
-    /// Records a combined turn before its post: the intent, then each
-    /// covered completion's `posting` entry, all at once (a mark that
-    /// lands while another fails is read as recorded: the intent exists).
+    /// Records a combined turn before its post: each covered completion's
+    /// `posting` entry (all at once), then the intent, which commits it.
+    /// In that order, any completion a stored intent covers points to it,
+    /// so whichever instance sees it re-sends the turn; a mark without an
+    /// intent (a mark failed, or the instance stopped in between) means
+    /// the turn was never posted, and its completions are planned afresh.
     async fn record_intent(
         &self,
         key: &str,
@@ -448,19 +458,27 @@ impl Router {
         covers: &[String],
     ) -> Result<(), LedgerError> {
         let ledger = &self.shared.ledger;
-        let intent = Intent {
-            text: text.to_owned(),
-            covers: covers.to_vec(),
-        };
-        ledger.put_intent(key, &intent).await?;
         try_join_all(
             covers
                 .iter()
                 .map(|covered| ledger.mark_posting(covered, key)),
         )
         .await?;
-        Ok(())
+        let intent = Intent {
+            text: text.to_owned(),
+            covers: covers.to_vec(),
+        };
+        ledger.put_intent(key, &intent).await
     }
+}
+
+/// How a combined turn's Idempotency-Key begins (`wake.<ULID>`); a
+/// single's is its completion's id.
+const COMBINED_KEY_PREFIX: &str = "wake.";
+
+/// Whether `key` is a combined turn's.
+fn is_combined_key(key: &str) -> bool {
+    key.starts_with(COMBINED_KEY_PREFIX)
 }
 
 /// Most messages [`Router::readable_before`] reads on one subject: a task's
