@@ -83,16 +83,22 @@ fn retry_delay(delivered: i64) -> Duration {
 /// while it reconnects, so during a long outage these periodic acks could
 /// fill it, after which every later send (a hand-back at shutdown
 /// included) would wait for the server to return.
-/// A keep-alive missed while the server is away is no loss; the next one
-/// after the reconnect counts.
-pub async fn keep_alive(message: &jetstream::Message) {
+/// Returns whether it was sent (or tried): a caller whose keep-alive was
+/// skipped tries again after [`KEEP_ALIVE_RETRY`], so that the first one
+/// after a reconnect goes out at once, not a whole period later, when an
+/// outage shorter than the AckWait may already have used most of it.
+pub async fn keep_alive(message: &jetstream::Message) -> bool {
     if !crate::connect::is_connected(&message.context.client()) {
-        return;
+        return false;
     }
     if let Err(error) = message.ack_with(AckKind::Progress).await {
         warn!(%error, subject = %message.subject, "Could not send an in-progress ack.");
     }
+    true
 }
+
+/// How soon a keep-alive skipped while disconnected is tried again.
+pub const KEEP_ALIVE_RETRY: Duration = Duration::from_millis(250);
 
 #[cfg(test)]
 mod tests {

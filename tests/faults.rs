@@ -11,6 +11,7 @@ use std::time::Duration;
 use common::process::{LogsOnPanic, Service, wake_args, worker_args};
 use common::raw;
 use common::*;
+use futures::StreamExt as _;
 use nix::sys::signal::Signal;
 use wakebus::bus::Bus;
 use wakebus::delegate::Delegation;
@@ -861,4 +862,79 @@ async fn a_task_arriving_while_the_only_worker_stops_is_run_by_the_next_worker()
         (Status::Completed, "completed"),
         "{done:?}"
     );
+}
+
+/// A worker cut off from NATS for part of its keep-alive period sends its
+/// next in-progress ack as soon as it is back, not a whole period later:
+/// here the consumer's AckWait (7 s, set by another instance) is shorter
+/// than this worker's own (15 s, a keep-alive every 5 s), and an outage
+/// from one keep-alive to just after the next would otherwise leave the
+/// running task without one until after the AckWait, so that the server
+/// handed it to another worker while it still runs here.
+#[tokio::test]
+async fn a_running_task_gets_its_keep_alive_as_soon_as_its_worker_reconnects() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let proxy = common::proxy::Proxy::start(nats.port).await;
+    let client = async_nats::ConnectOptions::new()
+        .reconnect_delay_callback(|_| Duration::from_millis(100))
+        .connect(format!("nats://127.0.0.1:{}", proxy.port))
+        .await
+        .unwrap();
+    let worker_bus = Bus::new(client, bus.subjects.clone());
+    let mut config = test_worker_config("default");
+    config.ack_wait = Duration::from_secs(15);
+    let mut services = Services::new();
+    services.worker(&worker_bus, shell("sleep 60"), config);
+    publish_until_stored(&bus, &request("s.cut", "keeps running")).await;
+    let wait = Duration::from_secs(30);
+    wait_until(wait, "the task to start", || async {
+        !events(&bus, ".started").await.is_empty()
+    })
+    .await;
+    let tasks = bus.subjects.tasks_stream();
+    let stream = bus.js.get_stream(&tasks).await.unwrap();
+    let name = bus.subjects.worker_consumer("default");
+    let mut consumer_config = stream.consumer_info(&name).await.unwrap().config;
+    consumer_config.ack_wait = Duration::from_secs(7);
+    stream.create_consumer(consumer_config).await.unwrap();
+
+    let mut acks = bus
+        .client
+        .subscribe(format!("$JS.ACK.{tasks}.>"))
+        .await
+        .unwrap();
+    let in_progress = |message: &async_nats::Message| message.payload.as_ref() == b"+WPI";
+    let next_keep_alive = async |acks: &mut async_nats::Subscriber| {
+        tokio::time::timeout(wait, async {
+            while let Some(message) = acks.next().await {
+                if in_progress(&message) {
+                    return;
+                }
+            }
+        })
+        .await
+        .expect("a keep-alive");
+    };
+    next_keep_alive(&mut acks).await;
+    // From one keep-alive to just past the next one's time.
+    proxy.cut();
+    let cut = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(5300)).await;
+    proxy.restore();
+    next_keep_alive(&mut acks).await;
+    let back = cut.elapsed();
+    assert!(
+        back < Duration::from_secs(7),
+        "keep-alive {back:?} after the last"
+    );
+    // Past the AckWait counted from the last keep-alive before the cut.
+    tokio::time::sleep(Duration::from_secs(10).saturating_sub(cut.elapsed())).await;
+    let info = stream.consumer_info(&name).await.unwrap();
+    assert_eq!(
+        info.num_redelivered, 0,
+        "handed to another worker: {info:?}"
+    );
+    services.stop().await;
 }

@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod nats;
 pub mod pki;
 pub mod process;
+pub mod proxy;
 pub mod raw;
 pub mod roles;
 pub mod session_api;

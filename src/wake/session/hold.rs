@@ -72,10 +72,14 @@ impl Hold {
                 output = &mut work => return output,
                 Some(p) = self.rx.recv() => self.held.push(*p),
                 () = tokio::time::sleep_until(self.keep_alive_at) => {
+                    let mut skipped = false;
                     for p in in_hand(&self.held, turns) {
-                        crate::outcome::keep_alive(&p.message).await;
+                        skipped |= !crate::outcome::keep_alive(&p.message).await;
                     }
-                    self.keep_alive_at = Instant::now() + self.interval;
+                    // Skipped while disconnected: again soon, so that the
+                    // first after the reconnect is not a period late.
+                    let next = if skipped { crate::outcome::KEEP_ALIVE_RETRY } else { self.interval };
+                    self.keep_alive_at = Instant::now() + next;
                 }
             }
         }

@@ -72,7 +72,9 @@ impl TaskHandler {
                 _ = keepalive.tick() => {
                     // Tell the server we are alive so AckWait does not hand
                     // the task to another worker.
-                    crate::outcome::keep_alive(message).await;
+                    if !crate::outcome::keep_alive(message).await {
+                        keepalive.reset_after(crate::outcome::KEEP_ALIVE_RETRY);
+                    }
                 }
                 Ok(()) = reports.changed() => {
                     unpublished = true;

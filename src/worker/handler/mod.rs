@@ -386,7 +386,9 @@ impl TaskHandler {
             let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
             loop {
                 ticks.tick().await;
-                keep_alive(message).await;
+                if !keep_alive(message).await {
+                    ticks.reset_after(crate::outcome::KEEP_ALIVE_RETRY);
+                }
             }
         };
         tokio::select! {
