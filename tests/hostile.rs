@@ -934,3 +934,62 @@ async fn a_sweep_removes_only_unreadable_messages_of_its_own_consumer() {
         "pool b's message was removed"
     );
 }
+
+/// A copy of a real task whose origin header contradicts its body is
+/// refused, and its `error` completion gets an id of its own: stored under
+/// the real task's completion id, it would take the real completion's
+/// place (JetStream drops the later one as a duplicate), and the real
+/// session would never hear its result.
+#[tokio::test]
+async fn a_copy_of_a_task_with_a_mismatched_origin_cannot_take_the_real_completions_place() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    let real = request("s.real", "the real work");
+    let forged_id = format!("{}.0.forged", real.delegation_id);
+    let headers = wakebus::protocol::EventHeaders {
+        id: &forged_id,
+        ce_type: "io.wakebus.task.requested",
+        source: "test",
+        origin_session: Some("s.other"),
+        delegation_id: &real.delegation_id,
+        task_index: 0,
+        traceparent: wakebus::protocol::TraceParent::new_root(),
+    }
+    .to_header_map();
+    bus.js
+        .publish_with_headers(
+            bus.subjects.task("default"),
+            headers,
+            serde_json::to_vec(&real).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wait_until(WAIT, "the forged copy's error completion", || async {
+        !done_events(&bus).await.is_empty()
+    })
+    .await;
+    let refused = &done_events(&bus).await[0];
+    assert_eq!(refused.status, Status::Error);
+    assert_ne!(refused.delegation_id, real.delegation_id);
+
+    publish_until_stored(&bus, &real).await;
+    wait_until(WAIT, "the real session's wake", || async {
+        api.accepted().iter().any(|post| post.session() == "s.real")
+    })
+    .await;
+    services.stop().await;
+    let woken = api.accepted();
+    assert_eq!(woken.len(), 1, "only the real session is woken");
+    assert!(
+        woken[0].text().contains("Status: completed"),
+        "{}",
+        woken[0].text()
+    );
+}

@@ -26,6 +26,10 @@ pub struct Rejected {
     /// The batch the task belongs to, as far as the body says, so that an
     /// unusable member still completes its batch.
     pub batch: Option<(u32, crate::protocol::WakeMode, bool)>,
+    /// Whether its origin header contradicts its body: a forged or
+    /// mismatched copy, whose claim to be its task cannot be trusted, so
+    /// that its `error` completion must not take the real one's id.
+    pub forged: bool,
 }
 
 /// Longest rejection reason kept: serde errors may quote the offending input.
@@ -57,6 +61,7 @@ pub fn decode_request(
         };
         // With a forged or mismatched origin, wake nobody: the body's claim
         // is exactly what cannot be trusted.
+        let forged = matches!(err, crate::protocol::DecodeError::OriginMismatch);
         let origin_session = match err {
             crate::protocol::DecodeError::OriginMismatch => None,
             _ => origin_header
@@ -87,6 +92,7 @@ pub fn decode_request(
             task_index,
             origin_session,
             batch,
+            forged,
         }
     })
 }

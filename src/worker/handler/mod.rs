@@ -527,10 +527,12 @@ impl TaskHandler {
 /// index, or above the limit) wakes its session on its own, as the last of
 /// an `independent` delegation just long enough to hold its index; one
 /// whose index no batch can hold gets an id of its own (the reason names
-/// the original), since task 0's completion id belongs to the real task 0.
+/// the original), since task 0's completion id belongs to the real task 0,
+/// and so does a forged copy (its origin header contradicting its body),
+/// whose completion would otherwise take the real task's.
 fn stand_in(delegation_id: String, seq: u64, rejected: &Rejected) -> (TaskRequest, String) {
     let (fits, index) = match rejected.task_index {
-        Some(index) if index < crate::protocol::MAX_TASK_COUNT => (true, index),
+        Some(index) if index < crate::protocol::MAX_TASK_COUNT && !rejected.forged => (true, index),
         _ => (false, 0),
     };
     let (id, reason) = if fits {
@@ -549,7 +551,7 @@ fn stand_in(delegation_id: String, seq: u64, rejected: &Rejected) -> (TaskReques
     stand_in
         .origin_session_id
         .clone_from(&rejected.origin_session);
-    match rejected.batch {
+    match rejected.batch.filter(|_| fits) {
         Some((count, mode, notify)) => {
             stand_in.task_index = index;
             stand_in.task_count = count;
