@@ -993,3 +993,47 @@ async fn a_copy_of_a_task_with_a_mismatched_origin_cannot_take_the_real_completi
         woken[0].text()
     );
 }
+
+/// Unusable completions whose dead letters the DLQ does not answer (here:
+/// a wake whose user may not publish them, so each waits out the
+/// JetStream timeout, as during a DLQ leader election) do not hold up the
+/// real wakes that arrive behind them.
+#[tokio::test]
+async fn unusable_completions_whose_dead_letters_hang_do_not_hold_up_real_wakes() {
+    init_logs();
+    let prefix = unique_prefix();
+    let subjects = wakebus::protocol::Subjects::new(&prefix).unwrap();
+    let server =
+        common::nats::LimitedUserServer::start(&[subjects.dead_letter_wake("poison")]).await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&server.nats.url(), &prefix).await;
+    let client = server.limited_config().connect().await.unwrap();
+    let wake_bus = Bus::new(client, subjects);
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&wake_bus, test_wake_config(&api.url()));
+    let token = session_token("s.behind");
+    for i in 0..5 {
+        bus.js
+            .publish(
+                format!("{prefix}.evt.{token}.poison{i}.0.done"),
+                "not a completion".into(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("behind the poison").session("s.behind"))
+        .await
+        .unwrap();
+    // Well before the five dead letters, one after another, could have
+    // timed out (5 s each).
+    wait_until(Duration::from_secs(10), "the real wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(api.accepted().len(), 1);
+}

@@ -257,7 +257,16 @@ pub async fn run(
                         Ok((event, session)) => {
                             gate.route(pending(message, event, session), &router);
                         }
-                        Err(admission) => outcome_for(&shared, &message, admission).await,
+                        Err(Admission::NothingToWake) => Outcome::Ack.apply(&message).await,
+                        // In a task, as the origin checks are: a dead
+                        // letter the DLQ is slow to take (no leader, a
+                        // full store) must not hold up every session.
+                        Err(Admission::Poison(reason)) => {
+                            let shared = shared.clone();
+                            tracker.spawn(async move {
+                                dead_letter_poison(&shared, &message, reason).await;
+                            });
+                        }
                     }
                 }
                 // The pull request went silent (two heartbeats missed: it
@@ -430,28 +439,25 @@ pub fn check_completion(
     Ok((event, session))
 }
 
-async fn outcome_for(shared: &Shared, message: &jetstream::Message, admission: Admission) {
-    match admission {
-        Admission::NothingToWake => Outcome::Ack.apply(message).await,
-        Admission::Poison(reason) => {
-            warn!(subject = %message.subject, %reason, "Dead-lettering an unusable completion.");
-            let bus = &shared.bus;
-            let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
-            let published = bus
-                .dead_letter(
-                    bus.subjects.dead_letter_wake("poison"),
-                    message,
-                    &reason,
-                    &format!("dlq.wake.poison.{seq}"),
-                    "poison",
-                )
-                .await
-                .is_ok();
-            if published {
-                Outcome::Term(reason).apply(message).await;
-            } else {
-                Outcome::retry_later(message).apply(message).await;
-            }
-        }
+/// Dead-letters an unusable completion, then terminates it; one whose dead
+/// letter is not stored comes back later.
+async fn dead_letter_poison(shared: &Shared, message: &jetstream::Message, reason: String) {
+    warn!(subject = %message.subject, %reason, "Dead-lettering an unusable completion.");
+    let bus = &shared.bus;
+    let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
+    let published = bus
+        .dead_letter(
+            bus.subjects.dead_letter_wake("poison"),
+            message,
+            &reason,
+            &format!("dlq.wake.poison.{seq}"),
+            "poison",
+        )
+        .await
+        .is_ok();
+    if published {
+        Outcome::Term(reason).apply(message).await;
+    } else {
+        Outcome::retry_later(message).apply(message).await;
     }
 }

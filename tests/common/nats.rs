@@ -382,6 +382,15 @@ no_auth_user: all
         ]
     }
 
+    /// Connection settings for `limited`, as a service would use them.
+    pub fn limited_config(&self) -> wakebus::connect::NatsConfig {
+        wakebus::connect::NatsConfig {
+            user: Some("limited".to_owned()),
+            password_file: Some(self.dir.path().join("limited.password")),
+            ..wakebus::connect::NatsConfig::new(self.nats.url())
+        }
+    }
+
     /// Runs `wakebus <args>` under `prefix`, authenticated as `limited`.
     pub async fn wakebus_as_limited(&self, prefix: &str, args: &[&str]) -> super::cli::Run {
         let mut all = self.limited_args();
