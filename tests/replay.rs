@@ -1023,3 +1023,72 @@ async fn replay_with_force_posts_a_second_turn_even_when_an_earlier_forced_run_c
     assert_eq!(api.accepted()[1].header("idempotency-key"), Some(key));
     assert_eq!(api.turns().len(), 2, "a second turn, not a repeat");
 }
+
+/// A forced replay copy held together with an ordinary copy of the same
+/// completion (one published again, arrived first) is posted under the
+/// forced copy's new key: under the old one, an API that honours
+/// Idempotency-Key would drop the deliberate second turn as a repeat.
+#[tokio::test]
+async fn a_forced_replay_keeps_its_new_key_when_an_ordinary_copy_is_held_with_it() {
+    let p = Pipeline::start().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
+    let session = "s.force.both";
+    let id = delivered_wake(&bus, &api, session).await;
+    // Another instance holds the session, so both copies wait together.
+    let ttl = Duration::from_secs(30);
+    let locks = wakebus::wake::lock::SessionLocks::new(
+        bus.js.clone(),
+        session_lock_bucket(&bus, ttl).await,
+        "another-wake",
+        ttl,
+    );
+    let token = session_token(session);
+    let guard = eventually(WAIT, "the session's lock to be free", || async {
+        locks.try_acquire(&token).await.ok().flatten()
+    })
+    .await;
+    let stored = all_messages(&bus, &bus.subjects.events_stream())
+        .await
+        .into_iter()
+        .find(|m| m.subject.ends_with(".done"))
+        .expect("the completion");
+    let mut headers = stored.headers.clone();
+    headers.insert("Nats-Msg-Id", "a-later-rerun");
+    bus.js
+        .publish_with_headers(stored.subject.to_string(), headers, stored.payload.clone())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let held = |n: usize| {
+        let bus = bus.clone();
+        async move {
+            wait_until(WAIT, "the copies to wait in the wake", || async {
+                wake_consumer_info(&bus)
+                    .await
+                    .is_some_and(|info| info.num_ack_pending == n && info.num_pending == 0)
+            })
+            .await;
+        }
+    };
+    held(1).await;
+    let forced = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id, "--force"],
+    )
+    .await
+    .ok_json();
+    let key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
+    held(2).await;
+    locks.release(guard).await;
+    wait_until(WAIT, "the forced second turn", || async {
+        api.turns().len() == 2
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let posts = api.accepted();
+    assert_eq!(posts.len(), 2, "{posts:?}");
+    assert_eq!(posts[1].header("idempotency-key"), Some(key));
+}

@@ -415,7 +415,13 @@ impl Router {
                 // (ledger write failed, ack lost, even a redelivery count
                 // lost in a failover), the completion is re-sent alone under
                 // this key and never joins a new combined turn.
-                let key = messages[0].event_key();
+                // A forced replay copy's new key wins over an ordinary
+                // copy of the same task held with it.
+                let key = messages
+                    .iter()
+                    .find(|p| p.forced_key("").is_some())
+                    .unwrap_or(&messages[0])
+                    .event_key();
                 self.shared
                     .ledger
                     .mark_posting(&covers[0], &key)
