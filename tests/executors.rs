@@ -30,6 +30,8 @@ enum Reply {
     Status(u16),
     /// Never answers (until the client gives up).
     Hang,
+    /// 200 with an answer that never ends.
+    Endless,
 }
 
 #[derive(Default)]
@@ -118,6 +120,12 @@ async fn answer(
         }))
         .into_response(),
         Reply::Status(code) => (StatusCode::from_u16(code).unwrap(), "model says no").into_response(),
+        Reply::Endless => {
+            let endless = futures::stream::repeat_with(|| {
+                Ok::<_, std::convert::Infallible>(bytes::Bytes::from_static(&[b' '; 65536]))
+            });
+            (StatusCode::OK, axum::body::Body::from_stream(endless)).into_response()
+        }
         Reply::Hang => {
             let _abandoned = CountWhenDropped(state.clone());
             tokio::time::sleep(Duration::from_secs(3600)).await;
@@ -531,4 +539,24 @@ async fn a_process_that_left_the_group_holding_the_output_does_not_hold_the_task
     );
     assert_eq!(done.status, Status::Completed, "{done:?}");
     assert!(done.truncated, "the lost output is flagged: {done:?}");
+}
+
+/// An endpoint whose answer never ends (a misbehaving proxy) fails the
+/// task once the answer passes 16 MiB, instead of filling the worker's
+/// memory until the call times out.
+#[tokio::test]
+async fn an_llm_answer_that_never_ends_fails_the_task_at_a_bounded_size() {
+    init_logs();
+    let model = ModelServer::start(vec![Reply::Endless]).await;
+    let (done, _bus, _nats) = run_one(model.executor(), Delegation::new("talk forever")).await;
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Failed, "llm_refused")
+    );
+    assert!(
+        done.error
+            .as_deref()
+            .is_some_and(|e| e.contains("larger than 16777216 bytes")),
+        "{done:?}"
+    );
 }

@@ -284,14 +284,7 @@ impl SessionApi {
             return PostResult::Delivered;
         }
         let after = retry_after(response.headers().get(RETRY_AFTER));
-        let mut body = response.text().await.unwrap_or_default();
-        if body.len() > 2048 {
-            let mut cut = 2048;
-            while !body.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            body.truncate(cut);
-        }
+        let body = error_body(response).await;
         if is_retryable(status) {
             PostResult::Retry {
                 reason: format!("session API answered {status}"),
@@ -405,6 +398,31 @@ async fn drain(mut response: reqwest::Response) {
 /// Larger answers are left unread (their connection is closed).
 const MAX_DRAINED_ANSWER: usize = 1024 * 1024;
 
+/// The start of a refusal's or failure's answer, for the log and the dead
+/// letter: at most [`MAX_ERROR_BODY`] bytes are read, within
+/// [`DRAIN_PATIENCE`], however much a misbehaving server or proxy sends.
+async fn error_body(mut response: reqwest::Response) -> String {
+    let mut body = Vec::new();
+    let reading = async {
+        while let Ok(Some(chunk)) = response.chunk().await {
+            body.extend_from_slice(&chunk[..chunk.len().min(MAX_ERROR_BODY - body.len())]);
+            if body.len() >= MAX_ERROR_BODY {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(DRAIN_PATIENCE, reading).await;
+    let mut body = String::from_utf8_lossy(&body).into_owned();
+    // A character cut at the limit is not part of the text.
+    if body.len() >= MAX_ERROR_BODY && body.ends_with(char::REPLACEMENT_CHARACTER) {
+        body.pop();
+    }
+    body
+}
+
+/// Most of an error answer kept.
+const MAX_ERROR_BODY: usize = 2048;
+
 /// How long a delivered post's answer may take to arrive in full before
 /// its connection is given up instead.
 const DRAIN_PATIENCE: Duration = Duration::from_secs(1);
@@ -487,6 +505,54 @@ mod tests {
         }
         for code in [400, 401, 403, 404, 409, 422] {
             assert!(!is_retryable(StatusCode::from_u16(code).unwrap()), "{code}");
+        }
+    }
+
+    /// A refusal whose answer never ends (a misbehaving server or proxy)
+    /// is read only up to its first 2 KiB, and not for ever.
+    #[tokio::test]
+    async fn only_the_start_of_an_endless_refusal_is_read() {
+        use axum::body::Body;
+        use axum::response::IntoResponse;
+        let endless = futures::stream::repeat_with(|| {
+            Ok::<_, std::convert::Infallible>(bytes::Bytes::from_static(&[b'x'; 8192]))
+        });
+        let app = axum::Router::new().fallback(move || async move {
+            (StatusCode::BAD_REQUEST, Body::from_stream(endless)).into_response()
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let api = SessionApi::new(
+            &SessionApiConfig {
+                base_url: url,
+                api_key: None,
+                model: "m".to_owned(),
+                request_timeout: Duration::from_secs(60),
+            },
+            &PostShape::Hermes,
+            &HttpSecurity::default(),
+        )
+        .unwrap();
+        let result = tokio::time::timeout(
+            Duration::from_secs(20),
+            api.post(Post {
+                session: "s",
+                text: "t",
+                idempotency_key: "k",
+                traceparent: None,
+                covers: &[],
+                events: &[],
+            }),
+        )
+        .await
+        .expect("the answer is not read to its (missing) end");
+        match result {
+            PostResult::Rejected { status, body } => {
+                assert_eq!(status, 400);
+                assert_eq!(body.len(), MAX_ERROR_BODY);
+            }
+            other => panic!("{other:?}"),
         }
     }
 

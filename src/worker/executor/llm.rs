@@ -276,13 +276,29 @@ impl LlmExecutor {
             )));
         }
         if !status.is_success() {
-            let body = response.text().await.unwrap_or_default();
-            let body: String = body.chars().take(500).collect();
+            let body = match read_at_most(response, MAX_REFUSAL_BYTES).await {
+                Ok(body) | Err(Unread::TooLarge(body)) => body,
+                Err(Unread::BrokeOff(_)) => Vec::new(),
+            };
+            let body: String = String::from_utf8_lossy(&body).chars().take(500).collect();
             return Ok(Call::Refused(format!(
                 "LLM endpoint answered {status}: {body}"
             )));
         }
-        let parsed: ChatResponse = response.json().await.map_err(|e| {
+        let body = match read_at_most(response, MAX_ANSWER_BYTES).await {
+            Ok(body) => body,
+            Err(Unread::TooLarge(_)) => {
+                return Ok(Call::Refused(format!(
+                    "LLM endpoint's answer is larger than {MAX_ANSWER_BYTES} bytes"
+                )));
+            }
+            Err(Unread::BrokeOff(error)) => {
+                return Err(ExecError::Transient(format!(
+                    "LLM endpoint's answer broke off: {error}"
+                )));
+            }
+        };
+        let parsed: ChatResponse = serde_json::from_slice(&body).map_err(|e| {
             ExecError::Transient(format!("LLM response is not a chat completion: {e}"))
         })?;
         let answer = parsed
@@ -293,6 +309,35 @@ impl LlmExecutor {
             .unwrap_or_default();
         Ok(Call::Answer(answer, parsed.usage.unwrap_or_default()))
     }
+}
+
+/// Most of an answer read: far above any chat completion, so that only a
+/// misbehaving endpoint (or a proxy in front of it) reaches it, and a
+/// worker's memory stays bounded by it times its concurrency.
+const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
+
+/// Most of a refusal's answer read (500 characters of it are kept).
+const MAX_REFUSAL_BYTES: usize = 4096;
+
+/// Why an answer was not read whole.
+enum Unread {
+    /// It is longer than the limit; its start.
+    TooLarge(Vec<u8>),
+    /// Reading it failed (a timeout, a dropped connection).
+    BrokeOff(reqwest::Error),
+}
+
+/// The body of `response`, if it is at most `limit` bytes.
+async fn read_at_most(mut response: reqwest::Response, limit: usize) -> Result<Vec<u8>, Unread> {
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(Unread::BrokeOff)? {
+        if body.len() + chunk.len() > limit {
+            body.extend_from_slice(&chunk[..limit - body.len()]);
+            return Err(Unread::TooLarge(body));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
 }
 
 /// Checks that `answer` is JSON satisfying `schema`; says why not.
