@@ -21,7 +21,7 @@ use async_nats::jetstream;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::bus::{Bus, BusSettings, ProvisionError, PullRetry, ServiceConsumer};
 use crate::ops::service::{Registration, register};
@@ -284,7 +284,16 @@ pub async fn run(
                         () = tokio::time::sleep(delay) => continue 'consume,
                     }
                 }
-                None => continue 'consume,
+                // The pull stream ended (its subscription closed): paced
+                // like a failure, so that a stream ending again at once
+                // cannot make a tight loop.
+                None => {
+                    let delay = pulls.failed(&"the pull stream ended");
+                    tokio::select! {
+                        () = &mut shutdown => break 'consume,
+                        () = tokio::time::sleep(delay) => continue 'consume,
+                    }
+                }
             }
         }
     }
@@ -371,7 +380,12 @@ fn lock_ttl(settings: &BusSettings, bucket: &async_nats::jetstream::kv::Store) -
         settings.session_lock_ttl,
         bucket.stream.cached_info().config.max_age,
     );
-    if kept.is_zero() || kept == setting {
+    if kept.is_zero() {
+        // Made by hand, or changed: only the bucket's age expires a lock.
+        error!(bucket = %bucket.name, "The session-lock bucket keeps locks for ever (no max age): a lock whose wake instance died is never released, and its session is never woken again. Run `wakebus --session-lock-ttl 30s init` to set it.");
+        return setting;
+    }
+    if kept == setting {
         return setting;
     }
     if settings.session_lock_ttl_change == crate::bus::AgeChange::Keep {
