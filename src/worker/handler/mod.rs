@@ -223,6 +223,14 @@ impl TaskHandler {
                 .await;
         }
 
+        // The grace period ended while it was being checked (the "already
+        // done?" question can take a while): not started now, only to be
+        // stopped at once, but handed back for another worker.
+        if stop.is_cancelled() {
+            info!("The worker is stopping; handing the task back instead of starting it.");
+            return Outcome::HandBack;
+        }
+
         // Register before looking for a cancel record: a cancel either is
         // recorded already or finds this run registered when it broadcasts.
         let run_stop = stop.child_token();
