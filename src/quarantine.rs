@@ -253,6 +253,22 @@ pub enum SweepError {
         /// What happened.
         reason: String,
     },
+    /// The messages after the ack floor could not be read (a user that may
+    /// not read them, as a least-privileged worker): one of them may be
+    /// the culprit, for an operator to find.
+    #[error(
+        "cannot read the messages of {stream} from sequence {from} to {to} to check them ({source}); if the connection keeps dropping, one of them is likely unreadable: inspect them with `nats stream get {stream} <SEQ>` and remove the bad one with `nats stream rmm {stream} <SEQ>`"
+    )]
+    Unread {
+        /// The stream.
+        stream: String,
+        /// The first sequence not yet checked.
+        from: u64,
+        /// The stream's last sequence.
+        to: u64,
+        /// Why the read failed.
+        source: Box<SweepError>,
+    },
 }
 
 impl Bus {
@@ -326,7 +342,13 @@ pub async fn sweep(
                 format!("$JS.API.STREAM.MSG.GET.{stream}"),
                 request.to_string(),
             )
-            .await?;
+            .await
+            .map_err(|source| SweepError::Unread {
+                stream: stream.to_owned(),
+                from: seq,
+                to: last,
+                source: Box::new(source),
+            })?;
         let Some(message) = got.message else {
             if filter.is_some() {
                 break; // nothing more this consumer takes

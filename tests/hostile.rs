@@ -1037,3 +1037,65 @@ async fn unusable_completions_whose_dead_letters_hang_do_not_hold_up_real_wakes(
     services.stop().await;
     assert_eq!(api.accepted().len(), 1);
 }
+
+/// A sweep by a user that may not read messages (a least-privileged worker)
+/// cannot find an unreadable one itself; its error names the sequences an
+/// operator should look at and the commands to do it with.
+#[tokio::test]
+async fn a_sweep_that_may_not_read_messages_names_the_range_to_inspect() {
+    init_logs();
+    let prefix = unique_prefix();
+    let server =
+        common::nats::LimitedUserServer::start(&["$JS.API.STREAM.MSG.GET.>".to_owned()]).await;
+    let bus = bus(&server.nats.url(), &prefix).await;
+    let consumer = bus
+        .worker_consumer("a", Duration::from_secs(30))
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let body = request_body(&unique_prefix(), "s.range", "g", "");
+        bus.js
+            .publish(bus.subjects.task("a"), body.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    // The first acked, the second delivered and left unacknowledged.
+    let mut delivered = consumer.fetch().max_messages(2).messages().await.unwrap();
+    delivered
+        .next()
+        .await
+        .unwrap()
+        .unwrap()
+        .ack()
+        .await
+        .unwrap();
+    delivered.next().await.unwrap().unwrap();
+
+    let limited = Bus::new(
+        server.limited_config().connect().await.unwrap(),
+        wakebus::protocol::Subjects::new(&prefix).unwrap(),
+    );
+    let tasks = bus.subjects.tasks_stream();
+    let error = wakebus::quarantine::sweep(
+        &limited,
+        &tasks,
+        &bus.subjects.worker_consumer("a"),
+        &bus.subjects.dead_letter_task("a"),
+    )
+    .await
+    .expect_err("it may not read the messages");
+    assert!(
+        matches!(
+            error,
+            wakebus::quarantine::SweepError::Unread { from: 2, to: 3, .. }
+        ),
+        "{error}"
+    );
+    let said = error.to_string();
+    assert!(
+        said.contains(&format!("nats stream rmm {tasks} <SEQ>")),
+        "{said}"
+    );
+}
