@@ -356,8 +356,8 @@ pub(crate) enum ExecutorKind {
 #[derive(Debug, Args)]
 #[command(group(clap::ArgGroup::new("target").required(true).args(["api_url", "webhook_url"])))]
 pub(crate) struct WakeArgs {
-    /// Base URL of the session API (Hermes: http://127.0.0.1:8642);
-    /// required unless --webhook-url is given.
+    /// Base URL of the session API, without /v1 (Hermes:
+    /// http://127.0.0.1:8642); required unless --webhook-url is given.
     #[arg(long, env = "WAKEBUS_API_URL")]
     pub(crate) api_url: Option<String>,
     /// Instead of Hermes: post each wake to this URL as a signed webhook

@@ -175,7 +175,16 @@ pub enum SessionApiError {
         /// What went wrong.
         reason: String,
     },
-    /// A webhook shape without any signing secret.
+    /// A Hermes base URL that already ends in the version, to which
+    /// `/v1/chat/completions` would be appended.
+    #[error(
+        "the API URL {url:?} ends in /v1, and /v1/chat/completions is appended to it: give the server's base URL (without /v1)"
+    )]
+    VersionInBaseUrl {
+        /// The URL as given (credentials hidden).
+        url: String,
+    },
+    /// A webhook shape without a secret to sign with.
     #[error("a webhook needs at least one signing secret")]
     NoWebhookSecret,
 }
@@ -190,6 +199,15 @@ impl SessionApi {
         security: &HttpSecurity,
     ) -> Result<Self, SessionApiError> {
         check_url(&config.base_url, security)?;
+        // Every post would go to /v1/v1/chat/completions, a 404: each wake
+        // dead-lettered as refused.
+        if matches!(shape, PostShape::Hermes)
+            && config.base_url.trim_end_matches('/').ends_with("/v1")
+        {
+            return Err(SessionApiError::VersionInBaseUrl {
+                url: redacted_url(&config.base_url),
+            });
+        }
         if matches!(shape, PostShape::Webhook { secrets } if secrets.is_empty()) {
             return Err(SessionApiError::NoWebhookSecret);
         }
@@ -497,6 +515,28 @@ fn error_chain(error: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hermes_base_url_ending_in_the_version_is_refused_at_start() {
+        let config = |base_url: &str| SessionApiConfig {
+            base_url: base_url.to_owned(),
+            api_key: None,
+            model: "m".to_owned(),
+            request_timeout: Duration::from_secs(1),
+        };
+        let security = HttpSecurity::default();
+        for bad in ["http://127.0.0.1:8642/v1", "http://127.0.0.1:8642/gw/v1/"] {
+            let error =
+                SessionApi::new(&config(bad), &PostShape::Hermes, &security).expect_err(bad);
+            assert!(
+                matches!(error, SessionApiError::VersionInBaseUrl { .. }),
+                "{error}"
+            );
+        }
+        for good in ["http://127.0.0.1:8642", "http://127.0.0.1:8642/gw/"] {
+            assert!(SessionApi::new(&config(good), &PostShape::Hermes, &security).is_ok());
+        }
+    }
 
     #[test]
     fn only_timeouts_throttling_and_server_errors_are_retried() {
