@@ -58,6 +58,10 @@ pub struct StatusReport {
     pub consumers: Vec<ConsumerStatus>,
     /// Dead letters by kind.
     pub dead_letters: DeadLetterCounts,
+    /// Requests waiting in the task queue, by pool, and the pools nothing
+    /// serves.
+    #[serde(default)]
+    pub queued: QueuedTasks,
     /// Live workers and wake instances.
     pub services: Vec<ServiceStatus>,
     /// Sessions with undelivered wakes, oldest first.
@@ -85,12 +89,17 @@ impl StatusReport {
             .error
             .as_ref()
             .map(|_| Unread::DeadLetters);
+        let queued = self.queued.error.as_ref().map(|_| Unread::QueuedTasks);
         let scan = self
             .undelivered_scan
             .error
             .as_ref()
             .map(|_| Unread::UndeliveredScan);
-        streams.chain(dead_letters).chain(scan).collect()
+        streams
+            .chain(dead_letters)
+            .chain(queued)
+            .chain(scan)
+            .collect()
     }
 }
 
@@ -105,6 +114,8 @@ pub enum Unread {
     Consumers(String),
     /// The dead-letter counts.
     DeadLetters,
+    /// The queued requests by pool.
+    QueuedTasks,
     /// The scan for undelivered wakes.
     UndeliveredScan,
 }
@@ -115,6 +126,7 @@ impl std::fmt::Display for Unread {
             Self::Stream(name) => f.write_str(name),
             Self::Consumers(stream) => write!(f, "{stream}'s consumers"),
             Self::DeadLetters => f.write_str("the dead letters"),
+            Self::QueuedTasks => f.write_str("the queued tasks"),
             Self::UndeliveredScan => f.write_str("the undelivered scan"),
         }
     }
@@ -214,6 +226,25 @@ pub struct DeadLetterCounts {
     pub wakes: u64,
     /// Completions that could not be used at all.
     pub poison: u64,
+    /// Why they could not be counted (the counts are then zero).
+    pub error: Option<String>,
+}
+
+/// Requests in the task queue (queued, or running and not yet acked), by
+/// pool: a pool without a consumer or a live worker holds its requests
+/// for ever (a mistyped `--pool`, a retired pool), which no other count
+/// shows.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct QueuedTasks {
+    /// All of them.
+    pub total: u64,
+    /// By pool.
+    pub pools: BTreeMap<String, u64>,
+    /// Pools with requests but no worker consumer (`worker-<pool>`).
+    pub without_consumer: Vec<String>,
+    /// Pools with requests but no live worker instance found (a consumer
+    /// may exist).
+    pub without_worker: Vec<String>,
     /// Why they could not be counted (the counts are then zero).
     pub error: Option<String>,
 }
@@ -320,6 +351,28 @@ pub async fn collect(bus: &Bus, options: &StatusOptions) -> Result<StatusReport,
     );
     let mut services = workers?;
     services.extend(wakes?);
+    let tasks_stream = streams
+        .iter()
+        .find(|stream| stream.name == s.tasks_stream());
+    let queued = match tasks_stream {
+        Some(stream) if stream.present == Some(false) => QueuedTasks::default(),
+        Some(stream) if stream.present.is_none() => QueuedTasks {
+            error: stream.error.clone(),
+            ..QueuedTasks::default()
+        },
+        None => QueuedTasks::default(),
+        // Its consumers not read: no pool can be said to lack one.
+        Some(stream) => queued_tasks(
+            bus,
+            stream.error.is_none().then_some(&consumers[..]),
+            &services,
+        )
+        .await
+        .unwrap_or_else(|error| QueuedTasks {
+            error: Some(error.to_string()),
+            ..QueuedTasks::default()
+        }),
+    };
     services.sort_by(|a, b| {
         (&a.snapshot.kind, &a.snapshot.pool, &a.snapshot.instance).cmp(&(
             &b.snapshot.kind,
@@ -367,6 +420,7 @@ pub async fn collect(bus: &Bus, options: &StatusOptions) -> Result<StatusReport,
         streams,
         consumers,
         dead_letters,
+        queued,
         services,
         oldest_undelivered,
         undelivered_scan,
@@ -508,6 +562,59 @@ async fn dead_letter_counts(bus: &Bus) -> Result<DeadLetterCounts, StatusError> 
         }
     }
     Ok(counts)
+}
+
+/// The task queue's requests by pool, and the pools with requests that no
+/// consumer, or no live worker, serves. Without the task stream's
+/// consumers (`None`: not read), no pool is said to lack one.
+async fn queued_tasks(
+    bus: &Bus,
+    consumers: Option<&[ConsumerStatus]>,
+    services: &[ServiceStatus],
+) -> Result<QueuedTasks, StatusError> {
+    let s = &bus.subjects;
+    let name = s.tasks_stream();
+    let stream = bus
+        .js
+        .get_stream(&name)
+        .await
+        .map_err(|e| read_error(&name, e))?;
+    let mut subjects = stream
+        .info_with_subjects(s.tasks_all())
+        .await
+        .map_err(|e| read_error(format!("subjects of {name}"), e))?;
+    let mut queued = QueuedTasks::default();
+    // `<prefix>.task.`, the pool follows.
+    let task_prefix = s.task("");
+    while let Some((subject, count)) = subjects
+        .try_next()
+        .await
+        .map_err(|e| read_error(format!("subjects of {name}"), e))?
+    {
+        let Some(pool) = subject.strip_prefix(task_prefix.as_str()) else {
+            continue;
+        };
+        queued.total += count as u64;
+        *queued.pools.entry(pool.to_owned()).or_default() += count as u64;
+    }
+    for (pool, _) in queued.pools.iter().filter(|(_, count)| **count > 0) {
+        let consumer = s.worker_consumer(pool);
+        let has_consumer = |consumers: &[ConsumerStatus]| {
+            consumers
+                .iter()
+                .any(|c| c.stream == name && c.name == consumer)
+        };
+        if consumers.is_some_and(|consumers| !has_consumer(consumers)) {
+            queued.without_consumer.push(pool.clone());
+        }
+        let served = services.iter().any(|service| {
+            service.snapshot.kind == "worker" && service.snapshot.pool.as_deref() == Some(pool)
+        });
+        if !served {
+            queued.without_worker.push(pool.clone());
+        }
+    }
+    Ok(queued)
 }
 
 /// A `$SRV.STATS` reply, as far as status needs it.
@@ -727,6 +834,7 @@ mod tests {
         report["streams"][0]["error"] = "timed out".into();
         report["streams"][1]["error"] = "cannot read the consumers".into();
         report["dead_letters"]["error"] = "refused".into();
+        report["queued"] = serde_json::json!({"total": 0, "pools": {}, "without_consumer": [], "without_worker": [], "error": "timed out"});
         report["undelivered_scan"]["error"] = "no consumer".into();
         let parts = unread(report);
         assert_eq!(
@@ -735,13 +843,14 @@ mod tests {
                 Unread::Stream("WAKEBUS_TASKS".to_owned()),
                 Unread::Consumers("WAKEBUS_EVENTS".to_owned()),
                 Unread::DeadLetters,
+                Unread::QueuedTasks,
                 Unread::UndeliveredScan,
             ]
         );
         let text: Vec<String> = parts.iter().map(ToString::to_string).collect();
         assert_eq!(
             text.join(", "),
-            "WAKEBUS_TASKS, WAKEBUS_EVENTS's consumers, the dead letters, the undelivered scan"
+            "WAKEBUS_TASKS, WAKEBUS_EVENTS's consumers, the dead letters, the queued tasks, the undelivered scan"
         );
     }
 

@@ -486,6 +486,45 @@ async fn status_json_reports_streams_consumers_dead_letters_instances_and_waitin
     );
 }
 
+/// Requests for a pool that nothing serves (a mistyped `--pool`) wait in
+/// the queue for ever: `status` counts the queue by pool and names the
+/// pools without a consumer or a live worker.
+#[tokio::test]
+async fn status_names_the_pools_whose_queued_requests_nothing_serves() {
+    let p = Pipeline::start().await;
+    let (nats, prefix, bus, services) = (p.nats, p.prefix, p.bus, p.services);
+    // Pipeline's echo worker serves `default`; `gpuu` has neither.
+    for pool in ["gpuu", "gpuu"] {
+        Delegator::new(bus.clone())
+            .delegate(Delegation::new("typo").session("s.typo").pool(pool))
+            .await
+            .unwrap();
+    }
+    let patient = ["status", "--json", "--discovery-timeout", "3s"];
+    let run = wakebus(&nats.url(), &prefix, &patient).await;
+    assert!(run.success(), "{}", run.stderr());
+    let report: Value = serde_json::from_str(&run.stdout()).unwrap();
+    let queued = &report["queued"];
+    assert_eq!(queued["pools"]["gpuu"], 2, "{queued}");
+    assert_eq!(queued["total"], 2, "{queued}");
+    assert_eq!(queued["without_consumer"], serde_json::json!(["gpuu"]));
+    assert_eq!(queued["without_worker"], serde_json::json!(["gpuu"]));
+    assert_eq!(queued["error"], Value::Null);
+    let text = wakebus(
+        &nats.url(),
+        &prefix,
+        &["status", "--discovery-timeout", "3s"],
+    )
+    .await;
+    assert!(
+        text.stdout().contains("Queued tasks: 2 (gpuu: 2)")
+            && text.stdout().contains("No consumer for pool gpuu"),
+        "{}",
+        text.stdout()
+    );
+    services.stop().await;
+}
+
 #[tokio::test]
 async fn instances_answer_the_standard_micro_service_requests() {
     let p = Pipeline::start().await;

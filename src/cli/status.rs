@@ -58,6 +58,9 @@ pub(crate) async fn run(global: &Global, args: StatusArgs) -> anyhow::Result<Exi
     if let Some(error) = &report.dead_letters.error {
         warn!(%error, "Could not count the dead letters; the rest of the snapshot stands.");
     }
+    if let Some(error) = &report.queued.error {
+        warn!(%error, "Could not count the queued tasks; the rest of the snapshot stands.");
+    }
     if let Some(error) = &report.undelivered_scan.error {
         warn!(%error, "Could not look for undelivered wakes; the rest of the snapshot stands.");
     }
@@ -191,6 +194,35 @@ fn render(report: &StatusReport) -> String {
             d.poison
         )),
     }
+    let q = &report.queued;
+    match &q.error {
+        Some(error) => out.push_str(&format!("Queued tasks: not read ({error})\n")),
+        None => {
+            let pools: Vec<String> = q.pools.iter().map(|(p, n)| format!("{p}: {n}")).collect();
+            out.push_str(&format!(
+                "Queued tasks: {}{}\n",
+                q.total,
+                if pools.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", pools.join(", "))
+                }
+            ));
+            for pool in &q.without_consumer {
+                out.push_str(&format!(
+                    "No consumer for pool {pool}: its requests wait until a worker of that pool starts (or `wakebus init --pool {pool}`); a mistyped --pool?\n"
+                ));
+            }
+            let unserved: Vec<&String> = q
+                .without_worker
+                .iter()
+                .filter(|pool| !q.without_consumer.contains(pool))
+                .collect();
+            for pool in unserved {
+                out.push_str(&format!("No live worker found for pool {pool}.\n"));
+            }
+        }
+    }
     out.push_str("\nLive instances\n");
     let mut services = table(&[
         "KIND",
@@ -247,7 +279,7 @@ fn render(report: &StatusReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use wakebus::status::{DeadLetterCounts, ScanInfo, StreamStatus};
+    use wakebus::status::{DeadLetterCounts, QueuedTasks, ScanInfo, StreamStatus};
 
     fn follower(name: &str, current: bool, offline: bool, lag: Option<u64>) -> Follower {
         Follower {
@@ -327,6 +359,10 @@ mod tests {
                 error: Some("cannot read P_DLQ: refused".to_owned()),
                 ..DeadLetterCounts::default()
             },
+            queued: QueuedTasks {
+                error: Some("cannot read subjects of P_TASKS: timed out".to_owned()),
+                ..QueuedTasks::default()
+            },
             services: Vec::new(),
             oldest_undelivered: Vec::new(),
             undelivered_scan: ScanInfo::default(),
@@ -346,6 +382,10 @@ mod tests {
         );
         assert!(
             text.contains("Dead letters: not read (cannot read P_DLQ: refused)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("Queued tasks: not read (cannot read subjects of P_TASKS: timed out)"),
             "{text}"
         );
     }
