@@ -14,6 +14,9 @@
 # docker-compose.yml builds and runs it against a 3-node NATS cluster.
 
 FROM rust:1-bookworm AS builder
+# Cargo features to build with: `--build-arg FEATURES=otel` for the
+# OpenTelemetry export (docs/OPERATIONS.md).
+ARG FEATURES=""
 WORKDIR /src
 COPY . .
 # The caches keep crates and build artefacts between builds; the binary is
@@ -21,7 +24,7 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked --bin wakebus \
+    cargo build --release --locked --bin wakebus --features "$FEATURES" \
     && install -D -m 0755 target/release/wakebus /out/wakebus
 
 FROM debian:bookworm-slim

@@ -112,6 +112,10 @@ impl NatsConfig {
     }
 
     async fn options(&self, wait_for_server: bool) -> Result<ConnectOptions, ConnectError> {
+        let given = self.authentication_methods();
+        if given.len() > 1 {
+            warn!(given = %given.join(", "), using = given[0], "Several NATS authentication methods are given; only the first is used (in this order: credentials, NKey, token, user and password).");
+        }
         let mut options = if let Some(path) = &self.creds_file {
             ConnectOptions::with_credentials_file(path)
                 .await
@@ -195,6 +199,22 @@ impl NatsConfig {
                     other => info!(event = %other, "NATS client event."),
                 }
             }))
+    }
+
+    /// The authentication methods given, in the order of precedence.
+    fn authentication_methods(&self) -> Vec<&'static str> {
+        [
+            (self.creds_file.is_some(), "--creds"),
+            (self.nkey_file.is_some(), "--nkey-file"),
+            (self.token_file.is_some(), "--token-file"),
+            (
+                self.user.is_some() || self.password_file.is_some(),
+                "--user/--password-file",
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(given, name)| given.then_some(name))
+        .collect()
     }
 
     /// The server addresses in `url`: one URL, or several separated by
@@ -527,6 +547,25 @@ mod tests {
                 "{error}"
             );
         }
+    }
+
+    #[test]
+    fn authentication_methods_are_listed_in_the_order_they_are_used() {
+        let config = NatsConfig {
+            token_file: Some("token".into()),
+            creds_file: Some("user.creds".into()),
+            user: Some("u".into()),
+            ..NatsConfig::new("nats://127.0.0.1:4222")
+        };
+        assert_eq!(
+            config.authentication_methods(),
+            ["--creds", "--token-file", "--user/--password-file"]
+        );
+        assert!(
+            NatsConfig::new("nats://127.0.0.1:4222")
+                .authentication_methods()
+                .is_empty()
+        );
     }
 
     #[test]
