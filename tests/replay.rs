@@ -1092,3 +1092,56 @@ async fn a_forced_replay_keeps_its_new_key_when_an_ordinary_copy_is_held_with_it
     assert_eq!(posts.len(), 2, "{posts:?}");
     assert_eq!(posts[1].header("idempotency-key"), Some(key));
 }
+
+/// `replay wakes` that cannot read a completion's ledger entry (here: a
+/// user that may not, as during a leader election) skips that completion
+/// with the reason and goes on, instead of stopping the whole replay; a
+/// later run sends it.
+#[tokio::test]
+async fn replay_wakes_skips_a_completion_it_cannot_check_against_the_ledger_and_goes_on() {
+    init_logs();
+    let prefix = unique_prefix();
+    let subjects = wakebus::protocol::Subjects::new(&prefix).unwrap();
+    let ledger_stream = wakebus::protocol::Subjects::bucket_stream(&subjects.wake_ledger_bucket());
+    let server = common::nats::LimitedUserServer::start(&[format!(
+        "$JS.API.STREAM.MSG.GET.{ledger_stream}"
+    )])
+    .await;
+    let nats = &server.nats;
+    let bus = bus(&nats.url(), &prefix).await;
+    bus.provision_wake_state(&wakebus::bus::BusSettings::default())
+        .await
+        .unwrap();
+    let (first, ..) = publish_task(&bus, Some("s.unchecked"), Status::Completed).await;
+    let (second, ..) = publish_task(&bus, Some("s.unchecked"), Status::Completed).await;
+
+    let run = server
+        .wakebus_as_limited(&prefix, &["replay", "wakes"])
+        .await;
+    let lines = run.ok_json();
+    let (items, summary) = lines.split_at(lines.len() - 1);
+    assert_eq!(items.len(), 2, "{lines:#?}");
+    for item in items {
+        assert_eq!(item["action"], "skipped", "{item}");
+        assert!(
+            item["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("cannot tell whether it was delivered")),
+            "{item}"
+        );
+    }
+    assert_eq!(summary[0]["summary"]["skipped"], 2, "{lines:#?}");
+
+    let again = wakebus(&nats.url(), &prefix, &["replay", "wakes"])
+        .await
+        .ok_json();
+    let replayed: Vec<&str> = again
+        .iter()
+        .filter(|line| line["action"] == "replayed")
+        .filter_map(|line| line["delegation_id"].as_str())
+        .collect();
+    assert_eq!(
+        replayed,
+        [first.delegation_id.as_str(), second.delegation_id.as_str()]
+    );
+}

@@ -70,7 +70,17 @@ impl Replayer {
             }));
         }
         let ledger = self.ledger.as_ref().expect("wake replays open the ledger");
-        let entry = ledger.get(&key).await?;
+        // Not knowing whether it was delivered (a leader election), it is
+        // left for a later run rather than stopping this one.
+        let entry = match ledger.get(&key).await {
+            Ok(entry) => entry,
+            Err(error) => {
+                self.seen.remove(&key);
+                return Ok(item.skipped(format!(
+                    "cannot tell whether it was delivered ({error}); run the replay again for it"
+                )));
+            }
+        };
         let mut item = item;
         if let Some(LedgerState::Delivered { at, .. }) = &entry
             && !self.plan.force
