@@ -254,3 +254,39 @@ async fn completions_whose_turn_the_ledger_refuses_to_record_stay_with_the_wake_
     ids.sort();
     assert_eq!(woken, ids, "each delegation is woken once");
 }
+
+/// A ledger entry that is not ledger JSON (edited by hand) cannot be
+/// planned around: the completion is held, not posted on a guess and not
+/// dropped, and it is woken once an operator deletes the entry.
+#[tokio::test]
+async fn a_completion_whose_ledger_entry_is_corrupt_is_held_until_the_entry_is_fixed() {
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
+    let state = bus
+        .provision_wake_state(&wakebus::bus::BusSettings::default())
+        .await
+        .unwrap();
+    let request = request("s.corrupt", "held behind a bad entry");
+    let key = wakebus::wake::ledger::WakeLedger::key(&request.delegation_id, 0);
+    state
+        .wake_ledger
+        .put(&key, "not ledger json".into())
+        .await
+        .unwrap();
+    publish_until_stored(&bus, &request).await;
+    completions_waiting_in_wake(&bus, 1).await;
+    // Far longer than a plan takes (the coalesce window is 20 ms): the
+    // window in which a wake ignoring the entry would have posted.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(api.all_posts().is_empty(), "posted past a corrupt entry");
+    let info = wake_consumer_info(&bus).await.unwrap();
+    assert_eq!(info.num_ack_pending, 1, "the completion is still held");
+    state.wake_ledger.delete(&key).await.unwrap();
+    wait_until(
+        Duration::from_secs(45),
+        "the wake once the entry is gone",
+        || async { api.accepted().len() == 1 },
+    )
+    .await;
+    services.stop().await;
+}

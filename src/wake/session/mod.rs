@@ -26,7 +26,7 @@ use tokio::sync::mpsc::error::TryRecvError;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{Instrument, info, info_span, warn};
+use tracing::{Instrument, error, info, info_span, warn};
 
 use self::hold::Hold;
 use super::Shared;
@@ -352,6 +352,13 @@ impl Router {
     async fn deliver(&self, session: &str, hold: &mut Hold, guard: &mut LockGuard) -> Round {
         let mut turns = match self.plan(&mut hold.held).await {
             Ok(turns) => turns,
+            // An entry that is not ledger JSON (edited by hand, or written
+            // by a newer wakebus) will not read differently in a second:
+            // an operator must look, and the retries slow down.
+            Err(error @ plan::PlanError::Ledger(crate::wake::ledger::LedgerError::Corrupt(_))) => {
+                error!(%error, "A wake ledger entry of this session's completions cannot be read; its completions are held until an operator fixes or deletes the entry (docs/OPERATIONS.md). Will retry in 30 s.");
+                return self.again_after(hold, Duration::from_secs(30)).await;
+            }
             Err(error) => {
                 warn!(%error, "Could not plan the session's turns; will retry.");
                 return self.again_after(hold, Duration::from_secs(1)).await;
