@@ -221,8 +221,8 @@ async fn completions_whose_turn_the_ledger_refuses_to_record_stay_with_the_wake_
     let (api, bus, services) = (p.api, p.bus, p.services);
     let ack_wait = test_wake_config(&api.url()).ack_wait;
     // Refused before the completions arrive: their plan cannot record the
-    // turn (two of them: a combined turn, whose marks and intent are
-    // written before its post), and the wake keeps them and plans again.
+    // turn (two of them: a combined turn, whose intent is written first),
+    // and the wake keeps them and plans again.
     let config = refuse_ledger_writes(&bus).await;
     let mut ids = Vec::new();
     for goal in ["one", "two"] {

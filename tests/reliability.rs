@@ -1465,3 +1465,65 @@ async fn a_completion_marked_for_a_combined_turn_never_recorded_is_woken_under_i
     );
     assert_eq!(posts[0].delegation_ids(), vec![id]);
 }
+
+/// A combined turn whose intent is recorded but not every one of whose
+/// completions was marked for it (a mark failed, then the instance
+/// stopped) was never posted: the turn is posted only after the last
+/// mark. Its completions are planned afresh, not re-sent as the recorded
+/// turn, which would report again a completion that another instance has
+/// meanwhile woken on its own.
+#[tokio::test]
+async fn a_combined_turn_not_every_completion_was_marked_for_is_not_resent() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let delegator = Delegator::new(bus.clone());
+    let mut ids = Vec::new();
+    for goal in ["first", "second"] {
+        ids.push(id_of(
+            &delegator
+                .delegate(Delegation::new(goal).session("s.half.marked"))
+                .await
+                .unwrap(),
+        ));
+    }
+    let state = bus
+        .provision_wake_state(&wakebus::bus::BusSettings::default())
+        .await
+        .unwrap();
+    let ledger = WakeLedger::new(state.wake_ledger);
+    let key = "wake.01JV3S2D6F8H0K2M4P6R8T0W2Y";
+    let recorded = "the recorded turn, never posted";
+    ledger
+        .put_intent(
+            key,
+            &wakebus::wake::ledger::Intent {
+                text: recorded.to_owned(),
+                covers: vec![WakeLedger::key(&ids[0], 0), WakeLedger::key(&ids[1], 0)],
+            },
+        )
+        .await
+        .unwrap();
+    // Only the first completion's mark was stored.
+    ledger
+        .mark_posting(&WakeLedger::key(&ids[0], 0), key)
+        .await
+        .unwrap();
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    wait_until(WAIT, "both wakes", || async {
+        api.accepted()
+            .iter()
+            .map(|post| post.delegation_ids().len())
+            .sum::<usize>()
+            == 2
+    })
+    .await;
+    services.stop().await;
+    for post in api.accepted() {
+        assert_ne!(post.header("idempotency-key").as_deref(), Some(key));
+        assert!(!post.text().contains(recorded), "{}", post.text());
+    }
+}

@@ -266,12 +266,30 @@ impl Router {
         .await
         .into_iter()
         .collect::<Result<Vec<_>, _>>()?;
+        let known: BTreeMap<String, Option<LedgerState>> = held
+            .iter()
+            .map(Pending::ledger_key)
+            .zip(states.iter().cloned())
+            .collect();
         let mut intents: BTreeMap<String, Option<Intent>> = BTreeMap::new();
         for state in &states {
             if let Some(LedgerState::Posting { idempotency_key }) = state
                 && !intents.contains_key(idempotency_key)
             {
-                let intent = ledger.intent(idempotency_key).await?;
+                let intent = match ledger.intent(idempotency_key).await? {
+                    Some(intent) if self.all_marked(idempotency_key, &intent, &known).await? => {
+                        Some(intent)
+                    }
+                    // Recorded, but not every covered completion was marked
+                    // for it: it was never posted (the post comes after the
+                    // last mark), and re-sending it could report a
+                    // completion woken since on its own.
+                    Some(_) => {
+                        info!(idempotency_key = %idempotency_key, "A combined turn was never recorded in full, so never posted; planning its completions afresh.");
+                        None
+                    }
+                    None => None,
+                };
                 intents.insert(idempotency_key.clone(), intent);
             }
         }
@@ -284,7 +302,10 @@ impl Router {
                     Outcome::Ack.apply(&pending.message).await;
                 }
                 Some(LedgerState::Posting { idempotency_key }) => {
-                    if let Some(turn) = recovering.iter_mut().find(|t| t.key == idempotency_key) {
+                    let covered = |t: &&mut Turn| {
+                        t.key == idempotency_key && t.covers.contains(&pending.ledger_key())
+                    };
+                    if let Some(turn) = recovering.iter_mut().find(covered) {
                         turn.messages.push(pending);
                     } else if let Some(Some(intent)) = intents.remove(&idempotency_key) {
                         warn!(idempotency_key = %idempotency_key, "A post was recorded but never confirmed (it may not have been sent at all); sending it with the same Idempotency-Key.");
@@ -296,11 +317,10 @@ impl Router {
                             messages: vec![pending],
                         });
                     } else if is_combined_key(&idempotency_key) {
-                        // Marked for a combined turn whose intent was never
-                        // stored: the intent is written after every mark
-                        // and before the post, so that turn was never
-                        // posted. Planned afresh (alone, if redelivered).
-                        info!(idempotency_key = %idempotency_key, delegation_id = %pending.event.delegation_id, task_index = pending.event.task_index, "A combined turn was never recorded in full, so never posted; planning its completion afresh.");
+                        // Marked for a combined turn that was never
+                        // recorded in full (no intent, or not every mark):
+                        // never posted. Planned afresh (alone, if
+                        // redelivered).
                         fresh.push(pending);
                     } else {
                         // A single post in doubt (singles record no
@@ -385,8 +405,8 @@ impl Router {
 
     /// One turn for completions never posted before, added to `turns`; if
     /// its ledger writes fail, its messages go back to `held`. A combined
-    /// turn's intent is recorded before the post, so a post that ends in
-    /// doubt can be repeated exactly.
+    /// turn's intent is recorded first, so a post that ends in doubt can be
+    /// repeated exactly.
     async fn new_turn(
         &self,
         mut messages: Vec<Pending>,
@@ -451,12 +471,14 @@ impl Router {
         }
     }
 
-    /// Records a combined turn before its post: each covered completion's
-    /// `posting` entry (all at once), then the intent, which commits it.
-    /// In that order, any completion a stored intent covers points to it,
-    /// so whichever instance sees it re-sends the turn; a mark without an
-    /// intent (a mark failed, or the instance stopped in between) means
-    /// the turn was never posted, and its completions are planned afresh.
+    /// Records a combined turn before its post: the intent, then each
+    /// covered completion's `posting` entry (all at once). The turn is
+    /// posted only once every mark is stored, so a turn whose intent
+    /// exists but not every mark (one failed, or the instance stopped in
+    /// between) was never posted: [`Router::all_marked`] tells, and its
+    /// completions are planned afresh. (The intent comes first so that a
+    /// wakebus older than this rule, which re-sends any intent it finds,
+    /// never meets a mark without one during a rolling upgrade.)
     async fn record_intent(
         &self,
         key: &str,
@@ -464,17 +486,46 @@ impl Router {
         covers: &[String],
     ) -> Result<(), LedgerError> {
         let ledger = &self.shared.ledger;
+        let intent = Intent {
+            text: text.to_owned(),
+            covers: covers.to_vec(),
+        };
+        ledger.put_intent(key, &intent).await?;
         try_join_all(
             covers
                 .iter()
                 .map(|covered| ledger.mark_posting(covered, key)),
         )
         .await?;
-        let intent = Intent {
-            text: text.to_owned(),
-            covers: covers.to_vec(),
-        };
-        ledger.put_intent(key, &intent).await
+        Ok(())
+    }
+
+    /// Whether every completion `intent` covers is marked for the turn
+    /// `key` (posting or delivered under it), as it is once the turn may
+    /// have been posted. `known` holds the entries already read.
+    async fn all_marked(
+        &self,
+        key: &str,
+        intent: &Intent,
+        known: &BTreeMap<String, Option<LedgerState>>,
+    ) -> Result<bool, LedgerError> {
+        for covered in &intent.covers {
+            let state = match known.get(covered) {
+                Some(state) => state.clone(),
+                None => self.shared.ledger.get(covered).await?,
+            };
+            let marked = match &state {
+                Some(LedgerState::Posting { idempotency_key })
+                | Some(LedgerState::Delivered {
+                    idempotency_key, ..
+                }) => idempotency_key == key,
+                None => false,
+            };
+            if !marked {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 }
 
@@ -482,9 +533,11 @@ impl Router {
 /// single's is its completion's id.
 const COMBINED_KEY_PREFIX: &str = "wake.";
 
-/// Whether `key` is a combined turn's.
+/// Whether `key` is a combined turn's: the prefix and a ULID, nothing
+/// else (a delegation whose id is `wake` has single keys `wake.0.done`).
 fn is_combined_key(key: &str) -> bool {
-    key.starts_with(COMBINED_KEY_PREFIX)
+    key.strip_prefix(COMBINED_KEY_PREFIX)
+        .is_some_and(|id| ulid::Ulid::from_string(id).is_ok())
 }
 
 /// Most messages [`Router::readable_before`] reads on one subject: a task's
@@ -533,4 +586,20 @@ fn take_where(held: &mut Vec<Pending>, matching: impl Fn(&Pending) -> bool) -> V
     let (taken, kept) = std::mem::take(held).into_iter().partition(|p| matching(p));
     *held = kept;
     taken
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_prefix_and_a_ulid_make_a_combined_key() {
+        assert!(is_combined_key("wake.01JV3S2D6F8H0K2M4P6R8T0W2Y"));
+        // The single key of a delegation whose id is `wake`.
+        assert!(!is_combined_key("wake.0.done"));
+        assert!(!is_combined_key("01JV3S2D6F8H0K2M4P6R8T0W2Y.0.done"));
+        assert!(!is_combined_key(
+            "wake.01JV3S2D6F8H0K2M4P6R8T0W2Y.replay.01JV3S2D6F8H0K2M4P6R8T0W2Z"
+        ));
+    }
 }
