@@ -913,11 +913,13 @@ async fn replay_tasks_as_a_user_denied(denied: impl Fn(&wakebus::protocol::Subje
     services.wake(&bus, test_wake_config(&api.url()));
     let derived = half_requeue_a_dead_letter(&nats.url(), &prefix, &bus, &api, session).await;
 
-    let lines = server
+    let run = server
         .wakebus_as_limited(&prefix, &["replay", "tasks"])
-        .await
-        .ok_json();
+        .await;
+    assert_eq!(run.code(), Some(3), "left unchecked: {}", run.stderr());
+    let lines = run.json_lines();
     assert_eq!(lines[0]["action"], "skipped", "{lines:#?}");
+    assert_eq!(lines[0]["unchecked"], true, "{lines:#?}");
     let reason = lines[0]["reason"].as_str().unwrap();
     assert!(
         reason.contains(&format!(
@@ -1118,7 +1120,8 @@ async fn replay_wakes_skips_a_completion_it_cannot_check_against_the_ledger_and_
     let run = server
         .wakebus_as_limited(&prefix, &["replay", "wakes"])
         .await;
-    let lines = run.ok_json();
+    assert_eq!(run.code(), Some(3), "left unchecked: {}", run.stderr());
+    let lines = run.json_lines();
     let (items, summary) = lines.split_at(lines.len() - 1);
     assert_eq!(items.len(), 2, "{lines:#?}");
     for item in items {
@@ -1131,6 +1134,7 @@ async fn replay_wakes_skips_a_completion_it_cannot_check_against_the_ledger_and_
         );
     }
     assert_eq!(summary[0]["summary"]["skipped"], 2, "{lines:#?}");
+    assert_eq!(summary[0]["summary"]["unchecked"], 2, "{lines:#?}");
 
     let again = wakebus(&nats.url(), &prefix, &["replay", "wakes"])
         .await
@@ -1144,4 +1148,12 @@ async fn replay_wakes_skips_a_completion_it_cannot_check_against_the_ledger_and_
         replayed,
         [first.delegation_id.as_str(), second.delegation_id.as_str()]
     );
+    // Forced, the entry goes whatever it says, so it need not be read.
+    let forced = server
+        .wakebus_as_limited(&prefix, &["replay", "wakes", "--force"])
+        .await
+        .ok_json();
+    let summary = &forced.last().unwrap()["summary"];
+    assert_eq!(summary["replayed"], 2, "{forced:#?}");
+    assert_eq!(summary["unchecked"], 0, "{forced:#?}");
 }

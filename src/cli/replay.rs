@@ -99,6 +99,10 @@ pub(crate) struct CopyArgs {
     pub(crate) to_subject: Option<String>,
 }
 
+/// The exit status of a replay that left records alone because it could
+/// not check them (as `status --strict` for a partial snapshot).
+const UNCHECKED: u8 = 3;
+
 pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<ExitCode> {
     let (kind, common, force) = match args.what {
         ReplayCommand::Wakes(a) => (
@@ -188,6 +192,12 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
     print_summary(&summary, json);
     Ok(if summary.interrupted {
         ExitCode::from(130)
+    } else if summary.unchecked > 0 {
+        tracing::warn!(
+            unchecked = summary.unchecked,
+            "Some records could not be checked and were left alone; run the replay again for them (exit status 3)."
+        );
+        ExitCode::from(UNCHECKED)
     } else {
         ExitCode::SUCCESS
     })

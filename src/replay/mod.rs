@@ -169,6 +169,11 @@ pub struct ReplayItem {
     /// so that a session API honouring the first does not drop it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
+    /// Skipped because what decides it could not be read (a leader
+    /// election, a refused read), not because it needs nothing: a later
+    /// run may send it.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub unchecked: bool,
 }
 
 impl ReplayItem {
@@ -185,6 +190,7 @@ impl ReplayItem {
             new_delegation_id: None,
             ledger_cleared: false,
             idempotency_key: None,
+            unchecked: false,
         }
     }
 
@@ -192,6 +198,12 @@ impl ReplayItem {
         self.action = Action::Skipped;
         self.reason = Some(reason.into());
         self
+    }
+
+    /// Skipped for now: what decides it could not be read.
+    fn unchecked(mut self, reason: impl Into<String>) -> Self {
+        self.unchecked = true;
+        self.skipped(reason)
     }
 }
 
@@ -206,6 +218,9 @@ pub struct Summary {
     pub would_replay: u64,
     /// Records left alone.
     pub skipped: u64,
+    /// Of those, the ones left alone only because what decides them could
+    /// not be read: run the replay again for them.
+    pub unchecked: u64,
     /// Whether the run was cancelled before the end.
     pub interrupted: bool,
 }
@@ -217,6 +232,9 @@ impl Summary {
             Action::Replayed => self.replayed += 1,
             Action::WouldReplay => self.would_replay += 1,
             Action::Skipped => self.skipped += 1,
+        }
+        if item.unchecked {
+            self.unchecked += 1;
         }
     }
 }

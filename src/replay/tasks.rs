@@ -50,7 +50,7 @@ impl Replayer {
                 )));
             }
             Requeued::Unknown(error) => {
-                return Ok(item.skipped(format!(
+                return Ok(item.unchecked(format!(
                     "cannot tell whether delegation {new_id} is queued: {error}"
                 )));
             }

@@ -71,18 +71,20 @@ impl Replayer {
         }
         let ledger = self.ledger.as_ref().expect("wake replays open the ledger");
         // Not knowing whether it was delivered (a leader election), it is
-        // left for a later run rather than stopping this one.
+        // left for a later run rather than stopping this one; forced, the
+        // entry goes whatever it says (a corrupt one included).
         let entry = match ledger.get(&key).await {
-            Ok(entry) => entry,
+            Ok(entry) => Ok(entry),
+            Err(_) if self.plan.force => Err(()),
             Err(error) => {
                 self.seen.remove(&key);
-                return Ok(item.skipped(format!(
+                return Ok(item.unchecked(format!(
                     "cannot tell whether it was delivered ({error}); run the replay again for it"
                 )));
             }
         };
         let mut item = item;
-        if let Some(LedgerState::Delivered { at, .. }) = &entry
+        if let Ok(Some(LedgerState::Delivered { at, .. })) = &entry
             && !self.plan.force
         {
             return Ok(item.skipped(format!(
@@ -93,7 +95,7 @@ impl Replayer {
         // Forced, any entry goes: a `posting` one (a post the session API
         // refused, or one in doubt) would have the wake send the copy again
         // under the old key, or inside the old combined turn.
-        item.ledger_cleared = self.plan.force && entry.is_some();
+        item.ledger_cleared = self.plan.force && !matches!(entry, Ok(None));
         let subject = self.bus.subjects.event(
             &session_token(&session),
             &event.delegation_id,
