@@ -112,10 +112,6 @@ impl NatsConfig {
     }
 
     async fn options(&self, wait_for_server: bool) -> Result<ConnectOptions, ConnectError> {
-        let given = self.authentication_methods();
-        if given.len() > 1 {
-            warn!(given = %given.join(", "), using = given[0], "Several NATS authentication methods are given; only the first is used (in this order: credentials, NKey, token, user and password).");
-        }
         let mut options = if let Some(path) = &self.creds_file {
             ConnectOptions::with_credentials_file(path)
                 .await
@@ -245,7 +241,18 @@ impl NatsConfig {
     /// made while it is disconnected fail with timeouts and are retried by
     /// their callers.
     pub async fn connect(&self) -> Result<Client, ConnectError> {
+        self.warn_of_several_methods();
         self.connect_with(true).await
+    }
+
+    /// Warns, once per connect, when more than one authentication method is
+    /// given: only the first is used, which surprises an operator in the
+    /// middle of a credential migration.
+    fn warn_of_several_methods(&self) {
+        let given = self.authentication_methods();
+        if given.len() > 1 {
+            warn!(given = %given.join(", "), using = given[0], "Several NATS authentication methods are given; only the first is used (in this order: credentials, NKey, token, user and password).");
+        }
     }
 
     /// Connects to a server that answers within `patience`, or fails saying
@@ -256,6 +263,7 @@ impl NatsConfig {
     /// drops packets does not stretch the wait. Once connected, the client
     /// reconnects like any other.
     pub async fn connect_within(&self, patience: Duration) -> Result<Client, ConnectError> {
+        self.warn_of_several_methods();
         let deadline = tokio::time::Instant::now() + patience;
         let mut delay = Duration::from_millis(100);
         loop {

@@ -22,6 +22,7 @@
 //! - [`bus`]: the connection to a deployment; provisioning streams, KV buckets
 //!   and consumers; the queue check and dead letters.
 //! - [`delegate`]: submitting delegations ([`delegate::Delegator`]).
+//! - [`cancel`]: cancelling delegations and sessions (record and broadcast).
 //! - [`worker`]: the worker loop, one-task handler and [`worker::executor`]s.
 //! - [`wake`]: the wake service: session API client, ledger, locks, turn text.
 //! - [`dev`]: `wakebus dev`, the whole loop on one machine.
@@ -32,6 +33,8 @@
 //! - [`ops`]: metrics, health endpoints and micro-service registration.
 //! - [`quarantine`]: removing messages the NATS client cannot read.
 //! - [`telemetry`]: trace context across hops; OTLP export (`otel` feature).
+//! - `http_client` (private): what the HTTP clients share: the TLS
+//!   provider, the plain-http rule, bounded reads of answers.
 //!
 //! The `wakebus` binary (`src/main.rs`, `src/cli/`) only parses arguments and
 //! calls `run(config, shutdown)` functions from here.
@@ -42,6 +45,7 @@ pub mod connect;
 pub mod delegate;
 pub mod dev;
 pub mod history;
+mod http_client;
 pub mod ops;
 pub mod outcome;
 pub mod protocol;
@@ -49,6 +53,5 @@ pub mod quarantine;
 pub mod replay;
 pub mod status;
 pub mod telemetry;
-mod tls;
 pub mod wake;
 pub mod worker;

@@ -144,7 +144,7 @@ pub mod otlp {
         let Some(url) = config.traces_url() else {
             return Ok(None);
         };
-        crate::tls::install_crypto_provider();
+        crate::http_client::install_crypto_provider();
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)

@@ -60,9 +60,18 @@ pub enum LedgerError {
     /// Deleting failed.
     #[error("cannot delete from the wake ledger: {0}")]
     Delete(#[from] kv::DeleteError),
-    /// An entry is not ledger JSON.
-    #[error("wake ledger entry is corrupt: {0}")]
-    Corrupt(#[from] serde_json::Error),
+    /// An entry is not ledger JSON (edited by hand, or written by a newer
+    /// wakebus).
+    #[error("wake ledger entry {key} is corrupt: {source}")]
+    Corrupt {
+        /// The entry's key in the bucket.
+        key: String,
+        /// Why it does not parse.
+        source: serde_json::Error,
+    },
+    /// A state could not be encoded (never, for these types).
+    #[error("cannot encode a wake ledger entry: {0}")]
+    Encode(#[from] serde_json::Error),
 }
 
 /// The ledger bucket.
@@ -91,7 +100,7 @@ impl WakeLedger {
     /// The state of a task's wake, if any was recorded.
     pub async fn get(&self, key: &str) -> Result<Option<LedgerState>, LedgerError> {
         match self.kv.get(key).await? {
-            Some(bytes) => Ok(Some(serde_json::from_slice(&bytes)?)),
+            Some(bytes) => parse(key, &bytes).map(Some),
             None => Ok(None),
         }
     }
@@ -163,8 +172,9 @@ impl WakeLedger {
 
     /// The intent recorded under `idempotency_key`, if any.
     pub async fn intent(&self, idempotency_key: &str) -> Result<Option<Intent>, LedgerError> {
-        match self.kv.get(intent_key(idempotency_key)).await? {
-            Some(bytes) => Ok(Some(serde_json::from_slice(&bytes)?)),
+        let key = intent_key(idempotency_key);
+        match self.kv.get(&key).await? {
+            Some(bytes) => parse(&key, &bytes).map(Some),
             None => Ok(None),
         }
     }
@@ -180,6 +190,14 @@ impl WakeLedger {
         self.kv.put(key, serde_json::to_vec(state)?.into()).await?;
         Ok(())
     }
+}
+
+/// An entry's value, read as `T`.
+fn parse<T: serde::de::DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, LedgerError> {
+    serde_json::from_slice(bytes).map_err(|source| LedgerError::Corrupt {
+        key: key.to_owned(),
+        source,
+    })
 }
 
 fn intent_key(idempotency_key: &str) -> String {

@@ -453,25 +453,34 @@ pub fn check_completion(
     Ok((event, session))
 }
 
-/// Dead-letters an unusable completion, then terminates it; one whose dead
-/// letter is not stored comes back later.
+/// Dead-letters an unusable completion, then terminates it.
 async fn dead_letter_poison(shared: &Shared, message: &jetstream::Message, reason: String) {
     warn!(subject = %message.subject, %reason, "Dead-lettering an unusable completion.");
-    let bus = &shared.bus;
+    let subject = shared.bus.subjects.dead_letter_wake("poison");
+    dead_letter_then_term(&shared.bus, message, subject, reason, "poison").await;
+}
+
+/// Dead-letters a completion the wake will not post to `subject`, under
+/// the dedupe id `dlq.wake.<kind>.<stream sequence>` (counted as `kind`),
+/// then terminates it; one whose dead letter is not stored comes back
+/// later (after 1 s, doubling up to 32 s).
+pub(crate) async fn dead_letter_then_term(
+    bus: &Bus,
+    message: &jetstream::Message,
+    subject: String,
+    reason: String,
+    kind: &'static str,
+) {
     let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
-    let published = bus
-        .dead_letter(
-            bus.subjects.dead_letter_wake("poison"),
-            message,
-            &reason,
-            &format!("dlq.wake.poison.{seq}"),
-            "poison",
-        )
+    let msg_id = format!("dlq.wake.{kind}.{seq}");
+    match bus
+        .dead_letter(subject, message, &reason, &msg_id, kind)
         .await
-        .is_ok();
-    if published {
-        Outcome::Term(reason).apply(message).await;
-    } else {
-        Outcome::retry_later(message).apply(message).await;
+    {
+        Ok(()) => Outcome::Term(reason).apply(message).await,
+        Err(error) => {
+            warn!(%error, kind, "Could not dead-letter the completion; will retry.");
+            Outcome::retry_later(message).apply(message).await;
+        }
     }
 }

@@ -185,28 +185,9 @@ impl OriginGate {
             "Refusing a completion whose origin is not verified; dead-lettering it."
         );
         let bus = &self.shared.bus;
-        let seq = pending
-            .message
-            .info()
-            .map(|i| i.stream_sequence)
-            .unwrap_or(0);
         let subject = bus
             .subjects
             .dead_letter_wake(&session_token(&pending.session));
-        let msg_id = format!("dlq.wake.origin.{seq}");
-        match bus
-            .dead_letter(subject, &pending.message, &reason, &msg_id, "origin")
-            .await
-        {
-            Ok(()) => {
-                Outcome::Term(reason).apply(&pending.message).await;
-            }
-            Err(error) => {
-                warn!(%error, "Could not dead-letter the refused completion; will retry.");
-                Outcome::retry_later(&pending.message)
-                    .apply(&pending.message)
-                    .await;
-            }
-        }
+        super::dead_letter_then_term(bus, &pending.message, subject, reason, "origin").await;
     }
 }

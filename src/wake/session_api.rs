@@ -211,7 +211,7 @@ impl SessionApi {
         if matches!(shape, PostShape::Webhook { secrets } if secrets.is_empty()) {
             return Err(SessionApiError::NoWebhookSecret);
         }
-        crate::tls::install_crypto_provider();
+        crate::http_client::install_crypto_provider();
         let mut builder = reqwest::Client::builder();
         if let Some(path) = &security.extra_ca {
             let ca_error = |reason: String| SessionApiError::CaFile {
@@ -302,17 +302,18 @@ impl SessionApi {
             return PostResult::Delivered;
         }
         let after = retry_after(response.headers().get(RETRY_AFTER));
-        let body = error_body(response).await;
         if is_retryable(status) {
-            PostResult::Retry {
+            // Its answer is not used: the connection is closed unread,
+            // rather than waiting for a slow body before the retry.
+            return PostResult::Retry {
                 reason: format!("session API answered {status}"),
                 after,
-            }
-        } else {
-            PostResult::Rejected {
-                status: status.as_u16(),
-                body,
-            }
+            };
+        }
+        let body = error_body(response).await;
+        PostResult::Rejected {
+            status: status.as_u16(),
+            body,
         }
     }
 }
@@ -419,23 +420,23 @@ const MAX_DRAINED_ANSWER: usize = 1024 * 1024;
 /// The start of a refusal's or failure's answer, for the log and the dead
 /// letter: at most [`MAX_ERROR_BODY`] bytes are read, within
 /// [`DRAIN_PATIENCE`], however much a misbehaving server or proxy sends.
-async fn error_body(mut response: reqwest::Response) -> String {
-    let mut body = Vec::new();
-    let reading = async {
-        while let Ok(Some(chunk)) = response.chunk().await {
-            body.extend_from_slice(&chunk[..chunk.len().min(MAX_ERROR_BODY - body.len())]);
-            if body.len() >= MAX_ERROR_BODY {
-                break;
-            }
-        }
+async fn error_body(response: reqwest::Response) -> String {
+    use crate::http_client::{Unread, read_at_most};
+    let read = tokio::time::timeout(DRAIN_PATIENCE, read_at_most(response, MAX_ERROR_BODY));
+    let body = match read.await {
+        Ok(Ok(body) | Err(Unread::TooLarge(body))) => body,
+        Ok(Err(Unread::BrokeOff(_))) | Err(_) => Vec::new(),
     };
-    let _ = tokio::time::timeout(DRAIN_PATIENCE, reading).await;
-    let mut body = String::from_utf8_lossy(&body).into_owned();
-    // A character cut at the limit is not part of the text.
-    if body.len() >= MAX_ERROR_BODY && body.ends_with(char::REPLACEMENT_CHARACTER) {
-        body.pop();
-    }
-    body
+    let body = match std::str::from_utf8(&body) {
+        Ok(text) => text,
+        // Cut inside a character at the limit: the text before it.
+        Err(error) if error.error_len().is_none() => {
+            std::str::from_utf8(&body[..error.valid_up_to()]).unwrap_or_default()
+        }
+        // Not text: said so, not replaced byte by byte (which could grow it).
+        Err(_) => return format!("({} bytes that are not UTF-8)", body.len()),
+    };
+    body.to_owned()
 }
 
 /// Most of an error answer kept.
@@ -455,14 +456,14 @@ fn check_url(url: &str, security: &HttpSecurity) -> Result<(), SessionApiError> 
         url: redacted_url(url),
     };
     let parsed = reqwest::Url::parse(url).map_err(|_| bad())?;
-    let host = bare_host(parsed.host_str().unwrap_or_default());
+    let host = crate::http_client::bare_host(parsed.host_str().unwrap_or_default());
     let allowed = || {
         security.allow_insecure_http
-            || is_loopback(host)
+            || crate::http_client::is_loopback(host)
             || security
                 .insecure_http_hosts
                 .iter()
-                .any(|allowed| bare_host(allowed).eq_ignore_ascii_case(host))
+                .any(|allowed| crate::http_client::bare_host(allowed).eq_ignore_ascii_case(host))
     };
     match parsed.scheme() {
         "https" => Ok(()),
@@ -472,19 +473,6 @@ fn check_url(url: &str, security: &HttpSecurity) -> Result<(), SessionApiError> 
             host: host.to_owned(),
         }),
         _ => Err(bad()),
-    }
-}
-
-/// A host name or address without brackets, surrounding blanks or the
-/// trailing dot of a fully qualified name.
-fn bare_host(host: &str) -> &str {
-    host.trim().trim_end_matches('.').trim_matches(['[', ']'])
-}
-
-fn is_loopback(host: &str) -> bool {
-    match host.parse::<std::net::IpAddr>() {
-        Ok(ip) => ip.is_loopback(),
-        Err(_) => host.eq_ignore_ascii_case("localhost"),
     }
 }
 

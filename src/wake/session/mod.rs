@@ -355,7 +355,11 @@ impl Router {
             // An entry that is not ledger JSON (edited by hand, or written
             // by a newer wakebus) will not read differently in a second:
             // an operator must look, and the retries slow down.
-            Err(error @ plan::PlanError::Ledger(crate::wake::ledger::LedgerError::Corrupt(_))) => {
+            Err(
+                error @ plan::PlanError::Ledger(crate::wake::ledger::LedgerError::Corrupt {
+                    ..
+                }),
+            ) => {
                 error!(%error, "A wake ledger entry of this session's completions cannot be read; its completions are held until an operator fixes or deletes the entry (docs/GUARANTEES.md, \"wake ledger entry that is not ledger JSON\"). Will retry in 30 s.");
                 return self.again_after(hold, Duration::from_secs(30)).await;
             }

@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use super::{ExecError, ExecOutput, Progress};
+use crate::http_client::{Unread, read_at_most};
 use crate::protocol::{Role, Status, TaskRequest};
 
 /// Where and how to call the model.
@@ -106,13 +107,8 @@ enum Call {
 /// Whether a request to `url` crosses the network unencrypted: plain
 /// http to anything but this machine.
 fn sends_in_clear(url: &reqwest::Url) -> bool {
-    let host = url.host_str().unwrap_or_default().trim_matches(['[', ']']);
-    let loopback = host
-        .parse::<std::net::IpAddr>()
-        .map_or(host.eq_ignore_ascii_case("localhost"), |ip| {
-            ip.is_loopback()
-        });
-    url.scheme() == "http" && !loopback
+    let host = crate::http_client::bare_host(url.host_str().unwrap_or_default());
+    url.scheme() == "http" && !crate::http_client::is_loopback(host)
 }
 
 fn system_prompt(role: Role) -> &'static str {
@@ -141,7 +137,7 @@ impl LlmExecutor {
                 "The LLM API key is sent in clear over plain http to another machine; use https unless the network between them is trusted."
             );
         }
-        crate::tls::install_crypto_provider();
+        crate::http_client::install_crypto_provider();
         let http = reqwest::Client::builder()
             .timeout(config.request_timeout)
             .build()?;
@@ -318,27 +314,6 @@ const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 
 /// Most of a refusal's answer read (500 characters of it are kept).
 const MAX_REFUSAL_BYTES: usize = 4096;
-
-/// Why an answer was not read whole.
-enum Unread {
-    /// It is longer than the limit; its start.
-    TooLarge(Vec<u8>),
-    /// Reading it failed (a timeout, a dropped connection).
-    BrokeOff(reqwest::Error),
-}
-
-/// The body of `response`, if it is at most `limit` bytes.
-async fn read_at_most(mut response: reqwest::Response, limit: usize) -> Result<Vec<u8>, Unread> {
-    let mut body = Vec::new();
-    while let Some(chunk) = response.chunk().await.map_err(Unread::BrokeOff)? {
-        if body.len() + chunk.len() > limit {
-            body.extend_from_slice(&chunk[..limit - body.len()]);
-            return Err(Unread::TooLarge(body));
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(body)
-}
 
 /// Checks that `answer` is JSON satisfying `schema`; says why not.
 fn check_against(schema: &Value, answer: &str) -> Result<(), String> {

@@ -1,0 +1,63 @@
+//! What the HTTP clients (the session API's, the LLM executor's, the OTLP
+//! exporter's) share: the TLS provider, the plain-http rule, bounded reads.
+
+use std::sync::Once;
+
+/// Installs `ring` as the process's rustls crypto provider (once).
+///
+/// NATS already brings `ring`; using it for HTTPS too avoids a second crypto
+/// library in the build.
+pub(crate) fn install_crypto_provider() {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        // Fails only if another provider was installed first, which is fine.
+        #[expect(
+            deprecated,
+            reason = "rustls 0.23.48 deprecates ring for lacking post-quantum key exchange; \
+                      ring is the provider async-nats's TLS to NATS uses, and aws-lc-rs \
+                      would add a C library to every build"
+        )]
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+/// A host name or address without brackets, surrounding blanks or the
+/// trailing dot of a fully qualified name.
+pub(crate) fn bare_host(host: &str) -> &str {
+    host.trim().trim_end_matches('.').trim_matches(['[', ']'])
+}
+
+/// Whether `host` (bare) is this machine: a loopback address or
+/// `localhost`, which plain http may reach without crossing a network.
+pub(crate) fn is_loopback(host: &str) -> bool {
+    match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => host.eq_ignore_ascii_case("localhost"),
+    }
+}
+
+/// Why an answer was not read whole.
+pub(crate) enum Unread {
+    /// It is longer than the limit; its start.
+    TooLarge(Vec<u8>),
+    /// Reading it failed (a timeout, a dropped connection).
+    BrokeOff(reqwest::Error),
+}
+
+/// The body of `response`, if it is at most `limit` bytes: an endless or
+/// huge answer (a misbehaving server or proxy) is cut there, never held
+/// whole.
+pub(crate) async fn read_at_most(
+    mut response: reqwest::Response,
+    limit: usize,
+) -> Result<Vec<u8>, Unread> {
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(Unread::BrokeOff)? {
+        if body.len() + chunk.len() > limit {
+            body.extend_from_slice(&chunk[..limit - body.len()]);
+            return Err(Unread::TooLarge(body));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
