@@ -538,20 +538,11 @@ async fn dead_letter_counts(bus: &Bus) -> Result<DeadLetterCounts, StatusError> 
         Err(error) if is_stream_not_found(&error) => return Ok(DeadLetterCounts::default()),
         Err(error) => return Err(read_error(&name, error)),
     };
-    let mut subjects = stream
-        .info_with_subjects(s.dead_letters_all())
-        .await
-        .map_err(|e| read_error(format!("subjects of {name}"), e))?;
     let mut counts = DeadLetterCounts::default();
     // `<prefix>.dlq.task.`, the pool follows.
     let task_prefix = s.dead_letter_task("");
     let poison = s.dead_letter_wake("poison");
-    while let Some((subject, count)) = subjects
-        .try_next()
-        .await
-        .map_err(|e| read_error(format!("subjects of {name}"), e))?
-    {
-        let count = count as u64;
+    for (subject, count) in subject_counts(&stream, &name, s.dead_letters_all()).await? {
         counts.total += count;
         if subject == poison {
             counts.poison += count;
@@ -560,6 +551,25 @@ async fn dead_letter_counts(bus: &Bus) -> Result<DeadLetterCounts, StatusError> 
         } else {
             counts.wakes += count;
         }
+    }
+    Ok(counts)
+}
+
+/// How many messages `stream` (named `name`) holds on each subject that
+/// `filter` matches.
+async fn subject_counts(
+    stream: &async_nats::jetstream::stream::Stream,
+    name: &str,
+    filter: String,
+) -> Result<Vec<(String, u64)>, StatusError> {
+    let unread = |e: &dyn std::fmt::Display| read_error(format!("subjects of {name}"), e);
+    let mut subjects = stream
+        .info_with_subjects(filter)
+        .await
+        .map_err(|e| unread(&e))?;
+    let mut counts = Vec::new();
+    while let Some((subject, count)) = subjects.try_next().await.map_err(|e| unread(&e))? {
+        counts.push((subject, count as u64));
     }
     Ok(counts)
 }
@@ -579,23 +589,15 @@ async fn queued_tasks(
         .get_stream(&name)
         .await
         .map_err(|e| read_error(&name, e))?;
-    let mut subjects = stream
-        .info_with_subjects(s.tasks_all())
-        .await
-        .map_err(|e| read_error(format!("subjects of {name}"), e))?;
     let mut queued = QueuedTasks::default();
     // `<prefix>.task.`, the pool follows.
     let task_prefix = s.task("");
-    while let Some((subject, count)) = subjects
-        .try_next()
-        .await
-        .map_err(|e| read_error(format!("subjects of {name}"), e))?
-    {
+    for (subject, count) in subject_counts(&stream, &name, s.tasks_all()).await? {
         let Some(pool) = subject.strip_prefix(task_prefix.as_str()) else {
             continue;
         };
-        queued.total += count as u64;
-        *queued.pools.entry(pool.to_owned()).or_default() += count as u64;
+        queued.total += count;
+        *queued.pools.entry(pool.to_owned()).or_default() += count;
     }
     for (pool, _) in queued.pools.iter().filter(|(_, count)| **count > 0) {
         let consumer = s.worker_consumer(pool);

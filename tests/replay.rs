@@ -1049,19 +1049,7 @@ async fn a_forced_replay_keeps_its_new_key_when_an_ordinary_copy_is_held_with_it
         locks.try_acquire(&token).await.ok().flatten()
     })
     .await;
-    let stored = all_messages(&bus, &bus.subjects.events_stream())
-        .await
-        .into_iter()
-        .find(|m| m.subject.ends_with(".done"))
-        .expect("the completion");
-    let mut headers = stored.headers.clone();
-    headers.insert("Nats-Msg-Id", "a-later-rerun");
-    bus.js
-        .publish_with_headers(stored.subject.to_string(), headers, stored.payload.clone())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    republish_completion(&bus).await;
     let held = |n: usize| {
         let bus = bus.clone();
         async move {

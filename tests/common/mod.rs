@@ -397,6 +397,13 @@ pub async fn completions_waiting_in_wake(bus: &Bus, n: usize) {
 /// worker that crashed after publishing it and ran the task again after
 /// the dedupe window would, and waits until the wake has settled it.
 pub async fn publish_completion_again(bus: &Bus) {
+    republish_completion(bus).await;
+    wake_consumer_settled(bus).await;
+}
+
+/// Publishes the stored completion again under a new `Nats-Msg-Id`, as
+/// [`publish_completion_again`] does, without waiting for the wake.
+pub async fn republish_completion(bus: &Bus) {
     let stored = all_messages(bus, &bus.subjects.events_stream())
         .await
         .into_iter()
@@ -410,7 +417,6 @@ pub async fn publish_completion_again(bus: &Bus) {
         .unwrap()
         .await
         .unwrap();
-    wake_consumer_settled(bus).await;
 }
 
 /// Takes `session`'s lock as another wake instance would, so that the wake
