@@ -240,11 +240,12 @@ fn print_summary(summary: &Summary, json: bool) {
         let _ = writeln!(std::io::stdout().lock(), "{line}");
     } else {
         eprintln!(
-            "{} selected: {} replayed, {} would be replayed, {} skipped{}",
+            "{} selected: {} replayed, {} would be replayed, {} skipped ({} of them not checked){}",
             summary.selected,
             summary.replayed,
             summary.would_replay,
             summary.skipped,
+            summary.unchecked,
             if summary.interrupted {
                 " (interrupted)"
             } else {

@@ -79,7 +79,7 @@ impl Replayer {
             Err(error) => {
                 self.seen.remove(&key);
                 return Ok(item.unchecked(format!(
-                    "cannot tell whether it was delivered ({error}); run the replay again for it"
+                    "cannot tell whether it was delivered ({error}); run the replay again once the ledger can be read (a leader election passes by itself; a refused read or a corrupt entry needs an operator)"
                 )));
             }
         };
@@ -107,8 +107,13 @@ impl Replayer {
             item.action = Action::WouldReplay;
             return Ok(item);
         }
-        if item.ledger_cleared {
-            ledger.forget(&key).await?;
+        if item.ledger_cleared
+            && let Err(error) = ledger.forget(&key).await
+        {
+            self.seen.remove(&key);
+            return Ok(item.unchecked(format!(
+                "cannot clear its ledger entry ({error}); run the replay again for it"
+            )));
         }
         let mut headers = replay_headers(record);
         let event_id = CompletionEvent::id_for(&event.delegation_id, event.task_index);

@@ -307,7 +307,16 @@ impl Router {
                     };
                     if let Some(turn) = recovering.iter_mut().find(covered) {
                         turn.messages.push(pending);
-                    } else if let Some(Some(intent)) = intents.remove(&idempotency_key) {
+                    } else if let Some(intent) = intents
+                        .get(&idempotency_key)
+                        .and_then(Option::as_ref)
+                        // A completion the recorded turn does not cover
+                        // (inconsistent entries: a hand edit) is not acked
+                        // with it unreported.
+                        .filter(|intent| intent.covers.contains(&pending.ledger_key()))
+                        .cloned()
+                    {
+                        intents.remove(&idempotency_key);
                         warn!(idempotency_key = %idempotency_key, "A post was recorded but never confirmed (it may not have been sent at all); sending it with the same Idempotency-Key.");
                         recovering.push(Turn {
                             traceparent: pending.traceparent.clone(),
