@@ -499,11 +499,7 @@ async fn independent_batch_tasks_each_wake_on_their_own() {
     assert_eq!(done_events(&bus).await.len(), 1, "the sibling still runs");
     std::fs::write(&gate, "").unwrap();
     wait_until(WAIT, "both tasks woken", || async {
-        api.accepted()
-            .iter()
-            .map(|p| p.delegation_ids().len())
-            .sum::<usize>()
-            == 2
+        api.woken_delegations() == 2
     })
     .await;
     services.stop().await;

@@ -175,12 +175,7 @@ async fn two_hundred_delegations_from_twenty_sessions_each_wake_only_their_own_s
         expected.entry(session).or_default().insert(id);
     }
 
-    let woken = || {
-        api.accepted()
-            .iter()
-            .map(|p| p.delegation_ids().len())
-            .sum::<usize>()
-    };
+    let woken = || api.woken_delegations();
     wait_until(WAIT, "200 completions woken", || async { woken() >= 200 }).await;
     services.stop().await;
 
@@ -232,12 +227,7 @@ async fn two_workers_on_one_pool_share_the_work_and_run_nothing_twice() {
             .await
             .expect("delegate");
     }
-    let woken = || {
-        api.accepted()
-            .iter()
-            .map(|p| p.delegation_ids().len())
-            .sum::<usize>()
-    };
+    let woken = || api.woken_delegations();
     wait_until(WAIT, "40 completions woken", || async { woken() >= 40 }).await;
     services.stop().await;
 

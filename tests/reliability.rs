@@ -216,11 +216,7 @@ async fn a_burst_for_one_session_is_combined_into_one_turn() {
     config.coalesce_window = Duration::from_millis(500);
     services.wake(&bus, config);
     wait_until(WAIT, "five woken", || async {
-        api.accepted()
-            .iter()
-            .map(|p| p.delegation_ids().len())
-            .sum::<usize>()
-            == 5
+        api.woken_delegations() == 5
     })
     .await;
     services.stop().await;
@@ -267,11 +263,7 @@ async fn two_wake_instances_never_post_to_one_session_at_the_same_time() {
         expected += 1;
     }
     wait_until(WAIT, "all woken", || async {
-        api.accepted()
-            .iter()
-            .map(|p| p.delegation_ids().len())
-            .sum::<usize>()
-            == expected
+        api.woken_delegations() == expected
     })
     .await;
     services.stop().await;
@@ -1514,11 +1506,7 @@ async fn a_combined_turn_not_every_completion_was_marked_for_is_not_resent() {
     services.echo_worker(&bus);
     services.wake(&bus, test_wake_config(&api.url()));
     wait_until(WAIT, "both wakes", || async {
-        api.accepted()
-            .iter()
-            .map(|post| post.delegation_ids().len())
-            .sum::<usize>()
-            == 2
+        api.woken_delegations() == 2
     })
     .await;
     services.stop().await;

@@ -784,12 +784,7 @@ async fn replay_stopped_by_ctrl_c_reports_exactly_the_wakes_it_redrove_and_leave
 
     // The wake service posts exactly what was reported, once each.
     wait_until(WAIT, "the re-driven wakes", || async {
-        let received: usize = api
-            .accepted()
-            .iter()
-            .map(|p| p.delegation_ids().len())
-            .sum();
-        received >= replayed.len()
+        api.woken_delegations() >= replayed.len()
     })
     .await;
     wake_consumer_settled(&bus).await;

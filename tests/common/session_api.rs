@@ -179,6 +179,15 @@ impl SessionApiServer {
         self.inner.accepted.lock().unwrap().clone()
     }
 
+    /// How many delegations the accepted posts reported, a combined turn
+    /// counting each of its own.
+    pub fn woken_delegations(&self) -> usize {
+        self.accepted()
+            .iter()
+            .map(|post| post.delegation_ids().len())
+            .sum()
+    }
+
     /// Delegations whose accepted posts carried more than one
     /// `Idempotency-Key`. A post repeated in doubt repeats its key, so a
     /// session API honouring the key shows one turn; a second key would be
