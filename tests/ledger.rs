@@ -10,6 +10,7 @@ use async_nats::jetstream::stream::Config as StreamConfig;
 use common::*;
 use wakebus::bus::{Bus, BusSettings};
 use wakebus::delegate::Delegation;
+use wakebus::wake::ledger::{LedgerError, LedgerState, WakeLedger};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -267,7 +268,7 @@ async fn a_completion_whose_ledger_entry_is_corrupt_is_held_until_the_entry_is_f
         .await
         .unwrap();
     let request = request("s.corrupt", "held behind a bad entry");
-    let key = wakebus::wake::ledger::WakeLedger::key(&request.delegation_id, 0);
+    let key = WakeLedger::key(&request.delegation_id, 0);
     state
         .wake_ledger
         .put(&key, "not ledger json".into())
@@ -289,4 +290,116 @@ async fn a_completion_whose_ledger_entry_is_corrupt_is_held_until_the_entry_is_f
     )
     .await;
     services.stop().await;
+}
+
+/// A `posting` mark is written only over the revision the planner read:
+/// one planned on a read that another instance's write has since made
+/// stale is refused, and that write stays.
+#[tokio::test]
+async fn a_posting_mark_planned_on_a_stale_read_is_refused_and_the_newer_entry_stays() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let state = bus
+        .provision_wake_state(&BusSettings::default())
+        .await
+        .unwrap();
+    let ledger = WakeLedger::new(state.wake_ledger);
+    let key = WakeLedger::key("01JV3S2D6F8H0K2M4P6R8T0W2Y", 0);
+    let planned = ledger.read(&key).await.unwrap();
+    assert_eq!((planned.state.clone(), planned.revision), (None, 0));
+    // Another instance wakes the completion meanwhile.
+    assert!(ledger.mark_posting_if_new(&key, "theirs").await.unwrap());
+    ledger.mark_delivered(&key, "theirs").await.unwrap();
+    let refused = ledger.mark_posting(&key, "mine", planned.revision).await;
+    assert!(
+        matches!(&refused, Err(LedgerError::Changed { key: changed }) if *changed == key),
+        "{refused:?}"
+    );
+    assert!(!ledger.mark_posting_if_new(&key, "mine").await.unwrap());
+    assert!(matches!(
+        ledger.get(&key).await.unwrap(),
+        Some(LedgerState::Delivered { idempotency_key, .. }) if idempotency_key == "theirs"
+    ));
+    // A deleted entry (a forced replay) is written over its deletion's
+    // revision, and only that.
+    ledger.forget(&key).await.unwrap();
+    let forgotten = ledger.read(&key).await.unwrap();
+    assert_eq!(forgotten.state, None);
+    assert!(forgotten.revision > planned.revision);
+    assert!(!ledger.mark_posting_if_new(&key, "replayed").await.unwrap());
+    ledger
+        .mark_posting(&key, "replayed", forgotten.revision)
+        .await
+        .unwrap();
+    assert_eq!(
+        ledger.get(&key).await.unwrap(),
+        Some(LedgerState::Posting {
+            idempotency_key: "replayed".to_owned()
+        })
+    );
+}
+
+/// A mark made while its instance is cut off from NATS is given up, but
+/// its client still holds it and sends it once reconnected, after another
+/// instance may have woken the completion. Written over anything, it would
+/// turn that `delivered` back into `posting` (or revive a combined turn),
+/// and the completion would be woken again; written only over the
+/// revision read, it is refused when it lands.
+#[tokio::test]
+async fn a_posting_mark_that_reaches_nats_late_does_not_overwrite_a_wake_made_meanwhile() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let state = bus
+        .provision_wake_state(&BusSettings::default())
+        .await
+        .unwrap();
+    let ledger = WakeLedger::new(state.wake_ledger);
+    let proxy = common::proxy::Proxy::start(nats.port).await;
+    let client = async_nats::ConnectOptions::new()
+        .reconnect_delay_callback(|_| Duration::from_millis(100))
+        .connect(format!("nats://127.0.0.1:{}", proxy.port))
+        .await
+        .unwrap();
+    let cut_off = Bus::new(client.clone(), bus.subjects.clone());
+    let cut_off_ledger = WakeLedger::new(
+        cut_off
+            .js
+            .get_key_value(bus.subjects.wake_ledger_bucket())
+            .await
+            .unwrap(),
+    );
+    let key = WakeLedger::key("01JV3S2D6F8H0K2M4P6R8T0W2Y", 0);
+    let planned = cut_off_ledger.read(&key).await.unwrap();
+    proxy.cut();
+    wait_until(WAIT, "the client to notice the cut", || async {
+        client.connection_state() != async_nats::connection::State::Connected
+    })
+    .await;
+    let given_up = tokio::time::timeout(
+        WAIT,
+        cut_off_ledger.mark_posting(&key, "late", planned.revision),
+    )
+    .await
+    .expect("the mark to time out");
+    assert!(given_up.is_err(), "a mark answered while cut off");
+    // Another instance wakes the completion meanwhile.
+    assert!(ledger.mark_posting_if_new(&key, "theirs").await.unwrap());
+    ledger.mark_delivered(&key, "theirs").await.unwrap();
+    proxy.restore();
+    // A later write from the reconnected client is stored after the queued
+    // mark has been applied or refused.
+    let barrier = WakeLedger::key("01JV3S2D6F8H0K2M4P6R8T0W2Z", 0);
+    eventually(WAIT, "a write through the reconnected client", || async {
+        cut_off_ledger
+            .mark_posting_if_new(&barrier, "after")
+            .await
+            .ok()
+    })
+    .await;
+    assert!(matches!(
+        ledger.get(&key).await.unwrap(),
+        Some(LedgerState::Delivered { idempotency_key, .. }) if idempotency_key == "theirs"
+    ));
 }

@@ -1441,7 +1441,11 @@ async fn a_completion_marked_for_a_combined_turn_never_recorded_is_woken_under_i
         .await
         .unwrap();
     WakeLedger::new(state.wake_ledger)
-        .mark_posting(&WakeLedger::key(&id, 0), "wake.01JV3S2D6F8H0K2M4P6R8T0W2Y")
+        .mark_posting(
+            &WakeLedger::key(&id, 0),
+            "wake.01JV3S2D6F8H0K2M4P6R8T0W2Y",
+            0,
+        )
         .await
         .unwrap();
     let mut services = Services::new();
@@ -1499,7 +1503,7 @@ async fn a_combined_turn_not_every_completion_was_marked_for_is_not_resent() {
         .unwrap();
     // Only the first completion's mark was stored.
     ledger
-        .mark_posting(&WakeLedger::key(&ids[0], 0), key)
+        .mark_posting(&WakeLedger::key(&ids[0], 0), key, 0)
         .await
         .unwrap();
     let mut services = Services::new();

@@ -7,6 +7,15 @@
 //! `delivered` is never posted again; one that says `posting` is re-posted
 //! with the same key, so a session API that honours `Idempotency-Key` sees a
 //! repeat, not a new turn.
+//!
+//! A `posting` mark is conditional: it is written only over the revision
+//! the planner read ([`LedgerEntry`]), and refused with
+//! [`LedgerError::Changed`] if anything was written since. A mark that a
+//! client queued while disconnected can reach the server long after it was
+//! given up; by then another instance may have woken the completion, and
+//! an unconditional mark landing over that would make the completion look
+//! unposted (or revive a combined turn that covers it). The server checks
+//! the revision when the write lands, so a late mark is refused.
 
 use async_nats::jetstream::kv;
 use serde::{Deserialize, Serialize};
@@ -45,6 +54,18 @@ pub struct Intent {
     pub covers: Vec<String>,
 }
 
+/// A ledger entry as read: its state, and the revision that a write made
+/// on the strength of that state must replace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LedgerEntry {
+    /// The recorded state; `None` if the task has no entry (never had one,
+    /// or it was deleted).
+    pub state: Option<LedgerState>,
+    /// The revision of the key's last write (a deletion too); 0 if the key
+    /// was never written (or its history expired).
+    pub revision: u64,
+}
+
 /// Why the ledger could not be read or written.
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
@@ -54,12 +75,17 @@ pub enum LedgerError {
     /// Writing failed.
     #[error("cannot write the wake ledger: {0}")]
     Write(#[from] kv::PutError),
-    /// Creating an entry failed for a reason other than "it exists".
+    /// A conditional write or a deletion (the same operation to the
+    /// client library) failed for a reason other than a changed entry.
     #[error("cannot write the wake ledger: {0}")]
-    Create(#[from] kv::CreateError),
-    /// Deleting failed.
-    #[error("cannot delete from the wake ledger: {0}")]
-    Delete(#[from] kv::DeleteError),
+    Update(#[from] kv::UpdateError),
+    /// A conditional write was refused: the entry was written (or deleted)
+    /// after it was read, by another instance or a replay.
+    #[error("wake ledger entry {key} changed after it was read")]
+    Changed {
+        /// The entry's key in the bucket.
+        key: String,
+    },
     /// An entry is not ledger JSON (edited by hand, or written by a newer
     /// wakebus).
     #[error("wake ledger entry {key} is corrupt: {source}")]
@@ -99,43 +125,67 @@ impl WakeLedger {
 
     /// The state of a task's wake, if any was recorded.
     pub async fn get(&self, key: &str) -> Result<Option<LedgerState>, LedgerError> {
-        match self.kv.get(key).await? {
-            Some(bytes) => parse(key, &bytes).map(Some),
-            None => Ok(None),
-        }
+        Ok(self.read(key).await?.state)
     }
 
-    /// Records that a post with `idempotency_key` is about to be sent.
-    pub async fn mark_posting(&self, key: &str, idempotency_key: &str) -> Result<(), LedgerError> {
-        self.put(
-            key,
-            &LedgerState::Posting {
-                idempotency_key: idempotency_key.to_owned(),
+    /// A task's entry with its revision, for a conditional mark.
+    pub async fn read(&self, key: &str) -> Result<LedgerEntry, LedgerError> {
+        Ok(match self.kv.entry(key).await? {
+            Some(entry) => LedgerEntry {
+                state: match entry.operation {
+                    kv::Operation::Put => Some(parse(key, &entry.value)?),
+                    kv::Operation::Delete | kv::Operation::Purge => None,
+                },
+                revision: entry.revision,
             },
-        )
-        .await
+            None => LedgerEntry {
+                state: None,
+                revision: 0,
+            },
+        })
     }
 
-    /// Records `posting` for a task that has no entry yet, in one round
-    /// trip; `false` (nothing written) if it has one, which the caller then
-    /// reads. The common case, a completion seen for the first time, so
-    /// costs one write instead of a read and a write.
-    pub async fn mark_posting_if_new(
+    /// Records that a post with `idempotency_key` is about to be sent, if
+    /// the entry is still at `revision` (as read; 0: never written). Fails
+    /// with [`LedgerError::Changed`] if it is not, even when the write
+    /// reaches the server late.
+    pub async fn mark_posting(
         &self,
         key: &str,
         idempotency_key: &str,
-    ) -> Result<bool, LedgerError> {
+        revision: u64,
+    ) -> Result<(), LedgerError> {
         let state = LedgerState::Posting {
             idempotency_key: idempotency_key.to_owned(),
         };
         match self
             .kv
-            .create(key, serde_json::to_vec(&state)?.into())
+            .update(key, serde_json::to_vec(&state)?.into(), revision)
             .await
         {
-            Ok(_) => Ok(true),
-            Err(error) if error.kind() == kv::CreateErrorKind::AlreadyExists => Ok(false),
+            Ok(_) => Ok(()),
+            Err(error) if error.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                Err(LedgerError::Changed {
+                    key: key.to_owned(),
+                })
+            }
             Err(error) => Err(error.into()),
+        }
+    }
+
+    /// Records `posting` for a task whose key was never written, in one
+    /// round trip; `false` (nothing written) if it was, which the caller
+    /// then reads. The common case, a completion seen for the first time,
+    /// so costs one write instead of a read and a write.
+    pub async fn mark_posting_if_new(
+        &self,
+        key: &str,
+        idempotency_key: &str,
+    ) -> Result<bool, LedgerError> {
+        match self.mark_posting(key, idempotency_key, 0).await {
+            Ok(()) => Ok(true),
+            Err(LedgerError::Changed { .. }) => Ok(false),
+            Err(error) => Err(error),
         }
     }
 

@@ -36,6 +36,11 @@ use super::session_api::Post;
 use crate::ops::metrics as m;
 use crate::protocol::{CompletionEvent, session_token};
 
+/// How soon a plan refused by a changed ledger entry is made again: at
+/// once would do, but a writer that keeps changing an entry (an operator's
+/// loop) must not make a busy loop of it.
+const REPLAN_AFTER_CHANGE: Duration = Duration::from_millis(100);
+
 /// A completion waiting to be woken, with the message that carries it.
 #[derive(Debug)]
 pub(crate) struct Pending {
@@ -362,6 +367,17 @@ impl Router {
             ) => {
                 error!(%error, "A wake ledger entry of this session's completions cannot be read; its completions are held until an operator fixes or deletes the entry (docs/GUARANTEES.md, \"wake ledger entry that is not ledger JSON\"). Will retry in 30 s.");
                 return self.again_after(hold, Duration::from_secs(30)).await;
+            }
+            // Another instance or a replay wrote an entry since it was
+            // read: nothing is lost, the plan is made again on what is
+            // there now.
+            Err(
+                error @ plan::PlanError::Ledger(crate::wake::ledger::LedgerError::Changed {
+                    ..
+                }),
+            ) => {
+                info!(%error, "A wake ledger entry changed while the session's turns were planned; planning again.");
+                return self.again_after(hold, REPLAN_AFTER_CHANGE).await;
             }
             Err(error) => {
                 warn!(%error, "Could not plan the session's turns; will retry.");

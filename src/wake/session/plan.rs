@@ -259,13 +259,23 @@ impl Router {
             }
         }
         // Everything read first, so that an error leaves `held` whole.
-        let states = join_all(
+        let entries = join_all(
             held.iter()
-                .map(|p| async move { ledger.get(&p.ledger_key()).await }),
+                .map(|p| async move { ledger.read(&p.ledger_key()).await }),
         )
         .await
         .into_iter()
         .collect::<Result<Vec<_>, _>>()?;
+        // The revisions read: a new turn's marks are written only over
+        // them, so that a change since (another instance, a replay) is
+        // noticed rather than overwritten.
+        let revisions: BTreeMap<String, u64> = held
+            .iter()
+            .map(Pending::ledger_key)
+            .zip(entries.iter().map(|entry| entry.revision))
+            .collect();
+        let states: Vec<Option<LedgerState>> =
+            entries.into_iter().map(|entry| entry.state).collect();
         let known: BTreeMap<String, Option<LedgerState>> = held
             .iter()
             .map(Pending::ledger_key)
@@ -404,7 +414,7 @@ impl Router {
         // those not tried yet, back in `held`.
         let mut groups = new_turns.into_iter();
         while let Some(messages) = groups.next() {
-            if let Err(error) = self.new_turn(messages, held, turns).await {
+            if let Err(error) = self.new_turn(messages, &revisions, held, turns).await {
                 held.extend(groups.flatten());
                 return Err(error.into());
             }
@@ -415,10 +425,12 @@ impl Router {
     /// One turn for completions never posted before, added to `turns`; if
     /// its ledger writes fail, its messages go back to `held`. A combined
     /// turn's intent is recorded first, so a post that ends in doubt can be
-    /// repeated exactly.
+    /// repeated exactly. Each mark is written only over the entry's
+    /// revision in `revisions` (as planned).
     async fn new_turn(
         &self,
         mut messages: Vec<Pending>,
+        revisions: &BTreeMap<String, u64>,
         held: &mut Vec<Pending>,
         turns: &mut Vec<Turn>,
     ) -> Result<(), LedgerError> {
@@ -453,13 +465,15 @@ impl Router {
                     .event_key();
                 self.shared
                     .ledger
-                    .mark_posting(&covers[0], &key)
+                    .mark_posting(&covers[0], &key, revision(revisions, &covers[0]))
                     .await
                     .map(|()| key)
             }
             _ => {
                 let key = format!("{COMBINED_KEY_PREFIX}{}", ulid::Ulid::new());
-                self.record_intent(&key, &text, &covers).await.map(|()| key)
+                self.record_intent(&key, &text, &covers, revisions)
+                    .await
+                    .map(|()| key)
             }
         };
         match recorded {
@@ -487,12 +501,15 @@ impl Router {
     /// between) was never posted: [`Router::all_marked`] tells, and its
     /// completions are planned afresh. (The intent comes first so that a
     /// wakebus older than this rule, which re-sends any intent it finds,
-    /// never meets a mark without one during a rolling upgrade.)
+    /// never meets a mark without one during a rolling upgrade.) Each mark
+    /// is written only over the revision planned on; a refused one leaves
+    /// the turn unposted, like a failed one.
     async fn record_intent(
         &self,
         key: &str,
         text: &str,
         covers: &[String],
+        revisions: &BTreeMap<String, u64>,
     ) -> Result<(), LedgerError> {
         let ledger = &self.shared.ledger;
         let intent = Intent {
@@ -503,7 +520,7 @@ impl Router {
         try_join_all(
             covers
                 .iter()
-                .map(|covered| ledger.mark_posting(covered, key)),
+                .map(|covered| ledger.mark_posting(covered, key, revision(revisions, covered))),
         )
         .await?;
         Ok(())
@@ -536,6 +553,12 @@ impl Router {
         }
         Ok(true)
     }
+}
+
+/// The revision `key` was read at; 0 (never written) if it was not read,
+/// so that a mark over an entry nobody planned on is refused.
+fn revision(revisions: &BTreeMap<String, u64>, key: &str) -> u64 {
+    revisions.get(key).copied().unwrap_or(0)
 }
 
 /// How a combined turn's Idempotency-Key begins (`wake.<ULID>`); a
