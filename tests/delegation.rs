@@ -240,6 +240,76 @@ async fn a_silent_cancel_records_the_interruption_but_wakes_nobody() {
     assert!(api.all_posts().is_empty());
 }
 
+/// Cancels `request` (stored, not yet run) silently, then starts a worker
+/// (`max_deliver` 1) and a wake, and checks that the task ends
+/// `interrupted` without waking anybody, whatever else would have refused
+/// it: a silent cancel means the session hears nothing.
+async fn silently_cancelled_before_a_worker_sees_it(
+    bus: &wakebus::bus::Bus,
+    api: &SessionApiServer,
+    request: &TaskRequest,
+) {
+    Canceller::new(bus.clone())
+        .cancel_delegation(&request.delegation_id, true)
+        .await
+        .unwrap();
+    let mut services = Services::new();
+    let mut config = test_worker_config("default");
+    config.max_deliver = 1;
+    services.worker(bus, shell("echo ran"), config);
+    services.wake(bus, test_wake_config(&api.url()));
+    wait_until(WAIT, "the completion", || async {
+        !done_events(bus).await.is_empty()
+    })
+    .await;
+    wake_consumer_settled(bus).await;
+    services.stop().await;
+    let done = &done_events(bus).await[0];
+    assert_eq!(
+        (done.status, done.exit_reason.as_str(), done.suppress_wake),
+        (Status::Interrupted, "cancelled", true),
+        "{done:?}"
+    );
+    assert!(api.all_posts().is_empty(), "{:?}", api.all_posts());
+    let s = &bus.subjects;
+    assert!(all_messages(bus, &s.dead_letter_stream()).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_silently_cancelled_request_nested_too_deep_wakes_nobody() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut deep = request("s.deep.hush", "nested too deep");
+    deep.depth = 5;
+    publish_until_stored(&bus, &deep).await;
+    silently_cancelled_before_a_worker_sees_it(&bus, &api, &deep).await;
+}
+
+#[tokio::test]
+async fn a_silently_cancelled_task_past_its_deliveries_wakes_nobody_and_is_not_dead_lettered() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let req = request("s.spent.hush", "delivered before");
+    publish_until_stored(&bus, &req).await;
+    // Its first delivery went to a worker that stopped without a result:
+    // the next one is past the worker's one delivery.
+    let consumer = bus
+        .worker_consumer("default", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let mut first = consumer.fetch().max_messages(1).messages().await.unwrap();
+    let message = first.next().await.expect("the request").unwrap();
+    message
+        .ack_with(async_nats::jetstream::AckKind::Nak(None))
+        .await
+        .unwrap();
+    silently_cancelled_before_a_worker_sees_it(&bus, &api, &req).await;
+}
+
 #[tokio::test]
 async fn cancelling_a_session_stops_its_delegations_and_no_others() {
     init_logs();

@@ -55,6 +55,26 @@ struct Inner {
     next_id: u64,
 }
 
+impl Inner {
+    /// The record that cancels a task: two lookups, not a scan of every
+    /// record, as this runs for every task.
+    fn cancelling(
+        &self,
+        delegation_id: &str,
+        session_token: &str,
+        stored_at: OffsetDateTime,
+    ) -> Option<&CancelRecord> {
+        let by_delegation = self
+            .records
+            .get(&CancelTarget::Delegation(delegation_id.to_owned()));
+        let by_session = self
+            .records
+            .get(&CancelTarget::Session(session_token.to_owned()))
+            .filter(|record| stored_at <= record.at);
+        by_delegation.or(by_session)
+    }
+}
+
 /// Cancel records and running tasks.
 #[derive(Debug, Default)]
 pub(crate) struct CancelRegistry {
@@ -147,6 +167,20 @@ impl CancelRegistry {
         self.inner.lock().expect("cancel registry").records.len()
     }
 
+    /// The record that cancels a task, if one is known.
+    pub(crate) fn cancelled(
+        &self,
+        delegation_id: &str,
+        session_token: &str,
+        stored_at: OffsetDateTime,
+    ) -> Option<CancelRecord> {
+        self.inner
+            .lock()
+            .expect("cancel registry")
+            .cancelling(delegation_id, session_token, stored_at)
+            .cloned()
+    }
+
     /// Registers a run about to start, or returns the record that cancels it.
     pub(crate) fn register(
         self: &Arc<Self>,
@@ -157,15 +191,7 @@ impl CancelRegistry {
         reason: Arc<OnceLock<StopReason>>,
     ) -> Result<RunGuard, CancelRecord> {
         let mut inner = self.inner.lock().expect("cancel registry");
-        // Two lookups, not a scan of every record: this runs for every task.
-        let by_delegation = inner
-            .records
-            .get(&CancelTarget::Delegation(delegation_id.to_owned()));
-        let by_session = inner
-            .records
-            .get(&CancelTarget::Session(session_token.to_owned()))
-            .filter(|record| stored_at <= record.at);
-        if let Some(record) = by_delegation.or(by_session) {
+        if let Some(record) = inner.cancelling(delegation_id, session_token, stored_at) {
             return Err(record.clone());
         }
         let id = inner.next_id;

@@ -30,6 +30,7 @@ use super::cancel::{CancelRegistry, StopReason};
 use super::claims::{Claim, Claims};
 use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
 use crate::bus::{Bus, PublishError};
+use crate::cancel::CancelRecord;
 use crate::ops::metrics as m;
 use crate::outcome::{Outcome, keep_alive};
 use crate::protocol::{
@@ -190,6 +191,19 @@ impl TaskHandler {
             m::task_already_done(&self.config.pool);
             return Outcome::Ack;
         }
+        // A cancelled task ends as cancelled, whatever else would refuse
+        // it: a silent cancel is not answered by a depth-limit error or a
+        // give-up that wakes the session.
+        let session_token = token_for(request.origin_session_id.as_deref());
+        let stored_at = stored_at.unwrap_or_else(OffsetDateTime::now_utc);
+        if let Some(record) =
+            self.cancels
+                .cancelled(&request.delegation_id, &session_token, stored_at)
+        {
+            return self
+                .cancelled_before_start(message, &request, trace, &record, stop)
+                .await;
+        }
         if request.depth > self.config.max_depth {
             let mut done = CompletionEvent::for_request(&request, Status::Error, "depth_limit");
             done.error = Some(format!(
@@ -237,23 +251,15 @@ impl TaskHandler {
         let reason = Arc::new(OnceLock::new());
         let _registered = match self.cancels.register(
             &request.delegation_id,
-            &token_for(request.origin_session_id.as_deref()),
-            stored_at.unwrap_or_else(OffsetDateTime::now_utc),
+            &session_token,
+            stored_at,
             run_stop.clone(),
             reason.clone(),
         ) {
             Ok(guard) => guard,
             Err(record) => {
-                info!(
-                    silent = record.silent,
-                    "Task was cancelled before it started; not running it."
-                );
-                let mut done =
-                    CompletionEvent::for_request(&request, Status::Interrupted, "cancelled");
-                done.error = Some("cancelled before it started".to_owned());
-                done.suppress_wake = record.silent;
                 return self
-                    .finish(message, &request, trace, done, Ending::Ran, stop)
+                    .cancelled_before_start(message, &request, trace, &record, stop)
                     .await;
             }
         };
@@ -491,6 +497,27 @@ impl TaskHandler {
         let mut done = CompletionEvent::for_request(request, Status::Failed, exit_reason);
         done.error = Some(reason);
         self.finish(message, request, trace, done, Ending::GivenUp, stop)
+            .await
+    }
+
+    /// A task cancelled before it started: an `interrupted` completion,
+    /// which wakes the session unless the cancel was silent.
+    async fn cancelled_before_start(
+        &self,
+        message: &jetstream::Message,
+        request: &TaskRequest,
+        trace: TraceParent,
+        record: &CancelRecord,
+        stop: &CancellationToken,
+    ) -> Outcome {
+        info!(
+            silent = record.silent,
+            "Task was cancelled before it started; not running it."
+        );
+        let mut done = CompletionEvent::for_request(request, Status::Interrupted, "cancelled");
+        done.error = Some("cancelled before it started".to_owned());
+        done.suppress_wake = record.silent;
+        self.finish(message, request, trace, done, Ending::Ran, stop)
             .await
     }
 
