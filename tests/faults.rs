@@ -877,12 +877,7 @@ async fn a_running_task_gets_its_keep_alive_as_soon_as_its_worker_reconnects() {
     let nats = NatsServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let proxy = common::proxy::Proxy::start(nats.port).await;
-    let client = async_nats::ConnectOptions::new()
-        .reconnect_delay_callback(|_| Duration::from_millis(100))
-        .connect(format!("nats://127.0.0.1:{}", proxy.port))
-        .await
-        .unwrap();
-    let worker_bus = Bus::new(client, bus.subjects.clone());
+    let worker_bus = bus_through(&proxy, &bus).await;
     let mut config = test_worker_config("default");
     config.ack_wait = Duration::from_secs(15);
     let mut services = Services::new();
@@ -905,36 +900,107 @@ async fn a_running_task_gets_its_keep_alive_as_soon_as_its_worker_reconnects() {
         .subscribe(format!("$JS.ACK.{tasks}.>"))
         .await
         .unwrap();
-    let in_progress = |message: &async_nats::Message| message.payload.as_ref() == b"+WPI";
-    let next_keep_alive = async |acks: &mut async_nats::Subscriber| {
-        tokio::time::timeout(wait, async {
-            while let Some(message) = acks.next().await {
-                if in_progress(&message) {
-                    return;
-                }
-            }
-        })
-        .await
-        .expect("a keep-alive");
-    };
-    next_keep_alive(&mut acks).await;
-    // From one keep-alive to just past the next one's time.
-    proxy.cut();
-    let cut = std::time::Instant::now();
-    tokio::time::sleep(Duration::from_millis(5300)).await;
-    proxy.restore();
-    next_keep_alive(&mut acks).await;
-    let back = cut.elapsed();
-    assert!(
-        back < Duration::from_secs(7),
-        "keep-alive {back:?} after the last"
-    );
-    // Past the AckWait counted from the last keep-alive before the cut.
-    tokio::time::sleep(Duration::from_secs(10).saturating_sub(cut.elapsed())).await;
+    cut_between_keep_alives(&proxy, &mut acks).await;
     let info = stream.consumer_info(&name).await.unwrap();
     assert_eq!(
         info.num_redelivered, 0,
         "handed to another worker: {info:?}"
     );
     services.stop().await;
+}
+
+/// `bus`, for a service whose connection goes through `proxy` (and comes
+/// back 100 ms after the proxy does).
+async fn bus_through(proxy: &common::proxy::Proxy, bus: &Bus) -> Bus {
+    let client = async_nats::ConnectOptions::new()
+        .reconnect_delay_callback(|_| Duration::from_millis(100))
+        .connect(format!("nats://127.0.0.1:{}", proxy.port))
+        .await
+        .unwrap();
+    Bus::new(client, bus.subjects.clone())
+}
+
+/// Waits for the next in-progress ack among `acks`.
+async fn next_keep_alive(acks: &mut async_nats::Subscriber) {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(message) = acks.next().await {
+            if message.payload.as_ref() == b"+WPI" {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("a keep-alive");
+}
+
+/// Cuts a service's connection (`proxy`) from one of its keep-alives (of
+/// `acks`, every 5 s) to just past the next one's time, then checks that
+/// the next comes within the consumer's AckWait (7 s) of the last one
+/// before the cut, and waits until past that AckWait, for the caller to
+/// check that nothing was handed on.
+async fn cut_between_keep_alives(proxy: &common::proxy::Proxy, acks: &mut async_nats::Subscriber) {
+    next_keep_alive(acks).await;
+    proxy.cut();
+    let cut = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(5300)).await;
+    proxy.restore();
+    next_keep_alive(acks).await;
+    let back = cut.elapsed();
+    assert!(
+        back < Duration::from_secs(7),
+        "keep-alive {back:?} after the last"
+    );
+    tokio::time::sleep(Duration::from_secs(10).saturating_sub(cut.elapsed())).await;
+}
+
+/// The same for a wake holding a completion whose post the session API
+/// keeps waiting: cut off for part of its keep-alive period, it sends the
+/// next in-progress ack as soon as it is back, so the completion is not
+/// handed to another wake instance (which would post it beside this one's
+/// post still in flight).
+#[tokio::test]
+async fn a_held_completion_gets_its_keep_alive_as_soon_as_its_wake_reconnects() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    api.hold_posts();
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let proxy = common::proxy::Proxy::start(nats.port).await;
+    let wake_bus = bus_through(&proxy, &bus).await;
+    let mut config = test_wake_config(&api.url());
+    config.ack_wait = Duration::from_secs(15);
+    config.api.request_timeout = Duration::from_secs(60);
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&wake_bus, config);
+    publish_until_stored(&bus, &request("s.cut.wake", "woken once")).await;
+    wait_until(Duration::from_secs(30), "the post", || async {
+        api.in_flight() == 1
+    })
+    .await;
+    let events = bus.subjects.events_stream();
+    let stream = bus.js.get_stream(&events).await.unwrap();
+    let name = bus.subjects.wake_consumer();
+    let mut consumer_config = stream.consumer_info(&name).await.unwrap().config;
+    consumer_config.ack_wait = Duration::from_secs(7);
+    stream.create_consumer(consumer_config).await.unwrap();
+
+    let mut acks = bus
+        .client
+        .subscribe(format!("$JS.ACK.{events}.>"))
+        .await
+        .unwrap();
+    cut_between_keep_alives(&proxy, &mut acks).await;
+    let info = stream.consumer_info(&name).await.unwrap();
+    assert_eq!(
+        info.num_redelivered, 0,
+        "handed to another instance: {info:?}"
+    );
+    api.release_posts();
+    wait_until(Duration::from_secs(30), "the wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(api.all_posts().len(), 1, "{:?}", api.all_posts());
 }
