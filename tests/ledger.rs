@@ -384,6 +384,16 @@ async fn a_posting_mark_that_reaches_nats_late_does_not_overwrite_a_wake_made_me
     .await
     .expect("the mark to time out");
     assert!(given_up.is_err(), "a mark answered while cut off");
+    // A write made with no condition the same way: it does land, later,
+    // which shows the mark above is sent late too, not dropped.
+    let control = WakeLedger::key("01JV3S2D6F8H0K2M4P6R8T0W30", 0);
+    let lands = tokio::time::timeout(
+        WAIT,
+        cut_off_ledger.mark_delivered(&control, "written late"),
+    )
+    .await
+    .expect("the control write to time out");
+    assert!(lands.is_err(), "a write answered while cut off");
     // Another instance wakes the completion meanwhile.
     assert!(ledger.mark_posting_if_new(&key, "theirs").await.unwrap());
     ledger.mark_delivered(&key, "theirs").await.unwrap();
@@ -398,6 +408,10 @@ async fn a_posting_mark_that_reaches_nats_late_does_not_overwrite_a_wake_made_me
             .ok()
     })
     .await;
+    assert!(matches!(
+        ledger.get(&control).await.unwrap(),
+        Some(LedgerState::Delivered { idempotency_key, .. }) if idempotency_key == "written late"
+    ));
     assert!(matches!(
         ledger.get(&key).await.unwrap(),
         Some(LedgerState::Delivered { idempotency_key, .. }) if idempotency_key == "theirs"

@@ -258,28 +258,29 @@ impl Router {
                 return Ok(());
             }
         }
-        // Everything read first, so that an error leaves `held` whole.
-        let entries = join_all(
-            held.iter()
-                .map(|p| async move { ledger.read(&p.ledger_key()).await }),
-        )
-        .await
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()?;
+        // Everything read first, so that an error leaves `held` whole; each
+        // task once, so that two copies of it are planned on the same read
+        // as the mark made for them is written over.
+        let keys: BTreeSet<String> = held.iter().map(Pending::ledger_key).collect();
+        let entries = join_all(keys.iter().map(|key| ledger.read(key)))
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()?;
         // The revisions read: a new turn's marks are written only over
         // them, so that a change since (another instance, a replay) is
         // noticed rather than overwritten.
-        let revisions: BTreeMap<String, u64> = held
+        let revisions: BTreeMap<String, u64> = keys
             .iter()
-            .map(Pending::ledger_key)
+            .cloned()
             .zip(entries.iter().map(|entry| entry.revision))
             .collect();
-        let states: Vec<Option<LedgerState>> =
-            entries.into_iter().map(|entry| entry.state).collect();
-        let known: BTreeMap<String, Option<LedgerState>> = held
+        let known: BTreeMap<String, Option<LedgerState>> = keys
+            .into_iter()
+            .zip(entries.into_iter().map(|entry| entry.state))
+            .collect();
+        let states: Vec<Option<LedgerState>> = held
             .iter()
-            .map(Pending::ledger_key)
-            .zip(states.iter().cloned())
+            .map(|p| known[&p.ledger_key()].clone())
             .collect();
         let mut intents: BTreeMap<String, Option<Intent>> = BTreeMap::new();
         for state in &states {
@@ -555,9 +556,11 @@ impl Router {
     }
 }
 
-/// The revision `key` was read at; 0 (never written) if it was not read,
-/// so that a mark over an entry nobody planned on is refused.
+/// The revision `key` was read at. Every task a new turn covers was read
+/// when it was planned; were one not, 0 (the key never written) is the
+/// strictest guess: refused over any entry, a deletion's included.
 fn revision(revisions: &BTreeMap<String, u64>, key: &str) -> u64 {
+    debug_assert!(revisions.contains_key(key), "{key} was not read");
     revisions.get(key).copied().unwrap_or(0)
 }
 

@@ -381,6 +381,10 @@ impl TaskHandler {
                 warn!(%error, "Could not publish the failed completion and the worker is stopping; handing the task back, its next delivery will be given up again.");
                 Outcome::HandBack
             }
+            Err(error) if matches!(ending, Ending::Cancelled) => {
+                warn!(%error, "Could not publish the interrupted completion and the worker is stopping; handing the task back, its next delivery will end cancelled again.");
+                Outcome::HandBack
+            }
             Err(error) => {
                 warn!(%error, "Could not publish the completion and the worker is stopping; handing the task back, it will run again.");
                 Outcome::HandBack
@@ -517,7 +521,7 @@ impl TaskHandler {
         let mut done = CompletionEvent::for_request(request, Status::Interrupted, "cancelled");
         done.error = Some("cancelled before it started".to_owned());
         done.suppress_wake = record.silent;
-        self.finish(message, request, trace, done, Ending::Ran, stop)
+        self.finish(message, request, trace, done, Ending::Cancelled, stop)
             .await
     }
 
@@ -640,6 +644,9 @@ enum Ending {
     /// It was given up (attempts or deliveries used up): a stop before
     /// the completion is stored hands it back to be given up again.
     GivenUp,
+    /// It was cancelled before this delivery started it: a stop before
+    /// the completion is stored hands it back to end cancelled again.
+    Cancelled,
 }
 
 /// What a worker stores for a task it holds, kept until stored.
