@@ -877,7 +877,7 @@ async fn a_running_task_gets_its_keep_alive_as_soon_as_its_worker_reconnects() {
     let nats = NatsServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let proxy = common::proxy::Proxy::start(nats.port).await;
-    let worker_bus = bus_through(&proxy, &bus).await;
+    let worker_bus = proxy.bus(&bus).await;
     let mut config = test_worker_config("default");
     config.ack_wait = Duration::from_secs(15);
     let mut services = Services::new();
@@ -907,17 +907,6 @@ async fn a_running_task_gets_its_keep_alive_as_soon_as_its_worker_reconnects() {
         "handed to another worker: {info:?}"
     );
     services.stop().await;
-}
-
-/// `bus`, for a service whose connection goes through `proxy` (and comes
-/// back 100 ms after the proxy does).
-async fn bus_through(proxy: &common::proxy::Proxy, bus: &Bus) -> Bus {
-    let client = async_nats::ConnectOptions::new()
-        .reconnect_delay_callback(|_| Duration::from_millis(100))
-        .connect(format!("nats://127.0.0.1:{}", proxy.port))
-        .await
-        .unwrap();
-    Bus::new(client, bus.subjects.clone())
 }
 
 /// Waits for the next in-progress ack among `acks`.
@@ -966,7 +955,7 @@ async fn a_held_completion_gets_its_keep_alive_as_soon_as_its_wake_reconnects() 
     api.hold_posts();
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let proxy = common::proxy::Proxy::start(nats.port).await;
-    let wake_bus = bus_through(&proxy, &bus).await;
+    let wake_bus = proxy.bus(&bus).await;
     let mut config = test_wake_config(&api.url());
     config.ack_wait = Duration::from_secs(15);
     config.api.request_timeout = Duration::from_secs(60);

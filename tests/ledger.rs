@@ -292,6 +292,15 @@ async fn a_completion_whose_ledger_entry_is_corrupt_is_held_until_the_entry_is_f
     services.stop().await;
 }
 
+/// The wake ledger of `bus`, provisioned.
+async fn ledger_of(bus: &Bus) -> WakeLedger {
+    let state = bus
+        .provision_wake_state(&BusSettings::default())
+        .await
+        .unwrap();
+    WakeLedger::new(state.wake_ledger)
+}
+
 /// A `posting` mark is written only over the revision the planner read:
 /// one planned on a read that another instance's write has since made
 /// stale is refused, and that write stays.
@@ -300,11 +309,7 @@ async fn a_posting_mark_planned_on_a_stale_read_is_refused_and_the_newer_entry_s
     init_logs();
     let nats = NatsServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
-    let state = bus
-        .provision_wake_state(&BusSettings::default())
-        .await
-        .unwrap();
-    let ledger = WakeLedger::new(state.wake_ledger);
+    let ledger = ledger_of(&bus).await;
     let key = WakeLedger::key("01JV3S2D6F8H0K2M4P6R8T0W2Y", 0);
     let planned = ledger.read(&key).await.unwrap();
     assert_eq!((planned.state.clone(), planned.revision), (None, 0));
@@ -351,18 +356,10 @@ async fn a_posting_mark_that_reaches_nats_late_does_not_overwrite_a_wake_made_me
     init_logs();
     let nats = NatsServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
-    let state = bus
-        .provision_wake_state(&BusSettings::default())
-        .await
-        .unwrap();
-    let ledger = WakeLedger::new(state.wake_ledger);
+    let ledger = ledger_of(&bus).await;
     let proxy = common::proxy::Proxy::start(nats.port).await;
-    let client = async_nats::ConnectOptions::new()
-        .reconnect_delay_callback(|_| Duration::from_millis(100))
-        .connect(format!("nats://127.0.0.1:{}", proxy.port))
-        .await
-        .unwrap();
-    let cut_off = Bus::new(client.clone(), bus.subjects.clone());
+    let cut_off = proxy.bus(&bus).await;
+    let client = cut_off.client.clone();
     let cut_off_ledger = WakeLedger::new(
         cut_off
             .js

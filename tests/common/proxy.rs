@@ -57,6 +57,17 @@ impl Proxy {
         }
     }
 
+    /// `bus` for a service whose connection goes through this proxy (and
+    /// comes back 100 ms after the proxy does).
+    pub async fn bus(&self, bus: &wakebus::bus::Bus) -> wakebus::bus::Bus {
+        let client = async_nats::ConnectOptions::new()
+            .reconnect_delay_callback(|_| std::time::Duration::from_millis(100))
+            .connect(format!("nats://127.0.0.1:{}", self.port))
+            .await
+            .expect("connect through the proxy");
+        wakebus::bus::Bus::new(client, bus.subjects.clone())
+    }
+
     /// Closes every forwarded connection and refuses new ones.
     pub fn cut(&self) {
         self.up.store(false, Ordering::SeqCst);
