@@ -301,6 +301,18 @@ async fn ledger_of(bus: &Bus) -> WakeLedger {
     WakeLedger::new(state.wake_ledger)
 }
 
+/// Another instance wakes the completion of `key`: its entry is
+/// `delivered` under `theirs`; returns that record's revision.
+async fn woken_by_another_instance(ledger: &WakeLedger, key: &str) -> u64 {
+    let posting = ledger
+        .mark_posting_if_new(key, "theirs")
+        .await
+        .unwrap()
+        .expect("a new entry");
+    ledger.mark_delivered(key, "theirs", posting).await.unwrap();
+    ledger.read(key).await.unwrap().revision
+}
+
 /// A `posting` mark is written only over the revision the planner read:
 /// one planned on a read that another instance's write has since made
 /// stale is refused, and that write stays.
@@ -314,14 +326,16 @@ async fn a_posting_mark_planned_on_a_stale_read_is_refused_and_the_newer_entry_s
     let planned = ledger.read(&key).await.unwrap();
     assert_eq!((planned.state.clone(), planned.revision), (None, 0));
     // Another instance wakes the completion meanwhile.
-    assert!(ledger.mark_posting_if_new(&key, "theirs").await.unwrap());
-    ledger.mark_delivered(&key, "theirs").await.unwrap();
+    let theirs = woken_by_another_instance(&ledger, &key).await;
     let refused = ledger.mark_posting(&key, "mine", planned.revision).await;
     assert!(
         matches!(&refused, Err(LedgerError::Changed { key: changed }) if *changed == key),
         "{refused:?}"
     );
-    assert!(!ledger.mark_posting_if_new(&key, "mine").await.unwrap());
+    assert_eq!(
+        ledger.mark_posting_if_new(&key, "mine").await.unwrap(),
+        None
+    );
     assert!(matches!(
         ledger.get(&key).await.unwrap(),
         Some(LedgerState::Delivered { idempotency_key, .. }) if idempotency_key == "theirs"
@@ -331,8 +345,15 @@ async fn a_posting_mark_planned_on_a_stale_read_is_refused_and_the_newer_entry_s
     ledger.forget(&key).await.unwrap();
     let forgotten = ledger.read(&key).await.unwrap();
     assert_eq!(forgotten.state, None);
-    assert!(forgotten.revision > planned.revision);
-    assert!(!ledger.mark_posting_if_new(&key, "replayed").await.unwrap());
+    assert!(forgotten.revision > theirs);
+    // A `delivered` record planned before the deletion (a post that was
+    // still being made) is refused: the forced copy is still to be posted.
+    let late = ledger.mark_delivered(&key, "theirs", theirs).await;
+    assert!(matches!(late, Err(LedgerError::Changed { .. })), "{late:?}");
+    assert_eq!(
+        ledger.mark_posting_if_new(&key, "replayed").await.unwrap(),
+        None
+    );
     ledger
         .mark_posting(&key, "replayed", forgotten.revision)
         .await
@@ -386,14 +407,13 @@ async fn a_posting_mark_that_reaches_nats_late_does_not_overwrite_a_wake_made_me
     let control = WakeLedger::key("01JV3S2D6F8H0K2M4P6R8T0W30", 0);
     let lands = tokio::time::timeout(
         WAIT,
-        cut_off_ledger.mark_delivered(&control, "written late"),
+        cut_off_ledger.mark_delivered(&control, "written late", 0),
     )
     .await
     .expect("the control write to time out");
     assert!(lands.is_err(), "a write answered while cut off");
     // Another instance wakes the completion meanwhile.
-    assert!(ledger.mark_posting_if_new(&key, "theirs").await.unwrap());
-    ledger.mark_delivered(&key, "theirs").await.unwrap();
+    woken_by_another_instance(&ledger, &key).await;
     proxy.restore();
     // A later write from the reconnected client is stored after the queued
     // mark has been applied or refused.

@@ -11,9 +11,11 @@ use common::cli::{field, publish_task, wakebus};
 use common::*;
 use futures::StreamExt as _;
 use serde_json::Value;
-use wakebus::delegate::Delegation;
+use wakebus::bus::BusSettings;
+use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::{HEADER_REPLAY, Status, session_token};
 use wakebus::replay::HEADER_FORCED_REPLAY;
+use wakebus::wake::ledger::{Intent, WakeLedger};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -71,6 +73,175 @@ async fn replay_skips_wakes_that_were_already_delivered() {
     assert!(replay_copies(&bus).await.is_empty(), "a copy was published");
     services.stop().await;
     assert_eq!(api.all_posts().len(), 1);
+}
+
+/// `--force` on a completion whose wake is still being posted (the session
+/// API failing, the wake retrying): when that post then succeeds, its
+/// `delivered` record must not land over the entry the replay deleted, or
+/// the forced copy would be acked as already delivered and never posted.
+#[tokio::test]
+async fn a_forced_replay_of_a_wake_still_being_posted_is_posted_after_it() {
+    let p = Pipeline::start().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
+    api.fail_always(503);
+    let id = delegate(
+        &bus,
+        Delegation::new("posted twice on purpose").session("s.force.busy"),
+    )
+    .await;
+    wait_until(WAIT, "the wake to retry", || async {
+        api.all_posts().len() >= 2
+    })
+    .await;
+    let forced = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id, "--force"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
+    assert_eq!(forced[0]["ledger_cleared"], true, "{forced:#?}");
+    let key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
+    // The forced copy waits in the wake behind the failing post.
+    completions_waiting_in_wake(&bus, 2).await;
+    api.recover();
+    wait_until(WAIT, "the wake and the forced one", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let keys: Vec<Option<String>> = api
+        .accepted()
+        .iter()
+        .map(|post| post.header("idempotency-key"))
+        .collect();
+    assert_eq!(keys, [Some(format!("{id}.0.done")), Some(key)]);
+}
+
+/// The turn recorded in doubt by [`combined_turn_in_doubt`].
+const TURN_IN_DOUBT: &str = "wake.01JV3S2D6F8H0K2M4P6R8T0W2Y";
+
+/// Two delegations for `session` whose combined turn ended in doubt (its
+/// instance died mid-post: the intent of [`TURN_IN_DOUBT`] and both marks
+/// recorded, nothing delivered), their completions stored by an echo
+/// worker (left running in `services`). Returns the delegation ids, the
+/// ledger and the turn's recorded text.
+async fn combined_turn_in_doubt(
+    bus: &wakebus::bus::Bus,
+    services: &mut Services,
+    session: &str,
+) -> (Vec<String>, WakeLedger, &'static str) {
+    let delegator = Delegator::new(bus.clone());
+    let mut ids = Vec::new();
+    for goal in ["first", "second"] {
+        let delegation = Delegation::new(goal).session(session);
+        ids.push(id_of(&delegator.delegate(delegation).await.unwrap()));
+    }
+    let state = bus
+        .provision_wake_state(&BusSettings::default())
+        .await
+        .unwrap();
+    let ledger = WakeLedger::new(state.wake_ledger);
+    let recorded = "the turn in doubt";
+    let covers = vec![WakeLedger::key(&ids[0], 0), WakeLedger::key(&ids[1], 0)];
+    let intent = Intent {
+        text: recorded.to_owned(),
+        covers: covers.clone(),
+    };
+    ledger.put_intent(TURN_IN_DOUBT, &intent).await.unwrap();
+    for covered in &covers {
+        ledger
+            .mark_posting(covered, TURN_IN_DOUBT, 0)
+            .await
+            .unwrap();
+    }
+    services.echo_worker(bus);
+    wait_until(WAIT, "both completions", || async {
+        done_events(bus).await.len() == 2
+    })
+    .await;
+    (ids, ledger, recorded)
+}
+
+/// The Idempotency-Keys of the accepted posts, sorted; checks that the one
+/// under [`TURN_IN_DOUBT`] re-sent `recorded`.
+fn accepted_keys(api: &SessionApiServer, recorded: &str) -> Vec<String> {
+    let posts = api.accepted();
+    if let Some(resent) = posts
+        .iter()
+        .find(|post| post.header("idempotency-key").as_deref() == Some(TURN_IN_DOUBT))
+    {
+        assert!(resent.text().contains(recorded), "{}", resent.text());
+    }
+    let mut keys: Vec<String> = posts
+        .iter()
+        .filter_map(|post| post.header("idempotency-key"))
+        .collect();
+    keys.sort();
+    keys
+}
+
+/// A combined turn in doubt, one of whose completions is forced: the wake
+/// must not take the turn as never posted (a mark is gone) and wake the
+/// other completion again under a new key. It re-sends the turn under its
+/// own key, and posts the forced copy on its own.
+#[tokio::test]
+async fn forcing_one_completion_of_a_combined_turn_in_doubt_does_not_wake_the_other_again() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    let (ids, _, recorded) = combined_turn_in_doubt(&bus, &mut services, "s.doubt").await;
+    let forced = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &ids[0], "--force"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
+    let forced_key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
+    services.wake(&bus, test_wake_config(&api.url()));
+    wait_until(WAIT, "two wakes", || async { api.accepted().len() >= 2 }).await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let mut expected = vec![TURN_IN_DOUBT.to_owned(), forced_key];
+    expected.sort();
+    assert_eq!(accepted_keys(&api, recorded), expected);
+}
+
+/// The same once the forced copy has been woken (its entry `delivered`
+/// under its own key) before the other completion comes back: that mark
+/// still counts as the turn's, so the turn is re-sent, not the other
+/// completion woken again under a new key.
+#[tokio::test]
+async fn a_combined_turn_in_doubt_is_resent_after_one_of_its_completions_was_forced_and_woken() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    let (ids, ledger, recorded) =
+        combined_turn_in_doubt(&bus, &mut services, "s.doubt.woken").await;
+    let first = WakeLedger::key(&ids[0], 0);
+    let revision = ledger.read(&first).await.unwrap().revision;
+    let forced_key = format!("{}.0.done.replay.01JV3S2D6F8H0K2M4P6R8T0W30", ids[0]);
+    ledger
+        .mark_delivered(&first, &forced_key, revision)
+        .await
+        .unwrap();
+    services.wake(&bus, test_wake_config(&api.url()));
+    wait_until(WAIT, "the re-sent turn", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    assert_eq!(accepted_keys(&api, recorded), [TURN_IN_DOUBT]);
 }
 
 #[tokio::test]

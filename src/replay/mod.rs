@@ -48,7 +48,7 @@ mod tasks;
 mod wakes;
 
 pub use tasks::derived_delegation_id;
-pub use wakes::{HEADER_FORCED_REPLAY, forced_idempotency_key};
+pub use wakes::{HEADER_FORCED_REPLAY, forced_idempotency_key, is_forced_key_of};
 
 use std::collections::HashSet;
 

@@ -25,6 +25,14 @@ pub fn forced_idempotency_key(base: &str, headers: Option<&HeaderMap>) -> Option
     Some(format!("{base}.replay.{id}"))
 }
 
+/// Whether `key` is a forced re-post's key of `base` (as
+/// [`forced_idempotency_key`] makes them).
+pub fn is_forced_key_of(base: &str, key: &str) -> bool {
+    key.strip_prefix(base)
+        .and_then(|rest| rest.strip_prefix(".replay."))
+        .is_some_and(|id| ulid::Ulid::from_string(id).is_ok())
+}
+
 impl Replayer {
     pub(super) async fn redrive_wake(
         &mut self,
@@ -142,6 +150,18 @@ impl Replayer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_forced_key_is_recognised_only_as_its_own_completions() {
+        let mut headers = HeaderMap::new();
+        headers.insert(HEADER_FORCED_REPLAY, "01JV3N4Y8K6D2Q7R9T1W5X0ZAB");
+        let key = forced_idempotency_key("d.0.done", Some(&headers)).unwrap();
+        assert!(is_forced_key_of("d.0.done", &key));
+        assert!(!is_forced_key_of("d.1.done", &key));
+        assert!(!is_forced_key_of("d.0", &key));
+        assert!(!is_forced_key_of("d.0.done", "d.0.done"));
+        assert!(!is_forced_key_of("d.0.done", "d.0.done.replay.not-a-ulid"));
+    }
 
     #[test]
     fn a_forced_key_takes_only_a_ulid_from_the_header() {

@@ -4,18 +4,22 @@
 //! Written around every post: `posting` (with the `Idempotency-Key`) before
 //! the post (created in one write when the task has no entry yet, the common
 //! case), `delivered` after a 2xx. A completion whose entry says
-//! `delivered` is never posted again; one that says `posting` is re-posted
-//! with the same key, so a session API that honours `Idempotency-Key` sees a
-//! repeat, not a new turn.
+//! `delivered` is never posted again (a `replay wakes --force` copy is
+//! settled only by a `delivered` under its own key); one that says
+//! `posting` is re-posted with the same key, so a session API that honours
+//! `Idempotency-Key` sees a repeat, not a new turn.
 //!
-//! A `posting` mark is conditional: it is written only over the revision
-//! the planner read ([`LedgerEntry`]), and refused with
-//! [`LedgerError::Changed`] if anything was written since. A mark that a
-//! client queued while disconnected can reach the server long after it was
-//! given up; by then another instance may have woken the completion, and
-//! an unconditional mark landing over that would make the completion look
-//! unposted (or revive a combined turn that covers it). The server checks
-//! the revision when the write lands, so a late mark is refused.
+//! Every write is conditional: a `posting` mark only over the revision the
+//! planner read ([`LedgerEntry`]), a `delivered` record only over the
+//! revision the post was planned on (or its own mark's), and either is
+//! refused with [`LedgerError::Changed`] if anything was written since. A
+//! mark that a client queued while disconnected can reach the server long
+//! after it was given up; by then another instance may have woken the
+//! completion, and an unconditional mark landing over that would make the
+//! completion look unposted (or revive a combined turn that covers it). A
+//! `delivered` landing over a forced replay's deletion would have the
+//! forced copy acked unposted. The server checks the revision when the
+//! write lands, so a late write is refused.
 
 use async_nats::jetstream::kv;
 use serde::{Deserialize, Serialize};
@@ -149,60 +153,53 @@ impl WakeLedger {
     /// the entry is still at `revision` (as read; 0: never written). Fails
     /// with [`LedgerError::Changed`] if it is not, even when the write
     /// reaches the server late.
+    /// Returns the entry's new revision.
     pub async fn mark_posting(
         &self,
         key: &str,
         idempotency_key: &str,
         revision: u64,
-    ) -> Result<(), LedgerError> {
+    ) -> Result<u64, LedgerError> {
         let state = LedgerState::Posting {
             idempotency_key: idempotency_key.to_owned(),
         };
-        match self
-            .kv
-            .update(key, serde_json::to_vec(&state)?.into(), revision)
-            .await
-        {
-            Ok(_) => Ok(()),
-            Err(error) if error.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                Err(LedgerError::Changed {
-                    key: key.to_owned(),
-                })
-            }
-            Err(error) => Err(error.into()),
-        }
+        self.update(key, &state, revision).await
     }
 
     /// Records `posting` for a task whose key was never written, in one
-    /// round trip; `false` (nothing written) if it was, which the caller
-    /// then reads. The common case, a completion seen for the first time,
-    /// so costs one write instead of a read and a write.
+    /// round trip, returning the entry's revision; `None` (nothing
+    /// written) if it was, which the caller then reads. The common case, a
+    /// completion seen for the first time, so costs one write instead of a
+    /// read and a write.
     pub async fn mark_posting_if_new(
         &self,
         key: &str,
         idempotency_key: &str,
-    ) -> Result<bool, LedgerError> {
+    ) -> Result<Option<u64>, LedgerError> {
         match self.mark_posting(key, idempotency_key, 0).await {
-            Ok(()) => Ok(true),
-            Err(LedgerError::Changed { .. }) => Ok(false),
+            Ok(revision) => Ok(Some(revision)),
+            Err(LedgerError::Changed { .. }) => Ok(None),
             Err(error) => Err(error),
         }
     }
 
-    /// Records that the wake was accepted.
+    /// Records that the wake was accepted, if the entry is still at
+    /// `revision` (the one the post was planned on, or its `posting` mark).
+    /// Fails with [`LedgerError::Changed`] if it is not: a `replay wakes
+    /// --force` deleted it meanwhile (a `delivered` over that would make the
+    /// forced copy be acked unposted), or this instance's own earlier write
+    /// of the record, whose answer was lost, landed.
     pub async fn mark_delivered(
         &self,
         key: &str,
         idempotency_key: &str,
+        revision: u64,
     ) -> Result<(), LedgerError> {
-        self.put(
-            key,
-            &LedgerState::Delivered {
-                idempotency_key: idempotency_key.to_owned(),
-                at: OffsetDateTime::now_utc(),
-            },
-        )
-        .await
+        let state = LedgerState::Delivered {
+            idempotency_key: idempotency_key.to_owned(),
+            at: OffsetDateTime::now_utc(),
+        };
+        self.update(key, &state, revision).await.map(|_| ())
     }
 
     /// Records the intent of a combined post under its idempotency key.
@@ -236,9 +233,26 @@ impl WakeLedger {
         Ok(())
     }
 
-    async fn put(&self, key: &str, state: &LedgerState) -> Result<(), LedgerError> {
-        self.kv.put(key, serde_json::to_vec(state)?.into()).await?;
-        Ok(())
+    /// Writes `state` if the entry is at `revision`; its new revision.
+    async fn update(
+        &self,
+        key: &str,
+        state: &LedgerState,
+        revision: u64,
+    ) -> Result<u64, LedgerError> {
+        match self
+            .kv
+            .update(key, serde_json::to_vec(state)?.into(), revision)
+            .await
+        {
+            Ok(revision) => Ok(revision),
+            Err(error) if error.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                Err(LedgerError::Changed {
+                    key: key.to_owned(),
+                })
+            }
+            Err(error) => Err(error.into()),
+        }
     }
 }
 

@@ -17,6 +17,7 @@ mod hold;
 mod plan;
 mod post;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -82,6 +83,10 @@ struct Turn {
     text: String,
     /// Ledger keys of the completions it reports.
     covers: Vec<String>,
+    /// The revision of each covered entry as this instance last read or
+    /// wrote it: the `delivered` records are written only over these, so
+    /// that one never lands over a newer write (a forced replay's deletion).
+    at: BTreeMap<String, u64>,
     /// Messages to ack once it is delivered.
     messages: Vec<Pending>,
     /// Trace context: the completion's until [`Turn::span`] makes the

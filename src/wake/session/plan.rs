@@ -12,7 +12,7 @@ use tracing::{info, warn};
 use super::{Pending, Router, Turn};
 use crate::outcome::Outcome;
 use crate::protocol::{CompletionEvent, EventKind, Status, WakeMode, session_token};
-use crate::wake::ledger::{Intent, LedgerError, LedgerState, WakeLedger};
+use crate::wake::ledger::{Intent, LedgerEntry, LedgerError, LedgerState, WakeLedger};
 use crate::wake::turn;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 
@@ -74,7 +74,8 @@ impl Router {
             let of_batch =
                 |p: &Pending| is_batch_member(p) && p.event.delegation_id == delegation_id;
             let batch_key = WakeLedger::batch_key(&delegation_id);
-            if let Some(LedgerState::Delivered { .. }) = ledger.get(&batch_key).await? {
+            let recorded = ledger.read(&batch_key).await?;
+            if let Some(LedgerState::Delivered { .. }) = recorded.state {
                 for pending in take_where(held, of_batch) {
                     Outcome::Ack.apply(&pending.message).await;
                 }
@@ -89,6 +90,7 @@ impl Router {
                     traceparent: group[0].traceparent.clone(),
                     key: key.unwrap_or_else(|| batch_key.clone()),
                     text: turn::render_batch(&delegation_id, &all),
+                    at: BTreeMap::from([(batch_key.clone(), recorded.revision)]),
                     covers: vec![batch_key],
                     messages: group,
                 });
@@ -102,15 +104,18 @@ impl Router {
                 .filter(|p| of_batch(p) && notify_early(p))
                 .map(early_key)
                 .collect();
-            let mut unreported = BTreeSet::new();
+            // Unreported early failures, with the revision read.
+            let mut unreported = BTreeMap::new();
             for key in asking {
-                if ledger.get(&key).await?.is_none() {
-                    unreported.insert(key);
+                let entry = ledger.read(&key).await?;
+                if entry.state.is_none() {
+                    unreported.insert(key, entry.revision);
                 }
             }
             for pending in take_where(held, of_batch) {
                 let early_key = early_key(&pending);
-                if !notify_early(&pending) || !unreported.contains(&early_key) {
+                let revision = unreported.get(&early_key).copied();
+                if !notify_early(&pending) || revision.is_none() {
                     Outcome::Ack.apply(&pending.message).await;
                 } else if let Some(turn) = turns.iter_mut().find(|t| t.key == early_key) {
                     // The same failure twice (a redelivery while held).
@@ -119,6 +124,7 @@ impl Router {
                     turns.push(Turn {
                         traceparent: pending.traceparent.clone(),
                         text: turn::render_early_failure(&pending.event),
+                        at: BTreeMap::from([(early_key.clone(), revision.unwrap_or(0))]),
                         covers: vec![early_key.clone()],
                         key: early_key,
                         messages: vec![pending],
@@ -246,11 +252,12 @@ impl Router {
         // written and the full plan below reads it.
         if let [only] = held.as_slice() {
             let key = only.event_key();
-            if ledger.mark_posting_if_new(&only.ledger_key(), &key).await? {
+            if let Some(revision) = ledger.mark_posting_if_new(&only.ledger_key(), &key).await? {
                 let pending = held.pop().expect("one held");
                 turns.push(Turn {
                     traceparent: pending.traceparent.clone(),
                     text: turn::render(&[&pending.event]),
+                    at: BTreeMap::from([(pending.ledger_key(), revision)]),
                     covers: vec![pending.ledger_key()],
                     key,
                     messages: vec![pending],
@@ -261,26 +268,18 @@ impl Router {
         // Everything read first, so that an error leaves `held` whole; each
         // task once, so that two copies of it are planned on the same read
         // as the mark made for them is written over.
+        // The entries keep their revisions: a turn's marks and records are
+        // written only over them, so that a change since (another
+        // instance, a replay) is noticed rather than overwritten.
         let keys: BTreeSet<String> = held.iter().map(Pending::ledger_key).collect();
-        let entries = join_all(keys.iter().map(|key| ledger.read(key)))
+        let read = join_all(keys.iter().map(|key| ledger.read(key)))
             .await
             .into_iter()
             .collect::<Result<Vec<_>, _>>()?;
-        // The revisions read: a new turn's marks are written only over
-        // them, so that a change since (another instance, a replay) is
-        // noticed rather than overwritten.
-        let revisions: BTreeMap<String, u64> = keys
-            .iter()
-            .cloned()
-            .zip(entries.iter().map(|entry| entry.revision))
-            .collect();
-        let known: BTreeMap<String, Option<LedgerState>> = keys
-            .into_iter()
-            .zip(entries.into_iter().map(|entry| entry.state))
-            .collect();
+        let mut known: BTreeMap<String, LedgerEntry> = keys.into_iter().zip(read).collect();
         let states: Vec<Option<LedgerState>> = held
             .iter()
-            .map(|p| known[&p.ledger_key()].clone())
+            .map(|p| known[&p.ledger_key()].state.clone())
             .collect();
         let mut intents: BTreeMap<String, Option<Intent>> = BTreeMap::new();
         for state in &states {
@@ -288,7 +287,11 @@ impl Router {
                 && !intents.contains_key(idempotency_key)
             {
                 let intent = match ledger.intent(idempotency_key).await? {
-                    Some(intent) if self.all_marked(idempotency_key, &intent, &known).await? => {
+                    Some(intent)
+                        if self
+                            .all_marked(idempotency_key, &intent, &mut known)
+                            .await? =>
+                    {
                         Some(intent)
                     }
                     // Recorded, but not every covered completion was marked
@@ -308,6 +311,17 @@ impl Router {
         let mut fresh: Vec<Pending> = Vec::new();
         for (pending, state) in std::mem::take(held).into_iter().zip(states) {
             match state {
+                // A forced replay copy is settled only by its own key: a
+                // `delivered` under another is the wake it was forced to
+                // repeat (a re-sent combined turn may record it after the
+                // replay deleted the entry).
+                Some(LedgerState::Delivered {
+                    idempotency_key, ..
+                }) if pending.forced_key("").is_some()
+                    && idempotency_key != pending.event_key() =>
+                {
+                    fresh.push(pending);
+                }
                 Some(LedgerState::Delivered { .. }) => {
                     info!(delegation_id = %pending.event.delegation_id, task_index = pending.event.task_index, "Wake already delivered; acking the duplicate.");
                     Outcome::Ack.apply(&pending.message).await;
@@ -333,6 +347,7 @@ impl Router {
                             traceparent: pending.traceparent.clone(),
                             key: idempotency_key,
                             text: intent.text,
+                            at: revisions(&known, &intent.covers),
                             covers: intent.covers,
                             messages: vec![pending],
                         });
@@ -349,6 +364,7 @@ impl Router {
                         recovering.push(Turn {
                             traceparent: pending.traceparent.clone(),
                             text: turn::render(&[&pending.event]),
+                            at: revisions(&known, &[pending.ledger_key()]),
                             covers: vec![pending.ledger_key()],
                             key: idempotency_key,
                             messages: vec![pending],
@@ -358,13 +374,14 @@ impl Router {
                 None => fresh.push(pending),
             }
         }
-        // A completion that a doubtful post already reported goes with it.
+        // A completion that a doubtful post already reported goes with it;
+        // a forced replay copy does not: it is posted on its own.
         let mut remaining: Vec<Pending> = Vec::new();
         for pending in fresh {
             let key = pending.ledger_key();
             match recovering.iter_mut().find(|t| t.covers.contains(&key)) {
-                Some(turn) => turn.messages.push(pending),
-                None => remaining.push(pending),
+                Some(turn) if pending.forced_key("").is_none() => turn.messages.push(pending),
+                _ => remaining.push(pending),
             }
         }
         turns.append(&mut recovering);
@@ -415,7 +432,7 @@ impl Router {
         // those not tried yet, back in `held`.
         let mut groups = new_turns.into_iter();
         while let Some(messages) = groups.next() {
-            if let Err(error) = self.new_turn(messages, &revisions, held, turns).await {
+            if let Err(error) = self.new_turn(messages, &known, held, turns).await {
                 held.extend(groups.flatten());
                 return Err(error.into());
             }
@@ -427,11 +444,11 @@ impl Router {
     /// its ledger writes fail, its messages go back to `held`. A combined
     /// turn's intent is recorded first, so a post that ends in doubt can be
     /// repeated exactly. Each mark is written only over the entry's
-    /// revision in `revisions` (as planned).
+    /// revision in `known` (as planned).
     async fn new_turn(
         &self,
         mut messages: Vec<Pending>,
-        revisions: &BTreeMap<String, u64>,
+        known: &BTreeMap<String, LedgerEntry>,
         held: &mut Vec<Pending>,
         turns: &mut Vec<Turn>,
     ) -> Result<(), LedgerError> {
@@ -466,23 +483,24 @@ impl Router {
                     .event_key();
                 self.shared
                     .ledger
-                    .mark_posting(&covers[0], &key, revision(revisions, &covers[0]))
+                    .mark_posting(&covers[0], &key, revision(known, &covers[0]))
                     .await
-                    .map(|()| key)
+                    .map(|revision| (key, vec![revision]))
             }
             _ => {
                 let key = format!("{COMBINED_KEY_PREFIX}{}", ulid::Ulid::new());
-                self.record_intent(&key, &text, &covers, revisions)
+                self.record_intent(&key, &text, &covers, known)
                     .await
-                    .map(|()| key)
+                    .map(|revisions| (key, revisions))
             }
         };
         match recorded {
-            Ok(key) => {
+            Ok((key, marked)) => {
                 turns.push(Turn {
                     traceparent: messages[0].traceparent.clone(),
                     key,
                     text,
+                    at: covers.iter().cloned().zip(marked).collect(),
                     covers,
                     messages,
                 });
@@ -504,14 +522,15 @@ impl Router {
     /// wakebus older than this rule, which re-sends any intent it finds,
     /// never meets a mark without one during a rolling upgrade.) Each mark
     /// is written only over the revision planned on; a refused one leaves
-    /// the turn unposted, like a failed one.
+    /// the turn unposted, like a failed one. Returns the marks' revisions,
+    /// in the order of `covers`.
     async fn record_intent(
         &self,
         key: &str,
         text: &str,
         covers: &[String],
-        revisions: &BTreeMap<String, u64>,
-    ) -> Result<(), LedgerError> {
+        known: &BTreeMap<String, LedgerEntry>,
+    ) -> Result<Vec<u64>, LedgerError> {
         let ledger = &self.shared.ledger;
         let intent = Intent {
             text: text.to_owned(),
@@ -521,32 +540,46 @@ impl Router {
         try_join_all(
             covers
                 .iter()
-                .map(|covered| ledger.mark_posting(covered, key, revision(revisions, covered))),
+                .map(|covered| ledger.mark_posting(covered, key, revision(known, covered))),
         )
-        .await?;
-        Ok(())
+        .await
     }
 
     /// Whether every completion `intent` covers is marked for the turn
-    /// `key` (posting or delivered under it), as it is once the turn may
-    /// have been posted. `known` holds the entries already read.
+    /// `key` (posting or delivered under it, or since a forced replay, for
+    /// that), as it is once the turn may have been posted. `known` holds
+    /// the entries already read; those
+    /// read here are added, for a re-sent turn's records.
     async fn all_marked(
         &self,
         key: &str,
         intent: &Intent,
-        known: &BTreeMap<String, Option<LedgerState>>,
+        known: &mut BTreeMap<String, LedgerEntry>,
     ) -> Result<bool, LedgerError> {
         for covered in &intent.covers {
-            let state = match known.get(covered) {
-                Some(state) => state.clone(),
-                None => self.shared.ledger.get(covered).await?,
-            };
-            let marked = match &state {
+            if !known.contains_key(covered) {
+                let entry = self.shared.ledger.read(covered).await?;
+                known.insert(covered.clone(), entry);
+            }
+            let entry = &known[covered];
+            // Deleted (`replay wakes --force`, or by hand) since it was
+            // marked, or marked since for its forced copy: the turn may
+            // well have been posted, so it is re-sent for the others it
+            // covers rather than waking them again under new keys. Nothing
+            // else has woken it since (that would have marked it), and its
+            // forced copy is posted on its own.
+            let marked = match &entry.state {
                 Some(LedgerState::Posting { idempotency_key })
                 | Some(LedgerState::Delivered {
                     idempotency_key, ..
-                }) => idempotency_key == key,
-                None => false,
+                }) => {
+                    idempotency_key == key
+                        || crate::replay::is_forced_key_of(
+                            &format!("{covered}.done"),
+                            idempotency_key,
+                        )
+                }
+                None => entry.revision > 0,
             };
             if !marked {
                 return Ok(false);
@@ -556,12 +589,19 @@ impl Router {
     }
 }
 
-/// The revision `key` was read at. Every task a new turn covers was read
-/// when it was planned; were one not, 0 (the key never written) is the
+/// The revision `key` was read at. Every task a turn covers was read when
+/// it was planned; were one not, 0 (the key never written) is the
 /// strictest guess: refused over any entry, a deletion's included.
-fn revision(revisions: &BTreeMap<String, u64>, key: &str) -> u64 {
-    debug_assert!(revisions.contains_key(key), "{key} was not read");
-    revisions.get(key).copied().unwrap_or(0)
+fn revision(known: &BTreeMap<String, LedgerEntry>, key: &str) -> u64 {
+    debug_assert!(known.contains_key(key), "{key} was not read");
+    known.get(key).map_or(0, |entry| entry.revision)
+}
+
+/// The revisions `keys` were read at, for a re-sent turn's records.
+fn revisions(known: &BTreeMap<String, LedgerEntry>, keys: &[String]) -> BTreeMap<String, u64> {
+    keys.iter()
+        .map(|key| (key.clone(), revision(known, key)))
+        .collect()
 }
 
 /// How a combined turn's Idempotency-Key begins (`wake.<ULID>`); a

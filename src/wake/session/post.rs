@@ -202,7 +202,7 @@ impl Router {
                 let records = join_all(
                     unrecorded
                         .iter()
-                        .map(|covered| shared.ledger.mark_delivered(covered, &turn.key)),
+                        .map(|covered| record_delivered(&shared.ledger, turn, covered)),
                 );
                 let results = if acked {
                     records.await
@@ -386,5 +386,29 @@ impl Router {
             "wake",
         )
         .await
+    }
+}
+
+/// Records `covered` delivered by `turn`, over the revision the turn was
+/// planned on. A refusal means the entry changed since: a `replay wakes
+/// --force` deleted it (its forced copy must still be posted, not acked as
+/// delivered), or this instance's own earlier write of the record, whose
+/// answer was lost, landed. Either way there is nothing more to write.
+async fn record_delivered(
+    ledger: &crate::wake::ledger::WakeLedger,
+    turn: &Turn,
+    covered: &str,
+) -> Result<(), crate::wake::ledger::LedgerError> {
+    debug_assert!(turn.at.contains_key(covered), "{covered} has no revision");
+    let revision = turn.at.get(covered).copied().unwrap_or(0);
+    match ledger.mark_delivered(covered, &turn.key, revision).await {
+        Err(crate::wake::ledger::LedgerError::Changed { .. }) => {
+            info!(
+                ledger_key = covered,
+                "The wake ledger entry changed since the turn was planned (a forced replay, or this instance's own record landing late); leaving it as it is."
+            );
+            Ok(())
+        }
+        result => result,
     }
 }
