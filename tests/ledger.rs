@@ -340,22 +340,27 @@ async fn a_posting_mark_planned_on_a_stale_read_is_refused_and_the_newer_entry_s
         ledger.get(&key).await.unwrap(),
         Some(LedgerState::Delivered { idempotency_key, .. }) if idempotency_key == "theirs"
     ));
-    // A deleted entry (a forced replay) is written over its deletion's
-    // revision, and only that.
-    ledger.forget(&key).await.unwrap();
-    let forgotten = ledger.read(&key).await.unwrap();
-    assert_eq!(forgotten.state, None);
-    assert!(forgotten.revision > theirs);
-    // A `delivered` record planned before the deletion (a post that was
-    // still being made) is refused: the forced copy is still to be posted.
+    // A forced replay records its key over whatever is there...
+    ledger.record_forced(&key, "forced").await.unwrap();
+    let forced = ledger.read(&key).await.unwrap();
+    assert!(forced.revision > theirs);
+    // ...so a `delivered` record planned before it (a post that was still
+    // being made) is refused: the forced copy is still to be posted.
     let late = ledger.mark_delivered(&key, "theirs", theirs).await;
     assert!(matches!(late, Err(LedgerError::Changed { .. })), "{late:?}");
+    // A deleted entry is written over its deletion's revision, and only that.
+    let bucket = bus.subjects.wake_ledger_bucket();
+    let kv = bus.js.get_key_value(bucket).await.unwrap();
+    kv.delete(&key).await.unwrap();
+    let deleted = ledger.read(&key).await.unwrap();
+    assert_eq!(deleted.state, None);
+    assert!(deleted.revision > forced.revision);
     assert_eq!(
         ledger.mark_posting_if_new(&key, "replayed").await.unwrap(),
         None
     );
     ledger
-        .mark_posting(&key, "replayed", forgotten.revision)
+        .mark_posting(&key, "replayed", deleted.revision)
         .await
         .unwrap();
     assert_eq!(

@@ -15,7 +15,7 @@ use wakebus::bus::BusSettings;
 use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::{HEADER_REPLAY, Status, session_token};
 use wakebus::replay::HEADER_FORCED_REPLAY;
-use wakebus::wake::ledger::{Intent, WakeLedger};
+use wakebus::wake::ledger::{Intent, LedgerState, WakeLedger};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -242,6 +242,97 @@ async fn a_combined_turn_in_doubt_is_resent_after_one_of_its_completions_was_for
     wake_consumer_settled(&bus).await;
     services.stop().await;
     assert_eq!(accepted_keys(&api, recorded), [TURN_IN_DOUBT]);
+    // The re-sent turn recorded its delivery for the other completion
+    // only, not over the forced wake's record.
+    assert!(matches!(
+        ledger.get(&first).await.unwrap(),
+        Some(LedgerState::Delivered { idempotency_key, .. }) if idempotency_key == forced_key
+    ));
+    assert!(matches!(
+        ledger.get(&WakeLedger::key(&ids[1], 0)).await.unwrap(),
+        Some(LedgerState::Delivered { idempotency_key, .. }) if idempotency_key == TURN_IN_DOUBT
+    ));
+}
+
+/// Each `--force` posts once: a copy of an earlier forced replay met
+/// again (the wake's consumer made anew reads the history again, or a
+/// copy's ack was lost) after a later one was delivered is settled by the
+/// later one's record, not posted a third time.
+#[tokio::test]
+async fn an_earlier_forced_copy_met_again_after_a_later_one_is_not_posted_again() {
+    let p = Pipeline::start().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
+    let id = delivered_wake(&bus, &api, "s.force.twice").await;
+    for posts in [2, 3] {
+        let forced = wakebus(
+            &nats.url(),
+            &prefix,
+            &["replay", "wakes", "--delegation", &id, "--force"],
+        )
+        .await
+        .ok_json();
+        assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
+        wait_until(WAIT, "the forced wake", || async {
+            api.accepted().len() == posts
+        })
+        .await;
+        wake_consumer_settled(&bus).await;
+    }
+    // The first forced copy, published again.
+    let first_copy = replay_copies(&bus).await.remove(0);
+    let mut headers = first_copy.headers.clone();
+    headers.insert("Nats-Msg-Id", "the-first-forced-copy-again");
+    bus.js
+        .publish_with_headers(
+            first_copy.subject.to_string(),
+            headers,
+            first_copy.payload.clone(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    assert_eq!(api.accepted().len(), 3, "{:?}", api.accepted());
+}
+
+/// A batch's consolidated wake forced while it is still being posted: the
+/// forced copy is posted after it, not acked as delivered.
+#[tokio::test]
+async fn a_forced_replay_of_a_batch_wake_still_being_posted_is_posted_after_it() {
+    let p = Pipeline::start().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
+    api.fail_always(503);
+    let goals = ["one", "two"].map(String::from);
+    let id = delegate(&bus, Delegation::batch(goals).session("s.force.batch")).await;
+    wait_until(WAIT, "the wake to retry", || async {
+        api.all_posts().len() >= 2
+    })
+    .await;
+    let forced = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id, "--force"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
+    let key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
+    assert!(key.starts_with(&format!("{id}.batch.replay.")), "{key}");
+    api.recover();
+    wait_until(WAIT, "the wake and the forced one", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let keys: Vec<Option<String>> = api
+        .accepted()
+        .iter()
+        .map(|post| post.header("idempotency-key"))
+        .collect();
+    assert_eq!(keys, [Some(format!("{id}.batch")), Some(key)]);
 }
 
 #[tokio::test]

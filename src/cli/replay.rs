@@ -218,10 +218,10 @@ fn describe(item: &ReplayItem) -> String {
         .unwrap_or_default();
     let cleared = match (&item.idempotency_key, item.ledger_cleared) {
         (Some(key), true) => {
-            format!(" (ledger entry cleared; posted under Idempotency-Key {key})")
+            format!(" (ledger entry replaced; posted under Idempotency-Key {key})")
         }
         (Some(key), false) => format!(" (posted under Idempotency-Key {key})"),
-        (None, true) => " (ledger entry cleared)".to_owned(),
+        (None, true) => " (ledger entry replaced)".to_owned(),
         (None, false) => String::new(),
     };
     match item.action {

@@ -161,8 +161,9 @@ pub struct ReplayItem {
     /// The delegation id a re-queued task runs under.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub new_delegation_id: Option<String>,
-    /// Whether a ledger entry was (or would be) removed (`force`): one that
-    /// says delivered, or one whose post was refused or is in doubt.
+    /// Whether a ledger entry was (or would be) replaced by the forced
+    /// post's record (`force`): one that says delivered, or one whose post
+    /// was refused or is in doubt.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub ledger_cleared: bool,
     /// The Idempotency-Key a forced re-post is delivered under (a new one,

@@ -100,9 +100,10 @@ impl Replayer {
                 crate::history::rfc3339(*at)
             )));
         }
-        // Forced, any entry goes: a `posting` one (a post the session API
-        // refused, or one in doubt) would have the wake send the copy again
-        // under the old key, or inside the old combined turn.
+        // Forced, any entry is replaced by the forced post's record: a
+        // `posting` one (a post the session API refused, or one in doubt)
+        // would have the wake send the copy again under the old key, or
+        // inside the old combined turn.
         item.ledger_cleared = self.plan.force && !matches!(entry, Ok(None));
         let subject = self.bus.subjects.event(
             &session_token(&session),
@@ -115,30 +116,32 @@ impl Replayer {
             item.action = Action::WouldReplay;
             return Ok(item);
         }
-        if item.ledger_cleared
-            && let Err(error) = ledger.forget(&key).await
-        {
-            self.seen.remove(&key);
-            return Ok(item.unchecked(format!(
-                "cannot clear its ledger entry ({error}); run the replay again for it"
-            )));
-        }
         let mut headers = replay_headers(record);
         let event_id = CompletionEvent::id_for(&event.delegation_id, event.task_index);
         let copy = ulid::Ulid::new().to_string();
         let msg_id = format!("{event_id}.replay.{copy}");
         headers.insert(HEADER_MSG_ID, msg_id.as_str());
         if self.plan.force {
-            // Posted before (or by an earlier forced replay that cleared
-            // the ledger and then failed): the usual key would be a repeat
-            // to the session API.
+            // Posted before (or by an earlier forced replay that recorded
+            // its key and then failed): the usual key would be a repeat to
+            // the session API.
             headers.insert(HEADER_FORCED_REPLAY, copy.as_str());
             let base = if batch {
                 key.as_str()
             } else {
                 event_id.as_str()
             };
-            item.idempotency_key = forced_idempotency_key(base, Some(&headers));
+            let forced_key = forced_idempotency_key(base, Some(&headers))
+                .expect("a ULID was just put in the header");
+            // Recorded before the copy is published, so that no copy of
+            // the completion wakes under another key from now on.
+            if let Err(error) = ledger.record_forced(&key, &forced_key).await {
+                self.seen.remove(&key);
+                return Ok(item.unchecked(format!(
+                    "cannot record the forced wake in its ledger entry ({error}); run the replay again for it"
+                )));
+            }
+            item.idempotency_key = Some(forced_key);
         }
         self.publish(subject, headers, record.payload.clone())
             .await?;

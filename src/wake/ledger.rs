@@ -4,22 +4,25 @@
 //! Written around every post: `posting` (with the `Idempotency-Key`) before
 //! the post (created in one write when the task has no entry yet, the common
 //! case), `delivered` after a 2xx. A completion whose entry says
-//! `delivered` is never posted again (a `replay wakes --force` copy is
-//! settled only by a `delivered` under its own key); one that says
-//! `posting` is re-posted with the same key, so a session API that honours
-//! `Idempotency-Key` sees a repeat, not a new turn.
+//! `delivered` is never posted again; one that says `posting` is re-posted
+//! with the same key, so a session API that honours `Idempotency-Key` sees
+//! a repeat, not a new turn. (A `replay wakes --force` copy goes by its own
+//! replay's record, or a later replay's, and by no other.)
 //!
-//! Every write is conditional: a `posting` mark only over the revision the
-//! planner read ([`LedgerEntry`]), a `delivered` record only over the
-//! revision the post was planned on (or its own mark's), and either is
-//! refused with [`LedgerError::Changed`] if anything was written since. A
+//! The wake's writes are conditional: a `posting` mark only over the
+//! revision the planner read ([`LedgerEntry`]), a `delivered` record only
+//! over the revision the post was planned on (or its own mark's), and
+//! either is refused with [`LedgerError::Changed`] if anything was written
+//! since (a combined turn's intent goes under a key of its own). A
 //! mark that a client queued while disconnected can reach the server long
 //! after it was given up; by then another instance may have woken the
 //! completion, and an unconditional mark landing over that would make the
 //! completion look unposted (or revive a combined turn that covers it). A
-//! `delivered` landing over a forced replay's deletion would have the
-//! forced copy acked unposted. The server checks the revision when the
-//! write lands, so a late write is refused.
+//! `delivered` landing over a forced replay's record would have the forced
+//! copy acked unposted. The server checks the revision when the write
+//! lands, so a late write is refused. `replay wakes --force` is the one
+//! writer over anything: it records the forced post's key
+//! ([`WakeLedger::record_forced`]) in place of what the entry said.
 
 use async_nats::jetstream::kv;
 use serde::{Deserialize, Serialize};
@@ -42,6 +45,18 @@ pub enum LedgerState {
         #[serde(with = "time::serde::rfc3339")]
         at: OffsetDateTime,
     },
+}
+
+impl LedgerState {
+    /// The `Idempotency-Key` the state is recorded under.
+    pub fn key(&self) -> &str {
+        match self {
+            Self::Posting { idempotency_key }
+            | Self::Delivered {
+                idempotency_key, ..
+            } => idempotency_key,
+        }
+    }
 }
 
 /// What a combined post was about to send, recorded before it is sent.
@@ -226,10 +241,19 @@ impl WakeLedger {
         }
     }
 
-    /// Forgets a task's wake, so that the next copy of its completion is
-    /// posted again (`wakebus replay --force`).
-    pub async fn forget(&self, key: &str) -> Result<(), LedgerError> {
-        self.kv.delete(key).await?;
+    /// Records a forced re-post (`wakebus replay wakes --force`) before its
+    /// copy is published: `posting` under `forced_key`, over whatever the
+    /// entry says (a corrupt value included, and without reading it, which
+    /// the replay's user may not). Every copy of the completion then wakes
+    /// under that key (an ordinary one re-sends it, the forced one settles
+    /// only by it), and a post still being made under the old key cannot
+    /// record its delivery over it. The one unconditional write of a
+    /// `posting`: the operator's, meant to replace what is there.
+    pub async fn record_forced(&self, key: &str, forced_key: &str) -> Result<(), LedgerError> {
+        let state = LedgerState::Posting {
+            idempotency_key: forced_key.to_owned(),
+        };
+        self.kv.put(key, serde_json::to_vec(&state)?.into()).await?;
         Ok(())
     }
 

@@ -72,6 +72,27 @@ impl Pending {
     fn forced_key(&self, base: &str) -> Option<String> {
         crate::replay::forced_idempotency_key(base, self.message.headers.as_ref())
     }
+
+    /// The `Idempotency-Key` its wake carries unless forced: the
+    /// completion's id.
+    fn base_key(&self) -> String {
+        CompletionEvent::id_for(&self.event.delegation_id, self.event.task_index)
+    }
+
+    /// Whether a ledger record under `recorded` stands for this copy's wake
+    /// (`base`: the key it would carry unforced): any record does for an
+    /// ordinary copy; for a `replay wakes --force` copy only its replay's
+    /// own, which the replay records before publishing the copy, or a later
+    /// replay's of the same completion (ULIDs sort by time). A record
+    /// under any other key is the wake the copy was forced to repeat.
+    fn settled_by(&self, base: &str, recorded: &str) -> bool {
+        match self.forced_key(base) {
+            None => true,
+            Some(own) => {
+                crate::replay::is_forced_key_of(base, recorded) && recorded >= own.as_str()
+            }
+        }
+    }
 }
 
 /// One continuation turn to post.
@@ -83,9 +104,11 @@ struct Turn {
     text: String,
     /// Ledger keys of the completions it reports.
     covers: Vec<String>,
-    /// The revision of each covered entry as this instance last read or
-    /// wrote it: the `delivered` records are written only over these, so
-    /// that one never lands over a newer write (a forced replay's deletion).
+    /// The covered entries whose delivery this turn records, each with its
+    /// revision as this instance last read or wrote it: the `delivered`
+    /// records are written only over these, so that one never lands over
+    /// a newer write (a forced replay's). A re-sent combined turn leaves
+    /// out the completions a forced replay has taken out of it.
     at: BTreeMap<String, u64>,
     /// Messages to ack once it is delivered.
     messages: Vec<Pending>,

@@ -75,7 +75,17 @@ impl Router {
                 |p: &Pending| is_batch_member(p) && p.event.delegation_id == delegation_id;
             let batch_key = WakeLedger::batch_key(&delegation_id);
             let recorded = ledger.read(&batch_key).await?;
-            if let Some(LedgerState::Delivered { .. }) = recorded.state {
+            let recorded_key = recorded.state.as_ref().map(LedgerState::key);
+            // A forced replay copy that the record does not settle: the
+            // batch is posted again under its key.
+            let forced = held
+                .iter()
+                .filter(|p| of_batch(p))
+                .filter(|p| !recorded_key.is_some_and(|key| p.settled_by(&batch_key, key)))
+                .find_map(|p| p.forced_key(&batch_key));
+            if let Some(LedgerState::Delivered { .. }) = recorded.state
+                && forced.is_none()
+            {
                 for pending in take_where(held, of_batch) {
                     Outcome::Ack.apply(&pending.message).await;
                 }
@@ -85,10 +95,15 @@ impl Router {
             if let Some(all) = self.batch_completions(&members).await? {
                 info!(delegation_id = %delegation_id, tasks = all.len(), "Every task of the batch has ended; waking once.");
                 let group = take_where(held, of_batch);
-                let key = group.iter().find_map(|p| p.forced_key(&batch_key));
+                // A post recorded in doubt (a forced replay's) is repeated
+                // under its key.
+                let in_doubt = match &recorded.state {
+                    Some(LedgerState::Posting { idempotency_key }) => Some(idempotency_key.clone()),
+                    _ => None,
+                };
                 turns.push(Turn {
                     traceparent: group[0].traceparent.clone(),
-                    key: key.unwrap_or_else(|| batch_key.clone()),
+                    key: forced.or(in_doubt).unwrap_or_else(|| batch_key.clone()),
                     text: turn::render_batch(&delegation_id, &all),
                     at: BTreeMap::from([(batch_key.clone(), recorded.revision)]),
                     covers: vec![batch_key],
@@ -310,18 +325,11 @@ impl Router {
         let mut recovering: Vec<Turn> = Vec::new();
         let mut fresh: Vec<Pending> = Vec::new();
         for (pending, state) in std::mem::take(held).into_iter().zip(states) {
+            // A forced replay copy is settled only by its own replay's
+            // record (or a later one's): anything else recorded is the
+            // wake it was forced to repeat, so it is planned afresh.
+            let state = state.filter(|state| pending.settled_by(&pending.base_key(), state.key()));
             match state {
-                // A forced replay copy is settled only by its own key: a
-                // `delivered` under another is the wake it was forced to
-                // repeat (a re-sent combined turn may record it after the
-                // replay deleted the entry).
-                Some(LedgerState::Delivered {
-                    idempotency_key, ..
-                }) if pending.forced_key("").is_some()
-                    && idempotency_key != pending.event_key() =>
-                {
-                    fresh.push(pending);
-                }
                 Some(LedgerState::Delivered { .. }) => {
                     info!(delegation_id = %pending.event.delegation_id, task_index = pending.event.task_index, "Wake already delivered; acking the duplicate.");
                     Outcome::Ack.apply(&pending.message).await;
@@ -345,9 +353,9 @@ impl Router {
                         warn!(idempotency_key = %idempotency_key, "A post was recorded but never confirmed (it may not have been sent at all); sending it with the same Idempotency-Key.");
                         recovering.push(Turn {
                             traceparent: pending.traceparent.clone(),
+                            at: marked_for(&known, &intent.covers, &idempotency_key),
                             key: idempotency_key,
                             text: intent.text,
-                            at: revisions(&known, &intent.covers),
                             covers: intent.covers,
                             messages: vec![pending],
                         });
@@ -546,8 +554,8 @@ impl Router {
     }
 
     /// Whether every completion `intent` covers is marked for the turn
-    /// `key` (posting or delivered under it, or since a forced replay, for
-    /// that), as it is once the turn may have been posted. `known` holds
+    /// `key` (posting or delivered under it, or since for its forced
+    /// replay), as it is once the turn may have been posted. `known` holds
     /// the entries already read; those
     /// read here are added, for a re-sent turn's records.
     async fn all_marked(
@@ -562,25 +570,16 @@ impl Router {
                 known.insert(covered.clone(), entry);
             }
             let entry = &known[covered];
-            // Deleted (`replay wakes --force`, or by hand) since it was
-            // marked, or marked since for its forced copy: the turn may
-            // well have been posted, so it is re-sent for the others it
-            // covers rather than waking them again under new keys. Nothing
-            // else has woken it since (that would have marked it), and its
-            // forced copy is posted on its own.
-            let marked = match &entry.state {
-                Some(LedgerState::Posting { idempotency_key })
-                | Some(LedgerState::Delivered {
-                    idempotency_key, ..
-                }) => {
-                    idempotency_key == key
-                        || crate::replay::is_forced_key_of(
-                            &format!("{covered}.done"),
-                            idempotency_key,
-                        )
-                }
-                None => entry.revision > 0,
-            };
+            // Marked since by `replay wakes --force` (posting or delivered
+            // under the forced key of this completion) counts: the
+            // operator took it out of the turn, which may well have been
+            // posted, so the turn is re-sent for the others it covers
+            // rather than waking them again under new keys (and records
+            // only those).
+            let marked = entry.state.as_ref().is_some_and(|state| {
+                state.key() == key
+                    || crate::replay::is_forced_key_of(&format!("{covered}.done"), state.key())
+            });
             if !marked {
                 return Ok(false);
             }
@@ -601,6 +600,24 @@ fn revision(known: &BTreeMap<String, LedgerEntry>, key: &str) -> u64 {
 fn revisions(known: &BTreeMap<String, LedgerEntry>, keys: &[String]) -> BTreeMap<String, u64> {
     keys.iter()
         .map(|key| (key.clone(), revision(known, key)))
+        .collect()
+}
+
+/// The revisions of those of `covers` marked for the turn `key`: a re-sent
+/// combined turn records its delivery only for them, never over a forced
+/// replay's record of a completion it covers.
+fn marked_for(
+    known: &BTreeMap<String, LedgerEntry>,
+    covers: &[String],
+    key: &str,
+) -> BTreeMap<String, u64> {
+    covers
+        .iter()
+        .filter_map(|covered| {
+            let entry = known.get(covered)?;
+            let state = entry.state.as_ref()?;
+            (state.key() == key).then(|| (covered.clone(), entry.revision))
+        })
         .collect()
 }
 

@@ -193,7 +193,7 @@ impl Router {
         let shared = &self.shared;
         let turn = posting.turn;
         let mut backoff = crate::bus::until_stored_backoff();
-        let mut unrecorded: Vec<&str> = turn.covers.iter().map(String::as_str).collect();
+        let mut unrecorded: Vec<&str> = turn.at.keys().map(String::as_str).collect();
         let mut acked = false;
         let mut attempt = 0u32;
         loop {
@@ -399,8 +399,7 @@ async fn record_delivered(
     turn: &Turn,
     covered: &str,
 ) -> Result<(), crate::wake::ledger::LedgerError> {
-    debug_assert!(turn.at.contains_key(covered), "{covered} has no revision");
-    let revision = turn.at.get(covered).copied().unwrap_or(0);
+    let revision = turn.at[covered];
     match ledger.mark_delivered(covered, &turn.key, revision).await {
         Err(crate::wake::ledger::LedgerError::Changed { .. }) => {
             info!(
