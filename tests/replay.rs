@@ -77,8 +77,9 @@ async fn replay_skips_wakes_that_were_already_delivered() {
 
 /// `--force` on a completion whose wake is still being posted (the session
 /// API failing, the wake retrying): when that post then succeeds, its
-/// `delivered` record must not land over the entry the replay deleted, or
-/// the forced copy would be acked as already delivered and never posted.
+/// `delivered` record must not land over the forced key the replay
+/// recorded, or the forced copy would be acked as already delivered and
+/// never posted.
 #[tokio::test]
 async fn a_forced_replay_of_a_wake_still_being_posted_is_posted_after_it() {
     let p = Pipeline::start().await;
@@ -252,6 +253,91 @@ async fn a_combined_turn_in_doubt_is_resent_after_one_of_its_completions_was_for
         ledger.get(&WakeLedger::key(&ids[1], 0)).await.unwrap(),
         Some(LedgerState::Delivered { idempotency_key, .. }) if idempotency_key == TURN_IN_DOUBT
     ));
+}
+
+/// A forced replay whose copy the events stream refuses (here: full, with
+/// discard=new) has recorded its key already: it is reported unchecked
+/// with that key (exit status 3), and a later plain replay, once there is
+/// room, wakes the session under it.
+#[tokio::test]
+async fn a_forced_replay_whose_copy_is_refused_reports_its_key_and_a_plain_replay_completes_it() {
+    let p = Pipeline::start().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
+    let id = delivered_wake(&bus, &api, "s.force.refused").await;
+    let mut events = bus
+        .js
+        .get_stream(bus.subjects.events_stream())
+        .await
+        .unwrap();
+    let info = events.info().await.unwrap();
+    let config = info.config.clone();
+    let mut full = config.clone();
+    full.max_messages = i64::try_from(info.state.messages).unwrap();
+    full.discard = async_nats::jetstream::stream::DiscardPolicy::New;
+    bus.js.update_stream(&full).await.unwrap();
+    let run = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id, "--force"],
+    )
+    .await;
+    assert_eq!(run.code(), Some(3), "{}", run.stderr());
+    let lines = run.json_lines();
+    let key = lines[0]["idempotency_key"].as_str().unwrap().to_owned();
+    assert!(key.starts_with(&format!("{id}.0.done.replay.")), "{key}");
+    let reason = lines[0]["reason"].as_str().unwrap();
+    assert!(reason.contains(&key), "{reason}");
+    bus.js.update_stream(&config).await.unwrap();
+    let plain = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "wakes", "--delegation", &id],
+    )
+    .await
+    .ok_json();
+    assert_eq!(plain[0]["action"], "replayed", "{plain:#?}");
+    wait_until(WAIT, "the forced wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(api.accepted()[1].header("idempotency-key"), Some(key));
+}
+
+/// A combined turn in doubt one of whose entries was deleted (`nats kv
+/// del`, or a forced replay of an earlier release) is re-sent under its
+/// key, not taken as never posted and woken again under a new one.
+#[tokio::test]
+async fn a_combined_turn_in_doubt_with_an_entry_deleted_is_resent_under_its_key() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    let (ids, ledger, recorded) =
+        combined_turn_in_doubt(&bus, &mut services, "s.doubt.deleted").await;
+    let kv = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    let first = WakeLedger::key(&ids[0], 0);
+    kv.delete(&first).await.unwrap();
+    services.wake(&bus, test_wake_config(&api.url()));
+    wait_until(WAIT, "the re-sent turn", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    // Recorded for both, so a later copy of either is not posted again.
+    for covered in [first, WakeLedger::key(&ids[1], 0)] {
+        assert!(matches!(
+            ledger.get(&covered).await.unwrap(),
+            Some(LedgerState::Delivered { idempotency_key, .. }) if idempotency_key == TURN_IN_DOUBT
+        ));
+    }
+    services.stop().await;
+    assert_eq!(accepted_keys(&api, recorded), [TURN_IN_DOUBT]);
 }
 
 /// Each `--force` posts once: a copy of an earlier forced replay met
@@ -1248,12 +1334,11 @@ async fn replay_does_not_redrive_a_dead_lettered_completion_the_wake_service_can
     assert!(api.all_posts().is_empty());
 }
 
-/// An earlier `--force` run deleted the wake's ledger entry and then
-/// failed to publish its copy: a second `--force` run must still post a
-/// second turn, not a repeat the session API drops.
+/// The wake's ledger entry deleted (`nats kv del`, or by a forced replay
+/// of an earlier release): a `--force` run must still post a second turn,
+/// not a repeat the session API drops.
 #[tokio::test]
-async fn replay_with_force_posts_a_second_turn_even_when_an_earlier_forced_run_cleared_the_ledger()
-{
+async fn replay_with_force_posts_a_second_turn_even_when_the_ledger_entry_was_deleted() {
     let p = Pipeline::start().await;
     let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     let id = delivered_wake(&bus, &api, "s.forced.twice").await;

@@ -63,9 +63,10 @@ pub(crate) struct WakesArgs {
     /// instead of the completions in the event history.
     #[arg(long)]
     pub(crate) dead_letters: bool,
-    /// Wake even for completions already delivered: their ledger entry is
-    /// removed first and the post carries a new Idempotency-Key,
-    /// <usual key>.replay.<ULID>, so that the session API does not drop it.
+    /// Wake even for completions already delivered: the post carries a new
+    /// Idempotency-Key, <usual key>.replay.<ULID>, recorded in the wake
+    /// ledger in place of the entry before the copy is published, so that
+    /// the session API does not drop it as a repeat.
     #[arg(long)]
     pub(crate) force: bool,
 }

@@ -10,8 +10,9 @@
 //!   header, so the running wake service delivers it through its normal path
 //!   (session lock, coalescing, retries and the ledger). Nothing here posts to
 //!   the session API. A completion the ledger records as delivered is skipped,
-//!   unless `force`, which first removes its ledger entry so that the wake
-//!   service posts it again. A batch (several tasks, `wake_mode: batch`) is
+//!   unless `force`, which first records a new Idempotency-Key in its
+//!   ledger entry (`posting`) so that the wake service posts it again under
+//!   that key. A batch (several tasks, `wake_mode: batch`) is
 //!   one wake: its ledger entry is `<delegation_id>.batch`, and one copy of
 //!   any of its completions makes the wake service post the consolidated
 //!   turn again (it reads the other completions from the history).

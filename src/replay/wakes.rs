@@ -141,7 +141,17 @@ impl Replayer {
                     "cannot record the forced wake in its ledger entry ({error}); run the replay again for it"
                 )));
             }
-            item.idempotency_key = Some(forced_key);
+            item.idempotency_key = Some(forced_key.clone());
+            // The key is recorded: a copy that cannot be published is
+            // reported with it, and the replay goes on.
+            if let Err(error) = self.publish(subject, headers, record.payload.clone()).await {
+                self.seen.remove(&key);
+                return Ok(item.unchecked(format!(
+                    "its forced wake is recorded under Idempotency-Key {forced_key}, but its copy may not have been published ({error}); any later copy of the completion (`replay wakes`, with or without --force) is posted under that key, or under a newer one"
+                )));
+            }
+            item.action = Action::Replayed;
+            return Ok(item);
         }
         self.publish(subject, headers, record.payload.clone())
             .await?;

@@ -201,9 +201,9 @@ impl WakeLedger {
     /// Records that the wake was accepted, if the entry is still at
     /// `revision` (the one the post was planned on, or its `posting` mark).
     /// Fails with [`LedgerError::Changed`] if it is not: a `replay wakes
-    /// --force` deleted it meanwhile (a `delivered` over that would make the
-    /// forced copy be acked unposted), or this instance's own earlier write
-    /// of the record, whose answer was lost, landed.
+    /// --force` recorded its key meanwhile (a `delivered` over that would
+    /// make the forced copy be acked unposted), or this instance's own
+    /// earlier write of the record, whose answer was lost, landed.
     pub async fn mark_delivered(
         &self,
         key: &str,

@@ -75,13 +75,17 @@ impl Router {
                 |p: &Pending| is_batch_member(p) && p.event.delegation_id == delegation_id;
             let batch_key = WakeLedger::batch_key(&delegation_id);
             let recorded = ledger.read(&batch_key).await?;
-            let recorded_key = recorded.state.as_ref().map(LedgerState::key);
             // A forced replay copy that the record does not settle: the
             // batch is posted again under its key.
             let forced = held
                 .iter()
                 .filter(|p| of_batch(p))
-                .filter(|p| !recorded_key.is_some_and(|key| p.settled_by(&batch_key, key)))
+                .filter(|p| {
+                    !recorded
+                        .state
+                        .as_ref()
+                        .is_some_and(|state| p.settled_by(&batch_key, state))
+                })
                 .find_map(|p| p.forced_key(&batch_key));
             if let Some(LedgerState::Delivered { .. }) = recorded.state
                 && forced.is_none()
@@ -328,7 +332,7 @@ impl Router {
             // A forced replay copy is settled only by its own replay's
             // record (or a later one's): anything else recorded is the
             // wake it was forced to repeat, so it is planned afresh.
-            let state = state.filter(|state| pending.settled_by(&pending.base_key(), state.key()));
+            let state = state.filter(|state| pending.settled_by(&pending.base_key(), state));
             match state {
                 Some(LedgerState::Delivered { .. }) => {
                     info!(delegation_id = %pending.event.delegation_id, task_index = pending.event.task_index, "Wake already delivered; acking the duplicate.");
@@ -368,7 +372,13 @@ impl Router {
                     } else {
                         // A single post in doubt (singles record no
                         // intent): repeat it alone, under the same key.
-                        warn!(idempotency_key = %idempotency_key, "A post was recorded but never confirmed (it may not have been sent at all); sending it with the same Idempotency-Key.");
+                        // A forced replay's is recorded before its copy
+                        // goes out: posting it is the normal course.
+                        if crate::replay::is_forced_key_of(&pending.base_key(), &idempotency_key) {
+                            info!(idempotency_key = %idempotency_key, "Posting the wake a forced replay recorded.");
+                        } else {
+                            warn!(idempotency_key = %idempotency_key, "A post was recorded but never confirmed (it may not have been sent at all); sending it with the same Idempotency-Key.");
+                        }
                         recovering.push(Turn {
                             traceparent: pending.traceparent.clone(),
                             text: turn::render(&[&pending.event]),
@@ -571,15 +581,22 @@ impl Router {
             }
             let entry = &known[covered];
             // Marked since by `replay wakes --force` (posting or delivered
-            // under the forced key of this completion) counts: the
-            // operator took it out of the turn, which may well have been
-            // posted, so the turn is re-sent for the others it covers
+            // under the forced key of this completion), or deleted, counts:
+            // the operator took it out of the turn, which may well have
+            // been posted, so the turn is re-sent for the others it covers
             // rather than waking them again under new keys (and records
-            // only those).
-            let marked = entry.state.as_ref().is_some_and(|state| {
-                state.key() == key
-                    || crate::replay::is_forced_key_of(&format!("{covered}.done"), state.key())
-            });
+            // its delivery for those only, and for a deleted one).
+            let marked = match &entry.state {
+                Some(state) => {
+                    state.key() == key
+                        || crate::replay::is_forced_key_of(&format!("{covered}.done"), state.key())
+                }
+                // Deleted since it was marked (a forced replay of an
+                // earlier release, or `nats kv del`): counted the same (and
+                // recorded delivered by the re-sent turn). Nothing has
+                // woken it since: a wake would have marked it.
+                None => entry.revision > 0,
+            };
             if !marked {
                 return Ok(false);
             }
@@ -603,9 +620,9 @@ fn revisions(known: &BTreeMap<String, LedgerEntry>, keys: &[String]) -> BTreeMap
         .collect()
 }
 
-/// The revisions of those of `covers` marked for the turn `key`: a re-sent
-/// combined turn records its delivery only for them, never over a forced
-/// replay's record of a completion it covers.
+/// The revisions of those of `covers` marked for the turn `key`, or
+/// deleted: a re-sent combined turn records its delivery for them, never
+/// over a forced replay's record of a completion it covers.
 fn marked_for(
     known: &BTreeMap<String, LedgerEntry>,
     covers: &[String],
@@ -615,8 +632,11 @@ fn marked_for(
         .iter()
         .filter_map(|covered| {
             let entry = known.get(covered)?;
-            let state = entry.state.as_ref()?;
-            (state.key() == key).then(|| (covered.clone(), entry.revision))
+            let ours = entry
+                .state
+                .as_ref()
+                .map_or(entry.revision > 0, |state| state.key() == key);
+            ours.then(|| (covered.clone(), entry.revision))
         })
         .collect()
 }

@@ -391,9 +391,10 @@ impl Router {
 
 /// Records `covered` delivered by `turn`, over the revision the turn was
 /// planned on. A refusal means the entry changed since: a `replay wakes
-/// --force` deleted it (its forced copy must still be posted, not acked as
-/// delivered), or this instance's own earlier write of the record, whose
-/// answer was lost, landed. Either way there is nothing more to write.
+/// --force` recorded its key (its forced copy must still be posted, not
+/// acked as delivered), this instance's own earlier write of the record,
+/// whose answer was lost, landed, or the entry expired with the ledger's
+/// history. Either way there is nothing more to write.
 async fn record_delivered(
     ledger: &crate::wake::ledger::WakeLedger,
     turn: &Turn,
@@ -404,7 +405,7 @@ async fn record_delivered(
         Err(crate::wake::ledger::LedgerError::Changed { .. }) => {
             info!(
                 ledger_key = covered,
-                "The wake ledger entry changed since the turn was planned (a forced replay, or this instance's own record landing late); leaving it as it is."
+                "The wake ledger entry changed since the turn was planned (a forced replay, this instance's own record landing late, or the entry expired); leaving it as it is."
             );
             Ok(())
         }
