@@ -140,11 +140,7 @@ async fn combined_turn_in_doubt(
         let delegation = Delegation::new(goal).session(session);
         ids.push(id_of(&delegator.delegate(delegation).await.unwrap()));
     }
-    let state = bus
-        .provision_wake_state(&BusSettings::default())
-        .await
-        .unwrap();
-    let ledger = WakeLedger::new(state.wake_ledger);
+    let ledger = ledger_of(bus).await;
     let recorded = "the turn in doubt";
     let covers = vec![WakeLedger::key(&ids[0], 0), WakeLedger::key(&ids[1], 0)];
     let intent = Intent {
@@ -255,15 +251,22 @@ async fn a_combined_turn_in_doubt_is_resent_after_one_of_its_completions_was_for
     ));
 }
 
-/// A forced replay whose copy the events stream refuses (here: full, with
-/// discard=new) has recorded its key already: it is reported unchecked
-/// with that key (exit status 3), and a later plain replay, once there is
-/// room, wakes the session under it.
+/// A forced replay of a batch whose copy the events stream refuses (here:
+/// full, with discard=new) has recorded its key already: it is reported
+/// unchecked with that key (exit status 3), the batch's other completion is
+/// not forced a second time, and a later replay without `--force`, once
+/// there is room, wakes the session under that key.
 #[tokio::test]
 async fn a_forced_replay_whose_copy_is_refused_reports_its_key_and_a_plain_replay_completes_it() {
     let p = Pipeline::start().await;
     let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
-    let id = delivered_wake(&bus, &api, "s.force.refused").await;
+    let goals = ["one", "two"].map(String::from);
+    let id = delegate(&bus, Delegation::batch(goals).session("s.force.refused")).await;
+    wait_until(WAIT, "the batch wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
     let mut events = bus
         .js
         .get_stream(bus.subjects.events_stream())
@@ -284,9 +287,13 @@ async fn a_forced_replay_whose_copy_is_refused_reports_its_key_and_a_plain_repla
     assert_eq!(run.code(), Some(3), "{}", run.stderr());
     let lines = run.json_lines();
     let key = lines[0]["idempotency_key"].as_str().unwrap().to_owned();
-    assert!(key.starts_with(&format!("{id}.0.done.replay.")), "{key}");
+    assert!(key.starts_with(&format!("{id}.batch.replay.")), "{key}");
     let reason = lines[0]["reason"].as_str().unwrap();
     assert!(reason.contains(&key), "{reason}");
+    assert_eq!(lines[0]["unchecked"], true, "{lines:#?}");
+    // The other completion is the same wake, not forced again.
+    assert_eq!(lines[1]["action"], "skipped", "{lines:#?}");
+    assert!(lines[1]["idempotency_key"].is_null(), "{lines:#?}");
     bus.js.update_stream(&config).await.unwrap();
     let plain = wakebus(
         &nats.url(),
@@ -300,7 +307,9 @@ async fn a_forced_replay_whose_copy_is_refused_reports_its_key_and_a_plain_repla
         api.accepted().len() == 2
     })
     .await;
+    wake_consumer_settled(&bus).await;
     services.stop().await;
+    assert_eq!(api.accepted().len(), 2);
     assert_eq!(api.accepted()[1].header("idempotency-key"), Some(key));
 }
 
@@ -364,23 +373,53 @@ async fn an_earlier_forced_copy_met_again_after_a_later_one_is_not_posted_again(
         .await;
         wake_consumer_settled(&bus).await;
     }
+    let copies = replay_copies(&bus).await;
+    let key_of = |copy: &async_nats::jetstream::message::StreamMessage| {
+        let ulid = copy.headers.get(HEADER_FORCED_REPLAY).unwrap().as_str();
+        format!("{id}.0.done.replay.{ulid}")
+    };
     // The first forced copy, published again.
-    let first_copy = replay_copies(&bus).await.remove(0);
-    let mut headers = first_copy.headers.clone();
-    headers.insert("Nats-Msg-Id", "the-first-forced-copy-again");
+    publish_copy_again(&bus, &copies[0], "the-first-forced-copy-again").await;
+    wake_consumer_settled(&bus).await;
+    // The second, met again where the ledger records the first run's
+    // wake (its ULID taken on a host whose clock ran behind): a delivered
+    // forced re-post settles it all the same.
+    let ledger = ledger_of(&bus).await;
+    let entry = format!("{id}.0");
+    let revision = ledger.read(&entry).await.unwrap().revision;
+    ledger
+        .mark_delivered(&entry, &key_of(&copies[0]), revision)
+        .await
+        .unwrap();
+    publish_copy_again(&bus, &copies[1], "the-second-forced-copy-again").await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    assert_eq!(api.accepted().len(), 3, "{:?}", api.accepted());
+}
+
+/// Publishes a stored `copy` again under a new `Nats-Msg-Id`.
+async fn publish_copy_again(
+    bus: &wakebus::bus::Bus,
+    copy: &async_nats::jetstream::message::StreamMessage,
+    msg_id: &str,
+) {
+    let mut headers = copy.headers.clone();
+    headers.insert("Nats-Msg-Id", msg_id);
     bus.js
-        .publish_with_headers(
-            first_copy.subject.to_string(),
-            headers,
-            first_copy.payload.clone(),
-        )
+        .publish_with_headers(copy.subject.to_string(), headers, copy.payload.clone())
         .await
         .unwrap()
         .await
         .unwrap();
-    wake_consumer_settled(&bus).await;
-    services.stop().await;
-    assert_eq!(api.accepted().len(), 3, "{:?}", api.accepted());
+}
+
+/// The provisioned wake ledger of `bus`.
+async fn ledger_of(bus: &wakebus::bus::Bus) -> WakeLedger {
+    let state = bus
+        .provision_wake_state(&BusSettings::default())
+        .await
+        .unwrap();
+    WakeLedger::new(state.wake_ledger)
 }
 
 /// A batch's consolidated wake forced while it is still being posted: the

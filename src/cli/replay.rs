@@ -196,7 +196,7 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
     } else if summary.unchecked > 0 {
         tracing::warn!(
             unchecked = summary.unchecked,
-            "Some records could not be checked and were left alone; run the replay again for them (exit status 3)."
+            "Some records could not be checked, or their copy not published; run the replay again for them, as each one's reason says (exit status 3)."
         );
         ExitCode::from(UNCHECKED)
     } else {

@@ -172,7 +172,8 @@ pub struct ReplayItem {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
     /// Skipped because what decides it could not be read (a leader
-    /// election, a refused read), not because it needs nothing: a later
+    /// election, a refused read), not because it needs nothing, or (a
+    /// forced wake) recorded but its copy perhaps not published: a later
     /// run may send it.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub unchecked: bool,

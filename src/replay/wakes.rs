@@ -143,11 +143,13 @@ impl Replayer {
             }
             item.idempotency_key = Some(forced_key.clone());
             // The key is recorded: a copy that cannot be published is
-            // reported with it, and the replay goes on.
+            // reported with it, and the replay goes on. The completion
+            // stays handled (`seen`): the copy may have been stored (an
+            // ack lost), and another of this run's copies (a batch's
+            // other member) forced again would be a second forced wake.
             if let Err(error) = self.publish(subject, headers, record.payload.clone()).await {
-                self.seen.remove(&key);
                 return Ok(item.unchecked(format!(
-                    "its forced wake is recorded under Idempotency-Key {forced_key}, but its copy may not have been published ({error}); any later copy of the completion (`replay wakes`, with or without --force) is posted under that key, or under a newer one"
+                    "its forced wake is recorded under Idempotency-Key {forced_key}, but its copy may not have been published ({error}); run `replay wakes` again WITHOUT --force for it: any later copy of the completion is posted under that key (with --force, a second forced wake would be made)"
                 )));
             }
             item.action = Action::Replayed;

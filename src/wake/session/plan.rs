@@ -594,7 +594,10 @@ impl Router {
                 // Deleted since it was marked (a forced replay of an
                 // earlier release, or `nats kv del`): counted the same (and
                 // recorded delivered by the re-sent turn). Nothing has
-                // woken it since: a wake would have marked it.
+                // woken it since the deletion: a wake would have marked it.
+                // (Had it been woken alone before, under a mark that landed
+                // late over this turn's, the deletion lost that; the turn
+                // then reports it again.)
                 None => entry.revision > 0,
             };
             if !marked {
