@@ -285,8 +285,7 @@ impl Router {
             }
         }
         // Everything read first, so that an error leaves `held` whole; each
-        // task once, so that two copies of it are planned on the same read
-        // as the mark made for them is written over.
+        // task once, so that two copies of it are planned on the same read.
         // The entries keep their revisions: a turn's marks and records are
         // written only over them, so that a change since (another
         // instance, a replay) is noticed rather than overwritten.
@@ -329,9 +328,9 @@ impl Router {
         let mut recovering: Vec<Turn> = Vec::new();
         let mut fresh: Vec<Pending> = Vec::new();
         for (pending, state) in std::mem::take(held).into_iter().zip(states) {
-            // A forced replay copy is settled only by its own replay's
-            // record (or a later one's): anything else recorded is the
-            // wake it was forced to repeat, so it is planned afresh.
+            // A forced replay copy goes only by a forced re-post's record
+            // (`Pending::settled_by`): anything else recorded is the wake
+            // it was forced to repeat, so it is planned afresh.
             let state = state.filter(|state| pending.settled_by(&pending.base_key(), state));
             match state {
                 Some(LedgerState::Delivered { .. }) => {
