@@ -82,14 +82,26 @@ async fn replay_skips_wakes_that_were_already_delivered() {
 /// never posted.
 #[tokio::test]
 async fn a_forced_replay_of_a_wake_still_being_posted_is_posted_after_it() {
+    let delegation = Delegation::new("posted twice on purpose").session("s.force.busy");
+    let (id, forced, keys) = forced_while_being_posted(delegation).await;
+    assert!(
+        forced.starts_with(&format!("{id}.0.done.replay.")),
+        "{forced}"
+    );
+    assert_eq!(keys, [Some(format!("{id}.0.done")), Some(forced)]);
+}
+
+/// Delegates `delegation` through a [`Pipeline`] whose session API fails,
+/// forces its wake with `replay wakes --force` while the wake retries, then
+/// lets the API recover; returns the delegation id, the forced key, and
+/// the keys of the accepted posts once two were accepted.
+async fn forced_while_being_posted(
+    delegation: Delegation,
+) -> (String, String, Vec<Option<String>>) {
     let p = Pipeline::start().await;
     let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     api.fail_always(503);
-    let id = delegate(
-        &bus,
-        Delegation::new("posted twice on purpose").session("s.force.busy"),
-    )
-    .await;
+    let id = delegate(&bus, delegation).await;
     wait_until(WAIT, "the wake to retry", || async {
         api.all_posts().len() >= 2
     })
@@ -102,10 +114,14 @@ async fn a_forced_replay_of_a_wake_still_being_posted_is_posted_after_it() {
     .await
     .ok_json();
     assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
-    assert_eq!(forced[0]["ledger_cleared"], true, "{forced:#?}");
     let key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
-    // The forced copy waits in the wake behind the failing post.
-    completions_waiting_in_wake(&bus, 2).await;
+    // The forced copy reaches the wake before the API recovers.
+    wait_until(WAIT, "the forced copy in the wake", || async {
+        wake_consumer_info(&bus)
+            .await
+            .is_some_and(|info| info.num_pending == 0)
+    })
+    .await;
     api.recover();
     wait_until(WAIT, "the wake and the forced one", || async {
         api.accepted().len() == 2
@@ -113,12 +129,12 @@ async fn a_forced_replay_of_a_wake_still_being_posted_is_posted_after_it() {
     .await;
     wake_consumer_settled(&bus).await;
     services.stop().await;
-    let keys: Vec<Option<String>> = api
+    let keys = api
         .accepted()
         .iter()
         .map(|post| post.header("idempotency-key"))
         .collect();
-    assert_eq!(keys, [Some(format!("{id}.0.done")), Some(key)]);
+    (id, key, keys)
 }
 
 /// The turn recorded in doubt by [`combined_turn_in_doubt`].
@@ -426,38 +442,14 @@ async fn ledger_of(bus: &wakebus::bus::Bus) -> WakeLedger {
 /// forced copy is posted after it, not acked as delivered.
 #[tokio::test]
 async fn a_forced_replay_of_a_batch_wake_still_being_posted_is_posted_after_it() {
-    let p = Pipeline::start().await;
-    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
-    api.fail_always(503);
     let goals = ["one", "two"].map(String::from);
-    let id = delegate(&bus, Delegation::batch(goals).session("s.force.batch")).await;
-    wait_until(WAIT, "the wake to retry", || async {
-        api.all_posts().len() >= 2
-    })
-    .await;
-    let forced = wakebus(
-        &nats.url(),
-        &prefix,
-        &["replay", "wakes", "--delegation", &id, "--force"],
-    )
-    .await
-    .ok_json();
-    assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
-    let key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
-    assert!(key.starts_with(&format!("{id}.batch.replay.")), "{key}");
-    api.recover();
-    wait_until(WAIT, "the wake and the forced one", || async {
-        api.accepted().len() == 2
-    })
-    .await;
-    wake_consumer_settled(&bus).await;
-    services.stop().await;
-    let keys: Vec<Option<String>> = api
-        .accepted()
-        .iter()
-        .map(|post| post.header("idempotency-key"))
-        .collect();
-    assert_eq!(keys, [Some(format!("{id}.batch")), Some(key)]);
+    let delegation = Delegation::batch(goals).session("s.force.batch");
+    let (id, forced, keys) = forced_while_being_posted(delegation).await;
+    assert!(
+        forced.starts_with(&format!("{id}.batch.replay.")),
+        "{forced}"
+    );
+    assert_eq!(keys, [Some(format!("{id}.batch")), Some(forced)]);
 }
 
 #[tokio::test]
