@@ -31,6 +31,20 @@ async fn replay_copies(
         .collect()
 }
 
+/// Runs `replay wakes --delegation <id> --force`, checks that its first
+/// item was replayed, and returns the forced Idempotency-Key it printed.
+async fn forced_wake(nats_url: &str, prefix: &str, id: &str) -> String {
+    let forced = wakebus(
+        nats_url,
+        prefix,
+        &["replay", "wakes", "--delegation", id, "--force"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
+    forced[0]["idempotency_key"].as_str().unwrap().to_owned()
+}
+
 /// One delivered wake for `session` (through a [`Pipeline`]'s worker and
 /// wake service); returns the delegation id.
 async fn delivered_wake(bus: &wakebus::bus::Bus, api: &SessionApiServer, session: &str) -> String {
@@ -106,15 +120,7 @@ async fn forced_while_being_posted(
         api.all_posts().len() >= 2
     })
     .await;
-    let forced = wakebus(
-        &nats.url(),
-        &prefix,
-        &["replay", "wakes", "--delegation", &id, "--force"],
-    )
-    .await
-    .ok_json();
-    assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
-    let key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
+    let key = forced_wake(&nats.url(), &prefix, &id).await;
     // The forced copy reaches the wake before the API recovers.
     wait_until(WAIT, "the forced copy in the wake", || async {
         wake_consumer_info(&bus)
@@ -209,15 +215,7 @@ async fn forcing_one_completion_of_a_combined_turn_in_doubt_does_not_wake_the_ot
     let bus = bus(&nats.url(), &prefix).await;
     let mut services = Services::new();
     let (ids, _, recorded) = combined_turn_in_doubt(&bus, &mut services, "s.doubt").await;
-    let forced = wakebus(
-        &nats.url(),
-        &prefix,
-        &["replay", "wakes", "--delegation", &ids[0], "--force"],
-    )
-    .await
-    .ok_json();
-    assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
-    let forced_key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
+    let forced_key = forced_wake(&nats.url(), &prefix, &ids[0]).await;
     services.wake(&bus, test_wake_config(&api.url()));
     wait_until(WAIT, "two wakes", || async { api.accepted().len() >= 2 }).await;
     wake_consumer_settled(&bus).await;
@@ -375,14 +373,7 @@ async fn an_earlier_forced_copy_met_again_after_a_later_one_is_not_posted_again(
     let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     let id = delivered_wake(&bus, &api, "s.force.twice").await;
     for posts in [2, 3] {
-        let forced = wakebus(
-            &nats.url(),
-            &prefix,
-            &["replay", "wakes", "--delegation", &id, "--force"],
-        )
-        .await
-        .ok_json();
-        assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
+        forced_wake(&nats.url(), &prefix, &id).await;
         wait_until(WAIT, "the forced wake", || async {
             api.accepted().len() == posts
         })
@@ -1380,15 +1371,7 @@ async fn replay_with_force_posts_a_second_turn_even_when_the_ledger_entry_was_de
         .unwrap();
     ledger.delete(format!("{id}.0")).await.unwrap();
 
-    let forced = wakebus(
-        &nats.url(),
-        &prefix,
-        &["replay", "wakes", "--delegation", &id, "--force"],
-    )
-    .await
-    .ok_json();
-    assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
-    let key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
+    let key = forced_wake(&nats.url(), &prefix, &id).await;
     assert!(key.starts_with(&format!("{id}.0.done.replay.")), "{key}");
     wait_until(WAIT, "the forced second wake", || async {
         api.accepted().len() == 2
@@ -1435,14 +1418,7 @@ async fn a_forced_replay_keeps_its_new_key_when_an_ordinary_copy_is_held_with_it
         }
     };
     held(1).await;
-    let forced = wakebus(
-        &nats.url(),
-        &prefix,
-        &["replay", "wakes", "--delegation", &id, "--force"],
-    )
-    .await
-    .ok_json();
-    let key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
+    let key = forced_wake(&nats.url(), &prefix, &id).await;
     held(2).await;
     locks.release(guard).await;
     wait_until(WAIT, "the forced second turn", || async {
