@@ -7,10 +7,10 @@ mod common;
 use std::collections::HashSet;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::DeliverPolicy;
+use async_nats::jetstream::consumer::{self, DeliverPolicy};
 use common::process::{
     LogsOnPanic, Service, base_args, sample, spawn_with_metrics, spawn_with_metrics_and_env,
-    wake_args,
+    wake_args, worker_args,
 };
 use common::*;
 use wakebus::bus::BusSettings;
@@ -346,4 +346,106 @@ async fn a_service_whose_consumer_has_another_ack_wait_warns_once_until_the_sett
     assert_eq!(warnings(), 1);
     rig.set_wake_ack_wait(Duration::from_secs(30)).await;
     wait_until(WAIT, "the second warning", || async { warnings() == 2 }).await;
+}
+
+/// The pool's consumer, as the server describes it.
+async fn worker_consumer_info(bus: &wakebus::bus::Bus) -> Option<consumer::Info> {
+    let s = &bus.subjects;
+    let mut consumer: consumer::PullConsumer = bus
+        .js
+        .get_consumer_from_stream(s.worker_consumer("default"), s.tasks_stream())
+        .await
+        .ok()?;
+    consumer.info().await.ok().cloned()
+}
+
+/// Gives the consumer `info` describes a 2 s AckWait, as another instance
+/// or `init` could, and waits until the keeper of the service logging to
+/// `log` has seen it.
+async fn shorten_ack_wait(bus: &wakebus::bus::Bus, info: consumer::Info, log: &std::path::Path) {
+    let stream = bus.js.get_stream(&info.stream_name).await.unwrap();
+    let config = consumer::Config {
+        ack_wait: Duration::from_secs(2),
+        ..info.config
+    };
+    stream
+        .update_consumer::<consumer::Config>(config)
+        .await
+        .unwrap();
+    wait_until(WAIT, "the service's keeper to see it", || async {
+        std::fs::read_to_string(log)
+            .unwrap()
+            .contains("The consumer's AckWait is not this service's --ack-wait")
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_worker_keeps_its_task_alive_by_its_consumers_ack_wait_when_that_is_shorter_than_its_own()
+{
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let dir = tempfile::tempdir().unwrap();
+    // By its own 30 s, this worker would keep its task alive every 10 s.
+    let extra = ["--ack-wait", "30s", "--consumer-check", "1s"];
+    let args = worker_args(&nats.url(), &prefix, "sleep 5; echo slow", &extra);
+    let worker = Service::spawn(args, dir.path().join("worker.log"));
+    let _logs = LogsOnPanic(vec![worker.log.clone()]);
+    let info = eventually(WAIT, "the worker's consumer", || worker_consumer_info(&bus)).await;
+    shorten_ack_wait(&bus, info, &worker.log).await;
+
+    delegate(&bus, Delegation::new("slow")).await;
+    let done = eventually(WAIT, "the task acknowledged", || async {
+        worker_consumer_info(&bus)
+            .await
+            .filter(|info| info.ack_floor.stream_sequence >= 1 && info.num_ack_pending == 0)
+    })
+    .await;
+    assert_eq!(
+        done.delivered.consumer_sequence, 1,
+        "the running task was delivered again"
+    );
+}
+
+#[tokio::test]
+async fn a_wake_keeps_what_it_holds_alive_by_its_consumers_ack_wait_when_that_is_shorter_than_its_own()
+ {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let dir = tempfile::tempdir().unwrap();
+    // By its own 30 s, this wake would keep what it holds alive every
+    // 10 s; it holds each completion 5 s, for its coalesce window.
+    let mut args = wake_args(&nats.url(), &prefix, &api.url());
+    args.extend(
+        [
+            "--ack-wait",
+            "30s",
+            "--coalesce-window",
+            "5s",
+            "--consumer-check",
+            "1s",
+        ]
+        .map(String::from),
+    );
+    let wake = Service::spawn(args, dir.path().join("wake.log"));
+    let _logs = LogsOnPanic(vec![wake.log.clone()]);
+    let info = eventually(WAIT, "the wake's consumer", || wake_consumer_info(&bus)).await;
+    shorten_ack_wait(&bus, info, &wake.log).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+
+    delegate(&bus, Delegation::new("held").session("s.held")).await;
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let done = wake_consumer_info(&bus).await.unwrap();
+    assert_eq!(
+        done.delivered.consumer_sequence, 1,
+        "the held completion was delivered again"
+    );
 }

@@ -24,7 +24,13 @@
 //! sequence: made anew, or restored from a backup). A worker consumer starts
 //! at the beginning of the task queue, which holds only what was not
 //! acknowledged.
+//!
+//! What the keeper sees also times the service's in-progress acks
+//! ([`KeepAliveEvery`]): another instance, or `wakebus init`, may have given
+//! the shared consumer a shorter AckWait than this service's `--ack-wait`.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{self, DeliverPolicy};
@@ -68,12 +74,55 @@ struct Floor {
     consumer_created: time::OffsetDateTime,
 }
 
+/// How often a service sends in-progress acks for the work it holds: a
+/// third of the shorter of its own `--ack-wait` and its consumer's AckWait
+/// as the keeper last saw it. Timed by its own setting alone, a service
+/// whose consumer another instance (or `init`) gave a shorter AckWait would
+/// keep its work alive too late, and a task still running here would be
+/// redelivered to another worker and run twice.
+#[derive(Debug, Clone)]
+pub(crate) struct KeepAliveEvery {
+    /// This service's `--ack-wait`.
+    ours: Duration,
+    /// The consumer's AckWait at the keeper's last check, in nanoseconds
+    /// (0 before the first); shared with the keeper, read at every
+    /// keep-alive.
+    seen_nanos: Arc<AtomicU64>,
+}
+
+impl KeepAliveEvery {
+    /// Timed by `ours` until the keeper has seen the consumer.
+    pub(crate) fn new(ours: Duration) -> Self {
+        Self {
+            ours,
+            seen_nanos: Arc::default(),
+        }
+    }
+
+    /// The time from one keep-alive to the next, as of now.
+    pub(crate) fn period(&self) -> Duration {
+        let ack_wait = match self.seen_nanos.load(Ordering::Relaxed) {
+            0 => self.ours,
+            seen => self.ours.min(Duration::from_nanos(seen)),
+        };
+        (ack_wait / 3).max(Duration::from_millis(100))
+    }
+
+    /// Records the consumer's AckWait.
+    fn saw(&self, ack_wait: Duration) {
+        let nanos = u64::try_from(ack_wait.as_nanos()).unwrap_or(u64::MAX);
+        self.seen_nanos.store(nanos, Ordering::Relaxed);
+    }
+}
+
 /// One service's keeper and what it remembers between checks.
 struct Keeper {
     /// The service's connection.
     bus: Bus,
     /// The consumer and the settings the service gives it.
     wanted: ServiceConsumer,
+    /// Told the consumer's AckWait at every check that finds it.
+    keep_alive: KeepAliveEvery,
     /// Where the consumer had got to at the last check that found it.
     floor: Option<Floor>,
     /// The consumer's AckWait last warned about, so that one differing
@@ -89,28 +138,37 @@ struct Keeper {
 impl Bus {
     /// Keeps `wanted` in place (see the module doc) until the returned
     /// guard is dropped: checks it at once, then every `every` to twice
-    /// that while connected.
-    pub(crate) fn keep_consumer(&self, wanted: ServiceConsumer, every: Duration) -> DropGuard {
+    /// that while connected. Also returns the service's keep-alive period,
+    /// which follows the consumer's AckWait as the checks find it.
+    pub(crate) fn keep_consumer(
+        &self,
+        wanted: ServiceConsumer,
+        every: Duration,
+    ) -> (DropGuard, KeepAliveEvery) {
         let stop = CancellationToken::new();
-        tokio::spawn(self.clone().keeping(wanted, every, stop.clone()));
-        stop.drop_guard()
-    }
-
-    /// The keeper's loop, until `stop`.
-    async fn keeping(self, wanted: ServiceConsumer, every: Duration, stop: CancellationToken) {
-        let mut keeper = Keeper {
-            bus: self,
+        let keep_alive = KeepAliveEvery::new(wanted.ack_wait());
+        let keeper = Keeper {
+            bus: self.clone(),
             wanted,
+            keep_alive: keep_alive.clone(),
             floor: None,
             warned_ack_wait: None,
             warned_no_stream: false,
             warned_create: false,
         };
+        tokio::spawn(keeper.keeping(every, stop.clone()));
+        (stop.drop_guard(), keep_alive)
+    }
+}
+
+impl Keeper {
+    /// The keeper's loop, until `stop`.
+    async fn keeping(mut self, every: Duration, stop: CancellationToken) {
         let mut delays = check_delays(every);
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
-                () = keeper.round() => {}
+                () = self.round() => {}
             }
             let delay = delays.next().unwrap_or(every);
             tokio::select! {
@@ -119,9 +177,7 @@ impl Bus {
             }
         }
     }
-}
 
-impl Keeper {
     /// One check, and what follows from it.
     async fn round(&mut self) {
         if !crate::connect::is_connected(&self.bus.client) {
@@ -165,8 +221,8 @@ impl Keeper {
         }
     }
 
-    /// Remembers where the consumer has got to, and warns once when its
-    /// AckWait is not this service's (`wakebus init` or another instance
+    /// Remembers where the consumer has got to and its AckWait, and warns
+    /// once when that AckWait is not this service's (`wakebus init` or another instance
     /// set it).
     fn seen(&mut self, info: &consumer::Info) {
         self.warned_no_stream = false;
@@ -177,11 +233,12 @@ impl Keeper {
         });
         debug!(consumer = %info.name, ack_floor = info.ack_floor.stream_sequence, "Consumer checked.");
         let (theirs, ours) = (info.config.ack_wait, self.wanted.ack_wait());
+        self.keep_alive.saw(theirs);
         if theirs == ours {
             self.warned_ack_wait = None;
         } else if self.warned_ack_wait != Some(theirs) {
             self.warned_ack_wait = Some(theirs);
-            warn!(consumer = %info.name, consumer_ack_wait = ?theirs, ack_wait = ?ours, "The consumer's AckWait is not this service's --ack-wait: work held longer than the shorter one is redelivered while it runs. Give every instance the same --ack-wait (a starting instance sets its own).");
+            warn!(consumer = %info.name, consumer_ack_wait = ?theirs, ack_wait = ?ours, "The consumer's AckWait is not this service's --ack-wait: held work is kept alive by the shorter one, and a stopped instance's work is redelivered after the consumer's. Give every instance the same --ack-wait (a starting instance sets its own).");
         }
     }
 

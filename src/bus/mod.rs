@@ -7,7 +7,8 @@
 //!   idempotently and never deleted;
 //! - `consumers.rs`: the durable consumers of the workers and the wake;
 //! - `keeper.rs`: creating a service's consumer again if it is deleted
-//!   while the service runs;
+//!   while the service runs, and timing the service's keep-alives by the
+//!   consumer's AckWait;
 //! - `pulls.rs`: pacing a service's pull requests while they fail;
 //! - `queue.rs`: whether a delegation's request is still in the task queue;
 //! - `publish.rs`: publishing until JetStream confirms the message stored;
@@ -30,6 +31,7 @@ use crate::protocol::Subjects;
 
 pub(crate) use consumers::ServiceConsumer;
 pub(crate) use dead_letter::dead_letter_parts;
+pub(crate) use keeper::KeepAliveEvery;
 pub(crate) use provision::{is_stream_not_found, is_transient, setup_backoff};
 pub(crate) use publish::confirm_stored;
 pub(crate) use pulls::PullRetry;

@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
-use crate::bus::{Bus, BusSettings, ProvisionError, PullRetry, ServiceConsumer};
+use crate::bus::{Bus, BusSettings, KeepAliveEvery, ProvisionError, PullRetry, ServiceConsumer};
 use crate::ops::service::{Registration, register};
 use crate::outcome::Outcome;
 use crate::protocol::{
@@ -89,10 +89,6 @@ impl WakeConfig {
             verify_origin: false,
         }
     }
-
-    pub(crate) fn progress_interval(&self) -> Duration {
-        (self.ack_wait / 3).max(Duration::from_millis(100))
-    }
 }
 
 /// How long a session lock is kept after a turn by default: longer than the
@@ -142,6 +138,8 @@ pub(crate) struct Shared {
     pub(crate) config: WakeConfig,
     /// Posts awaiting the session API's answer, for status reports.
     pub(crate) posting: std::sync::atomic::AtomicUsize,
+    /// How often held completions get an in-progress ack.
+    pub(crate) keep_alive: KeepAliveEvery,
 }
 
 /// Runs the wake service until `shutdown` completes; held completions are
@@ -183,7 +181,7 @@ pub async fn run(
         ack_wait: config.ack_wait,
         max_ack_pending: config.max_in_flight,
     };
-    let stop_keeping = bus.keep_consumer(wanted, settings.consumer_check);
+    let (stop_keeping, keep_alive) = bus.keep_consumer(wanted, settings.consumer_check);
     let lock_ttl = lock_ttl(&settings, &provisioned.session_locks);
     let shared = Arc::new(Shared {
         api,
@@ -198,6 +196,7 @@ pub async fn run(
         events: streams.events,
         config,
         posting: Default::default(),
+        keep_alive,
     });
     let registration = Registration::wake(bus.subjects.prefix(), &shared.config.instance);
     let reporting = shared.clone();

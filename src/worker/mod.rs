@@ -94,11 +94,6 @@ impl WorkerConfig {
         }
     }
 
-    /// How often a running task sends an in-progress ack.
-    pub(crate) fn progress_interval(&self) -> Duration {
-        (self.ack_wait / 3).max(Duration::from_millis(100))
-    }
-
     /// The NAK delay after the `attempt`-th transient failure.
     pub(crate) fn retry_delay(&self, attempt: u64) -> Duration {
         let exp = u32::try_from(attempt.saturating_sub(1))
@@ -197,7 +192,7 @@ pub async fn run(
         pool: config.pool.clone(),
         ack_wait: config.ack_wait,
     };
-    let stop_keeping = bus.keep_consumer(wanted, settings.consumer_check);
+    let (stop_keeping, keep_alive) = bus.keep_consumer(wanted, settings.consumer_check);
 
     let concurrency = config.concurrency.max(1);
     let grace = config.shutdown_grace;
@@ -217,6 +212,7 @@ pub async fn run(
         config,
         env,
         cancels,
+        keep_alive,
     ));
     let slots = Arc::new(Semaphore::new(concurrency));
     let stop_runs = CancellationToken::new();

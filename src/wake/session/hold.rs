@@ -13,12 +13,12 @@
 //! the completions redelivered, which the ledger then settles.
 
 use std::future::Future;
-use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{Inbox, Pending, Turn};
+use crate::bus::KeepAliveEvery;
 
 /// An actor's completions in hand, and their keep-alive schedule.
 #[derive(Debug)]
@@ -32,17 +32,17 @@ pub(super) struct Hold {
     /// through a run of waits shorter than the interval.
     keep_alive_at: Instant,
     /// How often: a third of the consumer's AckWait.
-    interval: Duration,
+    every: KeepAliveEvery,
 }
 
 impl Hold {
     /// An empty hand for the actor reading `rx`.
-    pub(super) fn new(rx: Inbox, interval: Duration) -> Self {
+    pub(super) fn new(rx: Inbox, every: KeepAliveEvery) -> Self {
         Self {
             held: Vec::new(),
             rx,
-            keep_alive_at: Instant::now() + interval,
-            interval,
+            keep_alive_at: Instant::now() + every.period(),
+            every,
         }
     }
 
@@ -78,7 +78,7 @@ impl Hold {
                     }
                     // Skipped while disconnected: again soon, so that the
                     // first after the reconnect is not a period late.
-                    let next = if skipped { crate::outcome::KEEP_ALIVE_RETRY } else { self.interval };
+                    let next = if skipped { crate::outcome::KEEP_ALIVE_RETRY } else { self.every.period() };
                     self.keep_alive_at = Instant::now() + next;
                 }
             }

@@ -250,7 +250,7 @@ impl Router {
 
     async fn actor(self: Arc<Self>, session: String, rx: Inbox) {
         let config = &self.shared.config;
-        let mut hold = Hold::new(rx, config.progress_interval());
+        let mut hold = Hold::new(rx, self.shared.keep_alive.clone());
         // The session lock, kept for `lock_linger` after a turn so that the
         // session's next completion does not pay for a release and a take.
         let mut lock: Option<LockGuard> = None;

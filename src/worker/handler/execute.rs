@@ -46,8 +46,8 @@ impl TaskHandler {
         let throttle = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(throttle);
         let mut unpublished = false;
-        let mut keepalive = tokio::time::interval(self.config.progress_interval());
-        keepalive.tick().await;
+        let keepalive = tokio::time::sleep(self.keep_alive.period());
+        tokio::pin!(keepalive);
         let deadline = async {
             match timeout {
                 Some(limit) => tokio::time::sleep(limit).await,
@@ -69,12 +69,15 @@ impl TaskHandler {
                 () = &mut started_due, if started.is_some() => {
                     self.publish_started(request, trace, &mut started).await;
                 }
-                _ = keepalive.tick() => {
+                () = &mut keepalive => {
                     // Tell the server we are alive so AckWait does not hand
                     // the task to another worker.
-                    if !crate::outcome::keep_alive(message).await {
-                        keepalive.reset_after(crate::outcome::KEEP_ALIVE_RETRY);
-                    }
+                    let next = if crate::outcome::keep_alive(message).await {
+                        self.keep_alive.period()
+                    } else {
+                        crate::outcome::KEEP_ALIVE_RETRY
+                    };
+                    keepalive.as_mut().reset(tokio::time::Instant::now() + next);
                 }
                 Ok(()) = reports.changed() => {
                     unpublished = true;

@@ -29,7 +29,7 @@ use super::WorkerConfig;
 use super::cancel::{CancelRegistry, StopReason};
 use super::claims::{Claim, Claims};
 use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
-use crate::bus::{Bus, PublishError};
+use crate::bus::{Bus, KeepAliveEvery, PublishError};
 use crate::cancel::CancelRecord;
 use crate::ops::metrics as m;
 use crate::outcome::{Outcome, keep_alive};
@@ -60,6 +60,8 @@ pub(crate) struct TaskHandler {
     /// The tasks being handled here, so a redelivery reaching this worker
     /// while the first delivery still runs is left to that run.
     claims: Claims,
+    /// How often a task in hand gets an in-progress ack.
+    keep_alive: KeepAliveEvery,
 }
 
 impl TaskHandler {
@@ -71,6 +73,7 @@ impl TaskHandler {
         config: WorkerConfig,
         env: TaskEnv,
         cancels: Arc<CancelRegistry>,
+        keep_alive: KeepAliveEvery,
     ) -> Self {
         let source = format!("wakebus/worker/{}", config.instance);
         Self {
@@ -82,6 +85,7 @@ impl TaskHandler {
             source,
             cancels,
             claims: Claims::default(),
+            keep_alive,
         }
     }
 
@@ -400,13 +404,14 @@ impl TaskHandler {
         work: impl Future<Output = T>,
     ) -> T {
         let keeping = async {
-            let period = self.config.progress_interval();
-            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+            let mut next = self.keep_alive.period();
             loop {
-                ticks.tick().await;
-                if !keep_alive(message).await {
-                    ticks.reset_after(crate::outcome::KEEP_ALIVE_RETRY);
-                }
+                tokio::time::sleep(next).await;
+                next = if keep_alive(message).await {
+                    self.keep_alive.period()
+                } else {
+                    crate::outcome::KEEP_ALIVE_RETRY
+                };
             }
         };
         tokio::select! {
