@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::stream::Config as StreamConfig;
 use common::*;
+use futures::StreamExt;
 use wakebus::bus::{Bus, BusSettings};
 use wakebus::delegate::Delegation;
 use wakebus::wake::ledger::{LedgerError, LedgerState, WakeLedger};
@@ -438,4 +439,74 @@ async fn a_posting_mark_that_reaches_nats_late_does_not_overwrite_a_wake_made_me
         ledger.get(&key).await.unwrap(),
         Some(LedgerState::Delivered { idempotency_key, .. }) if idempotency_key == "theirs"
     ));
+}
+
+/// Another instance records a completion's delivery between the wake's
+/// read of its entry and the wake's mark. The mark, made over the revision
+/// read, is refused; the wake plans again on what is there now, finds the
+/// delivery, and acks its copy unposted.
+#[tokio::test]
+async fn a_wake_whose_entry_changes_between_its_read_and_its_mark_plans_again_and_does_not_post() {
+    let p = Pipeline::start().await;
+    let (nats, api, bus, services) = (p.nats, p.api, p.bus, p.services);
+    let id = delegate(&bus, Delegation::new("raced").session("s.raced")).await;
+    wait_until(WAIT, "the wake", || async { api.accepted().len() == 1 }).await;
+    ledger_records_delivery(&bus, &id).await;
+    services.stop().await;
+    // The operator deletes the entry (`nats kv del`): a copy of the
+    // completion is then read and planned, not created and posted at once.
+    let ledger = ledger_of(&bus).await;
+    let key = WakeLedger::key(&id, 0);
+    let kv = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    kv.delete(&key).await.unwrap();
+    let deleted = ledger.read(&key).await.unwrap().revision;
+
+    // As soon as NATS answers a read of the entry, another instance records
+    // the delivery; the wake's mark, 150 ms away each way, comes later.
+    let answer = format!(
+        "\"subject\":\"$KV.{}.{key}\"",
+        bus.subjects.wake_ledger_bucket()
+    );
+    let mut replies = bus.client.subscribe("_INBOX.>").await.unwrap();
+    let theirs = {
+        let (ledger, key) = (ledger.clone(), key.clone());
+        tokio::spawn(async move {
+            while let Some(reply) = replies.next().await {
+                if String::from_utf8_lossy(&reply.payload).contains(&answer) {
+                    return ledger.mark_delivered(&key, "theirs", deleted).await;
+                }
+            }
+            panic!("the subscription ended");
+        })
+    };
+    let proxy = common::proxy::Proxy::start_delayed(nats.port, Duration::from_millis(150)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let proxied = format!("nats://127.0.0.1:{}", proxy.port);
+    let wake = common::process::Service::spawn(
+        common::process::wake_args(&proxied, bus.subjects.prefix(), &api.url()),
+        dir.path().join("wake.log"),
+    );
+    let _logs = common::process::LogsOnPanic(vec![wake.log.clone()]);
+    republish_completion(&bus).await;
+    tokio::time::timeout(WAIT, theirs)
+        .await
+        .expect("the wake to read the entry")
+        .unwrap()
+        .expect("the other instance's record");
+    wake_consumer_settled(&bus).await;
+
+    assert_eq!(api.all_posts().len(), 1, "the copy was posted");
+    assert!(matches!(
+        ledger.get(&key).await.unwrap(),
+        Some(LedgerState::Delivered { idempotency_key, .. }) if idempotency_key == "theirs"
+    ));
+    let log = std::fs::read_to_string(&wake.log).unwrap();
+    assert!(
+        log.contains("changed while the session's turns were planned; planning again"),
+        "{log}"
+    );
 }

@@ -5,7 +5,9 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
@@ -24,6 +26,12 @@ pub struct Proxy {
 impl Proxy {
     /// Forwards to `127.0.0.1:<target>`.
     pub async fn start(target: u16) -> Self {
+        Self::start_delayed(target, Duration::ZERO).await
+    }
+
+    /// Forwards to `127.0.0.1:<target>`, every byte `delay` late in each
+    /// direction, as a distant client's would be.
+    pub async fn start_delayed(target: u16, delay: Duration) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let port = listener.local_addr().expect("address").port();
         let up = Arc::new(AtomicBool::new(true));
@@ -41,8 +49,18 @@ impl Proxy {
                         else {
                             return;
                         };
+                        if delay.is_zero() {
+                            tokio::select! {
+                                _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                                _ = cut.changed() => {}
+                            }
+                            return;
+                        }
+                        let (from_client, to_client) = inbound.split();
+                        let (from_server, to_server) = outbound.split();
                         tokio::select! {
-                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                            () = forward_late(from_client, to_server, delay) => {}
+                            () = forward_late(from_server, to_client, delay) => {}
                             _ = cut.changed() => {}
                         }
                     });
@@ -78,6 +96,35 @@ impl Proxy {
     pub fn restore(&self) {
         self.up.store(true, Ordering::SeqCst);
     }
+}
+
+/// Copies `from` to `to`, each chunk written `delay` after it was read,
+/// until either side closes.
+async fn forward_late(
+    mut from: impl AsyncRead + Unpin,
+    mut to: impl AsyncWrite + Unpin,
+    delay: Duration,
+) {
+    let (chunks, mut due) = tokio::sync::mpsc::unbounded_channel();
+    let reading = async move {
+        let mut buffer = vec![0_u8; 64 * 1024];
+        while let Ok(n @ 1..) = from.read(&mut buffer).await {
+            let at = tokio::time::Instant::now() + delay;
+            if chunks.send((at, buffer[..n].to_vec())).is_err() {
+                return;
+            }
+        }
+    };
+    let writing = async move {
+        while let Some((at, chunk)) = due.recv().await {
+            tokio::time::sleep_until(at).await;
+            if to.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+    };
+    // Reading ends first when the sender closes; what it read still goes out.
+    tokio::join!(reading, writing);
 }
 
 impl Drop for Proxy {
