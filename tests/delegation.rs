@@ -879,6 +879,52 @@ async fn an_unusable_member_still_completes_its_batch() {
     );
 }
 
+/// The members of a batch whose delegation id is unusable each get an id
+/// of their own for their `error` completion; as members of a batch under
+/// that id they would wait for siblings that never come, and the session
+/// would never learn that its delegation went nowhere.
+#[tokio::test]
+async fn a_batch_whose_delegation_id_is_unusable_still_wakes_its_session_with_the_error() {
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
+    for index in 0..2 {
+        let body = format!(
+            r#"{{"version":1,"delegation_id":"job.42","task_index":{index},"task_count":2,"wake_mode":"batch","origin_session_id":"s.badid","goal":"g"}}"#
+        );
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Wakebus-Origin-Session", "s.badid");
+        bus.js
+            .publish_with_headers(bus.subjects.task("default"), headers, body.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let reported = || {
+        api.accepted()
+            .iter()
+            .map(|post| post.text())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    wait_until(WAIT, "both members' errors woken", || async {
+        let text = reported();
+        text.contains("task_index 0:") && text.contains("task_index 1:")
+    })
+    .await;
+    services.stop().await;
+    let text = reported();
+    assert!(
+        text.contains("Status: error") && text.contains("delegation id contains '.'"),
+        "{text}"
+    );
+    assert!(
+        api.accepted()
+            .iter()
+            .all(|post| post.session() == "s.badid")
+    );
+}
+
 /// A request whose index no usable batch holds (numbered from 1, a count
 /// above the limit) still gets a completion the wake accepts: its session
 /// learns the task went nowhere, instead of the completion being
@@ -1117,6 +1163,84 @@ async fn a_task_sent_again_after_the_duplicate_window_does_not_run_again() {
         .and_then(|count| count.parse().ok())
         .unwrap_or_else(|| panic!("no count of tasks already done:\n{rendered}"));
     assert!(already_done >= 2, "{rendered}");
+}
+
+/// A copy of a task that ran reaches a worker while no stream answers
+/// for its completions, as while the events stream elects a leader. The
+/// worker keeps asking whether the completion is stored, instead of giving
+/// up within a second and a half and running the task a second time.
+#[tokio::test]
+async fn a_worker_keeps_asking_whether_a_task_already_ran_while_no_stream_answers() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let runs = tempfile::tempdir().unwrap();
+    let log = runs.path().join("runs");
+    let mut services = Services::new();
+    services.worker(
+        &bus,
+        shell(&format!(
+            "cat > /dev/null; echo run >> '{}'; echo ok",
+            log.display()
+        )),
+        test_worker_config("default"),
+    );
+    let ran = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
+    // Undated, so that every copy of it is asked about.
+    let mut raw = request("s.probe", "once");
+    raw.created_at = None;
+    publish_until_stored(&bus, &raw).await;
+    wait_until(WAIT, "the task's completion", || async {
+        done_events(&bus).await.len() == 1
+    })
+    .await;
+    assert_eq!(ran(), 1);
+
+    // Nobody listens on the events stream's subjects for a while.
+    let events = bus.subjects.events_stream();
+    let mut stream = bus.js.get_stream(&events).await.unwrap();
+    let config = stream.info().await.unwrap().config.clone();
+    let mut electing = config.clone();
+    electing.subjects = vec![format!("{}.paused.>", bus.subjects.prefix())];
+    bus.js.update_stream(&electing).await.unwrap();
+    // A copy JetStream does not take for a duplicate (another message id).
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "a-copy");
+    headers.insert("Wakebus-Origin-Session", "s.probe");
+    bus.js
+        .publish_with_headers(
+            bus.subjects.task("default"),
+            headers,
+            serde_json::to_vec(&raw).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // The election lasts 3 s (its length is the scenario, not a wait for
+    // a condition): twice what the worker used to keep asking.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    bus.js.update_stream(&config).await.unwrap();
+    let tasks = bus
+        .js
+        .get_stream(bus.subjects.tasks_stream())
+        .await
+        .unwrap();
+    wait_until(WAIT, "the copy acknowledged", || {
+        let mut tasks = tasks.clone();
+        async move {
+            let state = tasks.info().await.unwrap().state.clone();
+            state.last_sequence == 2 && state.messages == 0
+        }
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(ran(), 1, "the task ran a second time");
 }
 
 #[tokio::test]

@@ -47,11 +47,13 @@ pub fn decode_request(
         .and_then(|request| request.check_origin_header(origin_header).map(|()| request));
     result.map_err(|err| {
         let loose: serde_json::Value = serde_json::from_slice(payload).unwrap_or_default();
+        // The body's, if valid; else the header's, if valid.
+        let valid = |id: &&str| validate_delegation_id(id).is_ok();
         let delegation_id = loose
             .get("delegation_id")
             .and_then(|v| v.as_str())
-            .or_else(|| header(headers, HEADER_DELEGATION_ID))
-            .filter(|id| validate_delegation_id(id).is_ok())
+            .filter(valid)
+            .or_else(|| header(headers, HEADER_DELEGATION_ID).filter(valid))
             .map(str::to_owned);
         let read = |value: Option<u64>| value.and_then(|v| u32::try_from(v).ok());
         let task_index = match (loose.get("task_index"), header(headers, HEADER_TASK_INDEX)) {
@@ -60,11 +62,22 @@ pub fn decode_request(
             (None, None) => Some(0),
         };
         // With a forged or mismatched origin, wake nobody: the body's claim
-        // is exactly what cannot be trusted.
-        let forged = matches!(err, crate::protocol::DecodeError::OriginMismatch);
-        let origin_session = match err {
-            crate::protocol::DecodeError::OriginMismatch => None,
-            _ => origin_header
+        // is exactly what cannot be trusted. Judged on the body as far as
+        // it parses, whatever else is wrong with it: a copy with a blank
+        // goal is no more trustworthy. (A body that does not parse at all
+        // has no claim to compare; its headers are all there is.)
+        let forged = matches!(err, crate::protocol::DecodeError::OriginMismatch)
+            || match (origin_header, &loose) {
+                (Some(header), serde_json::Value::Object(body)) => {
+                    body.get("origin_session_id")
+                        .and_then(serde_json::Value::as_str)
+                        != Some(header)
+                }
+                _ => false,
+            };
+        let origin_session = match forged {
+            true => None,
+            false => origin_header
                 .or_else(|| loose.get("origin_session_id").and_then(|v| v.as_str()))
                 .filter(|s| validate_session_id(s).is_ok())
                 .map(str::to_owned),
@@ -95,4 +108,72 @@ pub fn decode_request(
             forged,
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ID: &str = "01JV3S2D6F8H0K2M4P6R8T0W2Y";
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for (name, value) in pairs {
+            headers.insert(*name, *value);
+        }
+        headers
+    }
+
+    fn rejected(body: &str, pairs: &[(&str, &str)]) -> Rejected {
+        let headers = headers(pairs);
+        decode_request(body.as_bytes(), Some(&headers), &Limits::default())
+            .expect_err("an unusable request")
+    }
+
+    #[test]
+    fn an_origin_header_contradicting_the_body_is_forged_whatever_else_is_wrong_with_it() {
+        let blank_goal = format!(
+            r#"{{"version":1,"delegation_id":"{ID}","origin_session_id":"s.real","goal":" "}}"#
+        );
+        let forged = rejected(&blank_goal, &[(HEADER_ORIGIN_SESSION, "s.other")]);
+        assert!(forged.forged);
+        assert_eq!(forged.origin_session, None);
+        // A header where the body names no session is no better.
+        let no_session = format!(r#"{{"version":1,"delegation_id":"{ID}"}}"#);
+        let forged = rejected(&no_session, &[(HEADER_ORIGIN_SESSION, "s.victim")]);
+        assert!(forged.forged);
+        assert_eq!(forged.origin_session, None);
+        // The same header, agreeing with the body: the session is woken.
+        let agreeing = rejected(&blank_goal, &[(HEADER_ORIGIN_SESSION, "s.real")]);
+        assert!(!agreeing.forged);
+        assert_eq!(agreeing.origin_session.as_deref(), Some("s.real"));
+    }
+
+    #[test]
+    fn a_body_that_does_not_parse_keeps_the_identity_its_headers_give() {
+        let broken = rejected(
+            "{not json",
+            &[
+                (HEADER_ORIGIN_SESSION, "s.one"),
+                (HEADER_DELEGATION_ID, ID),
+                (HEADER_TASK_INDEX, "2"),
+            ],
+        );
+        assert!(!broken.forged);
+        assert_eq!(broken.origin_session.as_deref(), Some("s.one"));
+        assert_eq!(broken.delegation_id.as_deref(), Some(ID));
+        assert_eq!(broken.task_index, Some(2));
+    }
+
+    #[test]
+    fn a_valid_delegation_id_header_stands_in_for_an_invalid_one_in_the_body() {
+        let body = r#"{"version":1,"delegation_id":"job.42","goal":"g"}"#;
+        let rejected = rejected(body, &[(HEADER_DELEGATION_ID, ID)]);
+        assert_eq!(rejected.delegation_id.as_deref(), Some(ID));
+        // A valid body id wins over the header's.
+        let body = format!(r#"{{"version":1,"delegation_id":"{ID}","goal":""}}"#);
+        let other = "01JV3S2D6F8H0K2M4P6R8T0W30";
+        let rejected = self::rejected(&body, &[(HEADER_DELEGATION_ID, other)]);
+        assert_eq!(rejected.delegation_id.as_deref(), Some(ID));
+    }
 }

@@ -573,10 +573,19 @@ impl TaskHandler {
 /// whose index no batch can hold gets an id of its own (the reason names
 /// the original), since task 0's completion id belongs to the real task 0,
 /// and so does a forged copy (its origin header contradicting its body),
-/// whose completion would otherwise take the real task's.
+/// whose completion would otherwise take the real task's. So does one
+/// without a usable delegation id: under an id of its own it can be no
+/// member of its batch, and as one it would wait for siblings that never
+/// come, and never wake its session.
 fn stand_in(delegation_id: String, seq: u64, rejected: &Rejected) -> (TaskRequest, String) {
     let (fits, index) = match rejected.task_index {
-        Some(index) if index < crate::protocol::MAX_TASK_COUNT && !rejected.forged => (true, index),
+        Some(index)
+            if index < crate::protocol::MAX_TASK_COUNT
+                && !rejected.forged
+                && rejected.delegation_id.is_some() =>
+        {
+            (true, index)
+        }
         _ => (false, 0),
     };
     let (id, reason) = if fits {
@@ -585,10 +594,14 @@ fn stand_in(delegation_id: String, seq: u64, rejected: &Rejected) -> (TaskReques
         let index = rejected
             .task_index
             .map_or_else(|| "unreadable".to_owned(), |index| index.to_string());
-        let reason = format!(
-            "delegation {delegation_id}, task_index {index}: {}",
-            rejected.reason
-        );
+        let reason = match &rejected.delegation_id {
+            Some(original) => format!(
+                "delegation {original}, task_index {index}: {}",
+                rejected.reason
+            ),
+            // The reason says what is wrong with the id.
+            None => format!("task_index {index}: {}", rejected.reason),
+        };
         (format!("invalid-{seq}"), reason)
     };
     let mut stand_in = TaskRequest::new(id, String::new());
@@ -666,6 +679,42 @@ enum Record {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_member_without_a_usable_delegation_id_wakes_its_session_on_its_own() {
+        let rejected = Rejected {
+            reason: "invalid delegation_id".to_owned(),
+            delegation_id: None,
+            task_index: Some(1),
+            origin_session: Some("s.a".to_owned()),
+            batch: Some((3, crate::protocol::WakeMode::Batch, true)),
+            forged: false,
+        };
+        let (request, reason) = stand_in("invalid-7".to_owned(), 7, &rejected);
+        // Not task 1 of a batch of 3 under an id no sibling has.
+        assert_eq!(
+            (request.delegation_id.as_str(), request.task_index),
+            ("invalid-7", 0)
+        );
+        assert_eq!(request.task_count, 1);
+        assert_eq!(request.origin_session_id.as_deref(), Some("s.a"));
+        assert_eq!(reason, "task_index 1: invalid delegation_id");
+        // With its id, it stays a member of its batch.
+        let with_id = Rejected {
+            delegation_id: Some("d1".to_owned()),
+            ..rejected
+        };
+        let (request, reason) = stand_in("d1".to_owned(), 7, &with_id);
+        assert_eq!(
+            (
+                request.delegation_id.as_str(),
+                request.task_index,
+                request.task_count
+            ),
+            ("d1", 1, 3)
+        );
+        assert_eq!(reason, "invalid delegation_id");
+    }
 
     #[test]
     fn only_a_redelivery_or_a_request_stored_late_or_undated_asks_the_history() {

@@ -17,14 +17,21 @@ use crate::protocol::{
 use super::TaskHandler;
 use crate::worker::probe::ProbeError;
 
+/// How often the "already done?" question is asked again: with waits of
+/// 0.5, 1, 2, 4, 4 and 4 s, about 15 s in all, longer than a stream's leader
+/// election usually takes.
+const PROBE_RETRIES: usize = 6;
+
 impl TaskHandler {
     /// Whether a completion for this task is already in the history.
     ///
-    /// Asked again (0.5 s, then 1 s later) when the question fails or finds
-    /// no stream (a stream electing a leader answers so): a
-    /// redelivery often follows cluster trouble, when the question is
-    /// likeliest to fail too, and an answer that never comes means running
-    /// a task whose result may be stored already, a second time.
+    /// Asked again for about 15 s (0.5 s later, doubling up to 4 s) when
+    /// the question fails or finds no stream (a stream electing a leader
+    /// answers so, and elections take seconds): a redelivery often follows
+    /// cluster trouble, when the question is likeliest to fail too, and an
+    /// answer that never comes means running a task whose result may be
+    /// stored already, a second time. The caller keeps the request alive
+    /// meanwhile.
     pub(super) async fn already_done(&self, request: &TaskRequest) -> bool {
         let subject = self.done_subject(request);
         // Asked by a probe publish: workers may not read the events stream.
@@ -33,7 +40,8 @@ impl TaskHandler {
             .retry(
                 backon::ExponentialBuilder::default()
                     .with_min_delay(Duration::from_millis(500))
-                    .with_max_times(2),
+                    .with_max_delay(Duration::from_secs(4))
+                    .with_max_times(PROBE_RETRIES),
             )
             // "No stream" too: it is also what a stream between two
             // leaders answers (nobody listens on its subjects meanwhile).
@@ -43,8 +51,14 @@ impl TaskHandler {
             .await;
         match asked {
             Ok(last) => last > 0,
-            // Still no stream takes completions: none can be stored.
-            Err(ProbeError::NoStream) => false,
+            // Still no stream takes completions (an election that lasts,
+            // or the events stream is gone: then none can be stored).
+            Err(ProbeError::NoStream) => {
+                warn!(
+                    "Could not ask whether this task's completion is already stored: no stream answered (a leader election, or the events stream is gone); running it, which runs it a second time if it was."
+                );
+                false
+            }
             Err(error) => {
                 warn!(%error, "Could not ask whether this task's completion is already stored; running it, which runs it a second time if it was.");
                 false
