@@ -63,15 +63,22 @@ impl TraceParent {
         }
     }
 
-    /// Parses a `traceparent` header value; `None` if it is malformed.
+    /// Parses a `traceparent` header value; `None` if it is malformed, as
+    /// W3C Trace Context defines it: lowercase hex fields of the right
+    /// lengths, exactly four of them in version `00` (a later version may
+    /// add more, which are ignored).
     pub fn parse(value: &str) -> Option<Self> {
-        let mut parts = value.trim().split('-');
+        let mut parts = value.trim().splitn(5, '-');
         let (version, trace, span, flags) =
             (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
         if version.len() != 2 || trace.len() != 32 || span.len() != 16 || flags.len() != 2 {
             return None;
         }
-        if version == "ff" || u8::from_str_radix(version, 16).is_err() {
+        let lower_hex = |part: &str| part.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        if ![version, trace, span, flags].into_iter().all(lower_hex) {
+            return None;
+        }
+        if version == "ff" || (version == "00" && parts.next().is_some()) {
             return None;
         }
         let trace_id = u128::from_str_radix(trace, 16).ok()?;
@@ -198,11 +205,20 @@ mod tests {
             "00-abc-def-01",
             "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
             "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+            // Uppercase, a sign, a fifth field in version 00.
+            "00-0AF7651916CD43DD8448EB211C80319C-B7AD6B7169203331-01",
+            "00-+af7651916cd43dd8448eb211c80319-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra",
         ] {
             assert!(TraceParent::parse(bad).is_none(), "{bad:?} accepted");
         }
         assert!(
             TraceParent::parse("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01").is_some()
+        );
+        // A later version's extra fields are ignored.
+        assert!(
+            TraceParent::parse("01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra")
+                .is_some()
         );
     }
 }

@@ -676,15 +676,22 @@ fn is_batch_member(pending: &Pending) -> bool {
     pending.event.task_count > 1 && pending.event.wake_mode == WakeMode::Batch
 }
 
-/// Whether a batch member's failure is reported before the batch ends: a
-/// failure, not a cancel (the canceller knows already), if the batch asked.
+/// Whether a batch member's failure is reported before the batch ends: if
+/// the batch asked, any status but `completed`, except a cancel (the
+/// canceller knows already). An `interrupted` that a subagent reported
+/// itself is no cancel.
 fn notify_early(pending: &Pending) -> bool {
-    let event = &pending.event;
+    ends_early(&pending.event)
+}
+
+/// [`notify_early`], by the completion.
+fn ends_early(event: &CompletionEvent) -> bool {
     event.notify_early_failure
-        && matches!(
-            event.status,
-            Status::Failed | Status::Timeout | Status::Error
-        )
+        && match event.status {
+            Status::Completed => false,
+            Status::Interrupted => event.exit_reason != "cancelled",
+            Status::Failed | Status::Timeout | Status::Error => true,
+        }
 }
 
 /// The ledger key of a batch member's early failure report.
@@ -705,6 +712,23 @@ fn take_where(held: &mut Vec<Pending>, matching: impl Fn(&Pending) -> bool) -> V
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_status_but_completed_is_reported_early_except_a_cancel() {
+        let request = crate::protocol::TaskRequest::new("d1".to_owned(), "g".to_owned());
+        let early = |status, exit_reason: &str| {
+            let mut event = CompletionEvent::for_request(&request, status, exit_reason);
+            event.notify_early_failure = true;
+            ends_early(&event)
+        };
+        assert!(!early(Status::Completed, "completed"));
+        assert!(early(Status::Failed, "nonzero_exit"));
+        assert!(early(Status::Timeout, "timeout"));
+        assert!(early(Status::Error, "invalid_request"));
+        // A subagent that reported `interrupted` itself.
+        assert!(early(Status::Interrupted, "completed"));
+        assert!(!early(Status::Interrupted, "cancelled"));
+    }
 
     #[test]
     fn only_the_prefix_and_a_ulid_make_a_combined_key() {
