@@ -129,6 +129,50 @@ async fn a_queued_task_that_is_cancelled_never_runs_and_wakes_its_session_as_int
     assert!(api.accepted()[0].text().contains("Status: interrupted"));
 }
 
+/// A publisher in another language may leave out the optional
+/// `Wakebus-Delegation-Id` header: its queued request is still found by
+/// its body, so the cancel is recorded and the task never runs.
+#[tokio::test]
+async fn a_queued_request_without_the_delegation_id_header_can_still_be_cancelled() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let raw = request("s.bare", "never mind");
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", format!("{}.0", raw.delegation_id).as_str());
+    bus.js
+        .publish_with_headers(
+            bus.subjects.task("default"),
+            headers,
+            serde_json::to_vec(&raw).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let report = Canceller::new(bus.clone())
+        .cancel_delegation(&raw.delegation_id, true)
+        .await
+        .unwrap();
+    assert_eq!(
+        (report.status, report.state),
+        ("cancelled", Some(DelegationState::Queued))
+    );
+    let mut services = Services::new();
+    services.worker(&bus, shell("echo ran"), test_worker_config("default"));
+    wait_until(WAIT, "the task's completion", || async {
+        !done_events(&bus).await.is_empty()
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(started(&bus).await, 0, "a cancelled task must not start");
+    let done = &done_events(&bus).await[0];
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Interrupted, "cancelled")
+    );
+}
+
 #[tokio::test]
 async fn a_running_task_is_interrupted_with_its_partial_output() {
     init_logs();

@@ -433,6 +433,27 @@ async fn command_output_beyond_the_cap_is_cut_and_flagged_truncated() {
     assert!(summary.len() < 200);
 }
 
+#[tokio::test]
+async fn the_partial_output_of_a_timed_out_command_beyond_the_cap_is_flagged_truncated() {
+    init_logs();
+    let script = "printf '%05000d' 0; sleep 60";
+    let mut config = CommandConfig::new("sh", vec!["-c".into(), script.into()]);
+    config.max_output_bytes = 100;
+    let mut delegation = Delegation::new("talk a lot, then hang");
+    delegation.timeout_seconds = Some(1);
+    let (done, _bus, _nats) =
+        run_one(Executor::Command(CommandExecutor::new(config)), delegation).await;
+    assert_eq!(done.status, Status::Timeout);
+    assert!(done.truncated);
+    let summary = done.summary.unwrap();
+    assert!(
+        summary.starts_with(&"0".repeat(100)) && summary.ends_with("[output truncated]"),
+        "{summary}"
+    );
+    // The limit, not the time it took to stop the program as well.
+    assert_eq!(done.error.as_deref(), Some("timed out after 1s"));
+}
+
 /// Whether process `pid` still runs (a zombie waiting to be reaped does not).
 fn running(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {

@@ -9,6 +9,28 @@ use super::Bus;
 /// the queue it assumes the answer is yes.
 const QUEUE_SCAN_LIMIT: u64 = 10_000;
 
+/// Just a request's delegation id, read without decoding the rest.
+#[derive(serde::Deserialize)]
+struct DelegationIdOnly<'a> {
+    /// Borrowed where the JSON has no escapes, as ids never need.
+    #[serde(borrow)]
+    delegation_id: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// Whether a stored request is of `delegation_id`: by its
+/// `Wakebus-Delegation-Id` header, or by its body when it has none (the
+/// header is optional for publishers: PROTOCOL.md, 4.2).
+fn request_of(
+    message: &async_nats::jetstream::message::StreamMessage,
+    delegation_id: &str,
+) -> bool {
+    match message.headers.get(crate::protocol::HEADER_DELEGATION_ID) {
+        Some(id) => id.as_str() == delegation_id,
+        None => serde_json::from_slice::<DelegationIdOnly<'_>>(&message.payload)
+            .is_ok_and(|body| body.delegation_id.as_deref() == Some(delegation_id)),
+    }
+}
+
 impl Bus {
     /// Whether a request of `delegation_id` is in the task queue: waiting,
     /// or running and not yet acknowledged (work-queue retention removes a
@@ -49,8 +71,7 @@ impl Bus {
                 }
                 Err(error) => return Err(error.into()),
             };
-            let id = message.headers.get(crate::protocol::HEADER_DELEGATION_ID);
-            if id.is_some_and(|id| id.as_str() == delegation_id) {
+            if request_of(&message, delegation_id) {
                 return Ok(Some(true));
             }
             from = message.sequence + 1;

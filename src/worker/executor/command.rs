@@ -291,12 +291,16 @@ impl CommandExecutor {
                 }
                 () = stop.cancelled() => {
                     stop_group(pid, cfg.kill_grace, &mut child).await;
-                    let ((), (out, _), _) = match output {
+                    let ((), (out, truncated), _) = match output {
                         Some(results) => results,
                         None => read_rest(io.as_mut(), cfg.kill_grace).await,
                     };
-                    let partial = String::from_utf8_lossy(&out).trim().to_owned();
-                    return Err(ExecError::Stopped { partial: (!partial.is_empty()).then_some(partial), api_calls: 0, tokens: None });
+                    let mut partial = String::from_utf8_lossy(&out).trim().to_owned();
+                    if truncated {
+                        partial.push_str("\n[output truncated]");
+                    }
+                    let partial = (!partial.trim().is_empty()).then_some(partial);
+                    return Err(ExecError::Stopped { partial, api_calls: 0, tokens: None, truncated });
                 }
             }
         };

@@ -190,6 +190,7 @@ impl LlmExecutor {
                     partial: None,
                     api_calls: calls,
                     tokens: Some(tokens),
+                    truncated: false,
                 }),
             };
             let (answer, usage) = match call {

@@ -50,6 +50,9 @@ pub enum ExecError {
         api_calls: u64,
         /// Prompt and completion tokens of the calls that answered.
         tokens: Option<(u64, u64)>,
+        /// Whether the partial output was cut at the executor's cap (it
+        /// then ends with `[output truncated]`).
+        truncated: bool,
     },
 }
 

@@ -233,7 +233,7 @@ impl TaskHandler {
         }
         if attempt > self.config.max_deliver {
             let reason = format!(
-                "gave up after {} deliveries (each time the worker running it crashed, stalled or stopped without a result)",
+                "gave up after {} deliveries without a result (the workers running it crashed, stalled, stopped or failed transiently)",
                 attempt - 1
             );
             return self
@@ -276,6 +276,7 @@ impl TaskHandler {
             .execute(message, &request, &run_stop, &reason, trace, started)
             .await;
         let duration = begun.elapsed();
+        let result = stopped_if_asked(result, reason.get());
         let mut suppress_wake = false;
         let output = match (result, reason.get()) {
             (Ok(output), _) => output,
@@ -284,15 +285,25 @@ impl TaskHandler {
                     partial,
                     api_calls,
                     tokens,
+                    truncated,
                 }),
                 Some(StopReason::Timeout),
             ) => ExecOutput {
                 status: Status::Timeout,
                 summary: partial,
-                error: Some(format!("timed out after {}s", duration.as_secs())),
+                // The limit, not the run's length, which includes stopping it.
+                error: Some(format!(
+                    "timed out after {}s",
+                    request
+                        .timeout_seconds
+                        .map(Duration::from_secs)
+                        .or(self.config.default_timeout)
+                        .unwrap_or(duration)
+                        .as_secs()
+                )),
                 api_calls,
                 tokens,
-                truncated: false,
+                truncated,
                 exit_reason: "timeout".to_owned(),
             },
             (
@@ -300,6 +311,7 @@ impl TaskHandler {
                     partial,
                     api_calls,
                     tokens,
+                    truncated,
                 }),
                 Some(StopReason::Cancelled { silent }),
             ) => {
@@ -310,7 +322,7 @@ impl TaskHandler {
                     error: Some("cancelled while running".to_owned()),
                     api_calls,
                     tokens,
-                    truncated: false,
+                    truncated,
                     exit_reason: "cancelled".to_owned(),
                 }
             }
@@ -325,7 +337,11 @@ impl TaskHandler {
                 return Outcome::Nak(Some(delay));
             }
             (Err(ExecError::Transient(reason)), _) => {
-                let reason = format!("failed {attempt} times; last error: {reason}");
+                // Deliveries, not failures: hand-backs and stalls use them too.
+                let reason = format!(
+                    "gave up on its last delivery ({attempt} of {}); last error: {reason}",
+                    self.config.max_deliver
+                );
                 return self
                     .give_up(message, &request, trace, GIVEN_UP_ATTEMPTS, reason, stop)
                     .await;
@@ -625,6 +641,25 @@ fn stand_in(delegation_id: String, seq: u64, rejected: &Rejected) -> (TaskReques
     (stand_in, reason)
 }
 
+/// A run that failed while it was being stopped (a timeout, a cancel)
+/// ended because of the stop: a failure then, as the program or the model
+/// call is cut off, is no reason to retry, nor to give the task up on its
+/// last attempt (which would wake a session its silent cancel keeps quiet).
+fn stopped_if_asked(
+    result: Result<ExecOutput, ExecError>,
+    reason: Option<&StopReason>,
+) -> Result<ExecOutput, ExecError> {
+    match (result, reason) {
+        (Err(ExecError::Transient(_)), Some(_)) => Err(ExecError::Stopped {
+            partial: None,
+            api_calls: 0,
+            tokens: None,
+            truncated: false,
+        }),
+        (result, _) => result,
+    }
+}
+
 /// Whether a delivery may be of a request that already ran, so the history
 /// is asked for its completion before it runs ([`TaskHandler::already_done`]):
 /// a redelivery; or a request JetStream stored so long after it was created
@@ -679,6 +714,25 @@ enum Record {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_failing_as_it_is_stopped_ends_as_stopped_not_as_a_failure_to_retry() {
+        let failed = || Err(ExecError::Transient("connection reset".to_owned()));
+        let cancelled = StopReason::Cancelled { silent: true };
+        assert!(matches!(
+            stopped_if_asked(failed(), Some(&cancelled)),
+            Err(ExecError::Stopped { partial: None, .. })
+        ));
+        assert!(matches!(
+            stopped_if_asked(failed(), Some(&StopReason::Timeout)),
+            Err(ExecError::Stopped { .. })
+        ));
+        // Not asked to stop: a failure to retry.
+        assert!(matches!(
+            stopped_if_asked(failed(), None),
+            Err(ExecError::Transient(_))
+        ));
+    }
 
     #[test]
     fn a_batch_member_without_a_usable_delegation_id_wakes_its_session_on_its_own() {
