@@ -673,6 +673,33 @@ async fn replay_of_wake_dead_letters_delivers_them_once_the_session_api_recovers
     .await;
     let again = replay_dead_letters().await;
     assert_eq!(again[0]["action"], "skipped", "{again:#?}");
+
+    // Dead letters outlive ledger entries (30 days against 7 by default).
+    // Once the entry has expired, nothing says the wake was delivered: the
+    // replay says so instead of posting it a second time.
+    let name = wakebus::protocol::Subjects::bucket_stream(&bus.subjects.wake_ledger_bucket());
+    let mut config = bus
+        .js
+        .get_stream(&name)
+        .await
+        .unwrap()
+        .cached_info()
+        .config
+        .clone();
+    config.max_age = Duration::from_secs(1);
+    config.duplicate_window = config.max_age;
+    bus.js.update_stream(&config).await.unwrap();
+    wait_until(WAIT, "the ledger entry to expire", || async {
+        ledger.get(format!("{id}.0")).await.ok().flatten().is_none()
+    })
+    .await;
+    let expired = replay_dead_letters().await;
+    assert_eq!(expired[0]["action"], "skipped", "{expired:#?}");
+    let reason = expired[0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("wake ledger entries are kept 1s"),
+        "{reason}"
+    );
     services.stop().await;
     assert_eq!(api.accepted().len(), 1);
 }
@@ -815,7 +842,37 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
     .ok_json();
     assert_eq!(forced[0]["action"], "would_replay");
     assert_ne!(forced[0]["new_delegation_id"], derived.as_str());
+
+    // Dead letters outlive the history (30 days against 7 by default).
+    // Once the re-queue's events have expired, nothing says it ran: the
+    // replay says so instead of running it a second time.
     services.stop().await;
+    let mut config = bus
+        .js
+        .get_stream(bus.subjects.events_stream())
+        .await
+        .unwrap()
+        .cached_info()
+        .config
+        .clone();
+    config.max_age = Duration::from_secs(1);
+    config.duplicate_window = config.max_age;
+    bus.js.update_stream(&config).await.unwrap();
+    wait_until(WAIT, "the history to expire", || async {
+        all_messages(&bus, &bus.subjects.events_stream())
+            .await
+            .is_empty()
+    })
+    .await;
+    let expired = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
+        .await
+        .ok_json();
+    assert_eq!(expired[0]["action"], "skipped", "{expired:#?}");
+    let reason = expired[0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("a re-queue's events are kept 1s"),
+        "{reason}"
+    );
     assert_eq!(api.accepted().len(), 2, "the re-queued task ran once");
     assert_eq!(api.all_posts().len(), 2);
 }

@@ -287,6 +287,11 @@ pub struct Replayer {
     ledger: Option<WakeLedger>,
     /// The events stream, to find earlier re-queues (tasks only).
     events: Option<async_nats::jetstream::stream::Stream>,
+    /// How long what an earlier run of this replay wrote is kept (the
+    /// ledger's entries for wakes, the events of a re-queue for tasks):
+    /// of a record older than that, no trace of an earlier run proves
+    /// there was none. Zero: kept for ever.
+    kept: std::time::Duration,
     /// Tasks already handled in this run: the history holds earlier replay
     /// copies of the same completion, and one wake per task is enough.
     seen: HashSet<String>,
@@ -298,6 +303,7 @@ impl Replayer {
         plan.effective_selection().validate(plan.source())?;
         let mut ledger = None;
         let mut events = None;
+        let mut kept = std::time::Duration::ZERO;
         match &plan.kind {
             ReplayKind::Wakes | ReplayKind::WakeDeadLetters => {
                 let bucket = bus.subjects.wake_ledger_bucket();
@@ -306,16 +312,21 @@ impl Replayer {
                     .get_key_value(&bucket)
                     .await
                     .map_err(|source| ReplayError::OpenLedger { bucket, source })?;
+                kept = kv.stream.cached_info().config.max_age;
                 ledger = Some(WakeLedger::new(kv));
             }
             ReplayKind::Tasks => {
                 let name = bus.subjects.events_stream();
-                events = Some(bus.js.get_stream(&name).await.map_err(|source| {
-                    HistoryError::Stream {
-                        stream: name.clone(),
-                        source,
-                    }
-                })?);
+                let stream =
+                    bus.js
+                        .get_stream(&name)
+                        .await
+                        .map_err(|source| HistoryError::Stream {
+                            stream: name.clone(),
+                            source,
+                        })?;
+                kept = stream.cached_info().config.max_age;
+                events = Some(stream);
             }
             ReplayKind::Copy {
                 target: CopyTarget::Prefix(target),
@@ -330,7 +341,27 @@ impl Replayer {
             plan,
             ledger,
             events,
+            kept,
             seen: HashSet::new(),
+        })
+    }
+
+    /// Why no trace of an earlier run of this replay proves that there was
+    /// none for `record`: it was stored longer ago than such a trace is
+    /// kept (less a margin for the clocks). `None` when the trace would
+    /// still be there.
+    fn outlived_its_traces(&self, record: &Record, traces: &str) -> Option<String> {
+        let margin = std::time::Duration::from_secs(300);
+        let age = time::OffsetDateTime::now_utc() - record.published;
+        let kept = self.kept;
+        (!kept.is_zero() && age >= kept.saturating_sub(margin)).then(|| {
+            format!(
+                "stored {} ago, and {traces} are kept {}: whether an earlier replay handled it is not known (use --force to replay it anyway)",
+                humantime::format_duration(std::time::Duration::from_secs(
+                    u64::try_from(age.whole_seconds()).unwrap_or(0)
+                )),
+                humantime::format_duration(kept)
+            )
         })
     }
 

@@ -42,6 +42,12 @@ impl Replayer {
         } else {
             self.requeued(&request, &new_id).await
         };
+        if matches!(earlier, Requeued::No)
+            && !self.plan.force
+            && let Some(reason) = self.outlived_its_traces(record, "a re-queue's events")
+        {
+            return Ok(item.skipped(reason));
+        }
         match earlier {
             Requeued::No | Requeued::RecordOnly => {}
             Requeued::Yes => {

@@ -92,6 +92,14 @@ impl Replayer {
             }
         };
         let mut item = item;
+        // No entry at all: maybe never woken, maybe woken and expired.
+        if matches!(entry, Ok(None))
+            && !self.plan.force
+            && let Some(reason) = self.outlived_its_traces(record, "wake ledger entries")
+        {
+            self.seen.remove(&key);
+            return Ok(item.skipped(reason));
+        }
         if let Ok(Some(LedgerState::Delivered { at, .. })) = &entry
             && !self.plan.force
         {
