@@ -72,6 +72,10 @@ pub enum DelegationState {
     Running,
     /// A request is still queued: it will not run.
     Queued,
+    /// Its `submitted` record is stored, but no request of it is queued,
+    /// started or complete: it was stored only in part (its delegator may
+    /// still send it again). The cancel is recorded: it will not run.
+    Submitted,
     /// No trace of it in the history or the queue: unknown (or already expired).
     Unknown,
     /// The history could not be read (a leader election, a user that may
@@ -171,7 +175,10 @@ impl Canceller {
                     ),
                 ));
             }
-            DelegationState::Running | DelegationState::Queued | DelegationState::NotRead => {}
+            DelegationState::Running
+            | DelegationState::Queued
+            | DelegationState::Submitted
+            | DelegationState::NotRead => {}
         }
         self.record_and_broadcast(&CancelTarget::Delegation(delegation_id.to_owned()), silent)
             .await?;
@@ -181,6 +188,9 @@ impl Canceller {
             ),
             DelegationState::NotRead => format!(
                 "Could not read where delegation {delegation_id} stands; the cancel is recorded anyway: its tasks that are running are interrupted, and queued ones will not run."
+            ),
+            DelegationState::Submitted => format!(
+                "Delegation {delegation_id} was submitted, but none of its requests is stored (it was stored only in part); the cancel is recorded: if they are sent again, they will not run."
             ),
             _ => format!(
                 "Delegation {delegation_id} is queued; it will not run (a task that has only just started is interrupted)."
@@ -298,7 +308,15 @@ impl Canceller {
         if self.is_queued(delegation_id).await? {
             return Ok(DelegationState::Queued);
         }
-        Ok(DelegationState::Unknown)
+        // Its delegator stored the records, but not (yet) every request.
+        match events
+            .get_last_raw_message_by_subject(&filter(EventKind::Submitted))
+            .await
+        {
+            Ok(_) => Ok(DelegationState::Submitted),
+            Err(e) if none(&e) => Ok(DelegationState::Unknown),
+            Err(e) => Err(history(&e)),
+        }
     }
 
     /// Finished when every task of the delegation has a completion.

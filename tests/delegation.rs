@@ -173,6 +173,48 @@ async fn a_queued_request_without_the_delegation_id_header_can_still_be_cancelle
     );
 }
 
+/// A delegation stored only in part (its records written, its request
+/// not: a leader election cut the delegator off) can be cancelled: the
+/// cancel is recorded, so the request, sent again later, does not run.
+#[tokio::test]
+async fn a_delegation_with_only_its_submitted_record_stored_can_be_cancelled() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let raw = request("s.partial", "never mind");
+    let record = bus.subjects.event(
+        &wakebus::protocol::session_token("s.partial"),
+        &raw.delegation_id,
+        0,
+        EventKind::Submitted,
+    );
+    bus.js
+        .publish(record, r#"{"submitted_at":"2026-12-06T10:00:00Z"}"#.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let report = Canceller::new(bus.clone())
+        .cancel_delegation(&raw.delegation_id, false)
+        .await
+        .unwrap();
+    assert_eq!(
+        (report.status, report.state),
+        ("cancelled", Some(DelegationState::Submitted))
+    );
+    // The delegator sends the request again.
+    publish_until_stored(&bus, &raw).await;
+    let mut services = Services::new();
+    services.worker(&bus, shell("echo ran"), test_worker_config("default"));
+    wait_until(WAIT, "the task's completion", || async {
+        !done_events(&bus).await.is_empty()
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(started(&bus).await, 0, "a cancelled task must not start");
+    assert_eq!(done_events(&bus).await[0].status, Status::Interrupted);
+}
+
 #[tokio::test]
 async fn a_running_task_is_interrupted_with_its_partial_output() {
     init_logs();
