@@ -111,7 +111,11 @@ impl NatsConfig {
         }
     }
 
-    async fn options(&self, wait_for_server: bool) -> Result<ConnectOptions, ConnectError> {
+    async fn options(
+        &self,
+        wait_for_server: bool,
+        per_server: Duration,
+    ) -> Result<ConnectOptions, ConnectError> {
         let mut options = if let Some(path) = &self.creds_file {
             ConnectOptions::with_credentials_file(path)
                 .await
@@ -158,7 +162,7 @@ impl NatsConfig {
         }
         Ok(options
             .max_reconnects(None)
-            .connection_timeout(Duration::from_secs(5))
+            .connection_timeout(per_server)
             .event_callback(|event| async move {
                 match event {
                     Event::Connected => info!("Connected to NATS."),
@@ -242,7 +246,7 @@ impl NatsConfig {
     /// their callers.
     pub async fn connect(&self) -> Result<Client, ConnectError> {
         self.warn_of_several_methods();
-        self.connect_with(true).await
+        self.connect_with(true, SERVER_TIMEOUT).await
     }
 
     /// Warns, once per connect, when more than one authentication method is
@@ -259,18 +263,25 @@ impl NatsConfig {
     /// why: for commands run by hand, whose operator should hear soon that
     /// NATS is unreachable rather than watch them wait (`Duration::ZERO`:
     /// one attempt). Refused credentials fail at once. An attempt is cut
-    /// off at the deadline (given at least [`MIN_ATTEMPT`]), so a host that
-    /// drops packets does not stretch the wait. Once connected, the client
-    /// reconnects like any other.
+    /// off at the deadline (given at least [`MIN_ATTEMPT`] per server), so
+    /// a host that drops packets does not stretch the wait; the client
+    /// tries the servers one after another, so each gets its share of the
+    /// attempt, and one that does not answer cannot use it all up before
+    /// the others are tried. Once connected, the client reconnects like
+    /// any other.
     pub async fn connect_within(&self, patience: Duration) -> Result<Client, ConnectError> {
         self.warn_of_several_methods();
+        let servers = u32::try_from(self.servers()?.len())
+            .unwrap_or(u32::MAX)
+            .max(1);
         let deadline = tokio::time::Instant::now() + patience;
         let mut delay = Duration::from_millis(100);
         loop {
             let left = deadline
                 .saturating_duration_since(tokio::time::Instant::now())
-                .max(MIN_ATTEMPT);
-            let attempt = tokio::time::timeout(left, self.connect_with(false))
+                .max(MIN_ATTEMPT.saturating_mul(servers));
+            let per_server = (left / servers).min(SERVER_TIMEOUT);
+            let attempt = tokio::time::timeout(left, self.connect_with(false, per_server))
                 .await
                 .unwrap_or_else(|_| {
                     Err(ConnectError::Connect {
@@ -294,9 +305,13 @@ impl NatsConfig {
         }
     }
 
-    async fn connect_with(&self, wait_for_server: bool) -> Result<Client, ConnectError> {
+    async fn connect_with(
+        &self,
+        wait_for_server: bool,
+        per_server: Duration,
+    ) -> Result<Client, ConnectError> {
         let servers = self.servers()?;
-        let options = self.options(wait_for_server).await?;
+        let options = self.options(wait_for_server, per_server).await?;
         options.connect(servers).await.map_err(|source| {
             let url = self.url.clone();
             match source.kind() {
@@ -410,9 +425,13 @@ impl ConnectionLoss {
     }
 }
 
-/// The shortest time [`NatsConfig::connect_within`] gives one attempt, so
-/// that even no patience at all tries each server once.
+/// The shortest time [`NatsConfig::connect_within`] gives each server in
+/// one attempt, so that even no patience at all tries every server once.
 pub const MIN_ATTEMPT: Duration = Duration::from_secs(1);
+
+/// The longest the client waits for one server to answer a connect
+/// (TCP, TLS, the NATS handshake) before it tries the next.
+const SERVER_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long a stopping service waits for NATS: to take what it still has
 /// to send, then to close the connection. While the server is unreachable

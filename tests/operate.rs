@@ -852,7 +852,7 @@ async fn a_worker_started_without_an_executor_refuses_to_start_and_names_the_fla
 async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_says_why() {
     let worker = ["worker", "--executor", "echo"];
     let wake = ["wake", "--api-url", "http://127.0.0.1:1"];
-    let cases: [(&[&str], &[&str], &str); 17] = [
+    let cases: [(&[&str], &[&str], &str); 20] = [
         (
             &["--consumer-check", "0s"],
             &worker,
@@ -961,6 +961,21 @@ async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_say
             &[],
             &["delegate", "--goal", "g", "--wait-timeout", "0s"],
             "'--wait-timeout <WAIT_TIMEOUT>': must be more than 0",
+        ),
+        (
+            &[],
+            &["delegate", "--goal", "g", "--max-depth", "0"],
+            "'--max-depth <MAX_DEPTH>': must be at least 1",
+        ),
+        (
+            &[],
+            &["delegate", "--goal", "g", "--max-batch", "0"],
+            "'--max-batch <MAX_BATCH>': must be at least 1",
+        ),
+        (
+            &[],
+            &["worker", "--executor", "echo", "--max-depth", "0"],
+            "'--max-depth <MAX_DEPTH>': must be at least 1",
         ),
     ];
     for (global, command, said) in cases {
@@ -1145,6 +1160,29 @@ async fn connect_timeout_bounds_the_wait_for_a_server_that_accepts_but_never_ans
     );
     // One attempt, cut off at 1 s (well under the client's own 5 s).
     assert!(waited < Duration::from_millis(4500), "waited {waited:?}");
+}
+
+/// A cluster node that is down but still takes connections (or drops
+/// packets) must not use up a command's one attempt before the healthy
+/// nodes are tried: the client tries the servers one after another, in a
+/// random order, so here the silent one comes first in about half the runs.
+#[tokio::test]
+async fn a_command_run_by_hand_reaches_a_healthy_server_after_one_that_never_answers() {
+    let nats = NatsServer::start().await;
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("nats://{},{}", silent.local_addr().unwrap(), nats.url());
+    let _held = std::thread::spawn(move || {
+        let mut open = Vec::new();
+        for stream in silent.incoming() {
+            open.push(stream);
+        }
+    });
+    let prefix = unique_prefix();
+    bus(&nats.url(), &prefix).await;
+    for _ in 0..6 {
+        let run = wakebus(&url, &prefix, &["events"]).await;
+        assert!(run.success(), "{}", run.stderr());
+    }
 }
 
 #[tokio::test]

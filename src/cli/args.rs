@@ -168,7 +168,7 @@ pub(crate) struct DelegateArgs {
     #[arg(long)]
     pub(crate) notify_early_failure: bool,
     /// Largest batch accepted.
-    #[arg(long, env = "WAKEBUS_MAX_BATCH", default_value_t = wakebus::delegate::DEFAULT_MAX_BATCH)]
+    #[arg(long, env = "WAKEBUS_MAX_BATCH", value_parser = at_least_one::<usize>, default_value_t = wakebus::delegate::DEFAULT_MAX_BATCH)]
     pub(crate) max_batch: usize,
     /// The session to wake with the result (omit to run synchronously).
     /// Deliberately not read from WAKEBUS_ORIGIN_SESSION: a subagent's own
@@ -176,7 +176,7 @@ pub(crate) struct DelegateArgs {
     #[arg(long)]
     pub(crate) session: Option<String>,
     /// Deepest subagent nesting accepted (1: subagents cannot delegate).
-    #[arg(long, env = "WAKEBUS_MAX_DEPTH", default_value_t = wakebus::protocol::DEFAULT_MAX_DEPTH)]
+    #[arg(long, env = "WAKEBUS_MAX_DEPTH", value_parser = at_least_one::<u32>, default_value_t = wakebus::protocol::DEFAULT_MAX_DEPTH)]
     pub(crate) max_depth: u32,
     /// The pool to run on.
     #[arg(long, default_value = "default")]
@@ -296,7 +296,7 @@ pub(crate) struct WorkerArgs {
     #[arg(long, value_parser = positive_duration)]
     pub(crate) task_timeout: Option<Duration>,
     /// Deepest subagent nesting this worker runs; deeper requests end in `error`.
-    #[arg(long, env = "WAKEBUS_MAX_DEPTH", default_value_t = wakebus::protocol::DEFAULT_MAX_DEPTH)]
+    #[arg(long, env = "WAKEBUS_MAX_DEPTH", value_parser = at_least_one::<u32>, default_value_t = wakebus::protocol::DEFAULT_MAX_DEPTH)]
     pub(crate) max_depth: u32,
     /// How long running tasks may finish after SIGTERM.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]

@@ -180,11 +180,11 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
             } else {
                 describe(item)
             };
-            if bar.is_hidden() {
+            // On stdout whatever the bar does (it draws on stderr):
+            // `| jq` and `> file` get every item.
+            bar.suspend(|| {
                 let _ = writeln!(std::io::stdout().lock(), "{line}");
-            } else {
-                bar.println(line);
-            }
+            });
         }
     })
     .await;
