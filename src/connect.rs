@@ -568,7 +568,10 @@ mod tests {
                 tls_key: key.map(PathBuf::from),
                 ..NatsConfig::new("nats://127.0.0.1:1")
             };
-            let error = config.options(false).await.expect_err("refused");
+            let error = config
+                .options(false, SERVER_TIMEOUT)
+                .await
+                .expect_err("refused");
             assert!(
                 matches!(error, ConnectError::IncompleteClientCertificate),
                 "{error}"
