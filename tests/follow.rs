@@ -305,3 +305,46 @@ async fn events_follow_rides_out_a_frozen_server_whose_stream_lookups_fail() {
     );
     stop_with_ctrl_c(&mut child).await;
 }
+
+/// A bounded read (`events`, `replay`) whose last pending messages are
+/// deleted before they reach it (a purge of handled dead letters, a sweep)
+/// ends with what there is, instead of failing as stalled: a forced replay
+/// reported as failed invites the re-run that wakes every session again.
+#[tokio::test]
+async fn a_bounded_read_whose_last_pending_messages_are_deleted_ends_instead_of_stalling() {
+    use wakebus::history::{HistoryReader, Selection, Source};
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let subject = format!("{}.evt.tok.d1.0.progress", bus.subjects.prefix());
+    let total = 3_000_u64;
+    for _ in 0..total {
+        // Acks awaited below, all at once.
+        drop(bus.js.publish(subject.clone(), "{}".into()).await.unwrap());
+    }
+    let events = bus.subjects.events_stream();
+    wait_until(WAIT, "every event stored", || async {
+        stored_messages(&bus, &events).await == total
+    })
+    .await;
+    let mut reader = HistoryReader::open(&bus, Source::Events, Selection::default(), false)
+        .await
+        .unwrap();
+    let first = reader.next().await.unwrap().unwrap();
+    // Everything after what the reader has taken in so far (its first
+    // pull, some hundreds) goes away.
+    let stream = bus.js.get_stream(&events).await.unwrap();
+    for sequence in 3..=total {
+        let _ = stream.delete_message(sequence).await;
+    }
+    let mut read = 1;
+    while let Some(record) = tokio::time::timeout(WAIT, reader.next())
+        .await
+        .expect("the read to end")
+    {
+        let record = record.expect("the read ends without an error");
+        assert!(record.sequence > first.sequence);
+        read += 1;
+    }
+    assert!(read < total, "read {read}");
+}

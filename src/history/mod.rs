@@ -414,6 +414,13 @@ impl HistoryReader {
             } else {
                 match tokio::time::timeout(STALL_TIMEOUT, self.messages.next()).await {
                     Ok(next) => next,
+                    // What was pending went away before it was delivered
+                    // (purged, deleted, removed by a sweep): the read has
+                    // reached the end of what there is.
+                    Err(_) if self.nothing_left().await => {
+                        self.finished = true;
+                        continue;
+                    }
                     Err(_) => {
                         self.finished = true;
                         return Some(Err(HistoryError::Stalled {
@@ -468,6 +475,36 @@ impl HistoryReader {
             }
             if self.selection.matches(&record) {
                 return Some(Ok(record));
+            }
+        }
+    }
+
+    /// Whether the stream holds no message this bounded read has still to
+    /// deliver: none matching after the last one delivered, or the next
+    /// one past the read's end. A read that has delivered nothing yet
+    /// cannot tell where it started, so it says no.
+    async fn nothing_left(&self) -> bool {
+        let Some(last) = self.last_sequence else {
+            return false;
+        };
+        let next = self
+            .handle
+            .raw_message_builder()
+            .sequence(last + 1)
+            .next_by_subject(&self.filter_subject)
+            .send()
+            .await;
+        match next {
+            Ok(message) => {
+                self.end.is_some_and(|end| message.sequence > end)
+                    || self
+                        .selection
+                        .until
+                        .is_some_and(|until| message.time > until)
+            }
+            Err(error) => {
+                error.kind()
+                    == async_nats::jetstream::stream::LastRawMessageErrorKind::NoMessageFound
             }
         }
     }
