@@ -769,10 +769,17 @@ async fn dead_letter_a_task(
     )
     .await;
     wait_until(WAIT, "the failure wake", || async {
-        api.accepted().len() == 1
+        api.accepted()
+            .iter()
+            .any(|post| post.delegation_ids().contains(&id))
     })
     .await;
-    assert!(api.accepted()[0].text().contains("Status: failed"));
+    let post = api
+        .accepted()
+        .into_iter()
+        .find(|post| post.delegation_ids().contains(&id))
+        .unwrap();
+    assert!(post.text().contains("Status: failed"));
     broken.stop().await;
     id
 }
@@ -875,6 +882,83 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
     );
     assert_eq!(api.accepted().len(), 2, "the re-queued task ran once");
     assert_eq!(api.all_posts().len(), 2);
+}
+
+/// A task whose delegation, or whose session, was cancelled after it was
+/// given up is not run again by a replay: the re-queued copy, a new
+/// delegation stored after the cancel, would escape both records.
+#[tokio::test]
+async fn replay_does_not_requeue_a_task_whose_delegation_or_session_was_cancelled() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    let stopped = dead_letter_a_task(&bus, &api, "s.stopped").await;
+    let (session, other) = ("s.session", "s.other");
+    let in_session = dead_letter_a_task(&bus, &api, session).await;
+    let kept = dead_letter_a_task(&bus, &api, other).await;
+    // The delegation was cancelled while it still ran (a batch whose other
+    // tasks had not ended): its record is there. (A cancel of a finished
+    // delegation records nothing.)
+    let cancels = bus
+        .js
+        .get_key_value(bus.subjects.cancel_bucket())
+        .await
+        .unwrap();
+    let record = wakebus::cancel::CancelRecord {
+        at: time::OffsetDateTime::now_utc(),
+        silent: true,
+    };
+    let key = wakebus::cancel::CancelTarget::Delegation(stopped.clone()).key();
+    cancels
+        .put(key, serde_json::to_vec(&record).unwrap().into())
+        .await
+        .unwrap();
+    wakebus::cancel::Canceller::new(bus.clone())
+        .cancel_session(session, true)
+        .await
+        .unwrap();
+
+    let lines = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
+        .await
+        .ok_json();
+    services.stop().await;
+    let action_of = |id: &str| {
+        lines
+            .iter()
+            .find(|line| line["delegation_id"] == id)
+            .unwrap_or_else(|| panic!("no line for {id}: {lines:#?}"))
+            .clone()
+    };
+    let by_delegation = action_of(&stopped);
+    assert_eq!(by_delegation["action"], "skipped", "{lines:#?}");
+    assert!(
+        by_delegation["reason"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("delegation {stopped} was cancelled")),
+        "{by_delegation}"
+    );
+    let by_session = action_of(&in_session);
+    assert_eq!(by_session["action"], "skipped", "{lines:#?}");
+    assert!(
+        by_session["reason"]
+            .as_str()
+            .unwrap()
+            .contains("its session was cancelled"),
+        "{by_session}"
+    );
+    let untouched = action_of(&kept);
+    assert_eq!(untouched["action"], "would_replay", "{lines:#?}");
+    assert!(
+        untouched["new_delegation_id"]
+            .as_str()
+            .unwrap()
+            .starts_with(&kept)
+    );
 }
 
 #[tokio::test]

@@ -287,6 +287,9 @@ pub struct Replayer {
     ledger: Option<WakeLedger>,
     /// The events stream, to find earlier re-queues (tasks only).
     events: Option<async_nats::jetstream::stream::Stream>,
+    /// The cancel records, so that a cancelled task is not run again
+    /// (tasks only; `None` if they cannot be read, which was warned of).
+    cancels: Option<async_nats::jetstream::kv::Store>,
     /// How long what an earlier run of this replay wrote is kept (the
     /// ledger's entries for wakes, the events of a re-queue for tasks):
     /// of a record older than that, no trace of an earlier run proves
@@ -304,6 +307,7 @@ impl Replayer {
         let mut ledger = None;
         let mut events = None;
         let mut kept = std::time::Duration::ZERO;
+        let mut cancels = None;
         match &plan.kind {
             ReplayKind::Wakes | ReplayKind::WakeDeadLetters => {
                 let bucket = bus.subjects.wake_ledger_bucket();
@@ -327,6 +331,13 @@ impl Replayer {
                         })?;
                 kept = stream.cached_info().config.max_age;
                 events = Some(stream);
+                let bucket = bus.subjects.cancel_bucket();
+                match bus.js.get_key_value(&bucket).await {
+                    Ok(store) => cancels = Some(store),
+                    Err(error) => {
+                        tracing::warn!(%bucket, %error, "Cannot read the cancel records: tasks of cancelled delegations or sessions are not told apart, and may run again.");
+                    }
+                }
             }
             ReplayKind::Copy {
                 target: CopyTarget::Prefix(target),
@@ -342,6 +353,7 @@ impl Replayer {
             ledger,
             events,
             kept,
+            cancels,
             seen: HashSet::new(),
         })
     }

@@ -6,6 +6,7 @@ use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use sha2::{Digest, Sha256};
 
 use super::{Action, ReplayError, ReplayItem, Replayer, encode, replay_headers, set_ids};
+use crate::cancel::{CancelRecord, CancelTarget};
 use crate::history::Record;
 use crate::protocol::{EventKind, HEADER_DELEGATION_ID, TaskRequest, new_delegation_id};
 
@@ -29,6 +30,17 @@ impl Replayer {
                 return Ok(item.skipped(format!("the request cannot run again: {error}")));
             }
         };
+        if !self.plan.force {
+            match self.cancelled(&request, record).await {
+                Ok(None) => {}
+                Ok(Some(reason)) => return Ok(item.skipped(reason)),
+                Err(error) => {
+                    return Ok(
+                        item.unchecked(format!("cannot tell whether it was cancelled: {error}"))
+                    );
+                }
+            }
+        }
         let new_id = if self.plan.force {
             new_delegation_id()
         } else {
@@ -88,6 +100,46 @@ impl Replayer {
         self.publish(subject, headers, payload).await?;
         item.action = Action::Replayed;
         Ok(item)
+    }
+
+    /// Why the task must not run again, if it must not: its delegation was
+    /// cancelled, or its session since before the request was made (as a
+    /// worker would have judged the original; the re-queued copy, a new
+    /// delegation stored now, would escape both). A failed read is no
+    /// answer.
+    async fn cancelled(
+        &self,
+        request: &TaskRequest,
+        record: &Record,
+    ) -> Result<Option<String>, String> {
+        let Some(cancels) = &self.cancels else {
+            return Ok(None);
+        };
+        let read = |target: CancelTarget| async move {
+            match cancels.get(target.key()).await {
+                Ok(Some(value)) => Ok(serde_json::from_slice::<CancelRecord>(&value).ok()),
+                Ok(None) => Ok(None),
+                Err(error) => Err(error.to_string()),
+            }
+        };
+        if read(CancelTarget::Delegation(request.delegation_id.clone()))
+            .await?
+            .is_some()
+        {
+            return Ok(Some(format!(
+                "delegation {} was cancelled (use --force to run it anyway)",
+                request.delegation_id
+            )));
+        }
+        let token = crate::worker::token_for(request.origin_session_id.as_deref());
+        let made = request.created_at.unwrap_or(record.published);
+        match read(CancelTarget::Session(token)).await? {
+            Some(cancel) if cancel.at >= made => Ok(Some(format!(
+                "its session was cancelled at {}, after the request was made (use --force to run it anyway)",
+                crate::history::rfc3339(cancel.at)
+            ))),
+            _ => Ok(None),
+        }
     }
 
     /// How far an earlier re-queue of the derived delegation got. Its
