@@ -237,7 +237,7 @@ impl Selection {
         }
         // The token is a hash: the header holds the raw id to compare.
         if let Some(session) = &self.session
-            && record.origin_session() != Some(session.as_str())
+            && !record.is_of_session(session)
         {
             return false;
         }
@@ -593,6 +593,51 @@ mod tests {
 
     fn subjects() -> Subjects {
         Subjects::new("acme.prod").unwrap()
+    }
+
+    fn record(local_subject: &str, origin: Option<&str>, body: &str) -> Record {
+        let mut headers = async_nats::HeaderMap::new();
+        if let Some(origin) = origin {
+            headers.insert(crate::protocol::HEADER_ORIGIN_SESSION, origin);
+        }
+        Record {
+            stream: "ACME_PROD_DLQ".into(),
+            sequence: 7,
+            published: OffsetDateTime::now_utc(),
+            subject: format!("acme.prod.{local_subject}"),
+            local_subject: local_subject.into(),
+            headers,
+            payload: body.to_owned().into(),
+        }
+    }
+
+    #[test]
+    fn a_record_without_the_origin_header_is_still_found_by_its_session() {
+        let of_s1 = Selection {
+            session: Some("s1".into()),
+            ..Default::default()
+        };
+        // A task dead letter of a request published without the header.
+        let bare = record(
+            "dlq.task.default",
+            None,
+            r#"{"delegation_id":"d1","origin_session_id":"s1","goal":"g"}"#,
+        );
+        assert!(of_s1.matches(&bare));
+        // An event without the header: its subject's token says.
+        let event = record(
+            &format!("evt.{}.d1.0.submitted", session_token("s1")),
+            None,
+            "{}",
+        );
+        assert!(of_s1.matches(&event));
+        // The header, when there is one, decides.
+        let other = record(
+            "dlq.task.default",
+            Some("s2"),
+            r#"{"delegation_id":"d1","origin_session_id":"s1","goal":"g"}"#,
+        );
+        assert!(!of_s1.matches(&other));
     }
 
     #[test]

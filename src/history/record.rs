@@ -88,6 +88,9 @@ struct BodyPeek {
     /// The task index in the body.
     #[serde(default)]
     task_index: Option<u32>,
+    /// The origin session in the body.
+    #[serde(default)]
+    origin_session_id: Option<String>,
 }
 
 impl Record {
@@ -159,6 +162,18 @@ impl Record {
     /// The raw origin session id, from the header.
     pub fn origin_session(&self) -> Option<&str> {
         self.header(HEADER_ORIGIN_SESSION)
+    }
+
+    /// Whether this record is of `session`: by its origin header; when it
+    /// has none (the header is optional for publishers, and a dead letter
+    /// keeps the headers its original had), by the session token in its
+    /// subject, or by its body.
+    pub fn is_of_session(&self, session: &str) -> bool {
+        match (self.origin_session(), self.session_token()) {
+            (Some(origin), _) => origin == session,
+            (None, Some(token)) => token == crate::protocol::session_token(session),
+            (None, None) => self.peek().origin_session_id.as_deref() == Some(session),
+        }
     }
 
     /// The delegation id: from the event subject, the header, or the body.
