@@ -291,9 +291,13 @@ impl NatsConfig {
                 });
             match attempt {
                 Err(ConnectError::Connect { source, .. })
+                    // A name that does not resolve is a server restarting
+                    // too (a container whose DNS record goes with it).
                     if matches!(
                         source.kind(),
-                        async_nats::ConnectErrorKind::Io | async_nats::ConnectErrorKind::TimedOut
+                        async_nats::ConnectErrorKind::Io
+                            | async_nats::ConnectErrorKind::TimedOut
+                            | async_nats::ConnectErrorKind::Dns
                     ) && tokio::time::Instant::now() + delay < deadline =>
                 {
                     info!(url = %self.url, error = %source, retry_in = ?delay, "NATS did not answer; trying again.");

@@ -1090,34 +1090,38 @@ async fn a_gateway_sets_how_long_delegate_and_cancel_keep_trying_to_reach_nats()
         (Some("1s"), None, true),
         (None, Some("0s"), false),
     ];
-    for args in commands {
-        for (flag, env, retries) in patiences {
-            let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"));
-            let mut args = args.to_vec();
-            if let Some(flag) = flag {
-                args.extend(["--connect-timeout", flag]);
+    // A name that does not resolve (yet: a container restarting) too.
+    let unresolved = "nats://wakebus-restarting.invalid:4222";
+    for url in [url.as_str(), unresolved] {
+        for args in commands {
+            for (flag, env, retries) in patiences {
+                let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"));
+                let mut args = args.to_vec();
+                if let Some(flag) = flag {
+                    args.extend(["--connect-timeout", flag]);
+                }
+                command
+                    .args(common::cli::tool_args(&url, &unique_prefix(), &args))
+                    .env("RUST_LOG", "wakebus=info")
+                    .env_remove("WAKEBUS_CONNECT_TIMEOUT")
+                    .stdin(std::process::Stdio::null());
+                if let Some(env) = env {
+                    command.env("WAKEBUS_CONNECT_TIMEOUT", env);
+                }
+                let output = tokio::time::timeout(WAIT, command.output())
+                    .await
+                    .expect("gives up within the timeout")
+                    .unwrap();
+                let stderr = String::from_utf8_lossy(&output.stderr);
+                assert!(!output.status.success(), "{args:?}: {stderr}");
+                let said = format!("cannot connect to NATS at {url}");
+                assert_eq!(stderr.matches(&said).count(), 1, "{args:?}: {stderr}");
+                assert_eq!(
+                    stderr.contains("NATS did not answer; trying again."),
+                    retries,
+                    "{args:?} {flag:?} {env:?}: {stderr}"
+                );
             }
-            command
-                .args(common::cli::tool_args(&url, &unique_prefix(), &args))
-                .env("RUST_LOG", "wakebus=info")
-                .env_remove("WAKEBUS_CONNECT_TIMEOUT")
-                .stdin(std::process::Stdio::null());
-            if let Some(env) = env {
-                command.env("WAKEBUS_CONNECT_TIMEOUT", env);
-            }
-            let output = tokio::time::timeout(WAIT, command.output())
-                .await
-                .expect("gives up within the timeout")
-                .unwrap();
-            let stderr = String::from_utf8_lossy(&output.stderr);
-            assert!(!output.status.success(), "{args:?}: {stderr}");
-            let said = format!("cannot connect to NATS at {url}");
-            assert_eq!(stderr.matches(&said).count(), 1, "{args:?}: {stderr}");
-            assert_eq!(
-                stderr.contains("NATS did not answer; trying again."),
-                retries,
-                "{args:?} {flag:?} {env:?}: {stderr}"
-            );
         }
     }
 }
@@ -1284,6 +1288,31 @@ async fn init_run_again_keeps_the_settings_the_services_gave_their_consumers() {
         gpu.info().await.unwrap().config.ack_wait,
         Duration::from_secs(30)
     );
+}
+
+/// A service started with a `--history` shorter than the duplicate window
+/// keeps the deployment's age, and must keep its window too: a window cut
+/// to the shorter age would halve the dedupe of re-sent requests and
+/// completions, and flip back with the next service started without it.
+#[tokio::test]
+async fn a_service_with_a_short_history_keeps_the_streams_duplicate_window() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let short = wakebus::bus::BusSettings {
+        history_max_age: Duration::from_secs(60),
+        ..Default::default()
+    };
+    bus.provision(&short).await.unwrap();
+    let mut events = bus
+        .js
+        .get_stream(bus.subjects.events_stream())
+        .await
+        .unwrap();
+    let config = events.info().await.unwrap().config.clone();
+    let defaults = wakebus::bus::BusSettings::default();
+    assert_eq!(config.max_age, defaults.history_max_age);
+    assert_eq!(config.duplicate_window, defaults.duplicate_window);
 }
 
 /// Shortening a stream's max age deletes at once what is older: a service

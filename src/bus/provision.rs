@@ -145,7 +145,8 @@ impl Bus {
                     retention: stream::RetentionPolicy::Limits,
                     storage: stream::StorageType::File,
                     max_age: settings.history_max_age,
-                    duplicate_window: settings.duplicate_window.min(settings.history_max_age),
+                    // At most the max age: `ensure_stream` sees to it.
+                    duplicate_window: settings.duplicate_window,
                     discard: REFUSE_AT_LIMITS,
                     ..Default::default()
                 },
@@ -308,6 +309,12 @@ impl Bus {
         require_update: bool,
     ) -> Result<stream::Stream, ProvisionError> {
         let name = config.name.clone();
+        // The server refuses a window longer than the max age; the window
+        // asked for is kept to clamp it again to the age the stream keeps.
+        let window = config.duplicate_window;
+        if !config.max_age.is_zero() {
+            config.duplicate_window = window.min(config.max_age);
+        }
         match self.js.get_stream(&name).await {
             Ok(existing) if stream_matches(&existing.cached_info().config, &config) => {
                 return Ok(existing);
@@ -333,10 +340,13 @@ impl Bus {
                         info!(stream = %name, kept = ?kept, default = ?config.max_age, "The stream keeps the deployment's max age; this service was given none.");
                     }
                     config.max_age = kept;
-                    // The server refuses a window longer than the max age.
-                    if !kept.is_zero() {
-                        config.duplicate_window = config.duplicate_window.min(kept);
-                    }
+                    // The window asked for, within the age kept (not
+                    // within the shorter age this service asked for).
+                    config.duplicate_window = if kept.is_zero() {
+                        window
+                    } else {
+                        window.min(kept)
+                    };
                     if stream_matches(&existing.cached_info().config, &config) {
                         return Ok(existing);
                     }

@@ -62,17 +62,15 @@ pub fn decode_request(
             (None, None) => Some(0),
         };
         // With a forged or mismatched origin, wake nobody: the body's claim
-        // is exactly what cannot be trusted. Judged on the body as far as
-        // it parses, whatever else is wrong with it: a copy with a blank
-        // goal is no more trustworthy. (A body that does not parse at all
-        // has no claim to compare; its headers are all there is.)
+        // is exactly what cannot be trusted. A body that names another
+        // session than the header is judged so whatever else is wrong with
+        // it: a copy with a blank goal is no more trustworthy. (One that
+        // names none, or does not parse, has no claim to compare: an
+        // unusable request's headers may be all there is of it.)
         let forged = matches!(err, crate::protocol::DecodeError::OriginMismatch)
-            || match (origin_header, &loose) {
-                (Some(header), serde_json::Value::Object(body)) => {
-                    body.get("origin_session_id")
-                        .and_then(serde_json::Value::as_str)
-                        != Some(header)
-                }
+            || match (origin_header, loose.get("origin_session_id")) {
+                (Some(header), Some(serde_json::Value::String(body))) => body != header,
+                (Some(_), Some(other)) => !other.is_null(),
                 _ => false,
             };
         let origin_session = match forged {
@@ -138,11 +136,11 @@ mod tests {
         let forged = rejected(&blank_goal, &[(HEADER_ORIGIN_SESSION, "s.other")]);
         assert!(forged.forged);
         assert_eq!(forged.origin_session, None);
-        // A header where the body names no session is no better.
+        // A body that names no session has no claim against the header's.
         let no_session = format!(r#"{{"version":1,"delegation_id":"{ID}"}}"#);
-        let forged = rejected(&no_session, &[(HEADER_ORIGIN_SESSION, "s.victim")]);
-        assert!(forged.forged);
-        assert_eq!(forged.origin_session, None);
+        let unclaimed = rejected(&no_session, &[(HEADER_ORIGIN_SESSION, "s.one")]);
+        assert!(!unclaimed.forged);
+        assert_eq!(unclaimed.origin_session.as_deref(), Some("s.one"));
         // The same header, agreeing with the body: the session is woken.
         let agreeing = rejected(&blank_goal, &[(HEADER_ORIGIN_SESSION, "s.real")]);
         assert!(!agreeing.forged);
