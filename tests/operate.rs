@@ -1101,7 +1101,7 @@ async fn a_gateway_sets_how_long_delegate_and_cancel_keep_trying_to_reach_nats()
                     args.extend(["--connect-timeout", flag]);
                 }
                 command
-                    .args(common::cli::tool_args(&url, &unique_prefix(), &args))
+                    .args(common::cli::tool_args(url, &unique_prefix(), &args))
                     .env("RUST_LOG", "wakebus=info")
                     .env_remove("WAKEBUS_CONNECT_TIMEOUT")
                     .stdin(std::process::Stdio::null());
