@@ -674,6 +674,52 @@ async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
     );
 }
 
+/// `/readyz` says not ready when what the service works with is gone: a
+/// worker's events stream (its completions could not be stored), a wake's
+/// ledger bucket (no turn could be planned).
+#[tokio::test]
+async fn readiness_fails_when_the_events_stream_or_the_wake_ledger_is_gone() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let logs = tempfile::tempdir().unwrap();
+    let mut args = common::process::base_args(&nats.url(), &prefix);
+    args.extend(["worker", "--executor", "echo"].map(String::from));
+    let (_worker, worker) = spawn_with_metrics(args, logs.path().join("worker.log"));
+    let (_wake, wake) = spawn_with_metrics(
+        common::process::wake_args(&nats.url(), &prefix, &api.url()),
+        logs.path().join("wake.log"),
+    );
+    let ready = |base: String| async move { http_get(&format!("{base}/readyz")).await };
+    for base in [&worker, &wake] {
+        wait_until(WAIT, "the service to be ready", || async {
+            ready(base.clone()).await.is_some_and(|(s, _)| s == 200)
+        })
+        .await;
+    }
+
+    let ledger = wakebus::protocol::Subjects::bucket_stream(&bus.subjects.wake_ledger_bucket());
+    bus.js.delete_stream(&ledger).await.unwrap();
+    wait_until(WAIT, "the wake to be not ready", || async {
+        ready(wake.clone())
+            .await
+            .is_some_and(|(s, body)| s == 503 && body.contains(&ledger))
+    })
+    .await;
+    bus.js
+        .delete_stream(bus.subjects.events_stream())
+        .await
+        .unwrap();
+    wait_until(WAIT, "the worker to be not ready", || async {
+        ready(worker.clone())
+            .await
+            .is_some_and(|(s, body)| s == 503 && body.contains("no stream takes completions"))
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn the_wake_keeps_nothing_per_session_once_its_wakes_are_delivered() {
     init_logs();

@@ -1,6 +1,6 @@
 //! The operations HTTP server: `/metrics` (Prometheus text format),
 //! `/healthz` (the process is alive) and `/readyz` (connected to NATS, and
-//! the deployment's streams and the service's consumer exist).
+//! the streams and buckets the service works with and its consumer exist).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -30,6 +30,9 @@ pub struct Probe {
     pub streams: Vec<String>,
     /// Consumers whose lag `/metrics` reports: `(stream, consumer)`.
     pub consumers: Vec<(String, String)>,
+    /// A `done` subject to probe (a worker's check that the events stream
+    /// takes its completions, which it may not read the info of).
+    pub completions_probe: Option<String>,
 }
 
 impl Probe {
@@ -39,9 +42,11 @@ impl Probe {
         Self {
             bus: bus.clone(),
             // Not the events stream: a worker may not read its info (with a
-            // subject filter it would list every delegation id).
+            // subject filter it would list every delegation id). It is
+            // probed instead, as at start.
             streams: vec![s.tasks_stream(), s.dead_letter_stream()],
             consumers: vec![(s.tasks_stream(), s.worker_consumer(pool))],
+            completions_probe: Some(s.event("probe", "probe", 0, crate::protocol::EventKind::Done)),
         }
     }
 
@@ -50,8 +55,15 @@ impl Probe {
         let s = &bus.subjects;
         Self {
             bus: bus.clone(),
-            streams: vec![s.events_stream(), s.dead_letter_stream()],
+            // The ledger and the locks too: no turn is planned without them.
+            streams: vec![
+                s.events_stream(),
+                s.dead_letter_stream(),
+                crate::protocol::Subjects::bucket_stream(&s.wake_ledger_bucket()),
+                crate::protocol::Subjects::bucket_stream(&s.session_lock_bucket()),
+            ],
             consumers: vec![(s.events_stream(), s.wake_consumer().to_owned())],
+            completions_probe: None,
         }
     }
 
@@ -72,6 +84,21 @@ impl Probe {
                     return Err(format!(
                         "stream {stream}: no answer within {CHECK_TIMEOUT:?}"
                     ));
+                }
+            }
+        }
+        if let Some(subject) = &self.completions_probe {
+            let probe = crate::worker::probe::last_sequence_on(&self.bus, subject);
+            match tokio::time::timeout(CHECK_TIMEOUT, probe).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(crate::worker::probe::ProbeError::NoStream)) => {
+                    return Err(
+                        "no stream takes completions (the events stream is gone)".to_owned()
+                    );
+                }
+                Ok(Err(error)) => return Err(format!("completions: {error}")),
+                Err(_) => {
+                    return Err(format!("completions: no answer within {CHECK_TIMEOUT:?}"));
                 }
             }
         }
