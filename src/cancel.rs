@@ -128,6 +128,12 @@ pub struct Canceller {
     bus: Bus,
 }
 
+/// How often a cancel record is read back for its stored time.
+const READ_BACK_TRIES: u32 = 5;
+
+/// The pause between two read-backs.
+const READ_BACK_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
 impl Canceller {
     /// A canceller on `bus` (streams and the cancel bucket must exist).
     pub fn new(bus: Bus) -> Self {
@@ -235,15 +241,27 @@ impl Canceller {
             .js
             .get_key_value(self.bus.subjects.cancel_bucket())
             .await?;
-        bucket.put(target.key(), body.into()).await?;
+        let revision = bucket.put(target.key(), body.into()).await?;
         // Workers compare `at` with the server's stored time of each request,
-        // so broadcast the server's time of the record, not this machine's.
-        let record = match bucket.entry(target.key()).await {
-            Ok(Some(entry)) => CancelRecord {
-                at: entry.created,
-                ..record
-            },
-            _ => record,
+        // so broadcast the server's time of the record, not this machine's:
+        // read back from any replica, which may not have it yet (asked
+        // again a few times), and only this write's own revision.
+        let mut stored = None;
+        for _ in 0..READ_BACK_TRIES {
+            match bucket.entry(target.key()).await {
+                Ok(Some(entry)) if entry.revision == revision => {
+                    stored = Some(entry.created);
+                    break;
+                }
+                _ => tokio::time::sleep(READ_BACK_PAUSE).await,
+            }
+        }
+        let record = match stored {
+            Some(at) => CancelRecord { at, ..record },
+            None => {
+                tracing::warn!(key = %target.key(), "Could not read the cancel record back; broadcasting it with this machine's time (workers take the server's from the record itself).");
+                record
+            }
         };
         let body = serde_json::to_vec(&record).unwrap_or_default();
         self.bus

@@ -727,6 +727,9 @@ async fn undelivered(
         Err(error) => return Err(read_error("completions", error)),
     };
     let mut sessions: HashMap<String, UndeliveredSession> = HashMap::new();
+    // Each task once: the history can hold copies of its completion
+    // (replays, a re-send after the duplicate window).
+    let mut tasks: std::collections::HashSet<String> = std::collections::HashSet::new();
     let now = OffsetDateTime::now_utc();
     scan.complete = true;
     while let Some(record) = reader.next().await {
@@ -744,7 +747,7 @@ async fn undelivered(
         ) else {
             continue;
         };
-        if token == SYNC_SESSION_TOKEN {
+        if token == SYNC_SESSION_TOKEN || !tasks.insert(WakeLedger::key(&delegation, task)) {
             continue;
         }
         let event = CompletionEvent::decode(&record.payload).ok();

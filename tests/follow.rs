@@ -348,3 +348,32 @@ async fn a_bounded_read_whose_last_pending_messages_are_deleted_ends_instead_of_
     }
     assert!(read < total, "read {read}");
 }
+
+/// `events --follow --until T` ends once T has passed, even when nothing
+/// arrives after it to show that it has.
+#[tokio::test]
+async fn events_follow_until_a_time_ends_after_it_with_nothing_arriving() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    bus(&nats.url(), &prefix).await;
+    let until = time::OffsetDateTime::now_utc() + time::Duration::seconds(1);
+    let until = until
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .args(common::cli::tool_args(
+            &nats.url(),
+            &prefix,
+            &["events", "--follow", "--until", &until],
+        ))
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    let status = tokio::time::timeout(WAIT, child.wait())
+        .await
+        .expect("the follow to end after --until")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+}

@@ -467,6 +467,24 @@ async fn status_json_reports_streams_consumers_dead_letters_instances_and_waitin
     assert_eq!(report["undelivered_scan"]["complete"], true);
     assert_eq!(report["undelivered_scan"]["scanned"], 3);
 
+    // A copy of a completion (a replay, a re-send) is no second one.
+    republish_completion(&bus).await;
+    let again = eventually(WAIT, "status to read the copy", || async {
+        let run = wakebus(&nats.url(), &prefix, &args).await;
+        let again: Value = serde_json::from_str(&run.stdout()).unwrap_or_default();
+        (again["undelivered_scan"]["scanned"] == 4).then_some(again)
+    })
+    .await;
+    let counts = |report: &Value| -> Vec<(Value, Value)> {
+        report["oldest_undelivered"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| (s["session"].clone(), s["completions"].clone()))
+            .collect()
+    };
+    assert_eq!(counts(&again), counts(&report));
+
     api.recover();
     wait_until(WAIT, "the wakes once the API recovers", || async {
         api.accepted().len() == 2

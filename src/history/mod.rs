@@ -410,6 +410,12 @@ impl HistoryReader {
                         self.check_stream().await;
                         continue;
                     }
+                    // Nothing stored after `--until` can match: a follow
+                    // that waits for a later message might wait for ever.
+                    () = until_passed(self.selection.until) => {
+                        self.finished = true;
+                        continue;
+                    }
                 }
             } else {
                 match tokio::time::timeout(STALL_TIMEOUT, self.messages.next()).await {
@@ -519,6 +525,20 @@ impl HistoryReader {
             let _ = self.handle.delete_consumer(&name).await;
         }
     }
+}
+
+/// How long after `--until` (by this machine's clock) a follow ends, for
+/// the server's clock, which stamps the messages, running behind.
+const UNTIL_MARGIN: Duration = Duration::from_secs(5);
+
+/// Completes once `until` (plus [`UNTIL_MARGIN`]) has passed; never
+/// without one.
+async fn until_passed(until: Option<OffsetDateTime>) {
+    let Some(until) = until else {
+        return std::future::pending().await;
+    };
+    let left = until + UNTIL_MARGIN - OffsetDateTime::now_utc();
+    tokio::time::sleep(Duration::try_from(left).unwrap_or(Duration::ZERO)).await;
 }
 
 /// Opens an ordered read of `filter_subject` on `stream`: its messages, the
