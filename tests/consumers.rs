@@ -449,3 +449,56 @@ async fn a_wake_keeps_what_it_holds_alive_by_its_consumers_ack_wait_when_that_is
         "the held completion was delivered again"
     );
 }
+
+/// A worker starting with a shorter `--ack-wait` while another worker runs
+/// a task must not shorten the shared consumer's: the server would measure
+/// the running task, kept alive by the longer one, against it at once and
+/// hand it to another worker.
+#[tokio::test]
+async fn a_worker_starting_with_a_shorter_ack_wait_leaves_the_consumers_while_work_is_held() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let dir = tempfile::tempdir().unwrap();
+    let runs = dir.path().join("runs");
+    let script = format!("echo run >> '{}'; sleep 6; echo slow", runs.display());
+    let long = ["--ack-wait", "30s", "--consumer-check", "1s"];
+    let first = Service::spawn(
+        worker_args(&nats.url(), &prefix, &script, &long),
+        dir.path().join("first.log"),
+    );
+    eventually(WAIT, "the first worker's consumer", || {
+        worker_consumer_info(&bus)
+    })
+    .await;
+    delegate(&bus, Delegation::new("slow").session("s.slow")).await;
+    wait_until(WAIT, "the task to run", || async { runs.exists() }).await;
+
+    let short = ["--ack-wait", "2s", "--consumer-check", "1s"];
+    let second = Service::spawn(
+        worker_args(&nats.url(), &prefix, &script, &short),
+        dir.path().join("second.log"),
+    );
+    let _logs = LogsOnPanic(vec![first.log.clone(), second.log.clone()]);
+    wait_until(WAIT, "the second worker to keep the consumer's", || async {
+        std::fs::read_to_string(&second.log)
+            .unwrap_or_default()
+            .contains("keeping the consumer's")
+    })
+    .await;
+    let info = worker_consumer_info(&bus).await.unwrap();
+    assert_eq!(info.config.ack_wait, Duration::from_secs(30));
+    let done = eventually(WAIT, "the task acknowledged", || async {
+        worker_consumer_info(&bus)
+            .await
+            .filter(|info| info.ack_floor.stream_sequence >= 1 && info.num_ack_pending == 0)
+    })
+    .await;
+    assert_eq!(
+        done.delivered.consumer_sequence, 1,
+        "the running task was delivered again"
+    );
+    let ran = std::fs::read_to_string(&runs).unwrap();
+    assert_eq!(ran.lines().count(), 1, "the task ran twice");
+}

@@ -172,8 +172,15 @@ impl Bus {
                     return Ok(None);
                 }
                 Ok(current) => {
-                    if current.config.ack_wait != config.ack_wait {
-                        warn!(consumer = %name, stream, was = ?current.config.ack_wait, now = ?config.ack_wait, "The consumer's AckWait changes: every instance sharing it must run with the same --ack-wait, or work held longer than the shortest one's is redelivered.");
+                    let (theirs, ours) = (current.config.ack_wait, config.ack_wait);
+                    if ours < theirs && current.num_ack_pending > 0 {
+                        // The server would measure the work other instances
+                        // hold, kept alive by the longer AckWait, against
+                        // this one at once, and redeliver it while it runs.
+                        warn!(consumer = %name, stream, consumer_ack_wait = ?theirs, ack_wait = ?ours, held = current.num_ack_pending, "This service's --ack-wait is shorter than its consumer's, and other instances hold work now: keeping the consumer's (this service keeps its own work alive by the shorter one). Start it again once nothing is held to shorten it, or give every instance the same --ack-wait.");
+                        config.ack_wait = theirs;
+                    } else if ours != theirs {
+                        warn!(consumer = %name, stream, was = ?theirs, now = ?ours, "The consumer's AckWait changes: every instance sharing it should run with the same --ack-wait.");
                     }
                     config.deliver_policy = current.config.deliver_policy;
                 }
