@@ -431,7 +431,10 @@ impl ConnectionLoss {
 
 /// The shortest time [`NatsConfig::connect_within`] gives each server in
 /// one attempt, so that even no patience at all tries every server once.
-pub const MIN_ATTEMPT: Duration = Duration::from_secs(1);
+/// It also bounds each server's connect on every later reconnect of that
+/// client (async-nats keeps it), so it leaves room for a TLS handshake with
+/// a distant server.
+pub const MIN_ATTEMPT: Duration = Duration::from_secs(2);
 
 /// The longest the client waits for one server to answer a connect
 /// (TCP, TLS, the NATS handshake) before it tries the next.

@@ -708,7 +708,7 @@ async fn undelivered(
         .await
     {
         Ok(bucket) => Some(WakeLedger::new(bucket)),
-        Err(error) if bucket_missing(&error) => None,
+        Err(error) if crate::bus::is_bucket_missing(&error) => None,
         Err(error) => return Err(read_error("the wake ledger", error)),
     };
     let selection = Selection {
@@ -787,13 +787,6 @@ async fn undelivered(
     list.sort_by_key(|s| s.oldest);
     list.truncate(options.top_sessions);
     Ok((list, scan))
-}
-
-/// Whether opening a KV bucket failed because it does not exist.
-fn bucket_missing(error: &async_nats::jetstream::context::KeyValueError) -> bool {
-    std::error::Error::source(error)
-        .and_then(|source| source.downcast_ref::<async_nats::jetstream::context::GetStreamError>())
-        .is_some_and(is_stream_not_found)
 }
 
 #[cfg(test)]

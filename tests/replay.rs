@@ -1386,9 +1386,10 @@ async fn replay_sends_the_task_again_when_an_earlier_requeue_stored_only_its_rec
 async fn replay_skips_a_task_it_cannot_check_against_the_queue_and_can_send_it_later() {
     // A user who may not read the task stream's state: `replay tasks`
     // cannot tell whether an earlier re-queue's task waits.
-    replay_tasks_as_a_user_denied(|subjects| {
-        format!("$JS.API.STREAM.INFO.{}", subjects.tasks_stream())
-    })
+    replay_tasks_as_a_user_denied(
+        |subjects| format!("$JS.API.STREAM.INFO.{}", subjects.tasks_stream()),
+        |derived| format!("cannot tell whether delegation {derived} is queued"),
+    )
     .await;
 }
 
@@ -1396,9 +1397,26 @@ async fn replay_skips_a_task_it_cannot_check_against_the_queue_and_can_send_it_l
 async fn replay_skips_a_task_it_cannot_check_against_the_history_and_can_send_it_later() {
     // A user who may not read single events: `replay tasks` cannot tell
     // whether an earlier re-queue's task ran.
-    replay_tasks_as_a_user_denied(|subjects| {
-        format!("$JS.API.STREAM.MSG.GET.{}", subjects.events_stream())
-    })
+    replay_tasks_as_a_user_denied(
+        |subjects| format!("$JS.API.STREAM.MSG.GET.{}", subjects.events_stream()),
+        |derived| format!("cannot tell whether delegation {derived} is queued"),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn replay_skips_a_task_it_cannot_check_against_the_cancels_and_can_send_it_later() {
+    // A user who may not open the cancel bucket: `replay tasks` cannot tell
+    // whether the task's delegation or session was cancelled.
+    replay_tasks_as_a_user_denied(
+        |subjects| {
+            format!(
+                "$JS.API.STREAM.INFO.{}",
+                wakebus::protocol::Subjects::bucket_stream(&subjects.cancel_bucket())
+            )
+        },
+        |_| "cannot tell whether it was cancelled".to_owned(),
+    )
     .await;
 }
 
@@ -1406,7 +1424,10 @@ async fn replay_skips_a_task_it_cannot_check_against_the_history_and_can_send_it
 /// do everything except publish to the API subject `denied` returns; the
 /// task must be skipped, not sent on a guess, and sent by a later replay
 /// with a user who may.
-async fn replay_tasks_as_a_user_denied(denied: impl Fn(&wakebus::protocol::Subjects) -> String) {
+async fn replay_tasks_as_a_user_denied(
+    denied: impl Fn(&wakebus::protocol::Subjects) -> String,
+    said: impl Fn(&str) -> String,
+) {
     init_logs();
     let prefix = unique_prefix();
     let denied = denied(&wakebus::protocol::Subjects::new(&prefix).unwrap());
@@ -1427,12 +1448,7 @@ async fn replay_tasks_as_a_user_denied(denied: impl Fn(&wakebus::protocol::Subje
     assert_eq!(lines[0]["action"], "skipped", "{lines:#?}");
     assert_eq!(lines[0]["unchecked"], true, "{lines:#?}");
     let reason = lines[0]["reason"].as_str().unwrap();
-    assert!(
-        reason.contains(&format!(
-            "cannot tell whether delegation {derived} is queued"
-        )),
-        "{reason}"
-    );
+    assert!(reason.contains(&said(&derived)), "{reason}");
     let queued = bus
         .js
         .get_stream(bus.subjects.tasks_stream())

@@ -607,6 +607,13 @@ fn is_subject_overlap(error: &jetstream::context::CreateStreamError) -> bool {
     )
 }
 
+/// Whether opening a KV bucket failed because it does not exist.
+pub(crate) fn is_bucket_missing(error: &async_nats::jetstream::context::KeyValueError) -> bool {
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<async_nats::jetstream::context::GetStreamError>())
+        .is_some_and(is_stream_not_found)
+}
+
 /// Whether a stream lookup failed only because the stream does not exist yet.
 pub(crate) fn is_stream_not_found(error: &jetstream::context::GetStreamError) -> bool {
     match error.kind() {

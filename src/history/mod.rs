@@ -658,6 +658,14 @@ mod tests {
             r#"{"delegation_id":"d1","origin_session_id":"s1","goal":"g"}"#,
         );
         assert!(!of_s1.matches(&other));
+        // A field of another type leaves the others readable.
+        let odd = record(
+            "dlq.task.default",
+            None,
+            r#"{"delegation_id":"d1","task_index":"zero","origin_session_id":"s1"}"#,
+        );
+        assert!(of_s1.matches(&odd));
+        assert_eq!(odd.delegation_id().as_deref(), Some("d1"));
     }
 
     #[test]

@@ -76,21 +76,33 @@ pub struct Record {
     pub payload: Bytes,
 }
 
-/// The few body fields that selections and listings need.
+/// The few body fields that selections and listings need. Each is read on
+/// its own: one of an unexpected type (a hand-written body) leaves the
+/// others readable.
 #[derive(Debug, Default, Deserialize)]
 struct BodyPeek {
     /// The completion's status, if this is a completion.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lenient")]
     status: Option<Status>,
     /// The delegation id in the body.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lenient")]
     delegation_id: Option<String>,
     /// The task index in the body.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lenient")]
     task_index: Option<u32>,
     /// The origin session in the body.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lenient")]
     origin_session_id: Option<String>,
+}
+
+/// A field as `T`, or `None` if it is not one.
+fn lenient<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::de::DeserializeOwned,
+{
+    let value = serde_json::Value::deserialize(deserializer)?;
+    Ok(serde_json::from_value(value).ok())
 }
 
 impl Record {

@@ -207,7 +207,8 @@ mod tests {
             "00-00000000000000000000000000000000-b7ad6b7169203331-01",
             // Uppercase, a sign, a fifth field in version 00.
             "00-0AF7651916CD43DD8448EB211C80319C-B7AD6B7169203331-01",
-            "00-+af7651916cd43dd8448eb211c80319-b7ad6b7169203331-01",
+            "00-+af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-+1",
             "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra",
         ] {
             assert!(TraceParent::parse(bad).is_none(), "{bad:?} accepted");

@@ -288,8 +288,10 @@ pub struct Replayer {
     /// The events stream, to find earlier re-queues (tasks only).
     events: Option<async_nats::jetstream::stream::Stream>,
     /// The cancel records, so that a cancelled task is not run again
-    /// (tasks only; `None` if they cannot be read, which was warned of).
-    cancels: Option<async_nats::jetstream::kv::Store>,
+    /// (tasks only): `Ok(None)` when there is no cancel bucket (no worker
+    /// ever ran), `Err` with why it could not be opened (every task is
+    /// then left unchecked, not run on a guess).
+    cancels: Result<Option<async_nats::jetstream::kv::Store>, String>,
     /// How long what an earlier run of this replay wrote is kept (the
     /// ledger's entries for wakes, the events of a re-queue for tasks):
     /// of a record older than that, no trace of an earlier run proves
@@ -307,7 +309,7 @@ impl Replayer {
         let mut ledger = None;
         let mut events = None;
         let mut kept = std::time::Duration::ZERO;
-        let mut cancels = None;
+        let mut cancels = Ok(None);
         match &plan.kind {
             ReplayKind::Wakes | ReplayKind::WakeDeadLetters => {
                 let bucket = bus.subjects.wake_ledger_bucket();
@@ -331,13 +333,11 @@ impl Replayer {
                         })?;
                 kept = stream.cached_info().config.max_age;
                 events = Some(stream);
-                let bucket = bus.subjects.cancel_bucket();
-                match bus.js.get_key_value(&bucket).await {
-                    Ok(store) => cancels = Some(store),
-                    Err(error) => {
-                        tracing::warn!(%bucket, %error, "Cannot read the cancel records: tasks of cancelled delegations or sessions are not told apart, and may run again.");
-                    }
-                }
+                cancels = match bus.js.get_key_value(bus.subjects.cancel_bucket()).await {
+                    Ok(store) => Ok(Some(store)),
+                    Err(error) if crate::bus::is_bucket_missing(&error) => Ok(None),
+                    Err(error) => Err(format!("the cancel records cannot be read ({error})")),
+                };
             }
             ReplayKind::Copy {
                 target: CopyTarget::Prefix(target),

@@ -6,7 +6,7 @@ use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use sha2::{Digest, Sha256};
 
 use super::{Action, ReplayError, ReplayItem, Replayer, encode, replay_headers, set_ids};
-use crate::cancel::{CancelRecord, CancelTarget};
+use crate::cancel::CancelTarget;
 use crate::history::Record;
 use crate::protocol::{EventKind, HEADER_DELEGATION_ID, TaskRequest, new_delegation_id};
 
@@ -112,13 +112,18 @@ impl Replayer {
         request: &TaskRequest,
         record: &Record,
     ) -> Result<Option<String>, String> {
-        let Some(cancels) = &self.cancels else {
-            return Ok(None);
+        let cancels = match &self.cancels {
+            Ok(Some(cancels)) => cancels,
+            Ok(None) => return Ok(None),
+            Err(error) => return Err(error.clone()),
         };
+        // When the server stored the record, as workers take it.
         let read = |target: CancelTarget| async move {
-            match cancels.get(target.key()).await {
-                Ok(Some(value)) => Ok(serde_json::from_slice::<CancelRecord>(&value).ok()),
-                Ok(None) => Ok(None),
+            match cancels.entry(target.key()).await {
+                Ok(Some(entry)) if entry.operation == async_nats::jetstream::kv::Operation::Put => {
+                    Ok(Some(entry.created))
+                }
+                Ok(_) => Ok(None),
                 Err(error) => Err(error.to_string()),
             }
         };
@@ -132,11 +137,15 @@ impl Replayer {
             )));
         }
         let token = crate::worker::token_for(request.origin_session_id.as_deref());
-        let made = request.created_at.unwrap_or(record.published);
+        // Stored at the latest when it was dead-lettered (the server's
+        // clock), and about when it was made (the publisher's).
+        let made = request
+            .created_at
+            .map_or(record.published, |created| created.min(record.published));
         match read(CancelTarget::Session(token)).await? {
-            Some(cancel) if cancel.at >= made => Ok(Some(format!(
+            Some(at) if at >= made => Ok(Some(format!(
                 "its session was cancelled at {}, after the request was made (use --force to run it anyway)",
-                crate::history::rfc3339(cancel.at)
+                crate::history::rfc3339(at)
             ))),
             _ => Ok(None),
         }

@@ -56,8 +56,11 @@ pub fn decode_request(
             .or_else(|| header(headers, HEADER_DELEGATION_ID).filter(valid))
             .map(str::to_owned);
         let read = |value: Option<u64>| value.and_then(|v| u32::try_from(v).ok());
+        // The body's, if readable; else the header's, if readable.
         let task_index = match (loose.get("task_index"), header(headers, HEADER_TASK_INDEX)) {
-            (Some(body), _) => read(body.as_u64()),
+            (Some(body), header) => {
+                read(body.as_u64()).or_else(|| read(header.and_then(|h| h.parse().ok())))
+            }
             (None, Some(header)) => read(header.parse().ok()),
             (None, None) => Some(0),
         };
@@ -173,5 +176,11 @@ mod tests {
         let other = "01JV3S2D6F8H0K2M4P6R8T0W30";
         let rejected = self::rejected(&body, &[(HEADER_DELEGATION_ID, other)]);
         assert_eq!(rejected.delegation_id.as_deref(), Some(ID));
+        // So with the task index.
+        let body = format!(r#"{{"version":1,"delegation_id":"{ID}","task_index":"2"}}"#);
+        let rejected = self::rejected(&body, &[(HEADER_TASK_INDEX, "2")]);
+        assert_eq!(rejected.task_index, Some(2));
+        let rejected = self::rejected(&body, &[]);
+        assert_eq!(rejected.task_index, None, "unreadable is not task 0");
     }
 }

@@ -186,7 +186,7 @@ impl TaskHandler {
         // Kept from other workers while it asks, which may take a while.
         if late
             && self
-                .keeping_alive(message, self.already_done(&request))
+                .keeping_alive(message, self.already_done(&request, stop))
                 .await
         {
             info!(
@@ -276,7 +276,7 @@ impl TaskHandler {
             .execute(message, &request, &run_stop, &reason, trace, started)
             .await;
         let duration = begun.elapsed();
-        let result = stopped_if_asked(result, reason.get());
+        let result = stopped_if_asked(result, reason.get(), run_stop.is_cancelled());
         let mut suppress_wake = false;
         let output = match (result, reason.get()) {
             (Ok(output), _) => output,
@@ -641,21 +641,26 @@ fn stand_in(delegation_id: String, seq: u64, rejected: &Rejected) -> (TaskReques
     (stand_in, reason)
 }
 
-/// A run that failed while it was being stopped (a timeout, a cancel)
-/// ended because of the stop: a failure then, as the program or the model
-/// call is cut off, is no reason to retry, nor to give the task up on its
-/// last attempt (which would wake a session its silent cancel keeps quiet).
+/// A run that failed while it was being stopped (a timeout, a cancel, the
+/// worker's own shutdown: `stopped`) ended because of the stop: a failure
+/// then, as the program or the model call is cut off, is no reason to
+/// retry, nor to give the task up on its last attempt (which would wake a
+/// session its silent cancel keeps quiet, or one whose task a stopping
+/// worker should hand back).
 fn stopped_if_asked(
     result: Result<ExecOutput, ExecError>,
     reason: Option<&StopReason>,
+    stopped: bool,
 ) -> Result<ExecOutput, ExecError> {
     match (result, reason) {
-        (Err(ExecError::Transient(_)), Some(_)) => Err(ExecError::Stopped {
-            partial: None,
-            api_calls: 0,
-            tokens: None,
-            truncated: false,
-        }),
+        (Err(ExecError::Transient(_)), reason) if reason.is_some() || stopped => {
+            Err(ExecError::Stopped {
+                partial: None,
+                api_calls: 0,
+                tokens: None,
+                truncated: false,
+            })
+        }
         (result, _) => result,
     }
 }
@@ -720,16 +725,21 @@ mod tests {
         let failed = || Err(ExecError::Transient("connection reset".to_owned()));
         let cancelled = StopReason::Cancelled { silent: true };
         assert!(matches!(
-            stopped_if_asked(failed(), Some(&cancelled)),
+            stopped_if_asked(failed(), Some(&cancelled), true),
             Err(ExecError::Stopped { partial: None, .. })
         ));
         assert!(matches!(
-            stopped_if_asked(failed(), Some(&StopReason::Timeout)),
+            stopped_if_asked(failed(), Some(&StopReason::Timeout), true),
+            Err(ExecError::Stopped { .. })
+        ));
+        // The worker stopping: handed back, not retried or given up.
+        assert!(matches!(
+            stopped_if_asked(failed(), None, true),
             Err(ExecError::Stopped { .. })
         ));
         // Not asked to stop: a failure to retry.
         assert!(matches!(
-            stopped_if_asked(failed(), None),
+            stopped_if_asked(failed(), None, false),
             Err(ExecError::Transient(_))
         ));
     }

@@ -31,12 +31,17 @@ impl TaskHandler {
     /// cluster trouble, when the question is likeliest to fail too, and an
     /// answer that never comes means running a task whose result may be
     /// stored already, a second time. The caller keeps the request alive
-    /// meanwhile.
-    pub(super) async fn already_done(&self, request: &TaskRequest) -> bool {
+    /// meanwhile. A worker stopping (its grace over, `stop`) does not wait
+    /// for the answer: the caller hands the request back.
+    pub(super) async fn already_done(
+        &self,
+        request: &TaskRequest,
+        stop: &tokio_util::sync::CancellationToken,
+    ) -> bool {
         let subject = self.done_subject(request);
         // Asked by a probe publish: workers may not read the events stream.
         let ask = || crate::worker::probe::last_sequence_on(&self.bus, &subject);
-        let asked = ask
+        let asking = ask
             .retry(
                 backon::ExponentialBuilder::default()
                     .with_min_delay(Duration::from_millis(500))
@@ -47,8 +52,11 @@ impl TaskHandler {
             // leaders answers (nobody listens on its subjects meanwhile).
             .notify(|error, delay| {
                 debug!(%error, retry_in = ?delay, "Could not ask whether the completion is stored; asking again.");
-            })
-            .await;
+            });
+        let asked = tokio::select! {
+            asked = asking => asked,
+            () = stop.cancelled() => return false,
+        };
         match asked {
             Ok(last) => last > 0,
             // Still no stream takes completions (an election that lasts,
