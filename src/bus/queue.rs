@@ -18,17 +18,19 @@ struct DelegationIdOnly<'a> {
 }
 
 /// Whether a stored request is of `delegation_id`: by its
-/// `Wakebus-Delegation-Id` header, or by its body when it has none (the
-/// header is optional for publishers: PROTOCOL.md, 4.2).
+/// `Wakebus-Delegation-Id` header, or by its body, whose id is the one a
+/// worker runs it under (the header is optional for publishers, and a
+/// re-sent request may carry an old one: PROTOCOL.md, 4.2).
 fn request_of(
     message: &async_nats::jetstream::message::StreamMessage,
     delegation_id: &str,
 ) -> bool {
-    match message.headers.get(crate::protocol::HEADER_DELEGATION_ID) {
-        Some(id) => id.as_str() == delegation_id,
-        None => serde_json::from_slice::<DelegationIdOnly<'_>>(&message.payload)
-            .is_ok_and(|body| body.delegation_id.as_deref() == Some(delegation_id)),
-    }
+    message
+        .headers
+        .get(crate::protocol::HEADER_DELEGATION_ID)
+        .is_some_and(|id| id.as_str() == delegation_id)
+        || serde_json::from_slice::<DelegationIdOnly<'_>>(&message.payload)
+            .is_ok_and(|body| body.delegation_id.as_deref() == Some(delegation_id))
 }
 
 impl Bus {

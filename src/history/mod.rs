@@ -486,17 +486,18 @@ impl HistoryReader {
     }
 
     /// Whether the stream holds no message this bounded read has still to
-    /// deliver: none matching after the last one delivered, or the next
-    /// one past the read's end. A read that has delivered nothing yet
-    /// cannot tell where it started, so it says no.
+    /// deliver: none matching after the last one delivered (or from the
+    /// read's start, before the first), or the next one past the read's
+    /// end. (A read that starts at a time finds older ones first, and
+    /// says no.)
     async fn nothing_left(&self) -> bool {
-        let Some(last) = self.last_sequence else {
-            return false;
-        };
+        let from = self
+            .last_sequence
+            .map_or(self.selection.from_seq.unwrap_or(1), |last| last + 1);
         let next = self
             .handle
             .raw_message_builder()
-            .sequence(last + 1)
+            .sequence(from.max(1))
             .next_by_subject(&self.filter_subject)
             .send()
             .await;

@@ -363,9 +363,10 @@ impl Replayer {
     /// kept (less a margin for the clocks). `None` when the trace would
     /// still be there.
     fn outlived_its_traces(&self, record: &Record, traces: &str) -> Option<String> {
-        let margin = std::time::Duration::from_secs(300);
-        let age = time::OffsetDateTime::now_utc() - record.published;
         let kept = self.kept;
+        // 5 minutes, or a tenth of a shorter keep (a test deployment's).
+        let margin = std::time::Duration::from_secs(300).min(kept / 10);
+        let age = time::OffsetDateTime::now_utc() - record.published;
         (!kept.is_zero() && age >= kept.saturating_sub(margin)).then(|| {
             format!(
                 "stored {} ago, and {traces} are kept {}: whether an earlier replay handled it is not known (use --force to replay it anyway)",
