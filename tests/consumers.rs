@@ -359,6 +359,21 @@ async fn worker_consumer_info(bus: &wakebus::bus::Bus) -> Option<consumer::Info>
     consumer.info().await.ok().cloned()
 }
 
+/// Waits until the pool's one task is acknowledged, and checks that it
+/// was delivered once: never handed to another worker while it ran.
+async fn delivered_once(bus: &wakebus::bus::Bus) {
+    let done = eventually(WAIT, "the task acknowledged", || async {
+        worker_consumer_info(bus)
+            .await
+            .filter(|info| info.ack_floor.stream_sequence >= 1 && info.num_ack_pending == 0)
+    })
+    .await;
+    assert_eq!(
+        done.delivered.consumer_sequence, 1,
+        "the running task was delivered again"
+    );
+}
+
 /// Gives the consumer `info` describes a 2 s AckWait, as another instance
 /// or `init` could, and waits until the keeper of the service logging to
 /// `log` has seen it.
@@ -397,16 +412,7 @@ async fn a_worker_keeps_its_task_alive_by_its_consumers_ack_wait_when_that_is_sh
     shorten_ack_wait(&bus, info, &worker.log).await;
 
     delegate(&bus, Delegation::new("slow")).await;
-    let done = eventually(WAIT, "the task acknowledged", || async {
-        worker_consumer_info(&bus)
-            .await
-            .filter(|info| info.ack_floor.stream_sequence >= 1 && info.num_ack_pending == 0)
-    })
-    .await;
-    assert_eq!(
-        done.delivered.consumer_sequence, 1,
-        "the running task was delivered again"
-    );
+    delivered_once(&bus).await;
 }
 
 #[tokio::test]
@@ -489,16 +495,7 @@ async fn a_worker_starting_with_a_shorter_ack_wait_leaves_the_consumers_while_wo
     .await;
     let info = worker_consumer_info(&bus).await.unwrap();
     assert_eq!(info.config.ack_wait, Duration::from_secs(30));
-    let done = eventually(WAIT, "the task acknowledged", || async {
-        worker_consumer_info(&bus)
-            .await
-            .filter(|info| info.ack_floor.stream_sequence >= 1 && info.num_ack_pending == 0)
-    })
-    .await;
-    assert_eq!(
-        done.delivered.consumer_sequence, 1,
-        "the running task was delivered again"
-    );
+    delivered_once(&bus).await;
     let ran = std::fs::read_to_string(&runs).unwrap();
     assert_eq!(ran.lines().count(), 1, "the task ran twice");
 }

@@ -129,6 +129,24 @@ async fn a_queued_task_that_is_cancelled_never_runs_and_wakes_its_session_as_int
     assert!(api.accepted()[0].text().contains("Status: interrupted"));
 }
 
+/// Runs a worker on the one queued request of a cancelled delegation: it
+/// must end `interrupted` by the cancel without starting.
+async fn ends_interrupted_without_starting(bus: &wakebus::bus::Bus) {
+    let mut services = Services::new();
+    services.worker(bus, shell("echo ran"), test_worker_config("default"));
+    wait_until(WAIT, "the task's completion", || async {
+        !done_events(bus).await.is_empty()
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(started(bus).await, 0, "a cancelled task must not start");
+    let done = &done_events(bus).await[0];
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Interrupted, "cancelled")
+    );
+}
+
 /// A publisher in another language may leave out the optional
 /// `Wakebus-Delegation-Id` header: its queued request is still found by
 /// its body, so the cancel is recorded and the task never runs.
@@ -158,19 +176,7 @@ async fn a_queued_request_without_the_delegation_id_header_can_still_be_cancelle
         (report.status, report.state),
         ("cancelled", Some(DelegationState::Queued))
     );
-    let mut services = Services::new();
-    services.worker(&bus, shell("echo ran"), test_worker_config("default"));
-    wait_until(WAIT, "the task's completion", || async {
-        !done_events(&bus).await.is_empty()
-    })
-    .await;
-    services.stop().await;
-    assert_eq!(started(&bus).await, 0, "a cancelled task must not start");
-    let done = &done_events(&bus).await[0];
-    assert_eq!(
-        (done.status, done.exit_reason.as_str()),
-        (Status::Interrupted, "cancelled")
-    );
+    ends_interrupted_without_starting(&bus).await;
 }
 
 /// A delegation stored only in part (its records written, its request
@@ -204,15 +210,7 @@ async fn a_delegation_with_only_its_submitted_record_stored_can_be_cancelled() {
     );
     // The delegator sends the request again.
     publish_until_stored(&bus, &raw).await;
-    let mut services = Services::new();
-    services.worker(&bus, shell("echo ran"), test_worker_config("default"));
-    wait_until(WAIT, "the task's completion", || async {
-        !done_events(&bus).await.is_empty()
-    })
-    .await;
-    services.stop().await;
-    assert_eq!(started(&bus).await, 0, "a cancelled task must not start");
-    assert_eq!(done_events(&bus).await[0].status, Status::Interrupted);
+    ends_interrupted_without_starting(&bus).await;
 }
 
 #[tokio::test]

@@ -120,7 +120,7 @@ impl Router {
             // recorded in the history, and the batch's last task reports it.
             let asking: BTreeSet<String> = held
                 .iter()
-                .filter(|p| of_batch(p) && notify_early(p))
+                .filter(|p| of_batch(p) && notify_early(&p.event))
                 .map(early_key)
                 .collect();
             // Unreported early failures, with the revision read.
@@ -134,7 +134,7 @@ impl Router {
             for pending in take_where(held, of_batch) {
                 let early_key = early_key(&pending);
                 let revision = unreported.get(&early_key).copied();
-                if !notify_early(&pending) || revision.is_none() {
+                if !notify_early(&pending.event) || revision.is_none() {
                     Outcome::Ack.apply(&pending.message).await;
                 } else if let Some(turn) = turns.iter_mut().find(|t| t.key == early_key) {
                     // The same failure twice (a redelivery while held).
@@ -680,12 +680,7 @@ fn is_batch_member(pending: &Pending) -> bool {
 /// the batch asked, any status but `completed`, except a cancel (the
 /// canceller knows already). An `interrupted` that a subagent reported
 /// itself is no cancel.
-fn notify_early(pending: &Pending) -> bool {
-    ends_early(&pending.event)
-}
-
-/// [`notify_early`], by the completion.
-fn ends_early(event: &CompletionEvent) -> bool {
+fn notify_early(event: &CompletionEvent) -> bool {
     event.notify_early_failure
         && match event.status {
             Status::Completed => false,
@@ -719,7 +714,7 @@ mod tests {
         let early = |status, exit_reason: &str| {
             let mut event = CompletionEvent::for_request(&request, status, exit_reason);
             event.notify_early_failure = true;
-            ends_early(&event)
+            notify_early(&event)
         };
         assert!(!early(Status::Completed, "completed"));
         assert!(early(Status::Failed, "nonzero_exit"));
