@@ -106,14 +106,7 @@ async fn a_queued_task_that_is_cancelled_never_runs_and_wakes_its_session_as_int
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let id = delegate(&bus, Delegation::new("never mind").session("s.q")).await;
-    let report = Canceller::new(bus.clone())
-        .cancel_delegation(&id, false)
-        .await
-        .unwrap();
-    assert_eq!(
-        (report.status, report.state),
-        ("cancelled", Some(DelegationState::Queued))
-    );
+    cancelled_while(&bus, &id, false, DelegationState::Queued).await;
     // Only now does a worker appear.
     let mut services = Services::new();
     services.worker(&bus, shell("echo ran"), test_worker_config("default"));
@@ -127,6 +120,16 @@ async fn a_queued_task_that_is_cancelled_never_runs_and_wakes_its_session_as_int
         (Status::Interrupted, "cancelled")
     );
     assert!(api.accepted()[0].text().contains("Status: interrupted"));
+}
+
+/// Cancels delegation `id`, which must be found `state`, and checks that
+/// the cancel was recorded.
+async fn cancelled_while(bus: &wakebus::bus::Bus, id: &str, silent: bool, state: DelegationState) {
+    let report = Canceller::new(bus.clone())
+        .cancel_delegation(id, silent)
+        .await
+        .unwrap();
+    assert_eq!((report.status, report.state), ("cancelled", Some(state)));
 }
 
 /// Runs a worker on the one queued request of a cancelled delegation: it
@@ -168,14 +171,7 @@ async fn a_queued_request_without_the_delegation_id_header_can_still_be_cancelle
         .unwrap()
         .await
         .unwrap();
-    let report = Canceller::new(bus.clone())
-        .cancel_delegation(&raw.delegation_id, true)
-        .await
-        .unwrap();
-    assert_eq!(
-        (report.status, report.state),
-        ("cancelled", Some(DelegationState::Queued))
-    );
+    cancelled_while(&bus, &raw.delegation_id, true, DelegationState::Queued).await;
     ends_interrupted_without_starting(&bus).await;
 }
 
@@ -200,14 +196,7 @@ async fn a_delegation_with_only_its_submitted_record_stored_can_be_cancelled() {
         .unwrap()
         .await
         .unwrap();
-    let report = Canceller::new(bus.clone())
-        .cancel_delegation(&raw.delegation_id, false)
-        .await
-        .unwrap();
-    assert_eq!(
-        (report.status, report.state),
-        ("cancelled", Some(DelegationState::Submitted))
-    );
+    cancelled_while(&bus, &raw.delegation_id, false, DelegationState::Submitted).await;
     // The delegator sends the request again.
     publish_until_stored(&bus, &raw).await;
     ends_interrupted_without_starting(&bus).await;
