@@ -404,22 +404,6 @@ async fn an_earlier_forced_copy_met_again_after_a_later_one_is_not_posted_again(
     assert_eq!(api.accepted().len(), 3, "{:?}", api.accepted());
 }
 
-/// Publishes a stored `copy` again under a new `Nats-Msg-Id`.
-async fn publish_copy_again(
-    bus: &wakebus::bus::Bus,
-    copy: &async_nats::jetstream::message::StreamMessage,
-    msg_id: &str,
-) {
-    let mut headers = copy.headers.clone();
-    headers.insert("Nats-Msg-Id", msg_id);
-    bus.js
-        .publish_with_headers(copy.subject.to_string(), headers, copy.payload.clone())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-}
-
 /// The provisioned wake ledger of `bus`.
 async fn ledger_of(bus: &wakebus::bus::Bus) -> WakeLedger {
     let state = bus

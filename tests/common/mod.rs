@@ -409,10 +409,19 @@ pub async fn republish_completion(bus: &Bus) {
         .into_iter()
         .find(|m| m.subject.ends_with(".done"))
         .expect("a stored completion");
-    let mut headers = stored.headers.clone();
-    headers.insert("Nats-Msg-Id", "a-later-rerun");
+    publish_copy_again(bus, &stored, "a-later-rerun").await;
+}
+
+/// Publishes a stored `copy` again under a new `Nats-Msg-Id`.
+pub async fn publish_copy_again(
+    bus: &Bus,
+    copy: &async_nats::jetstream::message::StreamMessage,
+    msg_id: &str,
+) {
+    let mut headers = copy.headers.clone();
+    headers.insert("Nats-Msg-Id", msg_id);
     bus.js
-        .publish_with_headers(stored.subject.to_string(), headers, stored.payload.clone())
+        .publish_with_headers(copy.subject.to_string(), headers, copy.payload.clone())
         .await
         .unwrap()
         .await
