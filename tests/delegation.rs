@@ -91,14 +91,6 @@ async fn a_subagent_delegating_through_the_cli_nests_one_level_and_is_refused_pa
     assert_eq!(dones[0].status, Status::Completed);
 }
 
-async fn started(bus: &wakebus::bus::Bus) -> usize {
-    all_messages(bus, &bus.subjects.events_stream())
-        .await
-        .iter()
-        .filter(|m| m.subject.ends_with(".started"))
-        .count()
-}
-
 #[tokio::test]
 async fn a_queued_task_that_is_cancelled_never_runs_and_wakes_its_session_as_interrupted() {
     init_logs();

@@ -569,3 +569,193 @@ async fn batches_progress_cancels_and_status_work_under_the_least_privileged_rol
         "every role had every permission it needed"
     );
 }
+
+/// A worker cut off from NATS misses the broadcast of a cancel made
+/// meanwhile, and after a server restart its cancel watch takes seconds to
+/// come back while the queued task reaches it at once: the task reads its
+/// own cancel records, as the worker role may, before it starts.
+#[tokio::test]
+async fn a_task_cancelled_while_its_worker_was_cut_off_does_not_run_after_the_reconnect() {
+    init_logs();
+    let mut server = RoleServer::start().await;
+    let cut = cancel_while_the_worker_is_cut_off(&mut server, |_| {}).await;
+    let done = cut.completion().await;
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Interrupted, "cancelled")
+    );
+    assert_eq!(cut.stop().await, 1, "only the first task may start");
+    let refused: Vec<_> = server
+        .violations()
+        .into_iter()
+        .filter(|line| line.contains("CANCELS"))
+        .collect();
+    assert!(refused.is_empty(), "{refused:#?}");
+}
+
+/// The worker role lost, while the worker was away, both the watch and
+/// the reads by key of the cancel bucket: the worker cannot tell whether
+/// the task was cancelled, so it hands it back again and again rather than
+/// run it, and ends it cancelled once the role may read the records again.
+#[tokio::test]
+async fn a_worker_that_cannot_read_its_cancel_records_hands_the_task_back_instead_of_running_it() {
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    write_permissions(dir.path(), &[]);
+    let conf = dir.path().join("nats.conf");
+    std::fs::write(&conf, repository_conf()).unwrap();
+    let mut server = RoleServer::start_with_conf(dir, &conf).await;
+    let cut = cancel_while_the_worker_is_cut_off(&mut server, |server| {
+        write_permissions(server.dir.path(), WORKER_CANCEL_READS);
+    })
+    .await;
+    wait_until(
+        Duration::from_secs(60),
+        "the task to try its records twice",
+        || async {
+            let tries = server
+                .violations()
+                .iter()
+                .filter(|line| {
+                    line.contains("DIRECT.GET.KV_WAKEBUS_CANCELS.$KV.WAKEBUS_CANCELS.dlg.")
+                })
+                .count();
+            tries >= 2
+        },
+    )
+    .await;
+    assert_eq!(started(&cut.operator).await, 1, "the task ran unchecked");
+    write_permissions(server.dir.path(), &[]);
+    server.nats.signal(nix::sys::signal::Signal::SIGHUP);
+    let done = cut.completion().await;
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Interrupted, "cancelled")
+    );
+    assert_eq!(cut.stop().await, 1, "only the first task may start");
+}
+
+/// The worker role's lines that let it read the cancel bucket: the watch
+/// (an ordered consumer) and the reads by key.
+const WORKER_CANCEL_READS: &[&str] = &[
+    r#""$JS.API.CONSUMER.CREATE.KV_WAKEBUS_CANCELS","#,
+    r#""$JS.API.CONSUMER.CREATE.KV_WAKEBUS_CANCELS.>","#,
+    r#""$JS.API.DIRECT.GET.KV_WAKEBUS_CANCELS","#,
+    r#""$JS.API.DIRECT.GET.KV_WAKEBUS_CANCELS.>","#,
+    r#""$JS.API.STREAM.MSG.GET.KV_WAKEBUS_CANCELS","#,
+];
+
+/// A task delegated and cancelled while its worker was cut off.
+struct CutOff {
+    /// The worker.
+    services: Services,
+    /// Reads the history.
+    operator: Bus,
+    /// The cancelled delegation.
+    id: String,
+    /// The worker's way to NATS.
+    _proxy: common::proxy::Proxy,
+}
+
+impl CutOff {
+    /// The cancelled task's completion, once stored.
+    async fn completion(&self) -> CompletionEvent {
+        eventually(WAIT, "the cancelled task's completion", || async {
+            done_events(&self.operator)
+                .await
+                .into_iter()
+                .find(|done| done.delegation_id == self.id)
+        })
+        .await
+    }
+
+    /// Stops the worker; returns how many tasks started, the first included.
+    async fn stop(self) -> usize {
+        self.services.stop().await;
+        started(&self.operator).await
+    }
+}
+
+/// Runs a first task on a worker (in its role, through a proxy), then cuts
+/// the worker off, calls `while_away` and restarts the server, which takes
+/// the worker's cancel watch with it; delegates and cancels a task, and
+/// lets the worker back.
+async fn cancel_while_the_worker_is_cut_off(
+    server: &mut RoleServer,
+    while_away: impl FnOnce(&RoleServer),
+) -> CutOff {
+    init(server).await;
+    let proxy = common::proxy::Proxy::start(server.nats.port).await;
+    let worker = wakebus::connect::NatsConfig {
+        url: format!("nats://127.0.0.1:{}", proxy.port),
+        ..server.config("worker")
+    };
+    let worker = Bus::new(
+        worker.connect().await.expect("connect through the proxy"),
+        wakebus::protocol::Subjects::new("wakebus").unwrap(),
+    );
+    let mut services = Services::new();
+    services.worker(&worker, shell("echo ran"), test_worker_config("default"));
+    let delegator = server.bus("delegator").await;
+    // Synchronous: returns once the worker, and its cancel watch, are up.
+    delegate(&delegator, Delegation::new("first")).await;
+    proxy.cut();
+    while_away(server);
+    // The watch's consumer lives in the server's memory and goes with it.
+    server.nats.restart().await;
+    let id = eventually(WAIT, "a delegation after the restart", || async {
+        let delegation = Delegation::new("cancelled during the outage").session("s.cut");
+        Delegator::new(delegator.clone())
+            .delegate(delegation)
+            .await
+            .ok()
+            .map(|result| id_of(&result))
+    })
+    .await;
+    let report = Canceller::new(delegator.clone())
+        .cancel_delegation(&id, false)
+        .await
+        .unwrap();
+    assert_eq!(report.state, Some(DelegationState::Queued));
+    proxy.restore();
+    CutOff {
+        services,
+        operator: server.bus("operator").await,
+        id,
+        _proxy: proxy,
+    }
+}
+
+/// The repository's `nats.conf`, to be written next to its permissions.
+fn repository_conf() -> String {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    std::fs::read_to_string(root.join("nats.conf"))
+        .unwrap()
+        .replace(
+            "deploy/nats/wakebus-permissions.conf",
+            "wakebus-permissions.conf",
+        )
+}
+
+/// Writes the repository's permissions into `dir`, without the worker
+/// role's lines `removed`.
+fn write_permissions(dir: &std::path::Path, removed: &[&str]) {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let permissions =
+        std::fs::read_to_string(root.join("deploy/nats/wakebus-permissions.conf")).unwrap();
+    let (others, worker) = permissions.split_once("WAKEBUS_WORKER_DEFAULT: {").unwrap();
+    let (worker, rest) = worker.split_once("\n}\n").unwrap();
+    let kept: Vec<&str> = worker
+        .lines()
+        .filter(|line| !removed.contains(&line.trim()))
+        .collect();
+    assert_eq!(kept.len() + removed.len(), worker.lines().count());
+    std::fs::write(
+        dir.join("wakebus-permissions.conf"),
+        format!(
+            "{others}WAKEBUS_WORKER_DEFAULT: {{{}\n}}\n{rest}",
+            kept.join("\n")
+        ),
+    )
+    .unwrap();
+}

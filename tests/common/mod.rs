@@ -521,6 +521,15 @@ pub fn shell(script: &str) -> Executor {
     ))
 }
 
+/// How many `started` events the history holds.
+pub async fn started(bus: &Bus) -> usize {
+    all_messages(bus, &bus.subjects.events_stream())
+        .await
+        .iter()
+        .filter(|m| m.subject.ends_with(".started"))
+        .count()
+}
+
 /// Every completion in the history, in stream order.
 pub async fn done_events(bus: &Bus) -> Vec<wakebus::protocol::CompletionEvent> {
     all_messages(bus, &bus.subjects.events_stream())

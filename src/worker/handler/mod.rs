@@ -200,6 +200,18 @@ impl TaskHandler {
         // give-up that wakes the session.
         let session_token = token_for(request.origin_session_id.as_deref());
         let stored_at = stored_at.unwrap_or_else(OffsetDateTime::now_utc);
+        if !self.cancels.is_current()
+            && let Err(error) = self
+                .keeping_alive(
+                    message,
+                    self.cancels
+                        .read_directly(&request.delegation_id, &session_token),
+                )
+                .await
+        {
+            warn!(%error, "Cannot read this task's cancel records, which the cancel watch may not have delivered yet after a reconnect; will retry.");
+            return Outcome::retry_later(message);
+        }
         if let Some(record) =
             self.cancels
                 .cancelled(&request.delegation_id, &session_token, stored_at)

@@ -1,19 +1,32 @@
 //! The worker's view of cancellations: records (from the KV bucket, live)
 //! and the tasks running here, under one lock so no cancel slips between a
 //! task's check and its start.
+//!
+//! The watch is the fast path, and it can fall behind: cancels written
+//! while this worker was cut off from NATS reach it only once the watch has
+//! caught up after the reconnect (its broadcasts are lost for good), which
+//! can take seconds when the server lost the watch's consumer, while tasks
+//! arrive at once. Until the watch has delivered everything the bucket held
+//! after the latest (re)connect, each task reads its own two records
+//! directly before it starts.
+//!
+//! - `mod.rs`: the registry, and the checks a task makes before it starts;
+//! - `follow.rs`: keeping the registry current from the bucket's watch and
+//!   the broadcasts, and telling when the watch is behind.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
-use futures::StreamExt;
 use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::info;
 
-use crate::bus::Bus;
 use crate::cancel::{CancelRecord, CancelTarget};
+
+mod follow;
 
 /// Why a run was stopped before it ended by itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,11 +88,31 @@ impl Inner {
     }
 }
 
+/// How long a task waits for its cancel records read by key: an answer
+/// comes in milliseconds, or not at all (no leader, or a role that may not
+/// read them).
+const READ_PATIENCE: Duration = Duration::from_secs(5);
+
 /// Cancel records and running tasks.
 #[derive(Debug, Default)]
 pub(crate) struct CancelRegistry {
     /// Everything, under one lock (never held across an await).
     inner: Mutex<Inner>,
+    /// What is followed, once `follow` has started.
+    followed: OnceLock<Followed>,
+    /// The client's connect count as of which the watch has delivered every
+    /// record the bucket held; 0 before that is known (the client counts
+    /// its first connect as 1).
+    current_as_of: AtomicU64,
+}
+
+/// The bucket a registry follows and the connection it follows it on.
+#[derive(Debug)]
+struct Followed {
+    /// The cancel bucket, read directly while the watch may be behind.
+    bucket: kv::Store,
+    /// The client's statistics, whose connect count tells a reconnect.
+    stats: Arc<async_nats::Statistics>,
 }
 
 /// Unregisters a run when dropped.
@@ -114,9 +147,6 @@ fn matches(
     }
 }
 
-/// How long a starting worker waits for the cancel records that exist.
-const LOAD_PATIENCE: Duration = Duration::from_secs(10);
-
 impl CancelRegistry {
     /// A registry forgetting records older than `keep` (the cancel bucket's
     /// max age), so a long-lived worker's memory does not grow with every
@@ -127,6 +157,7 @@ impl CancelRegistry {
                 keep,
                 ..Inner::default()
             }),
+            ..Self::default()
         }
     }
 
@@ -181,6 +212,67 @@ impl CancelRegistry {
             .cloned()
     }
 
+    /// Whether the watch is known to hold every record the bucket does: it
+    /// caught up after the client's latest (re)connect. A registry that
+    /// follows nothing has nothing to catch up with.
+    pub(crate) fn is_current(&self) -> bool {
+        self.followed.get().is_none_or(|followed| {
+            self.current_as_of.load(Ordering::Acquire)
+                == followed.stats.connects.load(Ordering::Acquire)
+        })
+    }
+
+    /// Reads the records that could cancel one task (its delegation's and
+    /// its session's) from the bucket and applies them, for a task about to
+    /// start while the watch may be behind.
+    pub(crate) async fn read_directly(
+        &self,
+        delegation_id: &str,
+        session_token: &str,
+    ) -> Result<(), kv::EntryError> {
+        let Some(followed) = self.followed.get() else {
+            return Ok(());
+        };
+        tokio::time::timeout(
+            READ_PATIENCE,
+            self.read_both(followed, delegation_id, session_token),
+        )
+        .await
+        .unwrap_or_else(|_| Err(kv::EntryError::new(kv::EntryErrorKind::TimedOut)))
+    }
+
+    /// Reads and applies the delegation's and the session's records.
+    async fn read_both(
+        &self,
+        followed: &Followed,
+        delegation_id: &str,
+        session_token: &str,
+    ) -> Result<(), kv::EntryError> {
+        for target in [
+            CancelTarget::Delegation(delegation_id.to_owned()),
+            CancelTarget::Session(session_token.to_owned()),
+        ] {
+            if let Some(entry) = followed.bucket.entry(target.key()).await?
+                && entry.operation == kv::Operation::Put
+                && let Ok(mut record) = serde_json::from_slice::<CancelRecord>(&entry.value)
+            {
+                record.at = entry.created;
+                self.apply(target, record);
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks the watch current as of connect `connects`.
+    fn caught_up(&self, connects: u64) {
+        self.current_as_of.store(connects, Ordering::Release);
+    }
+
+    /// Marks the watch behind, whatever the connection does.
+    fn fell_behind(&self) {
+        self.current_as_of.store(0, Ordering::Release);
+    }
+
     /// Registers a run about to start, or returns the record that cancels it.
     pub(crate) fn register(
         self: &Arc<Self>,
@@ -211,81 +303,6 @@ impl CancelRegistry {
             id,
         })
     }
-
-    /// Follows the cancel bucket and the broadcasts until `stop`; returns
-    /// once the records that existed at start are loaded (or after 10 s).
-    pub(crate) async fn follow(
-        self: &Arc<Self>,
-        bus: &Bus,
-        bucket: kv::Store,
-        stop: CancellationToken,
-    ) -> Result<(), async_nats::Error> {
-        let broadcasts = bus
-            .client
-            .subscribe(format!("{}.>", bus.subjects.cancel_broadcasts_prefix()))
-            .await?;
-        let mut watch = bucket.watch_with_history(">").await?;
-        let existing = bucket.status().await?.values();
-        let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<()>();
-        let mut loaded_tx = Some(loaded_tx);
-        if existing == 0 {
-            let _ = loaded_tx.take().map(|tx| tx.send(()));
-        }
-        let registry = self.clone();
-        let prefix = format!("{}.", bus.subjects.cancel_broadcasts_prefix());
-        tokio::spawn(async move {
-            let mut broadcasts = broadcasts;
-            let mut watching = true;
-            loop {
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    entry = watch.next(), if watching => match entry {
-                        Some(Ok(entry)) => {
-                            if entry.operation == kv::Operation::Put
-                                && let Some((target, mut record)) = decode(&entry.key, &entry.value)
-                            {
-                                // The server's clock, like the requests' stored times.
-                                record.at = entry.created;
-                                registry.apply(target, record);
-                            }
-                            if entry.delta == 0 {
-                                let _ = loaded_tx.take().map(|tx| tx.send(()));
-                            }
-                        }
-                        Some(Err(error)) => warn!(%error, "Cancel watch error."),
-                        None => {
-                            warn!("Cancel watch ended; relying on broadcasts.");
-                            let _ = loaded_tx.take().map(|tx| tx.send(()));
-                            watching = false;
-                        }
-                    },
-                    Some(message) = broadcasts.next() => {
-                        let key = message.subject.strip_prefix(prefix.as_str()).unwrap_or_default();
-                        if let Some((target, record)) = decode(key, &message.payload) {
-                            registry.apply(target, record);
-                        }
-                    }
-                }
-            }
-        });
-        if tokio::time::timeout(LOAD_PATIENCE, loaded_rx)
-            .await
-            .is_err()
-        {
-            // The last record may have expired before it was delivered, so
-            // that none comes marked as the last: the rest load as they come.
-            warn!("The cancel records are still loading; starting anyway.");
-        }
-        Ok(())
-    }
-}
-
-/// A cancel record from its key and body; `None` if either is malformed.
-fn decode(key: &str, body: &[u8]) -> Option<(CancelTarget, CancelRecord)> {
-    Some((
-        CancelTarget::from_key(key)?,
-        serde_json::from_slice(body).ok()?,
-    ))
 }
 
 #[cfg(test)]
