@@ -906,10 +906,14 @@ async fn replay_does_not_requeue_a_task_whose_delegation_or_session_was_cancelle
         .await
         .unwrap();
 
-    let lines = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
-        .await
-        .ok_json();
-    services.stop().await;
+    // `--force` (past earlier re-queues) still leaves cancelled tasks out.
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "tasks", "--dry-run", "--force"],
+    )
+    .await
+    .ok_json();
     let action_of = |id: &str| {
         lines
             .iter()
@@ -935,8 +939,24 @@ async fn replay_does_not_requeue_a_task_whose_delegation_or_session_was_cancelle
             .contains("its session was cancelled"),
         "{by_session}"
     );
-    let untouched = action_of(&kept);
-    assert_eq!(untouched["action"], "would_replay", "{lines:#?}");
+    assert_eq!(action_of(&kept)["action"], "would_replay", "{lines:#?}");
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "tasks", "--dry-run", "--include-cancelled"],
+    )
+    .await
+    .ok_json();
+    services.stop().await;
+    let actions: Vec<_> = lines
+        .iter()
+        .filter_map(|line| line["action"].as_str())
+        .collect();
+    assert_eq!(actions, ["would_replay"; 3], "{lines:#?}");
+    let untouched = lines
+        .iter()
+        .find(|line| line["delegation_id"] == kept.as_str())
+        .unwrap();
     assert!(
         untouched["new_delegation_id"]
             .as_str()

@@ -77,9 +77,14 @@ pub(crate) struct TasksArgs {
     /// Filters and output.
     #[command(flatten)]
     pub(crate) common: CommonArgs,
-    /// Re-queue even requests already re-queued (under a new ULID delegation id).
+    /// Re-queue even requests already re-queued (under a new ULID delegation
+    /// id), or older than the traces of an earlier re-queue.
     #[arg(long)]
     pub(crate) force: bool,
+    /// Re-queue requests whose delegation or session was cancelled too, and
+    /// those whose cancel records cannot be read (`--force` does not).
+    #[arg(long)]
+    pub(crate) include_cancelled: bool,
 }
 
 /// `wakebus replay copy`.
@@ -105,7 +110,7 @@ pub(crate) struct CopyArgs {
 const UNCHECKED: u8 = 3;
 
 pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<ExitCode> {
-    let (kind, common, force) = match args.what {
+    let (kind, common, force, include_cancelled) = match args.what {
         ReplayCommand::Wakes(a) => (
             if a.dead_letters {
                 ReplayKind::WakeDeadLetters
@@ -114,8 +119,9 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
             },
             a.common,
             a.force,
+            false,
         ),
-        ReplayCommand::Tasks(a) => (ReplayKind::Tasks, a.common, a.force),
+        ReplayCommand::Tasks(a) => (ReplayKind::Tasks, a.common, a.force, a.include_cancelled),
         ReplayCommand::Copy(a) => {
             let target = match (a.to_prefix, a.to_subject) {
                 (Some(prefix), _) => CopyTarget::Prefix(Subjects::new(&prefix)?),
@@ -133,13 +139,14 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
             let source = a
                 .dead_letters
                 .map_or(wakebus::history::Source::Events, DeadLetterArg::source);
-            (ReplayKind::Copy { source, target }, a.common, false)
+            (ReplayKind::Copy { source, target }, a.common, false, false)
         }
     };
     let plan = ReplayPlan {
         kind,
         selection: common.filters.selection()?,
         force,
+        include_cancelled,
         dry_run: common.dry_run,
     };
     let bus = super::commands::connect_within(global, "wakebus-replay", std::time::Duration::ZERO)

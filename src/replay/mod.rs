@@ -99,8 +99,12 @@ pub struct ReplayPlan {
     pub kind: ReplayKind,
     /// Which records.
     pub selection: Selection,
-    /// Replay even what was already delivered or re-queued.
+    /// Replay even what was already delivered or re-queued, or what is
+    /// older than the traces of an earlier replay.
     pub force: bool,
+    /// Re-queue tasks whose delegation or session was cancelled too (tasks
+    /// only; `force` does not).
+    pub include_cancelled: bool,
     /// Only report what would be done.
     pub dry_run: bool,
 }

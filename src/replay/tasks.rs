@@ -30,7 +30,7 @@ impl Replayer {
                 return Ok(item.skipped(format!("the request cannot run again: {error}")));
             }
         };
-        if !self.plan.force {
+        if !self.plan.include_cancelled {
             match self.cancelled(&request, record).await {
                 Ok(None) => {}
                 Ok(Some(reason)) => return Ok(item.skipped(reason)),
@@ -132,7 +132,7 @@ impl Replayer {
             .is_some()
         {
             return Ok(Some(format!(
-                "delegation {} was cancelled (use --force to run it anyway)",
+                "delegation {} was cancelled (use --include-cancelled to run it anyway)",
                 request.delegation_id
             )));
         }
@@ -144,7 +144,7 @@ impl Replayer {
             .map_or(record.published, |created| created.min(record.published));
         match read(CancelTarget::Session(token)).await? {
             Some(at) if at >= made => Ok(Some(format!(
-                "its session was cancelled at {}, after the request was made (use --force to run it anyway)",
+                "its session was cancelled at {}, after the request was made (use --include-cancelled to run it anyway)",
                 crate::history::rfc3339(at)
             ))),
             _ => Ok(None),
