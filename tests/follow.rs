@@ -377,3 +377,37 @@ async fn events_follow_until_a_time_ends_after_it_with_nothing_arriving() {
         .unwrap();
     assert!(status.success(), "{status:?}");
 }
+
+/// `events --follow --to-seq N` ends once the stream has passed N with
+/// nothing left to show before it, even when no message it shows is ever
+/// stored at or after N.
+#[tokio::test]
+async fn a_follow_up_to_a_sequence_ends_once_the_stream_has_passed_it() {
+    use wakebus::history::{HistoryReader, Selection, Source};
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let prefix = bus.subjects.prefix().to_owned();
+    // Sequences 1 and 2 are shown; 3 and 4, another delegation's, are not.
+    for delegation in ["shown", "shown", "other", "other"] {
+        let subject = format!("{prefix}.evt.tok.{delegation}.0.progress");
+        let ack = bus.js.publish(subject, "{}".into()).await.unwrap();
+        ack.await.unwrap();
+    }
+    let selection = Selection {
+        delegation: Some("shown".to_owned()),
+        to_seq: Some(3),
+        ..Selection::default()
+    };
+    let mut reader = HistoryReader::open(&bus, Source::Events, selection, true)
+        .await
+        .unwrap();
+    let mut shown = Vec::new();
+    while let Some(record) = tokio::time::timeout(WAIT, reader.next())
+        .await
+        .expect("the follow to end past --to-seq")
+    {
+        shown.push(record.unwrap().sequence);
+    }
+    assert_eq!(shown, [1, 2]);
+}

@@ -408,6 +408,13 @@ impl HistoryReader {
                     next = self.messages.next() => next,
                     _ = self.stream_check.tick() => {
                         self.check_stream().await;
+                        // Past `--to-seq` with nothing left to show before
+                        // it: a later message cannot match.
+                        if self.end.is_some_and(|end| self.handle.cached_info().state.last_sequence >= end)
+                            && self.nothing_left().await
+                        {
+                            self.finished = true;
+                        }
                         continue;
                     }
                     // Nothing stored after `--until` can match: a follow
@@ -485,11 +492,10 @@ impl HistoryReader {
         }
     }
 
-    /// Whether the stream holds no message this bounded read has still to
-    /// deliver: none matching after the last one delivered (or from the
-    /// read's start, before the first), or the next one past the read's
-    /// end. (A read that starts at a time finds older ones first, and
-    /// says no.)
+    /// Whether the stream holds no message this read has still to deliver:
+    /// none matching after the last one delivered (or from the read's
+    /// start, before the first), or the next one past the read's end. (A
+    /// read that starts at a time finds older ones first, and says no.)
     async fn nothing_left(&self) -> bool {
         let from = self
             .last_sequence
