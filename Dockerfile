@@ -17,6 +17,9 @@ FROM rust:1-bookworm AS builder
 # Cargo features to build with: `--build-arg FEATURES=otel` for the
 # OpenTelemetry export (docs/OPERATIONS.md).
 ARG FEATURES=""
+# The commit the version reports (`0.1.0+g<commit>`): the build context has
+# no .git. `--build-arg WAKEBUS_BUILD_COMMIT=$(git rev-parse --short=12 HEAD)`.
+ARG WAKEBUS_BUILD_COMMIT=""
 WORKDIR /src
 COPY . .
 # The caches keep crates and build artefacts between builds; the binary is
@@ -24,6 +27,7 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target \
+    WAKEBUS_BUILD_COMMIT="$WAKEBUS_BUILD_COMMIT" \
     cargo build --release --locked --bin wakebus --features "$FEATURES" \
     && install -D -m 0755 target/release/wakebus /out/wakebus
 

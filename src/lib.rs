@@ -55,3 +55,8 @@ pub mod status;
 pub mod telemetry;
 pub mod wake;
 pub mod worker;
+
+/// The version this build reports (`--version`, the NATS micro service,
+/// `wakebus status`): the package's, with the commit it was built from as
+/// semver build metadata (`0.1.0+g1a2b3c4d5e6f`) when known (`build.rs`).
+pub const VERSION: &str = env!("WAKEBUS_VERSION");

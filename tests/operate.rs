@@ -443,7 +443,7 @@ async fn status_json_reports_streams_consumers_dead_letters_instances_and_waitin
     assert_eq!(worker["pool"], "default");
     assert_eq!(worker["concurrency"], 3);
     assert_eq!(worker["in_flight"], 0);
-    assert_eq!(worker["version"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(worker["version"], wakebus::VERSION);
     assert_eq!(worker["prefix"], prefix.as_str());
     let wake_seen = &services_seen[0];
     assert_eq!(wake_seen["kind"], "wake");
@@ -2191,4 +2191,31 @@ async fn status_does_not_list_a_woken_batch_or_a_silent_completion_as_undelivere
         .map(|s| s["session"].as_str().unwrap())
         .collect();
     assert_eq!(sessions, ["s.waiting"], "{report:#}");
+}
+
+/// `--version` and the services report the package's version with the
+/// commit the build came from, so that an operator can tell builds apart.
+#[tokio::test]
+async fn the_version_names_the_commit_the_build_came_from() {
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .arg("--version")
+        .output()
+        .await
+        .unwrap();
+    assert!(output.status.success());
+    let said = String::from_utf8(output.stdout).unwrap();
+    assert_eq!(said.trim(), format!("wakebus {}", wakebus::VERSION));
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output();
+    let expected = match head {
+        Ok(head) if head.status.success() && std::env::var_os("WAKEBUS_BUILD_COMMIT").is_none() => {
+            let commit = String::from_utf8(head.stdout).unwrap();
+            format!("{}+g{}", env!("CARGO_PKG_VERSION"), commit.trim())
+        }
+        // No checkout to read (an image build says its commit itself).
+        _ => wakebus::VERSION.to_owned(),
+    };
+    assert_eq!(wakebus::VERSION, expected);
 }

@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// Durable background delegation for AI-agent gateways, on NATS JetStream.
 #[derive(Debug, Parser)]
-#[command(name = "wakebus", version, about, args_override_self = true)]
+#[command(name = "wakebus", version = wakebus::VERSION, about, args_override_self = true)]
 pub(crate) struct Cli {
     /// Options every command takes.
     #[command(flatten)]

@@ -81,7 +81,7 @@ fn snapshot(
         pool: pool.map(str::to_owned),
         concurrency,
         in_flight: 0,
-        version: env!("CARGO_PKG_VERSION").to_owned(),
+        version: crate::VERSION.to_owned(),
     }
 }
 
@@ -141,7 +141,7 @@ pub async fn register(
         .stats_handler(move |_endpoint, _stats| {
             serde_json::to_value(stats_snapshot()).unwrap_or_default()
         })
-        .start(registration.service, env!("CARGO_PKG_VERSION"))
+        .start(registration.service, crate::VERSION)
         .await;
     let service = match started {
         Ok(service) => service,
