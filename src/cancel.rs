@@ -134,6 +134,10 @@ const READ_BACK_TRIES: u32 = 5;
 /// The pause between two read-backs.
 const READ_BACK_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 
+/// How long one read-back waits for its answer: a replica answers in
+/// milliseconds, a role that may not read the record never.
+const READ_BACK_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl Canceller {
     /// A canceller on `bus` (streams and the cancel bucket must exist).
     pub fn new(bus: Bus) -> Self {
@@ -248,8 +252,8 @@ impl Canceller {
         // again a few times), and only this write's own revision.
         let mut stored = None;
         for _ in 0..READ_BACK_TRIES {
-            match bucket.entry(target.key()).await {
-                Ok(Some(entry)) if entry.revision == revision => {
+            match tokio::time::timeout(READ_BACK_WAIT, bucket.entry(target.key())).await {
+                Ok(Ok(Some(entry))) if entry.revision == revision => {
                     stored = Some(entry.created);
                     break;
                 }

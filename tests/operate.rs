@@ -1970,6 +1970,56 @@ async fn a_cancel_that_cannot_read_the_history_records_the_cancel_and_says_so() 
     assert!(record.is_some(), "no cancel record for {id}");
 }
 
+/// A canceller that may write its record but not read it back (for the
+/// server's time of it) broadcasts it with its own time: the running task
+/// is still stopped.
+#[tokio::test]
+async fn a_cancel_that_cannot_read_its_record_back_still_stops_the_running_task() {
+    init_logs();
+    let prefix = unique_prefix();
+    let cancels = wakebus::protocol::Subjects::bucket_stream(
+        &wakebus::protocol::Subjects::new(&prefix)
+            .unwrap()
+            .cancel_bucket(),
+    );
+    let denied = [
+        format!("$JS.API.DIRECT.GET.{cancels}"),
+        format!("$JS.API.DIRECT.GET.{cancels}.>"),
+        format!("$JS.API.STREAM.MSG.GET.{cancels}"),
+    ];
+    let server = common::nats::LimitedUserServer::start(&denied).await;
+    let bus = bus(&server.nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.worker(&bus, shell("sleep 60"), test_worker_config("default"));
+    let id = delegate(&bus, Delegation::new("long work").session("s.unread.back")).await;
+    wait_until(WAIT, "the task to start", || async {
+        started(&bus).await == 1
+    })
+    .await;
+    let run = server.wakebus_as_limited(&prefix, &["cancel", &id]).await;
+    let report = &run.ok_json()[0];
+    assert_eq!(
+        (report["status"].as_str(), report["state"].as_str()),
+        (Some("cancelled"), Some("running")),
+        "{report}"
+    );
+    assert!(
+        run.stderr()
+            .contains("Could not read the cancel record back"),
+        "{}",
+        run.stderr()
+    );
+    let done = eventually(WAIT, "the interrupted completion", || async {
+        done_events(&bus).await.into_iter().next()
+    })
+    .await;
+    services.stop().await;
+    assert_eq!(
+        (done.status, done.error.as_deref()),
+        (Status::Interrupted, Some("cancelled while running"))
+    );
+}
+
 /// A pool name `init` cannot use is refused before it waits for anything.
 #[tokio::test]
 async fn init_refuses_a_bad_pool_name_at_once_even_with_nats_unreachable() {
