@@ -490,7 +490,7 @@ pub async fn close(client: &Client) -> Result<(), async_nats::client::DrainError
 static SLOW_CONSUMER_SAID: AtomicU64 = AtomicU64::new(0);
 
 /// Whether a minute has passed since `last` (then set to now).
-fn once_a_minute(last: &AtomicU64) -> bool {
+pub(crate) fn once_a_minute(last: &AtomicU64) -> bool {
     once_a_minute_at(last, process_seconds())
 }
 

@@ -1,13 +1,21 @@
 //! Keeping the registry current: the cancel bucket's watch (every record,
 //! including those written while this worker was away) and the broadcasts
 //! (at once, to running tasks), and whether the watch has caught up.
+//!
+//! The watch is current once it has delivered the bucket's last revision as
+//! the stream's leader gave it after the client's latest connect. Checked
+//! every second while it is not (after a reconnect, a watch error, or at
+//! start): the check's read runs beside the loop, so broadcasts are not held
+//! up meanwhile.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use async_nats::jetstream::kv;
+use async_nats::jetstream::{kv, stream};
 use futures::StreamExt;
+use time::OffsetDateTime;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -18,8 +26,9 @@ use crate::cancel::{CancelRecord, CancelTarget};
 /// How long a starting worker waits for the cancel records that exist.
 const LOAD_PATIENCE: Duration = Duration::from_secs(10);
 
-/// How often a watch that may be behind is checked against the bucket, and
-/// an ended one started again.
+/// How often the watch is checked against the bucket while it is not
+/// current (an ended one is started again), and how long one check or
+/// restart may take.
 const CATCH_UP_CHECK: Duration = Duration::from_secs(1);
 
 impl CancelRegistry {
@@ -34,6 +43,7 @@ impl CancelRegistry {
         let stats = bus.client.statistics();
         let _ = self.followed.set(Followed {
             bucket: bucket.clone(),
+            client: bus.client.clone(),
             stats: stats.clone(),
         });
         let connects = stats.connects.load(Ordering::Acquire);
@@ -42,29 +52,34 @@ impl CancelRegistry {
             .subscribe(format!("{}.>", bus.subjects.cancel_broadcasts_prefix()))
             .await?;
         let watch = bucket.watch_with_history(">").await?;
-        // Read from the server: the store's own status is what it cached
-        // when it was opened.
-        let state = bucket.stream.clone().info().await?.state.clone();
+        // From the server: the store's own status is what it cached when it
+        // was opened.
+        let info = bucket.stream.clone().info().await?.clone();
         let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<()>();
+        let (checked_tx, checked) = mpsc::channel(1);
         let mut follower = Follower {
             registry: self.clone(),
             bucket,
             stats,
+            client: bus.client.clone(),
             prefix: format!("{}.", bus.subjects.cancel_broadcasts_prefix()),
             watch: Some(watch),
             catching_up: CatchUp {
                 connects,
-                last_revision: state.last_sequence,
+                last_revision: info.state.last_sequence,
+                created: info.created,
                 seen: 0,
                 said_behind: false,
             },
+            checked_tx,
+            checking: false,
             loaded: Some(loaded_tx),
         };
-        if state.messages == 0 {
+        if info.state.messages == 0 {
             follower.catching_up.caught_up(self);
             follower.loaded();
         }
-        tokio::spawn(follower.run(broadcasts, stop));
+        tokio::spawn(follower.run(broadcasts, checked, stop));
         if tokio::time::timeout(LOAD_PATIENCE, loaded_rx)
             .await
             .is_err()
@@ -77,34 +92,54 @@ impl CancelRegistry {
     }
 }
 
+/// What a check read: the connect count before it, and the stream's info.
+type Checked = (u64, Result<stream::Info, String>);
+
 /// The task applying the watch's records and the broadcasts.
 struct Follower {
     /// Where records go.
     registry: Arc<CancelRegistry>,
-    /// The cancel bucket: its status tells whether the watch is behind.
+    /// The cancel bucket: its stream's info tells whether the watch is
+    /// behind.
     bucket: kv::Store,
     /// The client's statistics, whose connect count tells a reconnect.
     stats: Arc<async_nats::Statistics>,
+    /// The connection: nothing is asked while it is down.
+    client: async_nats::Client,
     /// The broadcasts' subject prefix, before the record's key.
     prefix: String,
     /// The bucket's watch; `None` once it ended, until started again.
     watch: Option<kv::Watch>,
     /// Whether the watch has delivered what the bucket holds.
     catching_up: CatchUp,
+    /// Where a check sends what it read.
+    checked_tx: mpsc::Sender<Checked>,
+    /// Whether a check is under way.
+    checking: bool,
     /// Tells `follow` the records that existed at start are loaded.
     loaded: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 impl Follower {
     /// Applies records until `stop`.
-    async fn run(mut self, mut broadcasts: async_nats::Subscriber, stop: CancellationToken) {
-        let mut check = tokio::time::interval(CATCH_UP_CHECK);
-        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    async fn run(
+        mut self,
+        mut broadcasts: async_nats::Subscriber,
+        mut checked: mpsc::Receiver<Checked>,
+        stop: CancellationToken,
+    ) {
+        let mut tick = tokio::time::interval(CATCH_UP_CHECK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
-                _ = check.tick(), if self.watch.is_none() || !self.registry.is_current() => {
-                    self.check().await;
+                // Every second, not only while behind: a reconnect wakes
+                // nothing else here when no record was written meanwhile.
+                _ = tick.tick() => self.tick().await,
+                Some((connects, info)) = checked.recv() => {
+                    self.checking = false;
+                    let loaded = self.loaded.is_none();
+                    self.catching_up.checked(&self.registry, connects, info, loaded);
                 }
                 entry = next_entry(&mut self.watch) => self.watched(entry),
                 Some(message) = broadcasts.next() => {
@@ -121,7 +156,7 @@ impl Follower {
     fn watched(&mut self, entry: Option<Result<kv::Entry, kv::WatcherError>>) {
         match entry {
             Some(Ok(entry)) => {
-                self.catching_up.saw(&self.registry, entry.revision);
+                // Applied before the watch can count as current with it.
                 if entry.operation == kv::Operation::Put
                     && let Some((target, mut record)) = decode(&entry.key, &entry.value)
                 {
@@ -129,26 +164,39 @@ impl Follower {
                     record.at = entry.created;
                     self.registry.apply(target, record);
                 }
+                self.catching_up.saw(&self.registry, entry.revision);
                 if entry.delta == 0 {
                     self.loaded();
                 }
             }
-            Some(Err(error)) => warn!(%error, "Cancel watch error."),
+            // The client recreates the watch's consumer after the last
+            // revision it delivered; what was written meanwhile comes later.
+            Some(Err(error)) => {
+                warn!(%error, "Cancel watch error; each task reads its own cancel records until the watch has caught up.");
+                self.fell_behind();
+            }
             None => {
                 warn!(
                     "Cancel watch ended; each task reads its own cancel records until it is started again."
                 );
                 self.loaded();
                 self.watch = None;
-                self.registry.fell_behind();
+                self.fell_behind();
             }
         }
     }
 
-    /// Starts an ended watch again, then tells whether it is behind.
-    async fn check(&mut self) {
+    /// Once a second: starts an ended watch again, and checks a watch that
+    /// is not current against the bucket.
+    async fn tick(&mut self) {
+        // A request made while the client reconnects is only queued, and a
+        // long outage would fill its queue with them.
+        if !crate::connect::is_connected(&self.client) {
+            return;
+        }
         if self.watch.is_none() {
-            match tokio::time::timeout(CATCH_UP_CHECK, self.bucket.watch_with_history(">")).await {
+            let restart = self.bucket.watch_with_history(">");
+            match tokio::time::timeout(CATCH_UP_CHECK, restart).await {
                 Ok(Ok(watch)) => {
                     info!("Cancel watch started again.");
                     self.watch = Some(watch);
@@ -156,9 +204,28 @@ impl Follower {
                 _ => return,
             }
         }
-        self.catching_up
-            .check(&self.registry, &self.bucket, &self.stats)
-            .await;
+        if self.checking || self.registry.is_current() {
+            return;
+        }
+        self.checking = true;
+        let connects = self.stats.connects.load(Ordering::Acquire);
+        let mut stream = self.bucket.stream.clone();
+        let checked_tx = self.checked_tx.clone();
+        tokio::spawn(async move {
+            let info = match tokio::time::timeout(CATCH_UP_CHECK, stream.info()).await {
+                Ok(Ok(info)) => Ok(info.clone()),
+                Ok(Err(error)) => Err(error.to_string()),
+                Err(_) => Err("no answer".to_owned()),
+            };
+            let _ = checked_tx.send((connects, info)).await;
+        });
+    }
+
+    /// The watch may have missed records: not current until a check has
+    /// read the bucket again and the watch has delivered its last revision.
+    fn fell_behind(&mut self) {
+        self.catching_up.last_revision = u64::MAX;
+        self.registry.fell_behind();
     }
 
     /// The records that existed at start are loaded (or never will be).
@@ -185,6 +252,9 @@ struct CatchUp {
     /// The bucket's last revision then: the watch has caught up once it has
     /// delivered it.
     last_revision: u64,
+    /// When the bucket's stream was created: one created again numbers its
+    /// revisions from 1.
+    created: OffsetDateTime,
     /// The highest revision the watch has delivered.
     seen: u64,
     /// Whether the log says the watch is behind.
@@ -200,35 +270,39 @@ impl CatchUp {
         }
     }
 
-    /// Reads the bucket's last revision after the latest connect; the watch
-    /// has caught up if it delivered that one already, or if the bucket is
-    /// empty (its last record expired before the watch delivered it).
-    async fn check(
+    /// What a check read after connect `connects`: the watch has caught up
+    /// if it delivered the bucket's last revision already, or if the bucket
+    /// is empty (its last record expired before the watch delivered it).
+    /// `loaded`: the start's records are in, so a watch behind is news.
+    fn checked(
         &mut self,
         registry: &CancelRegistry,
-        bucket: &kv::Store,
-        stats: &async_nats::Statistics,
+        connects: u64,
+        info: Result<stream::Info, String>,
+        loaded: bool,
     ) {
-        let connects = stats.connects.load(Ordering::Acquire);
-        let mut stream = bucket.stream.clone();
-        let Ok(Ok(info)) = tokio::time::timeout(CATCH_UP_CHECK, stream.info()).await else {
+        let Ok(info) = info else {
             return;
         };
+        if info.created != self.created {
+            (self.created, self.seen) = (info.created, 0);
+        }
         (self.connects, self.last_revision) = (connects, info.state.last_sequence);
         if info.state.messages == 0 || self.seen >= self.last_revision {
             self.caught_up(registry);
-        } else if !self.said_behind {
+        } else if loaded && !self.said_behind {
             self.said_behind = true;
             info!(
-                behind = self.last_revision - self.seen,
-                "The cancel watch is behind the bucket after a reconnect; each task reads its own cancel records until it catches up."
+                seen = self.seen,
+                last = self.last_revision,
+                "The cancel watch is behind the bucket; each task reads its own cancel records until it catches up."
             );
         }
     }
 
     /// Marks the registry current as of the connect the bucket was read after.
     fn caught_up(&mut self, registry: &CancelRegistry) {
-        registry.caught_up(self.connects);
+        registry.mark_current(self.connects);
         if std::mem::take(&mut self.said_behind) {
             info!("The cancel watch has caught up; tasks check cancels from it again.");
         }
@@ -236,7 +310,7 @@ impl CatchUp {
 }
 
 /// A cancel record from its key and body; `None` if either is malformed.
-fn decode(key: &str, body: &[u8]) -> Option<(CancelTarget, CancelRecord)> {
+pub(super) fn decode(key: &str, body: &[u8]) -> Option<(CancelTarget, CancelRecord)> {
     Some((
         CancelTarget::from_key(key)?,
         serde_json::from_slice(body).ok()?,

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
+use async_nats::jetstream::stream::{LastRawMessageError, LastRawMessageErrorKind};
 use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
@@ -93,6 +94,17 @@ impl Inner {
 /// read them).
 const READ_PATIENCE: Duration = Duration::from_secs(5);
 
+/// Why a task's cancel records could not be read by key.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ReadError {
+    /// No answer in time.
+    #[error("no answer within {READ_PATIENCE:?}")]
+    TimedOut,
+    /// The stream refused or failed the read.
+    #[error(transparent)]
+    Get(#[from] LastRawMessageError),
+}
+
 /// Cancel records and running tasks.
 #[derive(Debug, Default)]
 pub(crate) struct CancelRegistry {
@@ -111,6 +123,8 @@ pub(crate) struct CancelRegistry {
 struct Followed {
     /// The cancel bucket, read directly while the watch may be behind.
     bucket: kv::Store,
+    /// The connection: while it is down, nothing says the watch is current.
+    client: async_nats::Client,
     /// The client's statistics, whose connect count tells a reconnect.
     stats: Arc<async_nats::Statistics>,
 }
@@ -213,50 +227,53 @@ impl CancelRegistry {
     }
 
     /// Whether the watch is known to hold every record the bucket does: it
-    /// caught up after the client's latest (re)connect. A registry that
-    /// follows nothing has nothing to catch up with.
+    /// caught up after the client's latest (re)connect, and the client is
+    /// connected. A registry that follows nothing has nothing to catch up
+    /// with.
     pub(crate) fn is_current(&self) -> bool {
         self.followed.get().is_none_or(|followed| {
             self.current_as_of.load(Ordering::Acquire)
                 == followed.stats.connects.load(Ordering::Acquire)
+                && followed.client.connection_state() == async_nats::connection::State::Connected
         })
     }
 
     /// Reads the records that could cancel one task (its delegation's and
-    /// its session's) from the bucket and applies them, for a task about to
+    /// its session's) from the stream's leader, which has every record
+    /// stored (a replica may lag), and applies them, for a task about to
     /// start while the watch may be behind.
     pub(crate) async fn read_directly(
         &self,
         delegation_id: &str,
         session_token: &str,
-    ) -> Result<(), kv::EntryError> {
+    ) -> Result<(), ReadError> {
         let Some(followed) = self.followed.get() else {
             return Ok(());
         };
-        tokio::time::timeout(
-            READ_PATIENCE,
-            self.read_both(followed, delegation_id, session_token),
-        )
-        .await
-        .unwrap_or_else(|_| Err(kv::EntryError::new(kv::EntryErrorKind::TimedOut)))
-    }
-
-    /// Reads and applies the delegation's and the session's records.
-    async fn read_both(
-        &self,
-        followed: &Followed,
-        delegation_id: &str,
-        session_token: &str,
-    ) -> Result<(), kv::EntryError> {
-        for target in [
-            CancelTarget::Delegation(delegation_id.to_owned()),
-            CancelTarget::Session(session_token.to_owned()),
-        ] {
-            if let Some(entry) = followed.bucket.entry(target.key()).await?
-                && entry.operation == kv::Operation::Put
-                && let Ok(mut record) = serde_json::from_slice::<CancelRecord>(&entry.value)
+        let read = |target: CancelTarget| async move {
+            let subject = format!("{}{}", followed.bucket.prefix, target.key());
+            match followed
+                .bucket
+                .stream
+                .get_last_raw_message_by_subject(&subject)
+                .await
             {
-                record.at = entry.created;
+                Ok(message) => Ok(Some((target, message))),
+                Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+                Err(error) => Err(ReadError::Get(error)),
+            }
+        };
+        let both = futures::future::try_join(
+            read(CancelTarget::Delegation(delegation_id.to_owned())),
+            read(CancelTarget::Session(session_token.to_owned())),
+        );
+        let (by_delegation, by_session) = tokio::time::timeout(READ_PATIENCE, both)
+            .await
+            .map_err(|_| ReadError::TimedOut)??;
+        // A delete or purge marker has an empty body, which is no record.
+        for (target, message) in [by_delegation, by_session].into_iter().flatten() {
+            if let Ok(mut record) = serde_json::from_slice::<CancelRecord>(&message.payload) {
+                record.at = message.time;
                 self.apply(target, record);
             }
         }
@@ -264,7 +281,7 @@ impl CancelRegistry {
     }
 
     /// Marks the watch current as of connect `connects`.
-    fn caught_up(&self, connects: u64) {
+    fn mark_current(&self, connects: u64) {
         self.current_as_of.store(connects, Ordering::Release);
     }
 

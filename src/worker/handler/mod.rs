@@ -200,17 +200,14 @@ impl TaskHandler {
         // give-up that wakes the session.
         let session_token = token_for(request.origin_session_id.as_deref());
         let stored_at = stored_at.unwrap_or_else(OffsetDateTime::now_utc);
-        if !self.cancels.is_current()
-            && let Err(error) = self
-                .keeping_alive(
-                    message,
-                    self.cancels
-                        .read_directly(&request.delegation_id, &session_token),
-                )
-                .await
+        if !self
+            .cancels_known(message, &request.delegation_id, &session_token, stop)
+            .await
         {
-            warn!(%error, "Cannot read this task's cancel records, which the cancel watch may not have delivered yet after a reconnect; will retry.");
-            return Outcome::retry_later(message);
+            info!(
+                "The worker is stopping; handing the task back before its cancel records could be read."
+            );
+            return Outcome::HandBack;
         }
         if let Some(record) =
             self.cancels
@@ -422,6 +419,39 @@ impl TaskHandler {
                 Outcome::HandBack
             }
         }
+    }
+
+    /// Waits, keeping the task from other workers, until its cancel records
+    /// are known: the cancel watch is current, or they were read by key. A
+    /// failed read is tried again, the task held rather than handed back
+    /// (each hand-back would use up one of its deliveries); `false` if the
+    /// worker's grace ends first.
+    async fn cancels_known(
+        &self,
+        message: &jetstream::Message,
+        delegation_id: &str,
+        session_token: &str,
+        stop: &CancellationToken,
+    ) -> bool {
+        let mut pause = CANCEL_READ_RETRY_MIN;
+        while !self.cancels.is_current() {
+            // While the client reconnects a read would only be queued.
+            if crate::connect::is_connected(&self.bus.client) {
+                let read = self.cancels.read_directly(delegation_id, session_token);
+                let Err(error) = self.keeping_alive(message, read).await else {
+                    return true;
+                };
+                if crate::connect::once_a_minute(&CANNOT_READ_CANCELS_SAID) {
+                    warn!(%error, "Holding tasks: their cancel records cannot be read and the cancel watch is behind; each starts once either works (said at most once a minute).");
+                }
+            }
+            tokio::select! {
+                () = stop.cancelled() => return false,
+                () = self.keeping_alive(message, tokio::time::sleep(pause)) => {}
+            }
+            pause = (pause * 2).min(CANCEL_READ_RETRY_MAX);
+        }
+        true
     }
 
     /// Runs `work` while in-progress acks, every progress interval, keep
@@ -652,6 +682,16 @@ fn stand_in(delegation_id: String, seq: u64, rejected: &Rejected) -> (TaskReques
     }
     (stand_in, reason)
 }
+
+/// The first pause before a task reads its cancel records again.
+const CANCEL_READ_RETRY_MIN: Duration = Duration::from_millis(250);
+
+/// The longest pause before a task reads its cancel records again.
+const CANCEL_READ_RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// When the worker last said that tasks wait for their cancel records.
+static CANNOT_READ_CANCELS_SAID: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(0);
 
 /// A run that failed while it was being stopped (a timeout, a cancel, the
 /// worker's own shutdown: `stopped`) ended because of the stop: a failure
