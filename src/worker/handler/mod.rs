@@ -433,25 +433,33 @@ impl TaskHandler {
         session_token: &str,
         stop: &CancellationToken,
     ) -> bool {
-        let mut pause = CANCEL_READ_RETRY_MIN;
-        while !self.cancels.is_current() {
-            // While the client reconnects a read would only be queued.
-            if crate::connect::is_connected(&self.bus.client) {
-                let read = self.cancels.read_directly(delegation_id, session_token);
-                let Err(error) = self.keeping_alive(message, read).await else {
-                    return true;
-                };
-                if crate::connect::once_a_minute(&CANNOT_READ_CANCELS_SAID) {
-                    warn!(%error, "Holding tasks: their cancel records cannot be read and the cancel watch is behind; each starts once either works (said at most once a minute).");
-                }
-            }
-            tokio::select! {
-                () = stop.cancelled() => return false,
-                () = self.keeping_alive(message, tokio::time::sleep(pause)) => {}
-            }
-            pause = (pause * 2).min(CANCEL_READ_RETRY_MAX);
+        if self.cancels.is_current() {
+            return true;
         }
-        true
+        // One keep-alive for the whole wait: each read and pause is shorter
+        // than a keep-alive period, and would never send one of its own.
+        let waiting = async {
+            let mut pause = CANCEL_READ_RETRY_MIN;
+            while !self.cancels.is_current() {
+                // While the client reconnects a read would only be queued.
+                if crate::connect::is_connected(&self.bus.client) {
+                    let read = self.cancels.read_directly(delegation_id, session_token);
+                    let Err(error) = read.await else {
+                        return true;
+                    };
+                    if crate::connect::once_a_minute(&CANNOT_READ_CANCELS_SAID) {
+                        warn!(%error, "Holding tasks: their cancel records cannot be read and the cancel watch is behind; each starts once either works (said at most once a minute).");
+                    }
+                }
+                tokio::select! {
+                    () = stop.cancelled() => return false,
+                    () = tokio::time::sleep(pause) => {}
+                }
+                pause = (pause * 2).min(CANCEL_READ_RETRY_MAX);
+            }
+            true
+        };
+        self.keeping_alive(message, waiting).await
     }
 
     /// Runs `work` while in-progress acks, every progress interval, keep
