@@ -37,15 +37,21 @@ fn git_commit() -> Option<String> {
     if same(&top)? != same(&manifest)? {
         return None;
     }
-    for path in ["HEAD", "packed-refs"] {
-        if let Some(path) = git(&["rev-parse", "--git-path", path]) {
+    // Only files that exist: cargo runs the script again at every build
+    // for one that does not. HEAD's log moves with every commit, checkout
+    // and reset; the branch's ref and packed-refs where there is no log.
+    let mut watched = vec![
+        "HEAD".to_owned(),
+        "logs/HEAD".to_owned(),
+        "packed-refs".to_owned(),
+    ];
+    watched.extend(git(&["symbolic-ref", "-q", "HEAD"]));
+    for path in watched {
+        if let Some(path) = git(&["rev-parse", "--git-path", &path])
+            && std::path::Path::new(&path).exists()
+        {
             println!("cargo:rerun-if-changed={path}");
         }
-    }
-    if let Some(reference) = git(&["symbolic-ref", "-q", "HEAD"])
-        && let Some(path) = git(&["rev-parse", "--git-path", &reference])
-    {
-        println!("cargo:rerun-if-changed={path}");
     }
     git(&["rev-parse", "--short=12", "HEAD"])
 }
