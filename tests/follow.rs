@@ -411,3 +411,30 @@ async fn a_follow_up_to_a_sequence_ends_once_the_stream_has_passed_it() {
     }
     assert_eq!(shown, [1, 2]);
 }
+
+/// The same for a follow that starts at a time after every message on its
+/// filter: the older messages are none of what it has still to show.
+#[tokio::test]
+async fn a_follow_from_a_time_up_to_a_sequence_ends_once_the_stream_has_passed_it() {
+    use wakebus::history::{HistoryReader, Selection, Source};
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let subject = format!("{}.evt.tok.d1.0.progress", bus.subjects.prefix());
+    for _ in 0..2 {
+        let ack = bus.js.publish(subject.clone(), "{}".into()).await.unwrap();
+        ack.await.unwrap();
+    }
+    let selection = Selection {
+        since: Some(time::OffsetDateTime::now_utc() + time::Duration::seconds(1)),
+        to_seq: Some(2),
+        ..Selection::default()
+    };
+    let mut reader = HistoryReader::open(&bus, Source::Events, selection, true)
+        .await
+        .unwrap();
+    let next = tokio::time::timeout(WAIT, reader.next())
+        .await
+        .expect("the follow to end past --to-seq");
+    assert!(next.is_none(), "{next:?}");
+}

@@ -123,10 +123,11 @@ impl HistoryReader {
                 None => self.selection.deliver_policy(),
             };
             match read(&self.handle, &self.stream, &self.filter_subject, policy).await {
-                Ok((messages, name, _)) => {
+                Ok((messages, name, _, start_floor)) => {
                     self.close().await;
                     self.messages = messages;
                     self.cleanup = Some(name);
+                    self.start_floor = start_floor;
                     return;
                 }
                 Err(error) => {

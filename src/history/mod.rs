@@ -319,6 +319,10 @@ pub struct HistoryReader {
     /// The ephemeral consumer to delete at the end: the one the read
     /// opened, or the one the client created in its place since.
     cleanup: Option<String>,
+    /// The stream sequence before the first one the read's consumer
+    /// started at: a read from a time starts past older messages, which
+    /// are none of what it has still to deliver.
+    start_floor: u64,
 }
 
 impl std::fmt::Debug for HistoryReader {
@@ -357,7 +361,7 @@ impl HistoryReader {
             .map(|info| info.state.last_sequence)
             .unwrap_or(u64::MAX);
         let filter_subject = selection.filter_subject(&bus.subjects, source);
-        let (messages, consumer_name, total) = read(
+        let (messages, consumer_name, total, start_floor) = read(
             &stream,
             &stream_name,
             &filter_subject,
@@ -387,6 +391,7 @@ impl HistoryReader {
             end,
             total,
             cleanup: Some(consumer_name),
+            start_floor,
         })
     }
 
@@ -493,13 +498,16 @@ impl HistoryReader {
     }
 
     /// Whether the stream holds no message this read has still to deliver:
-    /// none matching after the last one delivered (or from the read's
-    /// start, before the first), or the next one past the read's end. (A
-    /// read that starts at a time finds older ones first, and says no.)
+    /// none matching after the last one delivered (or from where the read
+    /// started, before the first), or the next one past the read's end.
     async fn nothing_left(&self) -> bool {
-        let from = self
-            .last_sequence
-            .map_or(self.selection.from_seq.unwrap_or(1), |last| last + 1);
+        let from = self.last_sequence.map_or(
+            self.selection
+                .from_seq
+                .unwrap_or(1)
+                .max(self.start_floor + 1),
+            |last| last + 1,
+        );
         let next = self
             .handle
             .raw_message_builder()
@@ -549,13 +557,14 @@ async fn until_passed(until: Option<OffsetDateTime>) {
 }
 
 /// Opens an ordered read of `filter_subject` on `stream`: its messages, the
-/// consumer's name and how many messages it has pending.
+/// consumer's name, how many messages it has pending, and the stream
+/// sequence before the one it starts at.
 async fn read(
     stream: &async_nats::jetstream::stream::Stream,
     stream_name: &str,
     filter_subject: &str,
     deliver_policy: DeliverPolicy,
-) -> Result<(Ordered, String, u64), HistoryError> {
+) -> Result<(Ordered, String, u64, u64), HistoryError> {
     let consumer = stream
         .create_consumer(OrderedConfig {
             filter_subject: filter_subject.to_owned(),
@@ -570,6 +579,8 @@ async fn read(
         })?;
     let total = consumer.cached_info().num_pending;
     let name = consumer.cached_info().name.clone();
+    // Before any delivery: the sequence before the consumer's start.
+    let floor = consumer.cached_info().delivered.stream_sequence;
     let messages = consumer
         .messages()
         .await
@@ -577,7 +588,7 @@ async fn read(
             stream: stream_name.to_owned(),
             reason: err.to_string(),
         })?;
-    Ok((messages, name, total))
+    Ok((messages, name, total, floor))
 }
 
 /// Formats a time as RFC 3339 (UTC).
