@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::{CancelRegistry, Followed};
+use super::{CancelRegistry, Followed, From};
 use crate::bus::Bus;
 use crate::cancel::{CancelRecord, CancelTarget};
 
@@ -73,6 +73,7 @@ impl CancelRegistry {
             },
             checked_tx,
             checking: false,
+            epoch: 0,
             loaded: Some(loaded_tx),
         };
         if info.state.messages == 0 {
@@ -92,8 +93,9 @@ impl CancelRegistry {
     }
 }
 
-/// What a check read: the connect count before it, and the stream's info.
-type Checked = (u64, Result<stream::Info, String>);
+/// What a check read: the follower's epoch and the connect count when it
+/// began, and the stream's info.
+type Checked = (u64, u64, Result<stream::Info, String>);
 
 /// The task applying the watch's records and the broadcasts.
 struct Follower {
@@ -116,6 +118,9 @@ struct Follower {
     checked_tx: mpsc::Sender<Checked>,
     /// Whether a check is under way.
     checking: bool,
+    /// Counts the times the watch fell behind: a check begun before the
+    /// latest is stale.
+    epoch: u64,
     /// Tells `follow` the records that existed at start are loaded.
     loaded: Option<tokio::sync::oneshot::Sender<()>>,
 }
@@ -136,16 +141,24 @@ impl Follower {
                 // Every second, not only while behind: a reconnect wakes
                 // nothing else here when no record was written meanwhile.
                 _ = tick.tick() => self.tick().await,
-                Some((connects, info)) = checked.recv() => {
+                Some((epoch, connects, info)) = checked.recv() => {
                     self.checking = false;
                     let loaded = self.loaded.is_none();
-                    self.catching_up.checked(&self.registry, connects, info, loaded);
+                    if epoch == self.epoch
+                        && self.catching_up.checked(&self.registry, connects, info, loaded)
+                    {
+                        // A bucket made anew: the watch would go on after
+                        // the old one's revisions and miss the new records.
+                        info!("The cancel bucket was created again; watching it from its start.");
+                        self.watch = None;
+                        self.fell_behind();
+                    }
                 }
                 entry = next_entry(&mut self.watch) => self.watched(entry),
                 Some(message) = broadcasts.next() => {
                     let key = message.subject.strip_prefix(self.prefix.as_str()).unwrap_or_default();
                     if let Some((target, record)) = decode(key, &message.payload) {
-                        self.registry.apply(target, record);
+                        self.registry.apply(target, record, From::Broadcast);
                     }
                 }
             }
@@ -162,7 +175,7 @@ impl Follower {
                 {
                     // The server's clock, like the requests' stored times.
                     record.at = entry.created;
-                    self.registry.apply(target, record);
+                    self.registry.apply(target, record, From::Stored);
                 }
                 self.catching_up.saw(&self.registry, entry.revision);
                 if entry.delta == 0 {
@@ -208,7 +221,7 @@ impl Follower {
             return;
         }
         self.checking = true;
-        let connects = self.stats.connects.load(Ordering::Acquire);
+        let (epoch, connects) = (self.epoch, self.stats.connects.load(Ordering::Acquire));
         let mut stream = self.bucket.stream.clone();
         let checked_tx = self.checked_tx.clone();
         tokio::spawn(async move {
@@ -217,13 +230,14 @@ impl Follower {
                 Ok(Err(error)) => Err(error.to_string()),
                 Err(_) => Err("no answer".to_owned()),
             };
-            let _ = checked_tx.send((connects, info)).await;
+            let _ = checked_tx.send((epoch, connects, info)).await;
         });
     }
 
     /// The watch may have missed records: not current until a check has
     /// read the bucket again and the watch has delivered its last revision.
     fn fell_behind(&mut self) {
+        self.epoch += 1;
         self.catching_up.last_revision = u64::MAX;
         self.registry.fell_behind();
     }
@@ -274,18 +288,20 @@ impl CatchUp {
     /// if it delivered the bucket's last revision already, or if the bucket
     /// is empty (its last record expired before the watch delivered it).
     /// `loaded`: the start's records are in, so a watch behind is news.
+    /// Returns whether the bucket is a new one since the last check.
     fn checked(
         &mut self,
         registry: &CancelRegistry,
         connects: u64,
         info: Result<stream::Info, String>,
         loaded: bool,
-    ) {
+    ) -> bool {
         let Ok(info) = info else {
-            return;
+            return false;
         };
         if info.created != self.created {
             (self.created, self.seen) = (info.created, 0);
+            return true;
         }
         (self.connects, self.last_revision) = (connects, info.state.last_sequence);
         if info.state.messages == 0 || self.seen >= self.last_revision {
@@ -298,6 +314,7 @@ impl CatchUp {
                 "The cancel watch is behind the bucket; each task reads its own cancel records until it catches up."
             );
         }
+        false
     }
 
     /// Marks the registry current as of the connect the bucket was read after.

@@ -29,6 +29,17 @@ use crate::cancel::{CancelRecord, CancelTarget};
 
 mod follow;
 
+/// Where a cancel record came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum From {
+    /// The bucket (its watch, or a read by key): as stored, with the
+    /// server's time.
+    Stored,
+    /// A broadcast: with the server's time as the canceller read it back,
+    /// or, when it could not, the canceller's own.
+    Broadcast,
+}
+
 /// Why a run was stopped before it ended by itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum StopReason {
@@ -176,7 +187,7 @@ impl CancelRegistry {
     }
 
     /// Records a cancel and stops every matching run.
-    pub(crate) fn apply(&self, target: CancelTarget, record: CancelRecord) {
+    pub(crate) fn apply(&self, target: CancelTarget, record: CancelRecord, from: From) {
         let mut inner = self.inner.lock().expect("cancel registry");
         for run in inner.running.values() {
             if matches(
@@ -193,11 +204,14 @@ impl CancelRegistry {
                 run.stop.cancel();
             }
         }
-        // The newer record wins: the watch and the broadcast may bring a
-        // session's two cancels in either order, and an older one kept
-        // would let requests stored between the two start.
-        match inner.records.get(&target) {
-            Some(kept) if kept.at > record.at => {}
+        // A stored record is the key's latest write (the bucket keeps one
+        // per key), with the server's time: it replaces what a broadcast
+        // brought, whose time may be the canceller's clock. Between
+        // broadcasts the newer wins: they may bring a session's two cancels
+        // in either order, and an older one kept would let requests stored
+        // between the two start.
+        match (inner.records.get(&target), from) {
+            (Some(kept), From::Broadcast) if kept.at > record.at => {}
             _ => {
                 inner.records.insert(target, record);
             }
@@ -274,7 +288,7 @@ impl CancelRegistry {
         for (target, message) in [by_delegation, by_session].into_iter().flatten() {
             if let Ok(mut record) = serde_json::from_slice::<CancelRecord>(&message.payload) {
                 record.at = message.time;
-                self.apply(target, record);
+                self.apply(target, record, From::Stored);
             }
         }
         Ok(())
@@ -334,11 +348,11 @@ mod tests {
     }
 
     #[test]
-    fn an_older_session_cancel_arriving_late_does_not_replace_a_newer_one() {
+    fn an_older_session_cancel_broadcast_late_does_not_replace_a_newer_one() {
         let registry = Arc::new(CancelRegistry::new(Duration::from_secs(3600)));
         let session = || CancelTarget::Session("tok".to_owned());
-        registry.apply(session(), record(Duration::ZERO));
-        registry.apply(session(), record(Duration::from_secs(60)));
+        registry.apply(session(), record(Duration::ZERO), From::Broadcast);
+        registry.apply(session(), record(Duration::from_secs(60)), From::Broadcast);
         // Stored 30 s ago: before the newer cancel, after the older one.
         let refused = registry.register(
             "d1",
@@ -350,6 +364,30 @@ mod tests {
         assert!(refused.is_err(), "the newer cancel was replaced");
     }
 
+    /// A canceller that cannot read its record back broadcasts it with its
+    /// own clock; one running ahead would otherwise cancel the session's
+    /// next requests too, until the record expired.
+    #[test]
+    fn the_stored_record_replaces_a_broadcast_one_timed_by_the_cancellers_clock() {
+        let registry = Arc::new(CancelRegistry::new(Duration::from_secs(3600)));
+        let session = || CancelTarget::Session("tok".to_owned());
+        let ahead = CancelRecord {
+            at: OffsetDateTime::now_utc() + Duration::from_secs(60),
+            silent: false,
+        };
+        registry.apply(session(), ahead, From::Broadcast);
+        registry.apply(session(), record(Duration::from_secs(60)), From::Stored);
+        // Stored 30 s ago: after the cancel as the server stored it.
+        let started = registry.register(
+            "d1",
+            "tok",
+            OffsetDateTime::now_utc() - Duration::from_secs(30),
+            CancellationToken::new(),
+            Arc::new(OnceLock::new()),
+        );
+        assert!(started.is_ok(), "refused by the canceller's clock");
+    }
+
     #[test]
     fn records_older_than_the_bucket_keeps_them_are_forgotten() {
         let registry = CancelRegistry::new(Duration::from_secs(3600));
@@ -357,11 +395,13 @@ mod tests {
             registry.apply(
                 CancelTarget::Delegation(format!("old{i}")),
                 record(Duration::from_secs(7200)),
+                From::Stored,
             );
         }
         registry.apply(
             CancelTarget::Delegation("new".to_owned()),
             record(Duration::from_secs(1)),
+            From::Stored,
         );
         assert_eq!(registry.records(), 1);
     }
@@ -372,10 +412,12 @@ mod tests {
         registry.apply(
             CancelTarget::Delegation("d1".to_owned()),
             record(Duration::ZERO),
+            From::Stored,
         );
         registry.apply(
             CancelTarget::Session("tok".to_owned()),
             record(Duration::from_secs(60)),
+            From::Stored,
         );
         let run = |delegation: &str, token: &str, stored_ago: u64| {
             registry
