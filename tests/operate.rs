@@ -2255,16 +2255,26 @@ async fn the_version_names_the_commit_the_build_came_from() {
     assert!(output.status.success());
     let said = String::from_utf8(output.stdout).unwrap();
     assert_eq!(said.trim(), format!("wakebus {}", wakebus::VERSION));
-    let head = std::process::Command::new("git")
-        .args(["rev-parse", "--short=12", "HEAD"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output();
-    let expected = match head {
-        Ok(head) if head.status.success() && std::env::var_os("WAKEBUS_BUILD_COMMIT").is_none() => {
-            let commit = String::from_utf8(head.stdout).unwrap();
-            format!("{}+g{}", env!("CARGO_PKG_VERSION"), commit.trim())
+    // What build.rs read: the commit of this checkout, when the package
+    // is a checkout of its own and no commit was given.
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .ok()
+            .filter(|output| output.status.success())
+            .map(|output| String::from_utf8(output.stdout).unwrap().trim().to_owned())
+    };
+    let own_checkout = git(&["rev-parse", "--show-toplevel"]).is_some_and(|top| {
+        std::fs::canonicalize(top).ok() == std::fs::canonicalize(env!("CARGO_MANIFEST_DIR")).ok()
+    });
+    let expected = match git(&["rev-parse", "--short=12", "HEAD"]) {
+        Some(commit) if own_checkout && option_env!("WAKEBUS_BUILD_COMMIT").is_none() => {
+            format!("{}+g{commit}", env!("CARGO_PKG_VERSION"))
         }
-        // No checkout to read (an image build says its commit itself).
+        // No checkout of its own (a tarball, a vendored copy), or a commit
+        // given by the build (an image).
         _ => wakebus::VERSION.to_owned(),
     };
     assert_eq!(wakebus::VERSION, expected);

@@ -36,7 +36,7 @@ impl Replayer {
                 Ok(Some(reason)) => return Ok(item.skipped(reason)),
                 Err(error) => {
                     return Ok(
-                        item.unchecked(format!("cannot tell whether it was cancelled: {error}"))
+                        item.unchecked(format!("cannot tell whether it was cancelled: {error} (use --include-cancelled to send it anyway)"))
                     );
                 }
             }
