@@ -252,6 +252,13 @@ impl CancelRegistry {
         })
     }
 
+    /// Completes once the watch is current (looked at every 100 ms).
+    pub(crate) async fn until_current(&self) {
+        while !self.is_current() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Reads the records that could cancel one task (its delegation's and
     /// its session's) from the stream's leader, which has every record
     /// stored (a replica may lag), and applies them, for a task about to

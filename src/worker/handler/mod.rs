@@ -444,7 +444,11 @@ impl TaskHandler {
                 // While the client reconnects a read would only be queued.
                 if crate::connect::is_connected(&self.bus.client) {
                     let read = self.cancels.read_directly(delegation_id, session_token);
-                    let Err(error) = read.await else {
+                    // The watch catching up meanwhile ends the wait too.
+                    let Err(error) = (tokio::select! {
+                        read = read => read,
+                        () = self.cancels.until_current() => Ok(()),
+                    }) else {
                         return true;
                     };
                     if crate::connect::once_a_minute(&CANNOT_READ_CANCELS_SAID) {
