@@ -1936,11 +1936,7 @@ async fn a_cancel_that_cannot_read_the_history_records_the_cancel_and_says_so() 
     let events = wakebus::protocol::Subjects::new(&prefix)
         .unwrap()
         .events_stream();
-    let denied = [
-        format!("$JS.API.DIRECT.GET.{events}"),
-        format!("$JS.API.DIRECT.GET.{events}.>"),
-        format!("$JS.API.STREAM.MSG.GET.{events}"),
-    ];
+    let denied = common::nats::message_reads_of(&events);
     let server = common::nats::LimitedUserServer::start(&denied).await;
     let bus = bus(&server.nats.url(), &prefix).await;
     let id = delegate(&bus, Delegation::new("queued work").session("s.unread")).await;
@@ -1982,11 +1978,7 @@ async fn a_cancel_that_cannot_read_its_record_back_still_stops_the_running_task(
             .unwrap()
             .cancel_bucket(),
     );
-    let denied = [
-        format!("$JS.API.DIRECT.GET.{cancels}"),
-        format!("$JS.API.DIRECT.GET.{cancels}.>"),
-        format!("$JS.API.STREAM.MSG.GET.{cancels}"),
-    ];
+    let denied = common::nats::message_reads_of(&cancels);
     let server = common::nats::LimitedUserServer::start(&denied).await;
     let bus = bus(&server.nats.url(), &prefix).await;
     let mut services = Services::new();

@@ -344,6 +344,16 @@ pub struct LimitedUserServer {
     dir: TempDir,
 }
 
+/// The API subjects that read `stream`'s messages (by sequence or subject,
+/// from any replica or the leader), for a [`LimitedUserServer`] to deny.
+pub fn message_reads_of(stream: &str) -> Vec<String> {
+    vec![
+        format!("$JS.API.DIRECT.GET.{stream}"),
+        format!("$JS.API.DIRECT.GET.{stream}.>"),
+        format!("$JS.API.STREAM.MSG.GET.{stream}"),
+    ]
+}
+
 impl LimitedUserServer {
     /// Starts one whose user `limited` may not publish to `denied`.
     pub async fn start(denied: &[String]) -> Self {
