@@ -458,6 +458,7 @@ impl TaskHandler {
                 tokio::select! {
                     () = stop.cancelled() => return false,
                     () = tokio::time::sleep(pause) => {}
+                    () = self.cancels.until_current() => {}
                 }
                 pause = (pause * 2).min(CANCEL_READ_RETRY_MAX);
             }
