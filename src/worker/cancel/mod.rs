@@ -69,8 +69,9 @@ struct Running {
 
 #[derive(Debug, Default)]
 struct Inner {
-    /// Every cancel record known, younger than `keep`.
-    records: HashMap<CancelTarget, CancelRecord>,
+    /// Every cancel record known, younger than `keep`, and where it came
+    /// from.
+    records: HashMap<CancelTarget, (CancelRecord, From)>,
     /// How long a record is kept: as long as the cancel bucket keeps it
     /// (its max age), after which no request it could stop is still queued.
     keep: Duration,
@@ -91,10 +92,12 @@ impl Inner {
     ) -> Option<&CancelRecord> {
         let by_delegation = self
             .records
-            .get(&CancelTarget::Delegation(delegation_id.to_owned()));
+            .get(&CancelTarget::Delegation(delegation_id.to_owned()))
+            .map(|(record, _)| record);
         let by_session = self
             .records
             .get(&CancelTarget::Session(session_token.to_owned()))
+            .map(|(record, _)| record)
             .filter(|record| stored_at <= record.at);
         by_delegation.or(by_session)
     }
@@ -206,18 +209,20 @@ impl CancelRegistry {
         }
         // A stored record is the key's latest write (the bucket keeps one
         // per key), with the server's time: it replaces what a broadcast
-        // brought, whose time may be the canceller's clock. Between
-        // broadcasts the newer wins: they may bring a session's two cancels
-        // in either order, and an older one kept would let requests stored
-        // between the two start.
+        // brought, whose time may be the canceller's clock, and no
+        // broadcast replaces it, whichever comes first (the watch usually
+        // does). Between broadcasts the newer wins: they may bring a
+        // session's two cancels in either order, and an older one kept
+        // would let requests stored between the two start.
         match (inner.records.get(&target), from) {
-            (Some(kept), From::Broadcast) if kept.at > record.at => {}
+            (Some((_, From::Stored)), From::Broadcast) => {}
+            (Some((kept, From::Broadcast)), From::Broadcast) if kept.at > record.at => {}
             _ => {
-                inner.records.insert(target, record);
+                inner.records.insert(target, (record, from));
             }
         }
         let cutoff = OffsetDateTime::now_utc() - inner.keep;
-        inner.records.retain(|_, record| record.at >= cutoff);
+        inner.records.retain(|_, (record, _)| record.at >= cutoff);
     }
 
     /// How many cancel records are held.
@@ -397,12 +402,18 @@ mod tests {
             at: OffsetDateTime::now_utc() + Duration::from_secs(60),
             silent: false,
         };
-        registry.apply(session(), ahead, From::Broadcast);
+        registry.apply(session(), ahead.clone(), From::Broadcast);
         registry.apply(session(), record(Duration::from_secs(60)), From::Stored);
         // Stored 30 s ago: after the cancel as the server stored it.
         assert!(
             !refused(&registry, "d1", "tok", 30),
             "refused by the canceller's clock"
+        );
+        // The usual order: the watch first, the broadcast after.
+        registry.apply(session(), ahead, From::Broadcast);
+        assert!(
+            !refused(&registry, "d2", "tok", 30),
+            "replaced by the broadcast"
         );
     }
 
