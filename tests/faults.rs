@@ -909,6 +909,72 @@ async fn a_running_task_gets_its_keep_alive_as_soon_as_its_worker_reconnects() {
     services.stop().await;
 }
 
+/// A task's in-progress acks keep one pace from its delivery to its end,
+/// whatever steps its handling goes through. Here it first asks whether an
+/// earlier copy already completed it while no stream answers (a leader
+/// election), and the answer comes just before a keep-alive is due. With a
+/// keep-alive per step, the run's first would come a whole period after
+/// the run began: the gaps between steps add up towards the AckWait, after
+/// which the server hands the task to another worker while it runs here.
+#[tokio::test]
+async fn a_task_keeps_one_keep_alive_pace_from_asking_to_running() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut config = test_worker_config("default");
+    // A keep-alive every 3 s.
+    config.ack_wait = Duration::from_secs(9);
+    let mut services = Services::new();
+    services.worker(&bus, shell("sleep 5; echo ok"), config);
+    let tasks = bus.subjects.tasks_stream();
+    let mut acks = bus
+        .client
+        .subscribe(format!("$JS.ACK.{tasks}.>"))
+        .await
+        .unwrap();
+    // Nobody listens on the events stream's subjects for a while.
+    let events = bus.subjects.events_stream();
+    let mut stream = bus.js.get_stream(&events).await.unwrap();
+    let config = stream.info().await.unwrap().config.clone();
+    let mut electing = config.clone();
+    electing.subjects = vec![format!("{}.paused.>", bus.subjects.prefix())];
+    bus.js.update_stream(&electing).await.unwrap();
+    // Undated, so the worker asks whether it ran before: at 0, 0.5, 1.5,
+    // 3.5, 7.5 and 11.5 s after its delivery, keeping it alive at 3, 6, 9,
+    // 12 s and on.
+    let mut raw = request("s.pace", "paced");
+    raw.created_at = None;
+    publish_until_stored(&bus, &raw).await;
+    next_keep_alive(&mut acks).await;
+    next_keep_alive(&mut acks).await;
+    // Answered from 8.5 s on: the question ends at 11.5 s, and the run
+    // starts half a second before the next keep-alive is due.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    bus.js.update_stream(&config).await.unwrap();
+    let mut last = std::time::Instant::now() - Duration::from_millis(2500);
+    let mut gaps = Vec::new();
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(message) = acks.next().await {
+            gaps.push(last.elapsed());
+            last = std::time::Instant::now();
+            if message.payload.as_ref() != b"+WPI" {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("the task's ack");
+    // 3 s apart, and 5.5 s when the run kept alive on a clock of its own.
+    assert!(
+        gaps.iter().all(|gap| *gap < Duration::from_millis(4500)),
+        "{gaps:?}"
+    );
+    let done = done_events(&bus).await;
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0].status, Status::Completed, "{done:?}");
+    services.stop().await;
+}
+
 /// Waits for the next in-progress ack among `acks`.
 async fn next_keep_alive(acks: &mut async_nats::Subscriber) {
     tokio::time::timeout(Duration::from_secs(30), async {

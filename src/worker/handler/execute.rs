@@ -1,11 +1,10 @@
-//! Running the executor: in-progress acks while it runs, its time limit, the
+//! Running the executor: its time limit, the
 //! `started` event once the run has lasted `started_after`, and progress
 //! events at most once per interval.
 
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use async_nats::jetstream;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
@@ -16,13 +15,13 @@ use crate::worker::executor::{ExecError, ExecOutput, Progress};
 use super::TaskHandler;
 
 impl TaskHandler {
-    /// Runs the executor, sending in-progress acks while it runs and stopping
-    /// it when its time limit passes. `started` is written once the run has
+    /// Runs the executor, stopping it when its time limit passes (the
+    /// in-progress acks are [`TaskHandler::settle`]'s, for the whole
+    /// handling). `started` is written once the run has
     /// lasted `started_after` (at once if that is zero), and always before
     /// the first progress event.
     pub(super) async fn execute(
         &self,
-        message: &jetstream::Message,
         request: &TaskRequest,
         run_stop: &CancellationToken,
         reason: &OnceLock<StopReason>,
@@ -46,8 +45,6 @@ impl TaskHandler {
         let throttle = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(throttle);
         let mut unpublished = false;
-        let keepalive = tokio::time::sleep(self.keep_alive.period());
-        tokio::pin!(keepalive);
         let deadline = async {
             match timeout {
                 Some(limit) => tokio::time::sleep(limit).await,
@@ -68,16 +65,6 @@ impl TaskHandler {
                 }
                 () = &mut started_due, if started.is_some() => {
                     self.publish_started(request, trace, &mut started).await;
-                }
-                () = &mut keepalive => {
-                    // Tell the server we are alive so AckWait does not hand
-                    // the task to another worker.
-                    let next = if crate::outcome::keep_alive(message).await {
-                        self.keep_alive.period()
-                    } else {
-                        crate::outcome::KEEP_ALIVE_RETRY
-                    };
-                    keepalive.as_mut().reset(tokio::time::Instant::now() + next);
                 }
                 Ok(()) = reports.changed() => {
                     unpublished = true;

@@ -95,7 +95,13 @@ impl TaskHandler {
     /// worker shuts down and its grace period is over: the run is then
     /// stopped and the request handed back.
     pub(crate) async fn settle(&self, message: &jetstream::Message, stop: &CancellationToken) {
-        let (outcome, claim) = self.handle(message, stop).await;
+        // One keep-alive for the whole handling, on one clock: separate
+        // ones per step (asking, holding, running, publishing) would each
+        // wait a full period before their first, and the gaps between steps
+        // would add up towards the AckWait.
+        let (outcome, claim) = self
+            .keeping_alive(message, self.handle(message, stop))
+            .await;
         outcome.apply(message).await;
         // Given up only now that the ack (or NAK) is on its way.
         drop(claim);
@@ -183,12 +189,7 @@ impl TaskHandler {
             stored_at,
             self.duplicate_window,
         );
-        // Kept from other workers while it asks, which may take a while.
-        if late
-            && self
-                .keeping_alive(message, self.already_done(&request, stop))
-                .await
-        {
+        if late && self.already_done(&request, stop).await {
             info!(
                 "Completion already published by an earlier attempt or copy; acking this delivery."
             );
@@ -201,7 +202,7 @@ impl TaskHandler {
         let session_token = token_for(request.origin_session_id.as_deref());
         let stored_at = stored_at.unwrap_or_else(OffsetDateTime::now_utc);
         if !self
-            .cancels_known(message, &request.delegation_id, &session_token, stop)
+            .cancels_known(&request.delegation_id, &session_token, stop)
             .await
         {
             info!(
@@ -214,7 +215,7 @@ impl TaskHandler {
                 .cancelled(&request.delegation_id, &session_token, stored_at)
         {
             return self
-                .cancelled_before_start(message, &request, trace, &record, stop)
+                .cancelled_before_start(&request, trace, &record, stop)
                 .await;
         }
         if request.depth > self.config.max_depth {
@@ -272,7 +273,7 @@ impl TaskHandler {
             Ok(guard) => guard,
             Err(record) => {
                 return self
-                    .cancelled_before_start(message, &request, trace, &record, stop)
+                    .cancelled_before_start(&request, trace, &record, stop)
                     .await;
             }
         };
@@ -282,7 +283,7 @@ impl TaskHandler {
 
         let begun = Instant::now();
         let result = self
-            .execute(message, &request, &run_stop, &reason, trace, started)
+            .execute(&request, &run_stop, &reason, trace, started)
             .await;
         let duration = begun.elapsed();
         let result = stopped_if_asked(result, reason.get(), run_stop.is_cancelled());
@@ -369,8 +370,7 @@ impl TaskHandler {
         done.suppress_wake = suppress_wake;
         done.truncated = output.truncated;
         info!(status = %done.status, duration_ms = duration.as_millis() as u64, "Task done.");
-        self.finish(message, &request, trace, done, Ending::Ran, stop)
-            .await
+        self.finish(&request, trace, done, Ending::Ran, stop).await
     }
 
     /// Publishes the completion, cut to fit in one message (every
@@ -380,12 +380,11 @@ impl TaskHandler {
     ///
     /// The result is in hand, so a completion JetStream does not take (an
     /// outage, a leader election, a stream at its limits) is published
-    /// again until it is stored, while in-progress acks on their own clock
+    /// again until it is stored, while [`Self::settle`]'s in-progress acks
     /// keep the request here: handing it back would run the task again.
     /// Only a worker that stops (its grace period over) hands it back.
     async fn finish(
         &self,
-        message: &jetstream::Message,
         request: &TaskRequest,
         trace: TraceParent,
         mut done: CompletionEvent,
@@ -394,12 +393,7 @@ impl TaskHandler {
     ) -> Outcome {
         fit_to_payload(&mut done, self.bus.max_payload());
         let publish = || self.publish(request, EventKind::Done, trace, &done);
-        let stored = self
-            .keeping_alive(
-                message,
-                self.until_stored(Record::Completion, publish, stop),
-            )
-            .await;
+        let stored = self.until_stored(Record::Completion, publish, stop).await;
         match stored {
             Ok(()) => {
                 let ran = Duration::from_secs_f64(done.duration_seconds);
@@ -421,53 +415,44 @@ impl TaskHandler {
         }
     }
 
-    /// Waits, keeping the task from other workers, until its cancel records
-    /// are known: the cancel watch is current, or they were read by key. A
-    /// failed read is tried again, the task held rather than handed back
-    /// (each hand-back would use up one of its deliveries); `false` if the
-    /// worker's grace ends first.
+    /// Waits until the task's cancel records are known: the cancel watch is
+    /// current, or they were read by key. A failed read is tried again, the
+    /// task held (kept from other workers by [`Self::settle`]'s in-progress
+    /// acks) rather than handed back: each hand-back would use up one of its
+    /// deliveries. `false` if the worker's grace ends first.
     async fn cancels_known(
         &self,
-        message: &jetstream::Message,
         delegation_id: &str,
         session_token: &str,
         stop: &CancellationToken,
     ) -> bool {
-        if self.cancels.is_current() {
-            return true;
-        }
-        // One keep-alive for the whole wait: each read and pause is shorter
-        // than a keep-alive period, and would never send one of its own.
-        let waiting = async {
-            let mut pause = CANCEL_READ_RETRY_MIN;
-            while !self.cancels.is_current() {
-                // While the client reconnects a read would only be queued.
-                if crate::connect::is_connected(&self.bus.client) {
-                    let read = self.cancels.read_directly(delegation_id, session_token);
-                    // The watch catching up meanwhile ends the wait too.
-                    let Err(error) = (tokio::select! {
-                        read = read => read,
-                        () = self.cancels.until_current() => Ok(()),
-                    }) else {
-                        return true;
-                    };
-                    if crate::connect::once_a_minute(&CANNOT_READ_CANCELS_SAID) {
-                        warn!(%error, "Holding tasks: their cancel records cannot be read and the cancel watch is behind; each starts once either works (said at most once a minute).");
-                    }
+        let mut pause = CANCEL_READ_RETRY_MIN;
+        while !self.cancels.is_current() {
+            // While the client reconnects a read would only be queued.
+            if crate::connect::is_connected(&self.bus.client) {
+                let read = self.cancels.read_directly(delegation_id, session_token);
+                // The watch catching up meanwhile ends the wait too.
+                let Err(error) = (tokio::select! {
+                    read = read => read,
+                    () = self.cancels.until_current() => Ok(()),
+                }) else {
+                    return true;
+                };
+                if crate::connect::once_a_minute(&CANNOT_READ_CANCELS_SAID) {
+                    warn!(%error, "Holding tasks: their cancel records cannot be read and the cancel watch is behind; each starts once either works (said at most once a minute).");
                 }
-                tokio::select! {
-                    () = stop.cancelled() => return false,
-                    () = tokio::time::sleep(pause) => {}
-                    () = self.cancels.until_current() => {}
-                }
-                pause = (pause * 2).min(CANCEL_READ_RETRY_MAX);
             }
-            true
-        };
-        self.keeping_alive(message, waiting).await
+            tokio::select! {
+                () = stop.cancelled() => return false,
+                () = tokio::time::sleep(pause) => {}
+                () = self.cancels.until_current() => {}
+            }
+            pause = (pause * 2).min(CANCEL_READ_RETRY_MAX);
+        }
+        true
     }
 
-    /// Runs `work` while in-progress acks, every progress interval, keep
+    /// Runs `work` while in-progress acks, every keep-alive period, keep
     /// `message` from being delivered to another worker.
     async fn keeping_alive<T>(
         &self,
@@ -565,10 +550,7 @@ impl TaskHandler {
         error!(%reason, "Giving up on task; dead-lettering the request.");
         let dead_letter = || self.dead_letter(message, &reason);
         let stored = self
-            .keeping_alive(
-                message,
-                self.until_stored(Record::DeadLetter, dead_letter, stop),
-            )
+            .until_stored(Record::DeadLetter, dead_letter, stop)
             .await;
         if let Err(error) = stored {
             warn!(%error, "Could not dead-letter the request and the worker is stopping; handing the task back.");
@@ -576,7 +558,7 @@ impl TaskHandler {
         }
         let mut done = CompletionEvent::for_request(request, Status::Failed, exit_reason);
         done.error = Some(reason);
-        self.finish(message, request, trace, done, Ending::GivenUp, stop)
+        self.finish(request, trace, done, Ending::GivenUp, stop)
             .await
     }
 
@@ -584,7 +566,6 @@ impl TaskHandler {
     /// which wakes the session unless the cancel was silent.
     async fn cancelled_before_start(
         &self,
-        message: &jetstream::Message,
         request: &TaskRequest,
         trace: TraceParent,
         record: &CancelRecord,
@@ -597,7 +578,7 @@ impl TaskHandler {
         let mut done = CompletionEvent::for_request(request, Status::Interrupted, "cancelled");
         done.error = Some("cancelled before it started".to_owned());
         done.suppress_wake = record.silent;
-        self.finish(message, request, trace, done, Ending::Cancelled, stop)
+        self.finish(request, trace, done, Ending::Cancelled, stop)
             .await
     }
 
