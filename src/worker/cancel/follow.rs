@@ -175,7 +175,9 @@ impl Follower {
                 {
                     // The server's clock, like the requests' stored times.
                     record.at = entry.created;
-                    self.registry.apply(target, record, From::Stored);
+                    let revision = entry.revision;
+                    self.registry
+                        .apply(target, record, From::Stored { revision });
                 }
                 self.catching_up.saw(&self.registry, entry.revision);
                 if entry.delta == 0 {

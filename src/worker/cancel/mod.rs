@@ -34,7 +34,10 @@ mod follow;
 pub(crate) enum From {
     /// The bucket (its watch, or a read by key): as stored, with the
     /// server's time.
-    Stored,
+    Stored {
+        /// The bucket's revision (its stream's sequence) of the write.
+        revision: u64,
+    },
     /// A broadcast: with the server's time as the canceller read it back,
     /// or, when it could not, the canceller's own.
     Broadcast,
@@ -207,16 +210,21 @@ impl CancelRegistry {
                 run.stop.cancel();
             }
         }
-        // A stored record is the key's latest write (the bucket keeps one
-        // per key), with the server's time: it replaces what a broadcast
-        // brought, whose time may be the canceller's clock, and no
-        // broadcast replaces it, whichever comes first (the watch usually
-        // does). Between broadcasts the newer wins: they may bring a
-        // session's two cancels in either order, and an older one kept
-        // would let requests stored between the two start.
+        // A stored record, with the server's time, replaces what a
+        // broadcast brought, whose time may be the canceller's clock, and
+        // no broadcast replaces it, whichever comes first (the watch usually
+        // does). Otherwise the later write wins: a watch behind may deliver
+        // a key's older write after a read by key brought its latest, and
+        // broadcasts may bring a session's two cancels in either order; an
+        // older one kept would let requests stored between the two start.
+        // Between stored records the later write has the higher revision,
+        // or the later time when the bucket was created again (and counts
+        // its revisions from 1 anew).
         match (inner.records.get(&target), from) {
-            (Some((_, From::Stored)), From::Broadcast) => {}
+            (Some((_, From::Stored { .. })), From::Broadcast) => {}
             (Some((kept, From::Broadcast)), From::Broadcast) if kept.at > record.at => {}
+            (Some((kept, From::Stored { revision: theirs })), From::Stored { revision })
+                if revision < *theirs && record.at <= kept.at => {}
             _ => {
                 inner.records.insert(target, (record, from));
             }
@@ -300,7 +308,8 @@ impl CancelRegistry {
         for (target, message) in [by_delegation, by_session].into_iter().flatten() {
             if let Ok(mut record) = serde_json::from_slice::<CancelRecord>(&message.payload) {
                 record.at = message.time;
-                self.apply(target, record, From::Stored);
+                let revision = message.sequence;
+                self.apply(target, record, From::Stored { revision });
             }
         }
         Ok(())
@@ -403,7 +412,8 @@ mod tests {
             silent: false,
         };
         registry.apply(session(), ahead.clone(), From::Broadcast);
-        registry.apply(session(), record(Duration::from_secs(60)), From::Stored);
+        let stored = From::Stored { revision: 1 };
+        registry.apply(session(), record(Duration::from_secs(60)), stored);
         // Stored 30 s ago: after the cancel as the server stored it.
         assert!(
             !refused(&registry, "d1", "tok", 30),
@@ -417,6 +427,34 @@ mod tests {
         );
     }
 
+    /// A watch behind delivers a session's older cancel after a task read
+    /// the newer one by key: kept, the older would let the requests stored
+    /// between the two start.
+    #[test]
+    fn an_older_stored_record_delivered_late_does_not_replace_a_newer_one() {
+        let registry = Arc::new(CancelRegistry::new(Duration::from_secs(3600)));
+        let session = || CancelTarget::Session("tok".to_owned());
+        let newer = record(Duration::ZERO);
+        registry.apply(session(), newer, From::Stored { revision: 7 });
+        let older = record(Duration::from_secs(60));
+        registry.apply(session(), older, From::Stored { revision: 3 });
+        // Stored 30 s ago: before the newer cancel, after the older one.
+        assert!(
+            refused(&registry, "d1", "tok", 30),
+            "the newer cancel was replaced"
+        );
+        // A bucket created again counts from 1: its later write wins.
+        let recreated = CancelRecord {
+            at: OffsetDateTime::now_utc() + Duration::from_secs(10),
+            silent: false,
+        };
+        registry.apply(session(), recreated, From::Stored { revision: 1 });
+        assert!(
+            refused(&registry, "d2", "tok", 0),
+            "the new bucket's cancel was dropped"
+        );
+    }
+
     #[test]
     fn records_older_than_the_bucket_keeps_them_are_forgotten() {
         let registry = CancelRegistry::new(Duration::from_secs(3600));
@@ -424,13 +462,13 @@ mod tests {
             registry.apply(
                 CancelTarget::Delegation(format!("old{i}")),
                 record(Duration::from_secs(7200)),
-                From::Stored,
+                From::Stored { revision: i + 1 },
             );
         }
         registry.apply(
             CancelTarget::Delegation("new".to_owned()),
             record(Duration::from_secs(1)),
-            From::Stored,
+            From::Stored { revision: 1 },
         );
         assert_eq!(registry.records(), 1);
     }
@@ -441,12 +479,12 @@ mod tests {
         registry.apply(
             CancelTarget::Delegation("d1".to_owned()),
             record(Duration::ZERO),
-            From::Stored,
+            From::Stored { revision: 1 },
         );
         registry.apply(
             CancelTarget::Session("tok".to_owned()),
             record(Duration::from_secs(60)),
-            From::Stored,
+            From::Stored { revision: 1 },
         );
         let run = |delegation: &str, token: &str, stored_ago: u64| {
             refused(&registry, delegation, token, stored_ago)
