@@ -2261,13 +2261,24 @@ async fn the_version_names_the_commit_the_build_came_from() {
     let own_checkout = git(&["rev-parse", "--show-toplevel"]).is_some_and(|top| {
         std::fs::canonicalize(top).ok() == std::fs::canonicalize(env!("CARGO_MANIFEST_DIR")).ok()
     });
-    let expected = match git(&["rev-parse", "--short=12", "HEAD"]) {
-        Some(commit) if own_checkout && option_env!("WAKEBUS_BUILD_COMMIT").is_none() => {
-            format!("{}+g{commit}", env!("CARGO_PKG_VERSION"))
-        }
-        // No checkout of its own (a tarball, a vendored copy), or a commit
-        // given by the build (an image).
-        _ => wakebus::VERSION.to_owned(),
+    let package = env!("CARGO_PKG_VERSION");
+    // A commit given by the build (an image), as semver build metadata
+    // allows it; an empty one counts as none.
+    let given = option_env!("WAKEBUS_BUILD_COMMIT")
+        .filter(|commit| !commit.is_empty())
+        .map(|commit| {
+            commit
+                .chars()
+                .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
+                .take(40)
+                .collect::<String>()
+        });
+    let expected = match (given, git(&["rev-parse", "--short=12", "HEAD"])) {
+        (Some(given), _) if !given.is_empty() => format!("{package}+g{given}"),
+        (Some(_), _) => package.to_owned(),
+        (None, Some(commit)) if own_checkout => format!("{package}+g{commit}"),
+        // No checkout of its own (a tarball, a vendored copy).
+        (None, _) => package.to_owned(),
     };
     assert_eq!(wakebus::VERSION, expected);
 }

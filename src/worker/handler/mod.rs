@@ -435,6 +435,7 @@ impl TaskHandler {
                 let Err(error) = (tokio::select! {
                     read = read => read,
                     () = self.cancels.until_current() => Ok(()),
+                    () = stop.cancelled() => return false,
                 }) else {
                     return true;
                 };
