@@ -674,6 +674,33 @@ async fn after_a_quiet_reconnect_tasks_check_cancels_from_the_watch_again() {
     assert_eq!(cut.stop().await, 3);
 }
 
+/// An operator deleted the cancel bucket and created it again while a
+/// worker was cut off, and a cancel was recorded in the new bucket. The
+/// worker's watch would go on after the old bucket's revisions and miss
+/// it; it starts again from the new bucket's start instead, so the
+/// cancelled task does not run. (This worker's role may not read records
+/// by key: only the watch can tell it.)
+#[tokio::test]
+async fn a_cancel_in_a_cancel_bucket_created_again_reaches_a_worker_cut_off_meanwhile() {
+    init_logs();
+    let mut server = role_server_without(WORKER_CANCEL_READS).await;
+    let cut = worker_cut_off_quietly(&mut server).await;
+    cut.operator
+        .js
+        .delete_stream("KV_WAKEBUS_CANCELS")
+        .await
+        .unwrap();
+    init(&server).await;
+    let id = cut.delegate_and_cancel().await;
+    cut.proxy.restore();
+    let done = cut.completion(&id).await;
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Interrupted, "cancelled")
+    );
+    assert_eq!(cut.stop().await, 1, "only the first task may start");
+}
+
 /// The worker role's lines for the cancel bucket's watch (an ordered
 /// consumer).
 const WORKER_CANCEL_WATCH: &[&str] = &[

@@ -57,6 +57,7 @@ impl CancelRegistry {
         let info = bucket.stream.clone().info().await?.clone();
         let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<()>();
         let (checked_tx, checked) = mpsc::channel(1);
+        let (restarted_tx, restarted) = mpsc::channel(1);
         let mut follower = Follower {
             registry: self.clone(),
             bucket,
@@ -73,6 +74,8 @@ impl CancelRegistry {
             },
             checked_tx,
             checking: false,
+            restarted_tx,
+            restarting: false,
             epoch: 0,
             loaded: Some(loaded_tx),
         };
@@ -80,7 +83,7 @@ impl CancelRegistry {
             follower.catching_up.caught_up(self);
             follower.loaded();
         }
-        tokio::spawn(follower.run(broadcasts, checked, stop));
+        tokio::spawn(follower.run(broadcasts, checked, restarted, stop));
         if tokio::time::timeout(LOAD_PATIENCE, loaded_rx)
             .await
             .is_err()
@@ -96,6 +99,10 @@ impl CancelRegistry {
 /// What a check read: the follower's epoch and the connect count when it
 /// began, and the stream's info.
 type Checked = (u64, u64, Result<stream::Info, String>);
+
+/// A watch started again (`None`: it could not be, and is asked for again at
+/// the next tick), with the follower's epoch when it was asked for.
+type Restarted = (u64, Option<kv::Watch>);
 
 /// The task applying the watch's records and the broadcasts.
 struct Follower {
@@ -118,6 +125,10 @@ struct Follower {
     checked_tx: mpsc::Sender<Checked>,
     /// Whether a check is under way.
     checking: bool,
+    /// Where a restart sends the watch it started.
+    restarted_tx: mpsc::Sender<Restarted>,
+    /// Whether a restart of the watch is under way.
+    restarting: bool,
     /// Counts the times the watch fell behind: a check begun before the
     /// latest is stale.
     epoch: u64,
@@ -131,6 +142,7 @@ impl Follower {
         mut self,
         mut broadcasts: async_nats::Subscriber,
         mut checked: mpsc::Receiver<Checked>,
+        mut restarted: mpsc::Receiver<Restarted>,
         stop: CancellationToken,
     ) {
         let mut tick = tokio::time::interval(CATCH_UP_CHECK);
@@ -140,7 +152,7 @@ impl Follower {
                 () = stop.cancelled() => return,
                 // Every second, not only while behind: a reconnect wakes
                 // nothing else here when no record was written meanwhile.
-                _ = tick.tick() => self.tick().await,
+                _ = tick.tick() => self.tick(),
                 Some((epoch, connects, info)) = checked.recv() => {
                     self.checking = false;
                     let loaded = self.loaded.is_none();
@@ -152,6 +164,19 @@ impl Follower {
                         info!("The cancel bucket was created again; watching it from its start.");
                         self.watch = None;
                         self.fell_behind();
+                    }
+                }
+                Some((epoch, watch)) = restarted.recv() => {
+                    self.restarting = false;
+                    // One asked for before the bucket was found created
+                    // again may watch the old one: asked for again.
+                    if let Some(watch) = watch
+                        && epoch == self.epoch
+                        && self.watch.is_none()
+                    {
+                        info!("Cancel watch started again.");
+                        self.watch = Some(watch);
+                        self.check();
                     }
                 }
                 entry = next_entry(&mut self.watch) => self.watched(entry),
@@ -201,24 +226,33 @@ impl Follower {
         }
     }
 
-    /// Once a second: starts an ended watch again, and checks a watch that
-    /// is not current against the bucket.
-    async fn tick(&mut self) {
+    /// Once a second: starts an ended watch again, or checks a watch that
+    /// is not current against the bucket. Both run beside the loop, which
+    /// goes on applying broadcasts meanwhile.
+    fn tick(&mut self) {
         // A request made while the client reconnects is only queued, and a
         // long outage would fill its queue with them.
         if !crate::connect::is_connected(&self.client) {
             return;
         }
-        if self.watch.is_none() {
-            let restart = self.bucket.watch_with_history(">");
-            match tokio::time::timeout(CATCH_UP_CHECK, restart).await {
-                Ok(Ok(watch)) => {
-                    info!("Cancel watch started again.");
-                    self.watch = Some(watch);
-                }
-                _ => return,
-            }
+        if self.watch.is_some() {
+            self.check();
+        } else if !self.restarting {
+            self.restarting = true;
+            let (epoch, bucket) = (self.epoch, self.bucket.clone());
+            let restarted_tx = self.restarted_tx.clone();
+            tokio::spawn(async move {
+                let restart = bucket.watch_with_history(">");
+                let watch = tokio::time::timeout(CATCH_UP_CHECK, restart).await;
+                let _ = restarted_tx
+                    .send((epoch, watch.ok().and_then(Result::ok)))
+                    .await;
+            });
         }
+    }
+
+    /// Checks a watch that is not current against the bucket.
+    fn check(&mut self) {
         if self.checking || self.registry.is_current() {
             return;
         }
