@@ -55,6 +55,7 @@ impl CancelRegistry {
         // From the server: the store's own status is what it cached when it
         // was opened.
         let info = bucket.stream.clone().info().await?.clone();
+        self.bucket_created(info.created);
         let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<()>();
         let (checked_tx, checked) = mpsc::channel(1);
         let (restarted_tx, restarted) = mpsc::channel(1);
@@ -168,8 +169,9 @@ impl Follower {
                 }
                 Some((epoch, watch)) = restarted.recv() => {
                     self.restarting = false;
-                    // One asked for before the bucket was found created
-                    // again may watch the old one: asked for again.
+                    // Stale if the watch fell behind again since it was
+                    // asked for (nothing does that while there is no watch
+                    // today): asked for again at the next tick.
                     if let Some(watch) = watch
                         && epoch == self.epoch
                         && self.watch.is_none()
@@ -337,6 +339,7 @@ impl CatchUp {
         };
         if info.created != self.created {
             (self.created, self.seen) = (info.created, 0);
+            registry.bucket_created(info.created);
             return true;
         }
         (self.connects, self.last_revision) = (connects, info.state.last_sequence);

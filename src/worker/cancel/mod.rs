@@ -82,6 +82,11 @@ struct Inner {
     running: HashMap<u64, Running>,
     /// Next local id.
     next_id: u64,
+    /// When the cancel bucket was created, as the follower last read it:
+    /// a bucket created again numbers its revisions from 1 anew, so of two
+    /// stored records on either side of this time the later is the newer
+    /// write, whatever their revisions. `None` until known.
+    bucket_created: Option<OffsetDateTime>,
 }
 
 impl Inner {
@@ -103,6 +108,22 @@ impl Inner {
             .map(|(record, _)| record)
             .filter(|record| stored_at <= record.at);
         by_delegation.or(by_session)
+    }
+
+    /// Whether a stored write (`at`, `revision`) is older than the stored
+    /// one kept: written in the bucket before it was created again, or
+    /// earlier (a lower revision) in the same bucket. Revisions, not times,
+    /// order one bucket's writes: the leader's clock may differ from the
+    /// last leader's.
+    fn written_before(
+        &self,
+        (at, revision): (OffsetDateTime, u64),
+        (kept_at, kept_revision): (OffsetDateTime, u64),
+    ) -> bool {
+        match self.bucket_created {
+            Some(created) if (at < created) != (kept_at < created) => at < created,
+            _ => revision < kept_revision,
+        }
     }
 }
 
@@ -217,20 +238,23 @@ impl CancelRegistry {
         // a key's older write after a read by key brought its latest, and
         // broadcasts may bring a session's two cancels in either order; an
         // older one kept would let requests stored between the two start.
-        // Between stored records the later write has the higher revision,
-        // or the later time when the bucket was created again (and counts
-        // its revisions from 1 anew).
         match (inner.records.get(&target), from) {
             (Some((_, From::Stored { .. })), From::Broadcast) => {}
             (Some((kept, From::Broadcast)), From::Broadcast) if kept.at > record.at => {}
             (Some((kept, From::Stored { revision: theirs })), From::Stored { revision })
-                if revision < *theirs && record.at <= kept.at => {}
+                if inner.written_before((record.at, revision), (kept.at, *theirs)) => {}
             _ => {
                 inner.records.insert(target, (record, from));
             }
         }
         let cutoff = OffsetDateTime::now_utc() - inner.keep;
         inner.records.retain(|_, (record, _)| record.at >= cutoff);
+    }
+
+    /// Records when the cancel bucket was created (at start, and once it
+    /// is found created again).
+    fn bucket_created(&self, at: OffsetDateTime) {
+        self.inner.lock().expect("cancel registry").bucket_created = Some(at);
     }
 
     /// How many cancel records are held.
@@ -427,32 +451,43 @@ mod tests {
         );
     }
 
+    /// A session cancel stored `ago` seconds ago, as revision `revision`.
+    fn stored(registry: &CancelRegistry, ago: u64, revision: u64) {
+        let record = record(Duration::from_secs(ago));
+        let session = CancelTarget::Session("tok".to_owned());
+        registry.apply(session, record, From::Stored { revision });
+    }
+
     /// A watch behind delivers a session's older cancel after a task read
     /// the newer one by key: kept, the older would let the requests stored
-    /// between the two start.
+    /// between the two start. Revisions tell which is newer, not times: a
+    /// new leader's clock may be behind the last one's.
     #[test]
-    fn an_older_stored_record_delivered_late_does_not_replace_a_newer_one() {
+    fn of_two_stored_records_the_later_write_wins_whichever_comes_first() {
         let registry = Arc::new(CancelRegistry::new(Duration::from_secs(3600)));
-        let session = || CancelTarget::Session("tok".to_owned());
-        let newer = record(Duration::ZERO);
-        registry.apply(session(), newer, From::Stored { revision: 7 });
-        let older = record(Duration::from_secs(60));
-        registry.apply(session(), older, From::Stored { revision: 3 });
+        stored(&registry, 20, 7);
+        stored(&registry, 60, 3);
         // Stored 30 s ago: before the newer cancel, after the older one.
-        assert!(
-            refused(&registry, "d1", "tok", 30),
-            "the newer cancel was replaced"
-        );
-        // A bucket created again counts from 1: its later write wins.
-        let recreated = CancelRecord {
-            at: OffsetDateTime::now_utc() + Duration::from_secs(10),
-            silent: false,
-        };
-        registry.apply(session(), recreated, From::Stored { revision: 1 });
-        assert!(
-            refused(&registry, "d2", "tok", 0),
-            "the new bucket's cancel was dropped"
-        );
+        assert!(refused(&registry, "d1", "tok", 30), "revision 3 won");
+        // Revision 9, timed by a leader whose clock is behind.
+        stored(&registry, 60, 9);
+        assert!(!refused(&registry, "d2", "tok", 30), "revision 9 lost");
+    }
+
+    /// A bucket deleted and created again numbers its revisions from 1:
+    /// its records are newer than the old bucket's, whatever their
+    /// revisions, and a read of the old bucket that comes late (it began
+    /// before the delete) does not replace them.
+    #[test]
+    fn a_record_of_a_bucket_created_again_wins_over_the_old_buckets() {
+        let registry = Arc::new(CancelRegistry::new(Duration::from_secs(3600)));
+        stored(&registry, 20, 7);
+        registry.bucket_created(OffsetDateTime::now_utc() - Duration::from_secs(10));
+        stored(&registry, 5, 1);
+        // Stored 7 s ago: before the new bucket's cancel.
+        assert!(refused(&registry, "d1", "tok", 7), "the new bucket's lost");
+        stored(&registry, 15, 9);
+        assert!(refused(&registry, "d2", "tok", 7), "the old bucket's won");
     }
 
     #[test]
