@@ -922,8 +922,8 @@ async fn a_task_keeps_one_keep_alive_pace_from_asking_to_running() {
     let nats = NatsServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let mut config = test_worker_config("default");
-    // A keep-alive every 3 s.
-    config.ack_wait = Duration::from_secs(9);
+    // A keep-alive every 4 s.
+    config.ack_wait = Duration::from_secs(12);
     let mut services = Services::new();
     services.worker(&bus, shell("sleep 5; echo ok"), config);
     let tasks = bus.subjects.tasks_stream();
@@ -940,18 +940,18 @@ async fn a_task_keeps_one_keep_alive_pace_from_asking_to_running() {
     electing.subjects = vec![format!("{}.paused.>", bus.subjects.prefix())];
     bus.js.update_stream(&electing).await.unwrap();
     // Undated, so the worker asks whether it ran before: at 0, 0.5, 1.5,
-    // 3.5, 7.5 and 11.5 s after its delivery, keeping it alive at 3, 6, 9,
-    // 12 s and on.
+    // 3.5, 7.5 and 11.5 s after its delivery, keeping it alive at 4, 8, 12
+    // s and on.
     let mut raw = request("s.pace", "paced");
     raw.created_at = None;
     publish_until_stored(&bus, &raw).await;
     next_keep_alive(&mut acks).await;
     next_keep_alive(&mut acks).await;
-    // Answered from 8.5 s on: the question ends at 11.5 s, and the run
+    // Answered from 9.5 s on: the question ends at 11.5 s, and the run
     // starts half a second before the next keep-alive is due.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     bus.js.update_stream(&config).await.unwrap();
-    let mut last = std::time::Instant::now() - Duration::from_millis(2500);
+    let mut last = std::time::Instant::now() - Duration::from_millis(1500);
     let mut gaps = Vec::new();
     tokio::time::timeout(Duration::from_secs(60), async {
         while let Some(message) = acks.next().await {
@@ -964,9 +964,9 @@ async fn a_task_keeps_one_keep_alive_pace_from_asking_to_running() {
     })
     .await
     .expect("the task's ack");
-    // 3 s apart, and 5.5 s when the run kept alive on a clock of its own.
+    // 4 s apart, and 7.5 s when the run kept alive on a clock of its own.
     assert!(
-        gaps.iter().all(|gap| *gap < Duration::from_millis(4500)),
+        gaps.iter().all(|gap| *gap < Duration::from_secs(6)),
         "{gaps:?}"
     );
     let done = done_events(&bus).await;

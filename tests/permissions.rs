@@ -7,6 +7,8 @@ mod common;
 
 use std::time::Duration;
 
+use futures::TryStreamExt as _;
+
 use common::roles::{RoleServer, init};
 use common::*;
 use wakebus::bus::Bus;
@@ -802,11 +804,27 @@ async fn worker_cut_off_quietly(server: &mut RoleServer) -> CutOff {
         .cancel_session("s.before", true)
         .await
         .unwrap();
+    let operator = server.bus("operator").await;
+    // The watch has the bucket's last record: what comes after the cut is
+    // news to it.
+    let cancels = operator.js.get_stream("KV_WAKEBUS_CANCELS").await.unwrap();
+    wait_until(WAIT, "the worker's watch to deliver the cancel", || {
+        let mut cancels = cancels.clone();
+        async move {
+            let last = cancels.info().await.unwrap().state.last_sequence;
+            let watches: Vec<_> = cancels.consumers().try_collect().await.unwrap();
+            !watches.is_empty()
+                && watches
+                    .iter()
+                    .all(|watch| watch.delivered.stream_sequence >= last)
+        }
+    })
+    .await;
     proxy.cut();
     CutOff {
         services,
         delegator,
-        operator: server.bus("operator").await,
+        operator,
         proxy,
     }
 }

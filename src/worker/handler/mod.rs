@@ -1,8 +1,9 @@
 //! Handling one task request, start to finish, as a function that returns an [`Outcome`].
 //!
 //! - this file: the handler and its decisions (run, refuse, give up, finish);
-//! - [`execute`]: running the executor with in-progress acks, time limit
-//!   and throttled progress events;
+//! - [`execute`]: running the executor with its time limit and throttled
+//!   progress events (the in-progress acks cover the whole handling, in
+//!   [`TaskHandler::settle`]);
 //! - [`publish`]: events on the bus, the "already done?" probe, dead letters,
 //!   fitting a completion into one message;
 //! - [`decode`]: decoding a request as it arrives, salvaging its identity
