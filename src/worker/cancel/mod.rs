@@ -141,6 +141,10 @@ pub(crate) enum ReadError {
     /// The stream refused or failed the read.
     #[error(transparent)]
     Get(#[from] LastRawMessageError),
+    /// The stream's info, which tells when the bucket was created, could
+    /// not be read.
+    #[error("cannot read the cancel bucket's info: {0}")]
+    Info(#[from] async_nats::jetstream::stream::InfoError),
 }
 
 /// Cancel records and running tasks.
@@ -254,7 +258,10 @@ impl CancelRegistry {
     /// Records when the cancel bucket was created (at start, and once it
     /// is found created again).
     fn bucket_created(&self, at: OffsetDateTime) {
-        self.inner.lock().expect("cancel registry").bucket_created = Some(at);
+        // The latest: a read that began before the follower found the
+        // bucket created again may bring the old time back.
+        let mut inner = self.inner.lock().expect("cancel registry");
+        inner.bucket_created = inner.bucket_created.max(Some(at));
     }
 
     /// How many cancel records are held.
@@ -325,9 +332,17 @@ impl CancelRegistry {
             read(CancelTarget::Delegation(delegation_id.to_owned())),
             read(CancelTarget::Session(session_token.to_owned())),
         );
-        let (by_delegation, by_session) = tokio::time::timeout(READ_PATIENCE, both)
-            .await
-            .map_err(|_| ReadError::TimedOut)??;
+        let (by_delegation, by_session, created) = tokio::time::timeout(READ_PATIENCE, async {
+            let both = both.await?;
+            // Read after the records: a bucket created again before they
+            // were read is known here, and its records order by it (the
+            // follower finds it later, at its next check).
+            let info = followed.bucket.stream.get_info().await?;
+            Ok::<_, ReadError>((both.0, both.1, info.created))
+        })
+        .await
+        .map_err(|_| ReadError::TimedOut)??;
+        self.bucket_created(created);
         // A delete or purge marker has an empty body, which is no record.
         for (target, message) in [by_delegation, by_session].into_iter().flatten() {
             if let Ok(mut record) = serde_json::from_slice::<CancelRecord>(&message.payload) {
