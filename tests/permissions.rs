@@ -7,8 +7,6 @@ mod common;
 
 use std::time::Duration;
 
-use futures::TryStreamExt as _;
-
 use common::roles::{RoleServer, init};
 use common::*;
 use wakebus::bus::Bus;
@@ -703,6 +701,37 @@ async fn a_cancel_in_a_cancel_bucket_created_again_reaches_a_worker_cut_off_mean
     assert_eq!(cut.stop().await, 1, "only the first task may start");
 }
 
+/// The same, for a worker that may read its tasks' records by key, and a
+/// cancel of a session the worker already had a record for, of the old
+/// bucket and with a higher revision: the new bucket's record wins as the
+/// later write. (Here the follower finds the new bucket before the task
+/// arrives, its pull having to expire after the reconnect; a task that
+/// arrives first learns of the new bucket from its own read.)
+#[tokio::test]
+async fn a_session_cancel_in_a_cancel_bucket_created_again_wins_over_the_old_buckets_record() {
+    init_logs();
+    let mut server = role_server().await;
+    let cut = worker_cut_off_quietly(&mut server).await;
+    cut.operator
+        .js
+        .delete_stream("KV_WAKEBUS_CANCELS")
+        .await
+        .unwrap();
+    init(&server).await;
+    let id = cut.delegate("s.before").await;
+    Canceller::new(cut.delegator.clone())
+        .cancel_session("s.before", false)
+        .await
+        .unwrap();
+    cut.proxy.restore();
+    let done = cut.completion(&id).await;
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Interrupted, "cancelled")
+    );
+    assert_eq!(cut.stop().await, 1, "only the first task may start");
+}
+
 /// The worker role's lines for the cancel bucket's watch (an ordered
 /// consumer).
 const WORKER_CANCEL_WATCH: &[&str] = &[
@@ -770,10 +799,8 @@ impl CutOff {
     }
 }
 
-/// Runs a first task on a worker (in its role, through a proxy) and
-/// records a cancel its watch sees, then cuts the worker off, calls
-/// `while_away` and restarts the server, which takes the worker's cancel
-/// watch with it.
+/// [`worker_cut_off_quietly`], then calls `while_away` and restarts the
+/// server, which takes the worker's cancel watch with it.
 async fn worker_cut_off(server: &mut RoleServer, while_away: impl FnOnce(&RoleServer)) -> CutOff {
     let cut = worker_cut_off_quietly(server).await;
     while_away(server);
@@ -782,10 +809,20 @@ async fn worker_cut_off(server: &mut RoleServer, while_away: impl FnOnce(&RoleSe
     cut
 }
 
-/// Runs a first task on a worker (in its role, through a proxy) and
-/// records a cancel its watch sees, then cuts the worker off.
+/// Records two cancels, then runs a first task on a worker (in its role,
+/// through a proxy), whose watch has loaded them by then, and cuts the
+/// worker off.
 async fn worker_cut_off_quietly(server: &mut RoleServer) -> CutOff {
     init(server).await;
+    let delegator = server.bus("delegator").await;
+    // s.before's record is the bucket's second revision: a record of the
+    // same key in a bucket created again (numbered from 1) must still win.
+    for session in ["s.earlier", "s.before"] {
+        Canceller::new(delegator.clone())
+            .cancel_session(session, true)
+            .await
+            .unwrap();
+    }
     let proxy = common::proxy::Proxy::start(server.nats.port).await;
     let worker = wakebus::connect::NatsConfig {
         url: format!("nats://127.0.0.1:{}", proxy.port),
@@ -797,34 +834,14 @@ async fn worker_cut_off_quietly(server: &mut RoleServer) -> CutOff {
     );
     let mut services = Services::new();
     services.worker(&worker, shell("echo ran"), test_worker_config("default"));
-    let delegator = server.bus("delegator").await;
-    // Synchronous: returns once the worker, and its cancel watch, are up.
+    // Synchronous: returns once the worker runs, which it does once its
+    // cancel watch has loaded the records there are.
     delegate(&delegator, Delegation::new("first")).await;
-    Canceller::new(delegator.clone())
-        .cancel_session("s.before", true)
-        .await
-        .unwrap();
-    let operator = server.bus("operator").await;
-    // The watch has the bucket's last record: what comes after the cut is
-    // news to it.
-    let cancels = operator.js.get_stream("KV_WAKEBUS_CANCELS").await.unwrap();
-    wait_until(WAIT, "the worker's watch to deliver the cancel", || {
-        let mut cancels = cancels.clone();
-        async move {
-            let last = cancels.info().await.unwrap().state.last_sequence;
-            let watches: Vec<_> = cancels.consumers().try_collect().await.unwrap();
-            !watches.is_empty()
-                && watches
-                    .iter()
-                    .all(|watch| watch.delivered.stream_sequence >= last)
-        }
-    })
-    .await;
     proxy.cut();
     CutOff {
         services,
         delegator,
-        operator,
+        operator: server.bus("operator").await,
         proxy,
     }
 }
