@@ -82,7 +82,8 @@ struct Inner {
     running: HashMap<u64, Running>,
     /// Next local id.
     next_id: u64,
-    /// When the cancel bucket was created, as the follower last read it:
+    /// When the cancel bucket was created, the latest the follower or a
+    /// task's read by key found:
     /// a bucket created again numbers its revisions from 1 anew, so of two
     /// stored records on either side of this time the later is the newer
     /// write, whatever their revisions. `None` until known.

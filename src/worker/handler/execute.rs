@@ -1,6 +1,6 @@
-//! Running the executor: its time limit, the
-//! `started` event once the run has lasted `started_after`, and progress
-//! events at most once per interval.
+//! Running the executor: its time limit, the `started` event once the run
+//! has lasted `started_after`, and progress events at most once per
+//! interval.
 
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -17,9 +17,9 @@ use super::TaskHandler;
 impl TaskHandler {
     /// Runs the executor, stopping it when its time limit passes (the
     /// in-progress acks are [`TaskHandler::settle`]'s, for the whole
-    /// handling). `started` is written once the run has
-    /// lasted `started_after` (at once if that is zero), and always before
-    /// the first progress event.
+    /// handling). `started` is written once the run has lasted
+    /// `started_after` (at once if that is zero), and always before the
+    /// first progress event.
     pub(super) async fn execute(
         &self,
         request: &TaskRequest,
