@@ -1267,12 +1267,7 @@ async fn a_worker_keeps_asking_whether_a_task_already_ran_while_no_stream_answer
     assert_eq!(ran(), 1);
 
     // Nobody listens on the events stream's subjects for a while.
-    let events = bus.subjects.events_stream();
-    let mut stream = bus.js.get_stream(&events).await.unwrap();
-    let config = stream.info().await.unwrap().config.clone();
-    let mut electing = config.clone();
-    electing.subjects = vec![format!("{}.paused.>", bus.subjects.prefix())];
-    bus.js.update_stream(&electing).await.unwrap();
+    let config = events_stream_unanswered(&bus).await;
     // A copy JetStream does not take for a duplicate (another message id).
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("Nats-Msg-Id", "a-copy");

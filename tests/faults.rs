@@ -933,12 +933,7 @@ async fn a_task_keeps_one_keep_alive_pace_from_asking_to_running() {
         .await
         .unwrap();
     // Nobody listens on the events stream's subjects for a while.
-    let events = bus.subjects.events_stream();
-    let mut stream = bus.js.get_stream(&events).await.unwrap();
-    let config = stream.info().await.unwrap().config.clone();
-    let mut electing = config.clone();
-    electing.subjects = vec![format!("{}.paused.>", bus.subjects.prefix())];
-    bus.js.update_stream(&electing).await.unwrap();
+    let config = events_stream_unanswered(&bus).await;
     // Undated, so the worker asks whether it ran before: at 0, 0.5, 1.5,
     // 3.5, 7.5 and 11.5 s after its delivery, keeping it alive at 4, 8, 12
     // s and on.

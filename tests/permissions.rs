@@ -584,13 +584,7 @@ async fn a_task_cancelled_while_its_worker_was_cut_off_does_not_run_after_the_re
     })
     .await;
     let id = cut.delegate_and_cancel().await;
-    cut.proxy.restore();
-    let done = cut.completion(&id).await;
-    assert_eq!(
-        (done.status, done.exit_reason.as_str()),
-        (Status::Interrupted, "cancelled")
-    );
-    assert_eq!(cut.stop().await, 1, "only the first task may start");
+    cut.ends_cancelled_unrun(&id).await;
     let refused: Vec<_> = server
         .violations()
         .into_iter()
@@ -685,20 +679,9 @@ async fn a_cancel_in_a_cancel_bucket_created_again_reaches_a_worker_cut_off_mean
     init_logs();
     let mut server = role_server_without(WORKER_CANCEL_READS).await;
     let cut = worker_cut_off_quietly(&mut server).await;
-    cut.operator
-        .js
-        .delete_stream("KV_WAKEBUS_CANCELS")
-        .await
-        .unwrap();
-    init(&server).await;
+    cut.cancel_bucket_created_again(&server).await;
     let id = cut.delegate_and_cancel().await;
-    cut.proxy.restore();
-    let done = cut.completion(&id).await;
-    assert_eq!(
-        (done.status, done.exit_reason.as_str()),
-        (Status::Interrupted, "cancelled")
-    );
-    assert_eq!(cut.stop().await, 1, "only the first task may start");
+    cut.ends_cancelled_unrun(&id).await;
 }
 
 /// The same, for a worker that may read its tasks' records by key, and a
@@ -712,24 +695,13 @@ async fn a_session_cancel_in_a_cancel_bucket_created_again_wins_over_the_old_buc
     init_logs();
     let mut server = role_server().await;
     let cut = worker_cut_off_quietly(&mut server).await;
-    cut.operator
-        .js
-        .delete_stream("KV_WAKEBUS_CANCELS")
-        .await
-        .unwrap();
-    init(&server).await;
+    cut.cancel_bucket_created_again(&server).await;
     let id = cut.delegate("s.before").await;
     Canceller::new(cut.delegator.clone())
         .cancel_session("s.before", false)
         .await
         .unwrap();
-    cut.proxy.restore();
-    let done = cut.completion(&id).await;
-    assert_eq!(
-        (done.status, done.exit_reason.as_str()),
-        (Status::Interrupted, "cancelled")
-    );
-    assert_eq!(cut.stop().await, 1, "only the first task may start");
+    cut.ends_cancelled_unrun(&id).await;
 }
 
 /// The worker role's lines for the cancel bucket's watch (an ordered
@@ -790,6 +762,25 @@ impl CutOff {
                 .find(|done| done.delegation_id == id)
         })
         .await
+    }
+
+    /// Deletes the cancel bucket and creates it again, as an operator might.
+    async fn cancel_bucket_created_again(&self, server: &RoleServer) {
+        let cancels = "KV_WAKEBUS_CANCELS";
+        self.operator.js.delete_stream(cancels).await.unwrap();
+        init(server).await;
+    }
+
+    /// Lets the worker back, and checks that delegation `id` ends cancelled
+    /// and that no task but the first started.
+    async fn ends_cancelled_unrun(self, id: &str) {
+        self.proxy.restore();
+        let done = self.completion(id).await;
+        assert_eq!(
+            (done.status, done.exit_reason.as_str()),
+            (Status::Interrupted, "cancelled")
+        );
+        assert_eq!(self.stop().await, 1, "only the first task may start");
     }
 
     /// Stops the worker; returns how many tasks started, the first included.

@@ -262,9 +262,8 @@ pub async fn wait_replicas_current(
 
 /// Waits until `stream` has a leader and `replicas - 1` followers online,
 /// current or not: nats-server 2.9 can leave a follower of a stream that
-/// no longer gets writes reporting a small lag for good (seen after a
-/// rolling restart under load), which only the stream's next write would
-/// clear.
+/// no longer gets writes reporting a small lag (seen after a rolling
+/// restart under load: a lag of 3 for over a minute).
 pub async fn wait_replicas_online(
     js: &async_nats::jetstream::Context,
     stream: &str,

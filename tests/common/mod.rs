@@ -461,6 +461,19 @@ pub fn request(session: &str, goal: &str) -> wakebus::protocol::TaskRequest {
     request
 }
 
+/// Makes the events stream take other subjects, so that nobody answers on
+/// its own, as while its stream elects a leader; returns its config, for
+/// `bus.js.update_stream(&config)` to put back.
+pub async fn events_stream_unanswered(bus: &Bus) -> async_nats::jetstream::stream::Config {
+    let events = bus.subjects.events_stream();
+    let mut stream = bus.js.get_stream(&events).await.unwrap();
+    let config = stream.info().await.unwrap().config.clone();
+    let mut electing = config.clone();
+    electing.subjects = vec![format!("{}.paused.>", bus.subjects.prefix())];
+    bus.js.update_stream(&electing).await.unwrap();
+    config
+}
+
 /// Publishes `request` to the default pool until JetStream acknowledges it,
 /// always with the same `Nats-Msg-Id`, so a publish whose ack was lost (a
 /// restart, a failover) is stored once.
