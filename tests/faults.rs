@@ -970,6 +970,60 @@ async fn a_task_keeps_one_keep_alive_pace_from_asking_to_running() {
     services.stop().await;
 }
 
+/// A worker cut off while its pull waits pulls again once that pull has
+/// surely expired (3 s after it was sent), not only when async-nats gives
+/// up on it (7 s): the server forgot the pull when it found nobody
+/// listening as a task came in, so nothing would have ended it, and the
+/// worker would have sat idle after the reconnect.
+#[tokio::test]
+async fn a_worker_whose_pull_was_lost_with_its_connection_pulls_again_once_it_has_surely_ended() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let proxy = common::proxy::Proxy::start(nats.port).await;
+    let worker_bus = proxy.bus(&bus).await;
+    let mut config = test_worker_config("default");
+    // A delivery lost with the cut would come back late, not look early.
+    config.ack_wait = Duration::from_secs(30);
+    let mut services = Services::new();
+    services.worker(&worker_bus, shell("echo ran"), config);
+    let tasks = bus.subjects.tasks_stream();
+    let consumer = bus.subjects.worker_consumer("default");
+    let mut pulls = bus
+        .client
+        .subscribe(format!("$JS.API.CONSUMER.MSG.NEXT.{tasks}.{consumer}"))
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(30), pulls.next())
+        .await
+        .expect("a pull")
+        .expect("a pull");
+    let pulled = std::time::Instant::now();
+    proxy.cut();
+    wait_until(
+        Duration::from_secs(30),
+        "the worker to see the cut",
+        || async {
+            worker_bus.client.connection_state() != async_nats::connection::State::Connected
+        },
+    )
+    .await;
+    publish_until_stored(&bus, &request("s.lost", "after the cut")).await;
+    proxy.restore();
+    wait_until(Duration::from_secs(30), "the task to start", || async {
+        !events(&bus, ".started").await.is_empty()
+    })
+    .await;
+    // Its pull at 3 s after the lost one, its reconnect 0.1 s after the
+    // restore; 7 s when the worker waited for async-nats to give up.
+    let started = pulled.elapsed();
+    assert!(
+        started < Duration::from_secs(5),
+        "started {started:?} after the lost pull was sent"
+    );
+    services.stop().await;
+}
+
 /// Waits for the next in-progress ack among `acks`.
 async fn next_keep_alive(acks: &mut async_nats::Subscriber) {
     tokio::time::timeout(Duration::from_secs(30), async {

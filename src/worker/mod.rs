@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use backon::Retryable;
-use futures::StreamExt;
+use futures::{FutureExt as _, StreamExt};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -36,11 +36,18 @@ use executor::{Executor, TaskEnv};
 /// (and the next one is sent).
 const PULL_EXPIRES: Duration = Duration::from_secs(2);
 
+/// When a pull request has surely ended, counted from when it was sent:
+/// the server ends it at its expiry, and what it delivered before then has
+/// arrived a second later. The server forgets a pull whose connection
+/// closed (a cut, a restart, a new consumer leader) and never ends it;
+/// async-nats gives up on it only 5 s after the expiry, the worker idle
+/// meanwhile, so the worker takes it as ended here and pulls again.
+const PULL_SURELY_ENDED: Duration = Duration::from_secs(PULL_EXPIRES.as_secs() + 1);
+
 /// When a task pulled after the shutdown signal is delivered again: once
 /// the pull it came in has surely ended, so that it goes to another
 /// worker's pull instead of straight back into this one.
-pub(crate) const REFUSED_REDELIVERY_DELAY: Duration =
-    Duration::from_secs(PULL_EXPIRES.as_secs() + 1);
+pub(crate) const REFUSED_REDELIVERY_DELAY: Duration = PULL_SURELY_ENDED;
 
 /// How a worker behaves.
 #[derive(Debug, Clone)]
@@ -264,6 +271,8 @@ pub async fn run(
         // Set when the batch ended with an error: how long to wait before
         // the next pull.
         let mut retry_after = None;
+        let surely_ended = tokio::time::sleep(PULL_SURELY_ENDED);
+        tokio::pin!(surely_ended);
         loop {
             let next = tokio::select! {
                 () = &mut shutdown, if !stopping.is_cancelled() => {
@@ -271,6 +280,8 @@ pub async fn run(
                     continue;
                 }
                 next = batch.next() => next,
+                // Only what has arrived already, then the next pull.
+                () = &mut surely_ended => batch.next().now_or_never().flatten(),
             };
             let Some(result) = next else { break };
             let message = match result {
@@ -304,9 +315,9 @@ pub async fn run(
                 () = tokio::time::sleep(delay) => {}
             },
             // Delivered, or ended with nothing to deliver (by the server's
-            // 408, or by the client's own timeout when nothing answered at
-            // all, which a missing heartbeat would tell apart: batches here
-            // have none, and that pull is simply made again).
+            // 408, or, when nothing answered at all, once it had surely
+            // ended: a missing heartbeat would tell that apart, but batches
+            // here have none, and that pull is simply made again).
             None => pulls.worked(),
         }
     }
