@@ -36,18 +36,22 @@ use executor::{Executor, TaskEnv};
 /// (and the next one is sent).
 const PULL_EXPIRES: Duration = Duration::from_secs(2);
 
-/// When a pull request has surely ended, counted from when it was sent:
-/// the server ends it at its expiry, and what it delivered before then has
-/// arrived a second later. The server forgets a pull whose connection
-/// closed (a cut, a restart, a new consumer leader) and never ends it;
-/// async-nats gives up on it only 5 s after the expiry, the worker idle
-/// meanwhile, so the worker takes it as ended here and pulls again.
+/// When a pull made before a reconnect has surely ended, counted from when
+/// the worker notices the reconnect. The server forgets the pull of a
+/// connection that closed and never ends it, and async-nats gives up on it
+/// only 5 s after its expiry, the worker idle meanwhile; a pull still
+/// queued in the client went out with the reconnect, expires 2 s later,
+/// and what the server delivered for it has arrived a second after that.
 const PULL_SURELY_ENDED: Duration = Duration::from_secs(PULL_EXPIRES.as_secs() + 1);
+
+/// How often a worker waiting on a pull looks for a reconnect.
+const RECONNECT_CHECK: Duration = Duration::from_millis(250);
 
 /// When a task pulled after the shutdown signal is delivered again: once
 /// the pull it came in has surely ended, so that it goes to another
 /// worker's pull instead of straight back into this one.
-pub(crate) const REFUSED_REDELIVERY_DELAY: Duration = PULL_SURELY_ENDED;
+pub(crate) const REFUSED_REDELIVERY_DELAY: Duration =
+    Duration::from_secs(PULL_EXPIRES.as_secs() + 1);
 
 /// How a worker behaves.
 #[derive(Debug, Clone)]
@@ -252,6 +256,7 @@ pub async fn run(
             () = &mut shutdown => break 'pull,
             () = crate::connect::connected(&bus.client) => {}
         }
+        let pulled_on = connects(&bus.client);
         let mut batch = match consumer
             .batch()
             .max_messages(wanted)
@@ -271,8 +276,11 @@ pub async fn run(
         // Set when the batch ended with an error: how long to wait before
         // the next pull.
         let mut retry_after = None;
+        // Armed once the client has reconnected since the pull was made.
+        let mut reconnect_check = tokio::time::interval(RECONNECT_CHECK);
         let surely_ended = tokio::time::sleep(PULL_SURELY_ENDED);
         tokio::pin!(surely_ended);
+        let mut reconnected = false;
         loop {
             let next = tokio::select! {
                 () = &mut shutdown, if !stopping.is_cancelled() => {
@@ -280,8 +288,20 @@ pub async fn run(
                     continue;
                 }
                 next = batch.next() => next,
-                // Only what has arrived already, then the next pull.
-                () = &mut surely_ended => batch.next().now_or_never().flatten(),
+                _ = reconnect_check.tick(), if !reconnected => {
+                    if connects(&bus.client) != pulled_on {
+                        reconnected = true;
+                        let at = tokio::time::Instant::now() + PULL_SURELY_ENDED;
+                        surely_ended.as_mut().reset(at);
+                    }
+                    continue;
+                }
+                // Only what has arrived already (unconstrained: tokio's
+                // task budget would make a long drain look empty), then
+                // the next pull.
+                () = &mut surely_ended, if reconnected => {
+                    tokio::task::unconstrained(batch.next()).now_or_never().flatten()
+                }
             };
             let Some(result) = next else { break };
             let message = match result {
@@ -348,6 +368,14 @@ pub async fn run(
     crate::connect::flush_before_stop(&bus.client).await;
     info!("Worker stopped.");
     Ok(())
+}
+
+/// How many times `client` has connected: it changes with each reconnect.
+fn connects(client: &async_nats::Client) -> u64 {
+    client
+        .statistics()
+        .connects
+        .load(std::sync::atomic::Ordering::Acquire)
 }
 
 /// The requests stream's duplicate window, as the server has it (an operator
