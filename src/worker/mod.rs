@@ -335,9 +335,10 @@ pub async fn run(
                 () = tokio::time::sleep(delay) => {}
             },
             // Delivered, or ended with nothing to deliver (by the server's
-            // 408, or, when nothing answered at all, once it had surely
-            // ended: a missing heartbeat would tell that apart, but batches
-            // here have none, and that pull is simply made again).
+            // 408; when nothing answered at all, by async-nats's own
+            // timeout or, after a reconnect, once it had surely ended: a
+            // missing heartbeat would tell that apart, but batches here
+            // have none, and that pull is simply made again).
             None => pulls.worked(),
         }
     }
