@@ -185,20 +185,21 @@ impl ReconnectWatch {
     /// Starts watching `client`.
     pub fn new(client: &async_nats::Client) -> Self {
         Self {
-            seen: Self::connects(client),
+            seen: connects(client),
             sweeping: Arc::default(),
         }
     }
 
-    fn connects(client: &async_nats::Client) -> u64 {
-        client.statistics().connects.load(Ordering::Relaxed)
-    }
-
     /// Whether the client connected again since the last call.
     pub fn reconnected(&mut self, client: &async_nats::Client) -> bool {
-        let now = Self::connects(client);
+        let now = connects(client);
         std::mem::replace(&mut self.seen, now) != now
     }
+}
+
+/// How many times `client` has connected: it changes with each reconnect.
+pub(crate) fn connects(client: &async_nats::Client) -> u64 {
+    client.statistics().connects.load(Ordering::Acquire)
 }
 
 /// After a reconnect, sweeps in the background (so a slow or refused API

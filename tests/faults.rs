@@ -874,14 +874,13 @@ async fn a_task_arriving_while_the_only_worker_stops_is_run_by_the_next_worker()
 #[tokio::test]
 async fn a_running_task_gets_its_keep_alive_as_soon_as_its_worker_reconnects() {
     init_logs();
-    let nats = NatsServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let proxy = common::proxy::Proxy::start(nats.port).await;
-    let worker_bus = proxy.bus(&bus).await;
-    let mut config = test_worker_config("default");
-    config.ack_wait = Duration::from_secs(15);
-    let mut services = Services::new();
-    services.worker(&worker_bus, shell("sleep 60"), config);
+    let CutWorker {
+        nats: _nats,
+        bus,
+        proxy,
+        worker_bus: _,
+        services,
+    } = CutWorker::start("sleep 60", Duration::from_secs(15)).await;
     publish_until_stored(&bus, &request("s.cut", "keeps running")).await;
     let wait = Duration::from_secs(30);
     wait_until(wait, "the task to start", || async {
@@ -978,15 +977,14 @@ async fn a_task_keeps_one_keep_alive_pace_from_asking_to_running() {
 #[tokio::test]
 async fn a_worker_whose_pull_was_lost_with_its_connection_pulls_again_once_it_has_surely_ended() {
     init_logs();
-    let nats = NatsServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let proxy = common::proxy::Proxy::start(nats.port).await;
-    let worker_bus = proxy.bus(&bus).await;
-    let mut config = test_worker_config("default");
     // A delivery lost with the cut would come back late, not look early.
-    config.ack_wait = Duration::from_secs(30);
-    let mut services = Services::new();
-    services.worker(&worker_bus, shell("echo ran"), config);
+    let CutWorker {
+        nats: _nats,
+        bus,
+        proxy,
+        worker_bus,
+        services,
+    } = CutWorker::start("echo ran", Duration::from_secs(30)).await;
     let tasks = bus.subjects.tasks_stream();
     let consumer = bus.subjects.worker_consumer("default");
     let mut pulls = bus
@@ -1023,6 +1021,42 @@ async fn a_worker_whose_pull_was_lost_with_its_connection_pulls_again_once_it_ha
         "started {started:?} after the lost pull was sent"
     );
     services.stop().await;
+}
+
+/// A worker of the default pool running `command`, its consumer's AckWait
+/// `ack_wait`, connected through a proxy the test can cut.
+struct CutWorker {
+    /// The server; stops when dropped.
+    nats: NatsServer,
+    /// Straight to the server, for the test.
+    bus: Bus,
+    /// The worker's way to the server.
+    proxy: common::proxy::Proxy,
+    /// The worker's connection, through the proxy.
+    worker_bus: Bus,
+    /// The worker.
+    services: Services,
+}
+
+impl CutWorker {
+    /// Starts the server, the proxy and the worker.
+    async fn start(command: &str, ack_wait: Duration) -> Self {
+        let nats = NatsServer::start().await;
+        let bus = bus(&nats.url(), &unique_prefix()).await;
+        let proxy = common::proxy::Proxy::start(nats.port).await;
+        let worker_bus = proxy.bus(&bus).await;
+        let mut config = test_worker_config("default");
+        config.ack_wait = ack_wait;
+        let mut services = Services::new();
+        services.worker(&worker_bus, shell(command), config);
+        Self {
+            nats,
+            bus,
+            proxy,
+            worker_bus,
+            services,
+        }
+    }
 }
 
 /// Waits for the next in-progress ack among `acks`.

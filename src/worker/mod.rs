@@ -29,7 +29,7 @@ pub use handler::{Rejected, decode_request};
 use crate::bus::{Bus, BusSettings, ProvisionError, PullRetry, ServiceConsumer};
 use crate::ops::service::{Registration, register};
 use crate::protocol::Limits;
-use crate::quarantine::{ReconnectWatch, sweep_after_reconnect, sweep_at_start};
+use crate::quarantine::{ReconnectWatch, connects, sweep_after_reconnect, sweep_at_start};
 use executor::{Executor, TaskEnv};
 
 /// How long one pull request of a worker waits for tasks before it ends
@@ -369,14 +369,6 @@ pub async fn run(
     crate::connect::flush_before_stop(&bus.client).await;
     info!("Worker stopped.");
     Ok(())
-}
-
-/// How many times `client` has connected: it changes with each reconnect.
-fn connects(client: &async_nats::Client) -> u64 {
-    client
-        .statistics()
-        .connects
-        .load(std::sync::atomic::Ordering::Acquire)
 }
 
 /// The requests stream's duplicate window, as the server has it (an operator
