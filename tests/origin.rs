@@ -10,12 +10,15 @@ use std::time::Duration;
 
 use common::roles::{RoleServer, init, init_prefix};
 use common::*;
+use tokio_util::sync::CancellationToken;
 use wakebus::bus::Bus;
 use wakebus::delegate::{Delegation, Delegator};
+use wakebus::history::Selection;
 use wakebus::protocol::{
     CompletionEvent, EventHeaders, EventKind, HEADER_DEAD_LETTER_REASON, Status, TraceParent,
     new_delegation_id, session_token,
 };
+use wakebus::replay::{Action, Progress, ReplayItem, ReplayKind, ReplayPlan, Replayer};
 use wakebus::worker::executor::{EchoExecutor, Executor};
 use wakebus::worker::probe::last_sequence_on;
 
@@ -274,5 +277,98 @@ async fn a_verifying_wake_dead_letters_forged_completions_and_wakes_the_genuine_
         .map(|s| s.rsplit('.').next().unwrap().to_owned())
         .collect();
     assert_eq!(kinds, ["submitted", "started", "done"]);
+    assert_eq!(server.violations(), Vec::<String>::new());
+}
+
+/// Runs a `replay wakes` as the operator and returns what it did with
+/// each record.
+async fn replay_as_operator(
+    server: &RoleServer,
+    kind: ReplayKind,
+    selection: Selection,
+    force: bool,
+) -> Vec<ReplayItem> {
+    let plan = ReplayPlan {
+        kind,
+        selection,
+        force,
+        include_cancelled: false,
+        dry_run: false,
+    };
+    let replayer = Replayer::new(server.bus("operator").await, plan)
+        .await
+        .expect("replayer");
+    let mut items = Vec::new();
+    wakebus::replay::run(replayer, CancellationToken::new(), |progress| {
+        if let Progress::Item(item) = progress {
+            items.push(item.clone());
+        }
+    })
+    .await
+    .expect("replay");
+    items
+}
+
+/// The forged copy shares its ledger key with the genuine completion it
+/// copied: forced, it would have replaced that delivery's entry with a
+/// forced key, and a later replay of the genuine completion would have
+/// woken its session a second time under that key.
+#[tokio::test]
+async fn a_forced_replay_of_a_forged_dead_letter_leaves_the_genuine_delivery_on_record() {
+    init_logs();
+    let server = RoleServer::start().await;
+    let api = SessionApiServer::start().await;
+    init(&server).await;
+    let operator = server.bus("operator").await;
+    let worker_bus = server.bus("worker").await;
+    let mut services = Services::new();
+    services.worker(
+        &worker_bus,
+        Executor::Echo(EchoExecutor),
+        test_worker_config("default"),
+    );
+    let mut wake_config = test_wake_config(&api.url());
+    wake_config.verify_origin = true;
+    services.wake(&server.bus("wake").await, wake_config);
+    let genuine = Delegator::new(server.bus("delegator").await)
+        .delegate(Delegation::new("genuine work").session("s.real"))
+        .await
+        .expect("delegation");
+    let id = genuine.delegation_id().to_owned();
+    ledger_records_delivery(&operator, &id).await;
+    publish_as_worker(&worker_bus, &id, "s.victim", "FORGED-REDIRECTED").await;
+    wait_until(WAIT, "the forged completion dead-lettered", || async {
+        all_messages(&operator, "WAKEBUS_DLQ").await.len() == 1
+    })
+    .await;
+
+    let victim = Selection {
+        session: Some("s.victim".to_owned()),
+        ..Selection::default()
+    };
+    let forced = replay_as_operator(&server, ReplayKind::WakeDeadLetters, victim, true).await;
+    assert_eq!(forced.len(), 1, "{forced:#?}");
+    assert_eq!(forced[0].action, Action::Skipped, "{forced:#?}");
+    let reason = forced[0].reason.as_deref().unwrap_or_default();
+    assert!(reason.contains("never forced"), "{reason}");
+    assert!(!forced[0].ledger_cleared);
+    // Still on record as delivered: a plain replay of the delegation's
+    // completions (the genuine one, then the forged one the worker
+    // published) leaves them alone.
+    let delegation = Selection {
+        delegation: Some(id.clone()),
+        ..Selection::default()
+    };
+    let plain = replay_as_operator(&server, ReplayKind::Wakes, delegation, false).await;
+    assert_eq!(plain.len(), 2, "{plain:#?}");
+    assert!(
+        plain.iter().all(|item| item.action == Action::Skipped),
+        "{plain:#?}"
+    );
+    let reason = plain[0].reason.as_deref().unwrap_or_default();
+    assert!(reason.starts_with("already delivered"), "{reason}");
+    wake_consumer_settled(&operator).await;
+    services.stop().await;
+    assert_eq!(api.accepted().len(), 1, "only the genuine wake was posted");
     assert_eq!(server.violations(), Vec::<String>::new());
 }

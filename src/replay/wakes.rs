@@ -7,7 +7,7 @@ use super::{Action, ReplayError, ReplayItem, Replayer, replay_headers};
 use crate::history::{Record, RecordKind};
 use crate::protocol::{CompletionEvent, EventKind, HEADER_MSG_ID, WakeMode, session_token};
 use crate::wake::ledger::{LedgerState, WakeLedger};
-use crate::wake::{Admission, check_completion};
+use crate::wake::{Admission, REFUSED_ORIGIN, check_completion};
 
 /// On a `replay wakes --force` copy of a delivered completion: the copy's
 /// ULID (the one in its `Nats-Msg-Id`). The wake service posts such a copy
@@ -77,13 +77,24 @@ impl Replayer {
                 "an earlier copy of this completion was already handled"
             }));
         }
+        // A dead letter refused by origin verification shares its ledger
+        // key with the genuine completion it may have copied: forcing it
+        // would replace that completion's entry (a `delivered` one
+        // included) with a forced key, under which a later replay of the
+        // genuine completion would wake its session again. It is re-driven
+        // as without --force: posted only if that key was never delivered.
+        let refused_origin = record.kind() == RecordKind::WakeDeadLetter
+            && record
+                .dead_letter_reason()
+                .is_some_and(|reason| reason.starts_with(REFUSED_ORIGIN));
+        let force = self.plan.force && !refused_origin;
         let ledger = self.ledger.as_ref().expect("wake replays open the ledger");
         // Not knowing whether it was delivered (a leader election), it is
         // left for a later run rather than stopping this one; forced, the
         // entry goes whatever it says (a corrupt one included).
         let entry = match ledger.get(&key).await {
             Ok(entry) => Ok(entry),
-            Err(_) if self.plan.force => Err(()),
+            Err(_) if force => Err(()),
             Err(error) => {
                 self.seen.remove(&key);
                 return Ok(item.unchecked(format!(
@@ -94,25 +105,29 @@ impl Replayer {
         let mut item = item;
         // No entry at all: maybe never woken, maybe woken and expired.
         if matches!(entry, Ok(None))
-            && !self.plan.force
+            && !force
             && let Some(reason) = self.outlived_its_traces(record, "wake ledger entries")
         {
             self.seen.remove(&key);
             return Ok(item.skipped(reason));
         }
         if let Ok(Some(LedgerState::Delivered { at, .. })) = &entry
-            && !self.plan.force
+            && !force
         {
-            return Ok(item.skipped(format!(
-                "already delivered at {} (use --force to post it again)",
-                crate::history::rfc3339(*at)
-            )));
+            let at = crate::history::rfc3339(*at);
+            return Ok(item.skipped(if refused_origin {
+                format!(
+                    "its delegation's task was already delivered at {at}; a dead letter refused by origin verification is never forced, since it shares that delivery's ledger entry"
+                )
+            } else {
+                format!("already delivered at {at} (use --force to post it again)")
+            }));
         }
         // Forced, any entry is replaced by the forced post's record: a
         // `posting` one (a post the session API refused, or one in doubt)
         // would have the wake send the copy again under the old key, or
         // inside the old combined turn.
-        item.ledger_cleared = self.plan.force && !matches!(entry, Ok(None));
+        item.ledger_cleared = force && !matches!(entry, Ok(None));
         let subject = self.bus.subjects.event(
             &session_token(&session),
             &event.delegation_id,
@@ -129,7 +144,7 @@ impl Replayer {
         let copy = ulid::Ulid::new().to_string();
         let msg_id = format!("{event_id}.replay.{copy}");
         headers.insert(HEADER_MSG_ID, msg_id.as_str());
-        if self.plan.force {
+        if force {
             // Posted before (or by an earlier forced replay that recorded
             // its key and then failed): the usual key would be a repeat to
             // the session API.
