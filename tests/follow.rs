@@ -438,3 +438,48 @@ async fn a_follow_from_a_time_up_to_a_sequence_ends_once_the_stream_has_passed_i
         .expect("the follow to end past --to-seq");
     assert!(next.is_none(), "{next:?}");
 }
+
+/// A follow with `--until` in the past shows everything stored before it,
+/// then ends: `--until` having passed does not cut short a long history
+/// still being read.
+#[tokio::test]
+async fn a_follow_until_a_past_time_shows_everything_stored_before_it() {
+    use wakebus::history::{HistoryReader, Selection, Source};
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let subject = format!("{}.evt.tok.d1.0.progress", bus.subjects.prefix());
+    let total = 2_000_u64;
+    for _ in 0..total {
+        // Acks awaited below, all at once.
+        drop(bus.js.publish(subject.clone(), "{}".into()).await.unwrap());
+    }
+    let events = bus.subjects.events_stream();
+    wait_until(WAIT, "every event stored", || async {
+        stored_messages(&bus, &events).await == total
+    })
+    .await;
+    let until = time::OffsetDateTime::now_utc();
+    // `--until` and the margin a follow gives the server's clock.
+    let ended = until + time::Duration::seconds(6);
+    wait_until(WAIT, "--until and its margin to pass", || async {
+        time::OffsetDateTime::now_utc() > ended
+    })
+    .await;
+    let selection = Selection {
+        until: Some(until),
+        ..Selection::default()
+    };
+    let mut reader = HistoryReader::open(&bus, Source::Events, selection, true)
+        .await
+        .unwrap();
+    let mut shown = 0;
+    while let Some(record) = tokio::time::timeout(WAIT, reader.next())
+        .await
+        .expect("the follow to end past --until")
+    {
+        record.expect("no read error");
+        shown += 1;
+    }
+    assert_eq!(shown, total);
+}

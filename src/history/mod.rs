@@ -316,6 +316,9 @@ pub struct HistoryReader {
     follow: bool,
     /// Set once the read is over.
     finished: bool,
+    /// Set once a follow's `--until` (plus its margin) has passed: it ends
+    /// as soon as nothing stored before `--until` is left to show.
+    past_until: bool,
     /// The ephemeral consumer to delete at the end: the one the read
     /// opened, or the one the client created in its place since.
     cleanup: Option<String>,
@@ -384,6 +387,7 @@ impl HistoryReader {
             last_sequence: None,
             reopen_delay: None,
             finished: !follow && total == 0,
+            past_until: false,
             follow,
             selection,
             stream: stream_name,
@@ -413,19 +417,24 @@ impl HistoryReader {
                     next = self.messages.next() => next,
                     _ = self.stream_check.tick() => {
                         self.check_stream().await;
-                        // Past `--to-seq` with nothing left to show before
-                        // it: a later message cannot match.
-                        if self.end.is_some_and(|end| self.handle.cached_info().state.last_sequence >= end)
-                            && self.nothing_left().await
-                        {
+                        // Past `--to-seq` or `--until` with nothing left to
+                        // show before it: a later message cannot match.
+                        let past_end = self.past_until
+                            || self.end.is_some_and(|end| self.handle.cached_info().state.last_sequence >= end);
+                        if past_end && self.nothing_left().await {
                             self.finished = true;
                         }
                         continue;
                     }
                     // Nothing stored after `--until` can match: a follow
                     // that waits for a later message might wait for ever.
-                    () = until_passed(self.selection.until) => {
-                        self.finished = true;
+                    // What was stored before it and is not shown yet (a
+                    // long history read from `--since`) is shown first.
+                    () = until_passed(self.selection.until), if !self.past_until => {
+                        self.past_until = true;
+                        if self.nothing_left().await {
+                            self.finished = true;
+                        }
                         continue;
                     }
                 }
