@@ -410,7 +410,9 @@ fn webhook_secrets(files: &[std::path::PathBuf]) -> anyhow::Result<Vec<WebhookSe
 fn inherit_from_parent_task(delegation: &mut Delegation) -> anyhow::Result<()> {
     if let Ok(depth) = std::env::var("WAKEBUS_DEPTH") {
         let parent: u32 = depth.parse().context("WAKEBUS_DEPTH is not a number")?;
-        delegation.depth = parent + 1;
+        delegation.depth = parent
+            .checked_add(1)
+            .context("WAKEBUS_DEPTH is at the largest depth there is")?;
         if delegation.parent_session_id.is_none() {
             delegation.parent_session_id = std::env::var("WAKEBUS_ORIGIN_SESSION").ok();
         }

@@ -188,6 +188,14 @@ impl Selection {
                 rfc3339(until)
             )));
         }
+        // The server refuses a read from sequence 0 with a message about
+        // its delivery policy; say what is wrong instead.
+        if self.from_seq == Some(0) || self.to_seq == Some(0) {
+            return Err(HistoryError::Selection(
+                "stream sequences start at 1: --from-seq and --to-seq must be at least 1"
+                    .to_owned(),
+            ));
+        }
         if let (Some(from), Some(to)) = (self.from_seq, self.to_seq)
             && from > to
         {
@@ -756,6 +764,15 @@ mod tests {
             ..Default::default()
         };
         assert!(pool_on_events.validate(Source::Events).is_err());
+        for (from_seq, to_seq) in [(Some(0), None), (None, Some(0))] {
+            let zero = Selection {
+                from_seq,
+                to_seq,
+                ..Default::default()
+            };
+            let err = zero.validate(Source::Events).unwrap_err().to_string();
+            assert!(err.contains("start at 1"), "{err}");
+        }
     }
 
     #[test]
