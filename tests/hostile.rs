@@ -298,10 +298,25 @@ async fn batch_woken_once(bus: &Bus, api: &SessionApiServer, services: Services,
 /// Publishes garbage on the `done` subject of task `index` of delegation
 /// `id`, and waits until the wake has dead-lettered it.
 async fn publish_garbled_completion(bus: &Bus, session: &str, id: &str, index: u32) {
-    let dlq = bus.subjects.dead_letter_stream();
-    let before = all_messages(bus, &dlq).await.len();
     let mut headers = HeaderMap::new();
     headers.insert("Wakebus-Origin-Session", session);
+    let garbage = "\u{0}garbage".into();
+    publish_refused_completion(bus, session, id, index, headers, garbage).await;
+}
+
+/// Publishes `payload` with `headers` on the `done` subject of task
+/// `index` of delegation `id`, and waits until the wake has dead-lettered
+/// it.
+async fn publish_refused_completion(
+    bus: &Bus,
+    session: &str,
+    id: &str,
+    index: u32,
+    headers: HeaderMap,
+    payload: bytes::Bytes,
+) {
+    let dlq = bus.subjects.dead_letter_stream();
+    let before = all_messages(bus, &dlq).await.len();
     let subject = bus.subjects.event(
         &session_token(session),
         id,
@@ -309,14 +324,16 @@ async fn publish_garbled_completion(bus: &Bus, session: &str, id: &str, index: u
         wakebus::protocol::EventKind::Done,
     );
     bus.js
-        .publish_with_headers(subject, headers, "\u{0}garbage".into())
+        .publish_with_headers(subject, headers, payload)
         .await
         .unwrap()
         .await
         .unwrap();
-    wait_until(WAIT, "the garbage to be dead-lettered", || async {
-        all_messages(bus, &dlq).await.len() > before
-    })
+    wait_until(
+        WAIT,
+        "the refused completion to be dead-lettered",
+        || async { all_messages(bus, &dlq).await.len() > before },
+    )
     .await;
 }
 
@@ -369,6 +386,63 @@ async fn a_garbled_completion_of_a_batch_task_neither_wakes_the_batch_early_nor_
     let posts = api.all_posts();
     assert_eq!(posts.len(), 2);
     assert_both_tasks_reported(&posts[1].text(), &id);
+}
+
+/// A readable completion of a batch task that the wake refuses (here one
+/// without its `Wakebus-Origin-Session` header), stored while the task
+/// runs, does not end the batch: the session would be woken with its text,
+/// and the task's real completion, arriving later, would find the batch
+/// delivered and never be posted.
+#[tokio::test]
+async fn a_completion_the_wake_refused_does_not_end_its_batch_before_the_real_one() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let gates = tempfile::tempdir().unwrap();
+    let mut services = Services::new();
+    services.worker(
+        &bus,
+        shell(&gated_script(gates.path())),
+        test_worker_config("default"),
+    );
+    services.wake(&bus, test_wake_config(&api.url()));
+    let goals = ["first task", "second task"].map(String::from);
+    let id = delegate(&bus, Delegation::batch(goals).session("s.refused")).await;
+    let impostor = serde_json::json!({
+        "type": "async_delegation", "delegation_id": id, "task_index": 1,
+        "task_count": 2, "wake_mode": "batch", "origin_session_id": "s.refused",
+        "status": "completed", "completed_at": "2026-01-01T00:00:00Z",
+        "exit_reason": "completed", "summary": "NOT THE REAL RESULT",
+    });
+    let impostor = serde_json::to_vec(&impostor).unwrap().into();
+    publish_refused_completion(&bus, "s.refused", &id, 1, HeaderMap::new(), impostor).await;
+
+    // The first task ends: with the impostor counted, the batch would be
+    // woken now.
+    std::fs::write(gates.path().join("first"), "").unwrap();
+    wait_until(WAIT, "the first task's completion", || async {
+        done_events(&bus).await.len() == 2
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    assert!(api.all_posts().is_empty(), "the batch was woken early");
+
+    std::fs::write(gates.path().join("second"), "").unwrap();
+    wait_until(WAIT, "the batch's wake", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let posts = api.all_posts();
+    assert_eq!(posts.len(), 1);
+    assert!(
+        !posts[0].text().contains("NOT THE REAL RESULT"),
+        "{}",
+        posts[0].text()
+    );
+    assert_both_tasks_reported(&posts[0].text(), &id);
 }
 
 #[tokio::test]

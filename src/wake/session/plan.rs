@@ -11,9 +11,12 @@ use tracing::{info, warn};
 
 use super::{Pending, Router, Turn};
 use crate::outcome::Outcome;
-use crate::protocol::{CompletionEvent, EventKind, Status, WakeMode, session_token};
+use crate::protocol::{
+    CompletionEvent, EventKind, HEADER_ORIGIN_SESSION, Status, WakeMode, session_token,
+};
 use crate::wake::ledger::{Intent, LedgerEntry, LedgerError, LedgerState, WakeLedger};
 use crate::wake::turn;
+use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 
 /// Why turns could not be planned; the actor retries shortly.
@@ -178,18 +181,23 @@ impl Router {
                 .get_last_raw_message_by_subject(&subject)
                 .await
             {
-                Ok(message) => match CompletionEvent::decode(&message.payload) {
+                Ok(message) => match sibling(&message, member, index) {
                     Ok(done) => all.push(done),
                     Err(error) => {
-                        // Garbage on the task's subject (dead-lettered when
-                        // the wake met it): the newest readable completion
-                        // stored before it counts. With none, the task has
-                        // not ended as far as the batch can tell, and its
-                        // real completion, stored later, ends the batch.
-                        match self.readable_before(&subject, message.sequence).await? {
+                        // Garbage on the task's subject, or a completion the
+                        // wake would not admit for this task (dead-lettered
+                        // when the wake met it): the newest usable
+                        // completion stored before it counts. With none, the
+                        // task has not ended as far as the batch can tell,
+                        // and its real completion, stored later, ends the
+                        // batch.
+                        match self
+                            .usable_before(&subject, message.sequence, member, index)
+                            .await?
+                        {
                             Some(done) => all.push(done),
                             None => {
-                                warn!(delegation_id = %member.event.delegation_id, task_index = index, %error, "A batch task's last stored completion cannot be read; the batch waits for a readable one.");
+                                warn!(delegation_id = %member.event.delegation_id, task_index = index, %error, "A batch task's last stored completion cannot be used; the batch waits for a usable one.");
                                 return Ok(None);
                             }
                         }
@@ -217,14 +225,16 @@ impl Router {
         }
     }
 
-    /// The newest completion on `subject` stored before `sequence` that can
-    /// be read, walking the subject's messages from its first (usually one
-    /// or two: a completion, a duplicate, garbage), at most
-    /// [`WALK_LIMIT`] of them.
-    async fn readable_before(
+    /// The newest completion of task `index` of `member`'s batch on
+    /// `subject` stored before `sequence` that can be used ([`sibling`]),
+    /// walking the subject's messages from its first (usually one or two: a
+    /// completion, a duplicate, garbage), at most [`WALK_LIMIT`] of them.
+    async fn usable_before(
         &self,
         subject: &str,
         sequence: u64,
+        member: &Pending,
+        index: u32,
     ) -> Result<Option<CompletionEvent>, PlanError> {
         let mut newest = None;
         let mut from = 1;
@@ -248,7 +258,7 @@ impl Router {
             if message.sequence >= sequence {
                 break;
             }
-            if let Ok(done) = CompletionEvent::decode(&message.payload) {
+            if let Ok(done) = sibling(&message, member, index) {
                 newest = Some(done);
             }
             from = from.max(message.sequence) + 1;
@@ -670,6 +680,41 @@ fn combined_intent_size(tasks: &[Vec<Pending>]) -> usize {
         covers: tasks.iter().map(|group| group[0].ledger_key()).collect(),
     };
     serde_json::to_vec(&intent).map_or(usize::MAX, |json| json.len())
+}
+
+/// A stored completion of task `index` of `member`'s batch, if it is one
+/// the wake would admit as that task's: a readable body whose ids, task
+/// count and origin session (body and header) are the batch's. Anything
+/// else stored on the task's subject (a forged or mistaken publish, which
+/// the wake dead-lettered when it met it) does not end the batch: counted,
+/// it would wake the session before the task's real completion, whose
+/// text would then never be posted.
+fn sibling(
+    message: &StreamMessage,
+    member: &Pending,
+    index: u32,
+) -> Result<CompletionEvent, String> {
+    let done = CompletionEvent::decode(&message.payload).map_err(|error| error.to_string())?;
+    let batch = &member.event;
+    if done.delegation_id != batch.delegation_id
+        || done.task_index != index
+        || done.task_count != batch.task_count
+    {
+        return Err("its delegation id, task index or task count is not this task's".to_owned());
+    }
+    let session = Some(member.session.as_str());
+    let header = message
+        .headers
+        .get(HEADER_ORIGIN_SESSION)
+        .map(|value| value.as_str());
+    if done.origin_session_id.as_deref() != session || header != session {
+        return Err("it names another origin session, in its body or its header".to_owned());
+    }
+    let event_id = CompletionEvent::id_for(&done.delegation_id, index);
+    if !done.event_id.is_empty() && done.event_id != event_id {
+        return Err(format!("its event_id is not {event_id:?}"));
+    }
+    Ok(done)
 }
 
 fn is_batch_member(pending: &Pending) -> bool {
