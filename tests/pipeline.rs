@@ -438,6 +438,47 @@ async fn a_409_conflict_is_retried_for_two_request_timeouts_before_the_wake_is_d
     assert!(retried_for >= Duration::from_secs(9), "{retried_for:?}");
 }
 
+/// The patience for 409s counts conflicts in a row: a 409 after a longer
+/// stretch of other failures (the API down, then back with the post sent
+/// just before still in progress) is retried like a first one, not taken
+/// for a conflict that lasted.
+#[tokio::test]
+async fn a_409_after_an_outage_longer_than_its_patience_is_retried_like_a_first_one() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    api.fail_always(409);
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("conflict, outage, conflict").session("s.outage"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the first 409", || async {
+        !api.all_posts().is_empty()
+    })
+    .await;
+    api.fail_always(503);
+    // Past two request timeouts (5 s each in tests) since the first 409.
+    wait_until(WAIT, "503s for longer than the 409 patience", || async {
+        let posts = api.all_posts();
+        posts.last().unwrap().at - posts[0].at > Duration::from_millis(10_500)
+    })
+    .await;
+    // One more conflict, then the API's stored answer.
+    api.fail_next(1, 409);
+    api.fail_always(0);
+    wait_until(WAIT, "the wake delivered", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    services.stop().await;
+    let dlq = bus.subjects.dead_letter_stream();
+    assert!(all_messages(&bus, &dlq).await.is_empty(), "dead-lettered");
+}
+
 /// A refused wake whose dead letter cannot be stored yet (here: the
 /// dead-letter stream is full and refuses writes) is kept until it can be,
 /// and never posted again meanwhile: the refusal was the API's answer.

@@ -121,17 +121,22 @@ impl Router {
             };
             let mut result = hold.during(post, &in_hand).await;
             drop(posting_gauge);
-            if let PostResult::Rejected { status: 409, .. } = result
-                && first_conflict.get_or_insert_with(Instant::now).elapsed() < conflict_patience
-            {
+            if let PostResult::Rejected { status: 409, .. } = result {
                 // An API enforcing Idempotency-Key answers 409 while a post
                 // under the same key is still being processed: one whose
                 // answer was lost, or a dead instance's. It settles; a
                 // conflict that lasts is a refusal.
-                result = PostResult::Retry {
-                    reason: "session API answered 409 Conflict (a post under this Idempotency-Key may still be in progress)".to_owned(),
-                    after: None,
-                };
+                if first_conflict.get_or_insert_with(Instant::now).elapsed() < conflict_patience {
+                    result = PostResult::Retry {
+                        reason: "session API answered 409 Conflict (a post under this Idempotency-Key may still be in progress)".to_owned(),
+                        after: None,
+                    };
+                }
+            } else {
+                // Only conflicts in a row last: one after an outage (the
+                // post in progress may be the last one sent before it)
+                // gets its patience anew.
+                first_conflict = None;
             }
             match result {
                 PostResult::Delivered => {
