@@ -465,3 +465,53 @@ async fn only_redirects_that_keep_the_turn_and_meet_the_http_rule_are_followed()
     assert!(matches!(here.post(post).await, PostResult::Delivered));
     assert_eq!(landed.load(Ordering::SeqCst), 1);
 }
+
+/// A server that answers its first `hops` requests with a 307 to a new
+/// path of its own, then 200.
+async fn redirect_chain(hops: usize) -> std::net::SocketAddr {
+    use axum::response::IntoResponse;
+    let seen = Arc::new(AtomicUsize::new(0));
+    let answer = move || {
+        let hop = seen.fetch_add(1, Ordering::SeqCst) + 1;
+        if hop <= hops {
+            let next = format!("/hop/{hop}");
+            (StatusCode::TEMPORARY_REDIRECT, [("location", next)]).into_response()
+        } else {
+            StatusCode::OK.into_response()
+        }
+    };
+    counting_server(answer, Arc::default()).await
+}
+
+/// PROTOCOL 8.5: 307 and 308 are followed at most 10 times.
+#[tokio::test]
+async fn a_post_follows_ten_redirects_and_not_an_eleventh() {
+    use wakebus::wake::session_api::{Post, PostResult, SessionApi, SessionApiConfig};
+    let post = Post {
+        session: "s1",
+        text: "the turn",
+        idempotency_key: "k1",
+        traceparent: None,
+        covers: &[],
+        events: &[],
+    };
+    for (hops, delivered) in [(10, true), (11, false)] {
+        let api = SessionApi::new(
+            &SessionApiConfig {
+                base_url: format!("http://{}", redirect_chain(hops).await),
+                api_key: Some("sk-test".into()),
+                model: "hermes".into(),
+                request_timeout: Duration::from_secs(5),
+            },
+            &PostShape::Hermes,
+            &HttpSecurity::default(),
+        )
+        .unwrap();
+        let result = api.post(post).await;
+        assert_eq!(
+            matches!(result, PostResult::Delivered),
+            delivered,
+            "{hops} redirects: {result:?}"
+        );
+    }
+}

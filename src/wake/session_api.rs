@@ -236,7 +236,9 @@ impl SessionApi {
                 );
                 if !keeps_body {
                     attempt.stop()
-                } else if attempt.previous().len() >= MAX_REDIRECTS {
+                } else if attempt.previous().len() > MAX_REDIRECTS {
+                    // `previous` starts with the URL posted to, which is
+                    // not a redirect (as in reqwest's own limit).
                     attempt.error("too many redirects")
                 } else if let Err(refused) = check_url(attempt.url().as_str(), &redirects) {
                     attempt.error(refused)
