@@ -1002,6 +1002,38 @@ async fn replay_does_not_requeue_a_request_that_can_never_run() {
     services.stop().await;
 }
 
+/// A dead-lettered request whose body reads as a request but not as JSON
+/// (a lone surrogate escape in a field wakebus does not know, which reading
+/// the request skips) is not re-queued: its copy, edited as JSON, would
+/// have kept nothing but its new delegation id.
+#[tokio::test]
+async fn replay_skips_a_request_it_cannot_copy_with_all_its_fields() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let body = r#"{"version":1,"delegation_id":"surrogate","goal":"g","x-note":"\ud83d"}"#;
+    wakebus::protocol::TaskRequest::decode(body.as_bytes()).expect("reads as a request");
+    let ack = bus
+        .js
+        .publish(bus.subjects.dead_letter_task("default"), body.into())
+        .await
+        .unwrap();
+    ack.await.unwrap();
+    let lines = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
+        .await
+        .ok_json();
+    assert_eq!(lines[0]["action"], "skipped", "{lines:#?}");
+    let reason = lines[0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("cannot be copied with all its fields"),
+        "{reason}"
+    );
+    assert_eq!(lines[1]["summary"]["selected"], 1, "{lines:#?}");
+    let queued = stored_messages(&bus, &bus.subjects.tasks_stream()).await;
+    assert_eq!(queued, 0, "a copy was queued");
+}
+
 /// `replay copy --to-prefix` of `session`'s history from `prefix` to
 /// `target`'s deployment, which must report and store `count` copies;
 /// returns them.

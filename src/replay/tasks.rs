@@ -30,6 +30,20 @@ impl Replayer {
                 return Ok(item.skipped(format!("the request cannot run again: {error}")));
             }
         };
+        // The copy is the JSON edited rather than the request re-encoded,
+        // so that fields this version does not know survive. A body read
+        // as a request may still not read as JSON (a lone surrogate escape
+        // in a field the request does not know, which its reading skips):
+        // such a copy would lose every field but its new id.
+        let mut body = match serde_json::from_slice::<serde_json::Value>(&record.payload) {
+            Ok(body) if body.is_object() => body,
+            Ok(_) => return Ok(item.skipped("the request is not a JSON object")),
+            Err(error) => {
+                return Ok(item.skipped(format!(
+                    "the request cannot be copied with all its fields ({error}); fix its body and publish it again by hand"
+                )));
+            }
+        };
         if !self.plan.include_cancelled {
             match self.cancelled(&request, record).await {
                 Ok(None) => {}
@@ -77,10 +91,6 @@ impl Replayer {
             item.action = Action::WouldReplay;
             return Ok(item);
         }
-        // Edit the JSON rather than re-encode the request, so that fields
-        // this version does not know survive.
-        let mut body: serde_json::Value =
-            serde_json::from_slice(&record.payload).unwrap_or_default();
         body["delegation_id"] = serde_json::Value::from(new_id.as_str());
         if request.task_count > 1 {
             // Alone under its new id: a batch would wait for siblings that
