@@ -348,14 +348,28 @@ impl Canceller {
         filter: &impl Fn(EventKind) -> String,
         done: &CompletionEvent,
     ) -> Result<DelegationState, CancelError> {
-        // One subject per task: count the tasks that have a completion.
-        let tasks_done = events
+        // One subject per task: count the tasks, by index, that have a
+        // completion. Subjects of indexes outside the delegation, or of one
+        // task under several session tokens, which only a misbehaving
+        // publisher stores, must not make it look finished while tasks
+        // still wait to run.
+        let task_count = done.task_count.max(1);
+        let mut subjects = events
             .info_with_subjects(filter(EventKind::Done))
             .await
-            .map_err(|e| CancelError::History(e.to_string()))?
-            .count()
-            .await;
-        Ok(if tasks_done >= done.task_count.max(1) as usize {
+            .map_err(|e| CancelError::History(e.to_string()))?;
+        let mut tasks_done = std::collections::BTreeSet::new();
+        while let Some(subject) = subjects.next().await {
+            let (subject, _) = subject.map_err(|e| CancelError::History(e.to_string()))?;
+            let index = subject
+                .rsplit('.')
+                .nth(1)
+                .and_then(|i| i.parse::<u32>().ok());
+            if let Some(index) = index.filter(|index| *index < task_count) {
+                tasks_done.insert(index);
+            }
+        }
+        Ok(if tasks_done.len() >= task_count as usize {
             DelegationState::Finished
         } else {
             DelegationState::Running

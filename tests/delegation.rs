@@ -504,6 +504,46 @@ async fn an_unreadable_completion_does_not_stop_the_delegation_from_being_cancel
     );
 }
 
+/// A delegation counts as finished when each of its tasks has a
+/// completion: completions stored under indexes outside it, or for one
+/// task under another session's token (by a misbehaving publisher), do not
+/// make a batch whose other tasks still wait look finished, which would
+/// leave them to run uncancelled.
+#[tokio::test]
+async fn completions_of_tasks_outside_a_batch_do_not_make_it_look_finished_to_a_cancel() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let id = wakebus::protocol::new_delegation_id();
+    let prefix = bus.subjects.prefix().to_owned();
+    let completion = |index: u32| {
+        serde_json::json!({
+            "type": "async_delegation", "delegation_id": id, "task_index": index,
+            "task_count": 3, "status": "completed", "exit_reason": "completed",
+            "completed_at": "2026-01-01T00:00:00Z", "summary": "done",
+        })
+        .to_string()
+    };
+    // Task 0 ended; tasks 1 and 2 have not. Strangers: indexes 7 and 8,
+    // and task 0 again under another token.
+    for (token, index) in [("sync", 0), ("sync", 7), ("sync", 8), ("other", 0)] {
+        bus.js
+            .publish(
+                format!("{prefix}.evt.{token}.{id}.{index}.done"),
+                completion(index).into(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let outcome = Canceller::new(bus.clone())
+        .cancel_delegation(&id, false)
+        .await
+        .expect("the cancel is not refused");
+    assert_eq!(outcome.state, Some(DelegationState::Running), "{outcome:?}");
+}
+
 /// The queue check reads at most 10,000 stored requests. With more queued
 /// it cannot tell, and a cancel of a delegation it did not find assumes it
 /// is queued (better a cancel record too many than a task that runs after
