@@ -911,16 +911,28 @@ async fn a_worker_started_without_an_executor_refuses_to_start_and_names_the_fla
 /// post (a timeout firing at once, a give-up on the first delivery), loop
 /// (a zero check interval or retry delay), or quietly mean something else
 /// to the server (a zero max age keeps for ever, zero replicas is one): the
-/// command refuses to start and names the flag.
+/// command refuses to start and names the flag (and its least value, where
+/// that is more than zero: an AckWait or a consumer check under a second
+/// is too short to keep work alive with, or a flood of checks).
 #[tokio::test]
 async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_says_why() {
     let worker = ["worker", "--executor", "echo"];
     let wake = ["wake", "--api-url", "http://127.0.0.1:1"];
-    let cases: [(&[&str], &[&str], &str); 20] = [
+    let cases: [(&[&str], &[&str], &str); 22] = [
+        (
+            &[],
+            &["worker", "--executor", "echo", "--ack-wait", "300ms"],
+            "invalid value '300ms' for '--ack-wait <ACK_WAIT>': must be at least 1s",
+        ),
+        (
+            &["--consumer-check", "500ms"],
+            &wake,
+            "invalid value '500ms' for '--consumer-check <CONSUMER_CHECK>': must be at least 1s",
+        ),
         (
             &["--consumer-check", "0s"],
             &worker,
-            "'--consumer-check <CONSUMER_CHECK>': must be more than 0",
+            "'--consumer-check <CONSUMER_CHECK>': must be at least 1s",
         ),
         (
             &["--history", "0s"],
@@ -960,7 +972,7 @@ async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_say
         (
             &[],
             &["worker", "--executor", "echo", "--ack-wait", "0s"],
-            "'--ack-wait <ACK_WAIT>': must be more than 0",
+            "'--ack-wait <ACK_WAIT>': must be at least 1s",
         ),
         (
             &[],
@@ -1014,7 +1026,7 @@ async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_say
                 "--ack-wait",
                 "0s",
             ],
-            "'--ack-wait <ACK_WAIT>': must be more than 0",
+            "'--ack-wait <ACK_WAIT>': must be at least 1s",
         ),
         (
             &[],
@@ -1047,7 +1059,7 @@ async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_say
         let run = wakebus("nats://127.0.0.1:1", "wakebus", &args).await;
         assert_eq!(run.code(), Some(2), "{args:?}: {}", run.stderr());
         assert!(
-            run.stderr().contains("invalid value '0") && run.stderr().contains(said),
+            run.stderr().contains("invalid value '") && run.stderr().contains(said),
             "{args:?}: {}",
             run.stderr()
         );

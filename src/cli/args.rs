@@ -87,7 +87,7 @@ pub(crate) struct Global {
     /// A worker or wake checks that its consumer exists every this long
     /// (plus up to as much again at random), and creates it again when it
     /// was deleted.
-    #[arg(long, env = "WAKEBUS_CONSUMER_CHECK", value_parser = positive_duration, default_value = "6s", global = true)]
+    #[arg(long, env = "WAKEBUS_CONSUMER_CHECK", value_parser = at_least_a_second, default_value = "6s", global = true)]
     pub(crate) consumer_check: Duration,
     /// Replicas of the streams and buckets, 1 to 5; existing ones are
     /// changed to it [default: new ones get 1 on a single server, the
@@ -286,8 +286,10 @@ pub(crate) struct WorkerArgs {
     /// complete real tasks with their goal echoed back.
     #[arg(long, value_enum, env = "WAKEBUS_EXECUTOR")]
     pub(crate) executor: ExecutorKind,
-    /// AckWait: how soon a dead worker's task goes to another worker.
-    #[arg(long, value_parser = positive_duration, default_value = "30s")]
+    /// AckWait: how soon a dead worker's task goes to another worker (at
+    /// least 1s: a running task is kept with an in-progress ack every third
+    /// of it, at most every 100 ms).
+    #[arg(long, value_parser = at_least_a_second, default_value = "30s")]
     pub(crate) ack_wait: Duration,
     /// Deliveries before a task ends as failed and is dead-lettered.
     #[arg(long, default_value_t = 5, value_parser = at_least_one::<u64>)]
@@ -411,8 +413,9 @@ pub(crate) struct WakeArgs {
     /// next completion (0s: release at once).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "250ms")]
     pub(crate) lock_linger: Duration,
-    /// AckWait of the wake consumer.
-    #[arg(long, value_parser = positive_duration, default_value = "30s")]
+    /// AckWait of the wake consumer (at least 1s: held completions are
+    /// kept with an in-progress ack every third of it, at most every 100 ms).
+    #[arg(long, value_parser = at_least_a_second, default_value = "30s")]
     pub(crate) ack_wait: Duration,
     /// Most completions held unacknowledged at once, across every wake
     /// instance (the consumer's MaxAckPending): a larger backlog waits in
@@ -476,8 +479,10 @@ where
     Ok(value)
 }
 
-/// An age of at least a second: the server refuses a max age under 100 ms,
-/// and a lock refreshed every third of a shorter TTL is a stream of writes.
+/// At least a second: the server refuses a max age under 100 ms, a lock
+/// refreshed every third of a shorter TTL is a stream of writes, an
+/// AckWait that short cannot be kept with in-progress acks (sent at most
+/// every 100 ms), and a consumer checked more often floods the server.
 fn at_least_a_second(text: &str) -> Result<Duration, String> {
     match humantime::parse_duration(text) {
         Ok(duration) if duration < Duration::from_secs(1) => Err("must be at least 1s".to_owned()),
