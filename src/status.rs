@@ -640,6 +640,11 @@ struct EndpointStats {
     data: Option<serde_json::Value>,
 }
 
+/// How long discovery waits for NATS to confirm that its request went out
+/// (at least; the discovery window if longer), as long as a JetStream
+/// request may take.
+const FLUSH_PATIENCE: Duration = Duration::from_secs(5);
+
 /// Asks every instance of `service` for its stats; keeps this deployment's.
 async fn discover(
     bus: &Bus,
@@ -656,10 +661,18 @@ async fn discover(
         .publish_with_reply(format!("$SRV.STATS.{service}"), inbox, "".into())
         .await
         .map_err(|e| read_error("service discovery", e))?;
-    client
-        .flush()
-        .await
-        .map_err(|e| read_error("service discovery", e))?;
+    // A flush waits for the server's answer, through any reconnect: a
+    // server that stopped answering would hold `status` for ever.
+    let patience = timeout.max(FLUSH_PATIENCE);
+    match tokio::time::timeout(patience, client.flush()).await {
+        Ok(flushed) => flushed.map_err(|e| read_error("service discovery", e))?,
+        Err(_) => {
+            return Err(read_error(
+                "service discovery",
+                format!("NATS did not answer within {patience:?}"),
+            ));
+        }
+    }
     let deadline = tokio::time::Instant::now() + timeout;
     let mut found: HashMap<String, ServiceStatus> = HashMap::new();
     // Wait the whole window: there is no telling how many will answer.

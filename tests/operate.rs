@@ -2294,3 +2294,25 @@ async fn the_version_names_the_commit_the_build_came_from() {
     };
     assert_eq!(wakebus::VERSION, expected);
 }
+
+/// `status` run while its server is gone (it died after `status`
+/// connected) ends, saying what it could not do, instead of waiting for
+/// ever for the client to reconnect and confirm service discovery's
+/// request.
+#[tokio::test]
+async fn status_ends_when_its_server_goes_away() {
+    init_logs();
+    let mut nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    nats.kill();
+    let options = wakebus::status::StatusOptions::default();
+    let collected = tokio::time::timeout(
+        Duration::from_secs(60),
+        wakebus::status::collect(&bus, &options),
+    )
+    .await;
+    let error = collected
+        .expect("status to end")
+        .expect_err("nothing answered discovery");
+    assert!(error.to_string().contains("service discovery"), "{error}");
+}
