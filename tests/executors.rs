@@ -32,6 +32,8 @@ enum Reply {
     Hang,
     /// 200 with an answer that never ends.
     Endless,
+    /// This redirect status, back to the chat-completions path.
+    Redirect(u16),
 }
 
 #[derive(Default)]
@@ -120,6 +122,11 @@ async fn answer(
         }))
         .into_response(),
         Reply::Status(code) => (StatusCode::from_u16(code).unwrap(), "model says no").into_response(),
+        Reply::Redirect(code) => (
+            StatusCode::from_u16(code).unwrap(),
+            [("location", "/v1/chat/completions")],
+        )
+            .into_response(),
         Reply::Endless => {
             let endless = futures::stream::repeat_with(|| {
                 Ok::<_, std::convert::Infallible>(bytes::Bytes::from_static(&[b' '; 65536]))
@@ -245,6 +252,32 @@ async fn an_llm_endpoint_answering_5xx_is_retried_and_a_4xx_is_not() {
     );
     assert!(done.error.unwrap().contains("401"));
     assert_eq!(refusing.requests().len(), 1);
+}
+
+/// Only redirects that keep the prompt (307, 308) are followed: a client
+/// follows 301, 302 and 303 with a GET without it, and the task would fail
+/// with that GET's answer (here a 405) instead of naming the redirect.
+#[tokio::test]
+async fn an_llm_endpoint_redirect_is_followed_only_when_it_keeps_the_prompt() {
+    init_logs();
+    let model = ModelServer::start(vec![Reply::Redirect(307), Reply::Answer("redirected")]).await;
+    let (done, _bus, _nats) = run_one(model.executor(), Delegation::new("307")).await;
+    assert_eq!(done.summary.as_deref(), Some("redirected"));
+    assert_eq!(
+        model.requests().len(),
+        2,
+        "the prompt went with the redirect"
+    );
+
+    let moved = ModelServer::start(vec![Reply::Redirect(303), Reply::Answer("unreached")]).await;
+    let (done, _bus, _nats) = run_one(moved.executor(), Delegation::new("303")).await;
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Failed, "llm_refused")
+    );
+    let error = done.error.unwrap();
+    assert!(error.contains("303"), "{error}");
+    assert_eq!(moved.requests().len(), 1);
 }
 
 /// Delegates `delegation` to an llm worker, cancels it (silently) once the
