@@ -325,78 +325,155 @@ pub async fn sweep(
         .api(format!("$JS.API.STREAM.INFO.{stream}"), String::new())
         .await?;
     let last = state.state.last_seq;
-    // With one filter (as wakebus's consumers have), each read skips to the
-    // next message the consumer takes, past other subjects and gaps.
-    let filter = info.config.only_filter();
-    let mut seq = info.ack_floor.stream_seq + 1;
-    let mut removed = 0;
-    for _ in 0..MAX_SCAN {
-        if seq > last {
-            break;
-        }
-        let request = match filter {
-            Some(filter) => serde_json::json!({"seq": seq, "next_by_subj": filter}),
-            None => serde_json::json!({"seq": seq}),
-        };
-        let got: MsgGet = bus
-            .api(
-                format!("$JS.API.STREAM.MSG.GET.{stream}"),
-                request.to_string(),
-            )
-            .await
-            .map_err(|source| SweepError::Unread {
-                stream: stream.to_owned(),
-                from: seq,
-                to: last,
-                source: Box::new(source),
-            })?;
-        let Some(message) = got.message else {
-            if filter.is_some() {
-                break; // nothing more this consumer takes
-            }
-            seq += 1; // deleted
-            continue;
-        };
-        let at = if message.seq == 0 { seq } else { message.seq };
-        seq = at + 1;
-        // The stream holds other consumers' messages too (another pool's
-        // tasks, events the wake does not read): only this one's are its.
-        if at > last || !info.config.take(&message.subject) {
-            continue;
-        }
-        let headers = message
-            .hdrs
-            .as_deref()
-            .and_then(|h| BASE64.decode(h).ok())
-            .unwrap_or_default();
-        let reason = if message.subject.contains(char::REPLACEMENT_CHARACTER) {
-            // nats-server's JSON answer replaces bytes that are not UTF-8
-            // with U+FFFD. (A real U+FFFD is read the same way, but no
-            // subject wakebus uses can hold one: its ids and names are ASCII.)
-            format!(
-                "its subject is not valid UTF-8, so no NATS client library can read it; subject as JetStream reports it: {}",
-                message.subject
-            )
-        } else if !headers.is_empty()
-            && let Some(reason) = unreadable_headers(&headers)
-        {
-            format!(
-                "{reason}, so no NATS client library can read it; headers: {}",
-                String::from_utf8_lossy(&headers)
-            )
-        } else {
-            continue;
-        };
-        let body = message
-            .data
-            .as_deref()
-            .and_then(|d| BASE64.decode(d).ok())
-            .unwrap_or_default();
-        if quarantine(bus, stream, at, dead_letter_subject, &reason, body).await? {
-            removed += 1;
-        }
+    let scan = Scan {
+        bus,
+        stream,
+        info: &info,
+        dead_letter_subject,
+        last,
+    };
+    let first = scan.from(info.ack_floor.stream_seq + 1).await?;
+    if first.next > last {
+        return Ok(first.removed);
     }
-    Ok(removed)
+    // A floor held back (one session's completions retried for hours, a
+    // consumer made again at sequence 0 on nats-server 2.9) can put more
+    // of the consumer's messages before the culprit than one window reads.
+    // The culprit dropped the connection as it was delivered, so it is
+    // among the last messages delivered: look there too.
+    let recent = info
+        .delivered
+        .stream_seq
+        .saturating_sub(RECENT_WINDOW)
+        .max(first.next);
+    let second = scan.from(recent).await?;
+    if second.next <= last {
+        warn!(
+            stream,
+            consumer,
+            unread_from = first.next,
+            unread_to = recent.saturating_sub(1),
+            unread_after = second.next,
+            "The sweep for unreadable messages read its limit of the consumer's messages after its ack floor and before its last delivered one; if the connection keeps dropping, an unreadable message may be among those not read: inspect them with `nats stream get` and remove it with `nats stream rmm`."
+        );
+    }
+    Ok(first.removed + second.removed)
+}
+
+/// Stream sequences before the consumer's last delivered message where the
+/// second window of a sweep starts: a pull's batch (the wake's 256, a
+/// worker's concurrency) with the events stored around each completion.
+const RECENT_WINDOW: u64 = 8 * MAX_SCAN;
+
+/// One sweep's reading of a consumer's messages.
+struct Scan<'a> {
+    /// Reads, dead-letters and deletes.
+    bus: &'a Bus,
+    /// The stream read.
+    stream: &'a str,
+    /// The consumer whose messages are read: its filter.
+    info: &'a ConsumerInfo,
+    /// Where an unreadable message goes.
+    dead_letter_subject: &'a str,
+    /// The stream's last sequence when the sweep began.
+    last: u64,
+}
+
+/// What one window of a sweep did.
+struct Window {
+    /// Messages dead-lettered and deleted.
+    removed: usize,
+    /// The first sequence not read (past `last` when the window reached it).
+    next: u64,
+}
+
+impl Scan<'_> {
+    /// Reads up to [`MAX_SCAN`] of the consumer's messages from `seq` on,
+    /// removing those no client can read.
+    async fn from(&self, mut seq: u64) -> Result<Window, SweepError> {
+        let (bus, stream, last) = (self.bus, self.stream, self.last);
+        // With one filter (as wakebus's consumers have), each read skips to
+        // the next message the consumer takes, past other subjects and gaps.
+        let filter = self.info.config.only_filter();
+        let mut removed = 0;
+        for _ in 0..MAX_SCAN {
+            if seq > last {
+                break;
+            }
+            let request = match filter {
+                Some(filter) => serde_json::json!({"seq": seq, "next_by_subj": filter}),
+                None => serde_json::json!({"seq": seq}),
+            };
+            let got: MsgGet = bus
+                .api(
+                    format!("$JS.API.STREAM.MSG.GET.{stream}"),
+                    request.to_string(),
+                )
+                .await
+                .map_err(|source| SweepError::Unread {
+                    stream: stream.to_owned(),
+                    from: seq,
+                    to: last,
+                    source: Box::new(source),
+                })?;
+            let Some(message) = got.message else {
+                if filter.is_some() {
+                    // Nothing more this consumer takes.
+                    seq = last + 1;
+                    break;
+                }
+                seq += 1; // deleted
+                continue;
+            };
+            let at = if message.seq == 0 { seq } else { message.seq };
+            seq = at + 1;
+            // The stream holds other consumers' messages too (another
+            // pool's tasks, events the wake does not read): only this
+            // one's are its.
+            if at > last || !self.info.config.take(&message.subject) {
+                continue;
+            }
+            let Some(reason) = unreadable(&message) else {
+                continue;
+            };
+            let body = message
+                .data
+                .as_deref()
+                .and_then(|d| BASE64.decode(d).ok())
+                .unwrap_or_default();
+            if quarantine(bus, stream, at, self.dead_letter_subject, &reason, body).await? {
+                removed += 1;
+            }
+        }
+        Ok(Window { removed, next: seq })
+    }
+}
+
+/// Why no client can read `message`, if none can.
+fn unreadable(message: &StoredMessage) -> Option<String> {
+    let headers = message
+        .hdrs
+        .as_deref()
+        .and_then(|h| BASE64.decode(h).ok())
+        .unwrap_or_default();
+    if message.subject.contains(char::REPLACEMENT_CHARACTER) {
+        // nats-server's JSON answer replaces bytes that are not UTF-8 with
+        // U+FFFD. (A real U+FFFD is read the same way, but no subject
+        // wakebus uses can hold one: its ids and names are ASCII.)
+        return Some(format!(
+            "its subject is not valid UTF-8, so no NATS client library can read it; subject as JetStream reports it: {}",
+            message.subject
+        ));
+    }
+    if headers.is_empty() {
+        return None;
+    }
+    unreadable_headers(&headers).map(|reason| {
+        format!(
+            "{reason}, so no NATS client library can read it; headers: {}",
+            String::from_utf8_lossy(&headers)
+        )
+    })
 }
 
 /// Dead-letters and deletes one message; false if this user may not delete.

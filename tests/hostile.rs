@@ -902,6 +902,55 @@ async fn a_message_whose_headers_the_client_cannot_read_is_removed_and_the_servi
     );
 }
 
+/// The sweep for unreadable messages reads a window of the consumer's
+/// messages after its ack floor. With the floor held back (here by a
+/// session whose completion waits for a lock another instance holds) and
+/// more completions woken since than that window holds, the culprit is
+/// past it: the sweep finds it among the last delivered messages.
+#[tokio::test]
+async fn an_unreadable_completion_far_past_a_held_back_ack_floor_is_removed_too() {
+    let p = Pipeline::start().await;
+    let (nats, api, bus, services) = (p.nats, p.api, p.bus, p.services);
+    let (_locks, _guard) = hold_session_elsewhere(&bus, "s.held").await;
+    delegate(&bus, Delegation::new("held back").session("s.held")).await;
+    completions_waiting_in_wake(&bus, 1).await;
+    let woken = 600;
+    futures::stream::iter(0..woken)
+        .for_each_concurrent(64, |i| {
+            let bus = bus.clone();
+            async move {
+                delegate(&bus, Delegation::new("past").session(format!("s.{i}"))).await;
+            }
+        })
+        .await;
+    wait_until(WAIT, "every other session woken", || async {
+        api.accepted().len() == woken
+    })
+    .await;
+    let unreadable = b"NATS/1.0\r\nWakebus-Origin-Session: \xff\xfe\r\n\r\n";
+    let token = session_token("s.raw");
+    let subject = format!("{}.evt.{token}.rawdone.0.done", bus.subjects.prefix());
+    let refused = raw::hpub(nats.port, &subject, unreadable, b"{}").await;
+    assert_eq!(refused, None);
+    delegate(&bus, Delegation::new("after").session("s.after")).await;
+    let dlq = bus.subjects.dead_letter_stream();
+    wait_until(WAIT, "the unreadable completion dead-lettered", || async {
+        !all_messages(&bus, &dlq).await.is_empty()
+    })
+    .await;
+    wait_until(WAIT, "the wake of the session after it", || async {
+        api.accepted().iter().any(|p| p.session() == "s.after")
+    })
+    .await;
+    services.stop().await;
+    let dead = all_messages(&bus, &dlq).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].subject.as_str(),
+        bus.subjects.dead_letter_wake("poison")
+    );
+}
+
 /// A subject that is not UTF-8 (only a hand-written client sends one, and
 /// nats-server stores it) drops the client's connection on every delivery,
 /// as unreadable headers do. A completion on such a subject matches the
