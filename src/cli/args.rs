@@ -225,7 +225,7 @@ pub(crate) struct DelegateArgs {
 pub(crate) struct PatienceArgs {
     /// Keep trying to reach NATS this long before failing: long enough to
     /// ride out a NATS restart, shorter than the caller's own timeout. 0s
-    /// makes one attempt (of at most 1 s).
+    /// makes one attempt (of at most 2 s per server).
     #[arg(long, env = "WAKEBUS_CONNECT_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10s")]
     pub(crate) connect_timeout: Duration,
 }
