@@ -311,7 +311,9 @@ pub async fn run(
     // A post in flight may finish (and record and ack what it delivered);
     // nothing else an actor does while stopping should take long, but the
     // stop is bounded whatever happens to NATS meanwhile.
-    let patience = shared.config.api.request_timeout + crate::connect::STOP_TIMEOUT;
+    // A post's worst case: its request timeout, a lock refresh that was
+    // under way when the answer came, then the first write of its record.
+    let patience = shared.config.api.request_timeout + 2 * crate::connect::STOP_TIMEOUT;
     if tokio::time::timeout(patience, tracker.wait())
         .await
         .is_err()
