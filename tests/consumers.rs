@@ -374,13 +374,18 @@ async fn delivered_once(bus: &wakebus::bus::Bus) {
     );
 }
 
-/// Gives the consumer `info` describes a 2 s AckWait, as another instance
-/// or `init` could, and waits until the keeper of the service logging to
-/// `log` has seen it.
-async fn shorten_ack_wait(bus: &wakebus::bus::Bus, info: consumer::Info, log: &std::path::Path) {
+/// Gives the consumer `info` describes the AckWait `to`, as another
+/// instance or `init` could, and waits until the keeper of the service
+/// logging to `log` has seen it.
+async fn shorten_ack_wait(
+    bus: &wakebus::bus::Bus,
+    info: consumer::Info,
+    to: Duration,
+    log: &std::path::Path,
+) {
     let stream = bus.js.get_stream(&info.stream_name).await.unwrap();
     let config = consumer::Config {
-        ack_wait: Duration::from_secs(2),
+        ack_wait: to,
         ..info.config
     };
     stream
@@ -409,10 +414,79 @@ async fn a_worker_keeps_its_task_alive_by_its_consumers_ack_wait_when_that_is_sh
     let worker = Service::spawn(args, dir.path().join("worker.log"));
     let _logs = LogsOnPanic(vec![worker.log.clone()]);
     let info = eventually(WAIT, "the worker's consumer", || worker_consumer_info(&bus)).await;
-    shorten_ack_wait(&bus, info, &worker.log).await;
+    shorten_ack_wait(&bus, info, Duration::from_secs(2), &worker.log).await;
 
     delegate(&bus, Delegation::new("slow")).await;
     delivered_once(&bus).await;
+}
+
+/// The same when the AckWait is shortened while the task already runs: its
+/// keep-alive, due 10 s after it arrived by the worker's own 30 s, comes
+/// by the new 6 s AckWait's pace once the consumer check has seen it, not
+/// after the server has handed the task to another worker.
+#[tokio::test]
+async fn a_running_task_is_kept_alive_by_an_ack_wait_shortened_while_it_runs() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let dir = tempfile::tempdir().unwrap();
+    let extra = ["--ack-wait", "30s", "--consumer-check", "1s"];
+    let args = worker_args(&nats.url(), &prefix, "sleep 12; echo slow", &extra);
+    let worker = Service::spawn(args, dir.path().join("worker.log"));
+    let _logs = LogsOnPanic(vec![worker.log.clone()]);
+    eventually(WAIT, "the worker's consumer", || worker_consumer_info(&bus)).await;
+    // In the background, so that the delegation does not wait for its run.
+    delegate(&bus, Delegation::new("slow").session("s.slow")).await;
+    let info = eventually(WAIT, "the task in hand", || async {
+        worker_consumer_info(&bus)
+            .await
+            .filter(|info| info.num_ack_pending == 1)
+    })
+    .await;
+    shorten_ack_wait(&bus, info, Duration::from_secs(6), &worker.log).await;
+    delivered_once(&bus).await;
+}
+
+/// The same for a completion the wake holds (for its coalesce window)
+/// when the AckWait is shortened.
+#[tokio::test]
+async fn a_held_completion_is_kept_alive_by_an_ack_wait_shortened_while_it_is_held() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = wake_args(&nats.url(), &prefix, &api.url());
+    let extra = ["--ack-wait", "30s", "--coalesce-window", "12s"];
+    args.extend(
+        extra
+            .into_iter()
+            .chain(["--consumer-check", "1s"])
+            .map(String::from),
+    );
+    let wake = Service::spawn(args, dir.path().join("wake.log"));
+    let _logs = LogsOnPanic(vec![wake.log.clone()]);
+    eventually(WAIT, "the wake's consumer", || wake_consumer_info(&bus)).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    delegate(&bus, Delegation::new("held").session("s.held")).await;
+    let info = eventually(WAIT, "the completion in hand", || async {
+        wake_consumer_info(&bus)
+            .await
+            .filter(|info| info.num_ack_pending == 1)
+    })
+    .await;
+    shorten_ack_wait(&bus, info, Duration::from_secs(6), &wake.log).await;
+    wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let done = wake_consumer_info(&bus).await.unwrap();
+    assert_eq!(
+        done.delivered.consumer_sequence, 1,
+        "the held completion was delivered again"
+    );
 }
 
 #[tokio::test]
@@ -441,7 +515,7 @@ async fn a_wake_keeps_what_it_holds_alive_by_its_consumers_ack_wait_when_that_is
     let wake = Service::spawn(args, dir.path().join("wake.log"));
     let _logs = LogsOnPanic(vec![wake.log.clone()]);
     let info = eventually(WAIT, "the wake's consumer", || wake_consumer_info(&bus)).await;
-    shorten_ack_wait(&bus, info, &wake.log).await;
+    shorten_ack_wait(&bus, info, Duration::from_secs(2), &wake.log).await;
     let mut services = Services::new();
     services.echo_worker(&bus);
 

@@ -33,6 +33,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use async_nats::jetstream::consumer::{self, DeliverPolicy};
 use async_nats::jetstream::context::{ConsumerInfoError, ConsumerInfoErrorKind};
 use backon::BackoffBuilder;
@@ -112,6 +114,64 @@ impl KeepAliveEvery {
     fn saw(&self, ack_wait: Duration) {
         let nanos = u64::try_from(ack_wait.as_nanos()).unwrap_or(u64::MAX);
         self.seen_nanos.store(nanos, Ordering::Relaxed);
+    }
+}
+
+/// When held work is next due for an in-progress ack: a period after the
+/// last one sent (or after the work arrived), the period read again at
+/// every look, so that an AckWait the consumer check found shortened since
+/// applies to work already held, not only from its next keep-alive on.
+#[derive(Debug)]
+pub(crate) struct KeepAliveClock {
+    /// The period.
+    every: KeepAliveEvery,
+    /// When the last keep-alive went out (or the work arrived).
+    sent: Instant,
+    /// Set when the last one was skipped (the client disconnected): when
+    /// to try again, sooner than a period.
+    retry_at: Option<Instant>,
+}
+
+/// How often a keep-alive clock looks at the period again while it waits.
+const PERIOD_RECHECK: Duration = Duration::from_secs(1);
+
+impl KeepAliveClock {
+    /// A clock for work that arrived now.
+    pub(crate) fn new(every: KeepAliveEvery) -> Self {
+        Self {
+            every,
+            sent: Instant::now(),
+            retry_at: None,
+        }
+    }
+
+    /// When to look again: when the next keep-alive is due, or in a
+    /// second if that is later.
+    pub(crate) fn look_at(&self) -> Instant {
+        self.due().min(Instant::now() + PERIOD_RECHECK)
+    }
+
+    /// Whether the next keep-alive is due now.
+    pub(crate) fn is_due(&self) -> bool {
+        Instant::now() >= self.due()
+    }
+
+    /// Records a keep-alive round: `sent` false when it was skipped (the
+    /// client disconnected), to be tried again after
+    /// [`KEEP_ALIVE_RETRY`](crate::outcome::KEEP_ALIVE_RETRY), so that the
+    /// first after a reconnect is not a period late.
+    pub(crate) fn went_out(&mut self, sent: bool) {
+        if sent {
+            self.sent = Instant::now();
+            self.retry_at = None;
+        } else {
+            self.retry_at = Some(Instant::now() + crate::outcome::KEEP_ALIVE_RETRY);
+        }
+    }
+
+    fn due(&self) -> Instant {
+        self.retry_at
+            .unwrap_or_else(|| self.sent + self.every.period())
     }
 }
 

@@ -31,7 +31,7 @@ use crate::protocol::Subjects;
 
 pub(crate) use consumers::ServiceConsumer;
 pub(crate) use dead_letter::dead_letter_parts;
-pub(crate) use keeper::KeepAliveEvery;
+pub(crate) use keeper::{KeepAliveClock, KeepAliveEvery};
 pub(crate) use provision::{is_bucket_missing, is_stream_not_found, is_transient, setup_backoff};
 pub(crate) use publish::confirm_stored;
 pub(crate) use pulls::PullRetry;

@@ -18,7 +18,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{Inbox, Pending, Turn};
-use crate::bus::KeepAliveEvery;
+use crate::bus::{KeepAliveClock, KeepAliveEvery};
 
 /// An actor's completions in hand, and their keep-alive schedule.
 #[derive(Debug)]
@@ -27,12 +27,11 @@ pub(super) struct Hold {
     pub(super) held: Vec<Pending>,
     /// Where the session's next completions arrive.
     pub(super) rx: Inbox,
-    /// When everything in hand next gets an in-progress ack. One schedule
-    /// for all waits: a timer started afresh by each wait would never fire
-    /// through a run of waits shorter than the interval.
-    keep_alive_at: Instant,
-    /// How often: a third of the consumer's AckWait.
-    every: KeepAliveEvery,
+    /// When everything in hand next gets an in-progress ack (every third
+    /// of the consumer's AckWait). One schedule for all waits: a timer
+    /// started afresh by each wait would never fire through a run of waits
+    /// shorter than the interval.
+    keep_alive: KeepAliveClock,
 }
 
 impl Hold {
@@ -41,8 +40,7 @@ impl Hold {
         Self {
             held: Vec::new(),
             rx,
-            keep_alive_at: Instant::now() + every.period(),
-            every,
+            keep_alive: KeepAliveClock::new(every),
         }
     }
 
@@ -71,15 +69,15 @@ impl Hold {
             tokio::select! {
                 output = &mut work => return output,
                 Some(p) = self.rx.recv() => self.held.push(*p),
-                () = tokio::time::sleep_until(self.keep_alive_at) => {
-                    let mut skipped = false;
-                    for p in in_hand(&self.held, turns) {
-                        skipped |= !crate::outcome::keep_alive(&p.message).await;
+                () = tokio::time::sleep_until(self.keep_alive.look_at()) => {
+                    if !self.keep_alive.is_due() {
+                        continue;
                     }
-                    // Skipped while disconnected: again soon, so that the
-                    // first after the reconnect is not a period late.
-                    let next = if skipped { crate::outcome::KEEP_ALIVE_RETRY } else { self.every.period() };
-                    self.keep_alive_at = Instant::now() + next;
+                    let mut sent = true;
+                    for p in in_hand(&self.held, turns) {
+                        sent &= crate::outcome::keep_alive(&p.message).await;
+                    }
+                    self.keep_alive.went_out(sent);
                 }
             }
         }

@@ -30,7 +30,7 @@ use super::WorkerConfig;
 use super::cancel::{CancelRegistry, StopReason};
 use super::claims::{Claim, Claims};
 use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
-use crate::bus::{Bus, KeepAliveEvery, PublishError};
+use crate::bus::{Bus, KeepAliveClock, KeepAliveEvery, PublishError};
 use crate::cancel::CancelRecord;
 use crate::ops::metrics as m;
 use crate::outcome::{Outcome, keep_alive};
@@ -462,14 +462,12 @@ impl TaskHandler {
         work: impl Future<Output = T>,
     ) -> T {
         let keeping = async {
-            let mut next = self.keep_alive.period();
+            let mut clock = KeepAliveClock::new(self.keep_alive.clone());
             loop {
-                tokio::time::sleep(next).await;
-                next = if keep_alive(message).await {
-                    self.keep_alive.period()
-                } else {
-                    crate::outcome::KEEP_ALIVE_RETRY
-                };
+                tokio::time::sleep_until(clock.look_at()).await;
+                if clock.is_due() {
+                    clock.went_out(keep_alive(message).await);
+                }
             }
         };
         tokio::select! {
