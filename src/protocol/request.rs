@@ -111,8 +111,9 @@ pub const DEFAULT_MAX_DEPTH: u32 = 1;
 /// task's completion to build one turn, so the count a request or
 /// completion claims must be bounded: an untrusted one is never used to
 /// size memory or a loop of reads beyond this. (Each completion of a batch
-/// in hand reads the others: a batch of N costs about N² reads and holds N
-/// completions, up to 1 MiB each.)
+/// in hand reads the others, from the last down: a batch of N costs about
+/// N reads when its tasks end in order, up to N²/2 in reverse order, and
+/// holds N completions, up to 1 MiB each.)
 pub const MAX_TASK_COUNT: u32 = 1_000;
 
 /// Why a request body could not be used. Each kind ends the task with an
