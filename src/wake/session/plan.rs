@@ -121,6 +121,11 @@ impl Router {
             // Not complete yet: a failure is reported early if the batch
             // asked for that and it was not reported before; the rest is
             // recorded in the history, and the batch's last task reports it.
+            if let Some(key) = &forced {
+                // The replay recorded its key and said it replayed: say
+                // why nothing is posted now.
+                warn!(delegation_id = %delegation_id, idempotency_key = %key, "A forced replay of a batch task arrived while not every task of the batch has a completion in the history; its turn is posted under the forced key when the missing one arrives. If that one was removed (older than the history, or trimmed by a limit), nothing is posted: see the batch with `wakebus events --delegation`.");
+            }
             let asking: BTreeSet<String> = held
                 .iter()
                 .filter(|p| of_batch(p) && notify_early(&p.event))
