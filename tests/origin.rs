@@ -310,9 +310,10 @@ async fn replay_as_operator(
 }
 
 /// The forged copy shares its ledger key with the genuine completion it
-/// copied: forced, it would have replaced that delivery's entry with a
-/// forced key, and a later replay of the genuine completion would have
-/// woken its session a second time under that key.
+/// copied: forced (from the dead letters or from the history), it would
+/// have replaced that delivery's entry with a forced key, and a later
+/// replay of the genuine completion would have woken its session a second
+/// time under that key.
 #[tokio::test]
 async fn a_forced_replay_of_a_forged_dead_letter_leaves_the_genuine_delivery_on_record() {
     init_logs();
@@ -346,12 +347,15 @@ async fn a_forced_replay_of_a_forged_dead_letter_leaves_the_genuine_delivery_on_
         session: Some("s.victim".to_owned()),
         ..Selection::default()
     };
-    let forced = replay_as_operator(&server, ReplayKind::WakeDeadLetters, victim, true).await;
-    assert_eq!(forced.len(), 1, "{forced:#?}");
-    assert_eq!(forced[0].action, Action::Skipped, "{forced:#?}");
-    let reason = forced[0].reason.as_deref().unwrap_or_default();
-    assert!(reason.contains("never forced"), "{reason}");
-    assert!(!forced[0].ledger_cleared);
+    // Its dead letter, and its copy in the history.
+    for kind in [ReplayKind::WakeDeadLetters, ReplayKind::Wakes] {
+        let forced = replay_as_operator(&server, kind, victim.clone(), true).await;
+        assert_eq!(forced.len(), 1, "{forced:#?}");
+        assert_eq!(forced[0].action, Action::Skipped, "{forced:#?}");
+        let reason = forced[0].reason.as_deref().unwrap_or_default();
+        assert!(reason.contains("not forced"), "{reason}");
+        assert!(!forced[0].ledger_cleared);
+    }
     // Still on record as delivered: a plain replay of the delegation's
     // completions (the genuine one, then the forged one the worker
     // published) leaves them alone.

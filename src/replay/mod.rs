@@ -289,7 +289,8 @@ pub struct Replayer {
     plan: ReplayPlan,
     /// The wake ledger (wakes only).
     ledger: Option<WakeLedger>,
-    /// The events stream, to find earlier re-queues (tasks only).
+    /// The events stream: to find earlier re-queues (tasks), and the
+    /// `submitted` records that tell a forged completion (forced wakes).
     events: Option<async_nats::jetstream::stream::Stream>,
     /// The cancel records, so that a cancelled task is not run again
     /// (tasks only): `Ok(None)` when there is no cancel bucket (no worker
@@ -324,17 +325,12 @@ impl Replayer {
                     .map_err(|source| ReplayError::OpenLedger { bucket, source })?;
                 kept = kv.stream.cached_info().config.max_age;
                 ledger = Some(WakeLedger::new(kv));
+                if plan.force {
+                    events = Some(events_stream(&bus).await?);
+                }
             }
             ReplayKind::Tasks => {
-                let name = bus.subjects.events_stream();
-                let stream =
-                    bus.js
-                        .get_stream(&name)
-                        .await
-                        .map_err(|source| HistoryError::Stream {
-                            stream: name.clone(),
-                            source,
-                        })?;
+                let stream = events_stream(&bus).await?;
                 kept = stream.cached_info().config.max_age;
                 events = Some(stream);
                 cancels = match bus.js.get_key_value(bus.subjects.cancel_bucket()).await {
@@ -360,6 +356,40 @@ impl Replayer {
             cancels,
             seen: HashSet::new(),
         })
+    }
+
+    /// Whether a `submitted` record of `event`'s task names another session
+    /// than `session`: the completion then is not the task's genuine one (a
+    /// worker credential named another session for a real delegation).
+    /// False when there is none (a publisher that writes no records, or a
+    /// record expired).
+    async fn submitted_for_another_session(
+        &self,
+        event: &crate::protocol::CompletionEvent,
+        session: &str,
+    ) -> Result<bool, String> {
+        let events = self.events.as_ref().expect("forced wakes open the history");
+        let prefix = self.bus.subjects.prefix();
+        let subject = format!(
+            "{prefix}.evt.*.{}.{}.{}",
+            event.delegation_id,
+            event.task_index,
+            EventKind::Submitted.as_str()
+        );
+        match events.get_last_raw_message_by_subject(&subject).await {
+            Ok(record) => {
+                let token = crate::protocol::session_token(session);
+                let named = record.subject.split('.').rev().nth(3);
+                Ok(named != Some(token.as_str()))
+            }
+            Err(error)
+                if error.kind()
+                    == async_nats::jetstream::stream::LastRawMessageErrorKind::NoMessageFound =>
+            {
+                Ok(false)
+            }
+            Err(error) => Err(error.to_string()),
+        }
     }
 
     /// Why no trace of an earlier run of this replay proves that there was
@@ -505,6 +535,19 @@ fn replay_headers(record: &Record) -> HeaderMap {
     }
     headers.insert(HEADER_REPLAY, record.origin_ref().as_str());
     headers
+}
+
+/// The events stream of `bus`'s deployment.
+async fn events_stream(bus: &Bus) -> Result<async_nats::jetstream::stream::Stream, ReplayError> {
+    let name = bus.subjects.events_stream();
+    bus.js
+        .get_stream(&name)
+        .await
+        .map_err(|source| HistoryError::Stream {
+            stream: name.clone(),
+            source,
+        })
+        .map_err(ReplayError::from)
 }
 
 /// Progress of a run, for display.

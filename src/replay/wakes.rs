@@ -7,7 +7,7 @@ use super::{Action, ReplayError, ReplayItem, Replayer, replay_headers};
 use crate::history::{Record, RecordKind};
 use crate::protocol::{CompletionEvent, EventKind, HEADER_MSG_ID, WakeMode, session_token};
 use crate::wake::ledger::{LedgerState, WakeLedger};
-use crate::wake::{Admission, REFUSED_ORIGIN, check_completion};
+use crate::wake::{Admission, check_completion};
 
 /// On a `replay wakes --force` copy of a delivered completion: the copy's
 /// ULID (the one in its `Nats-Msg-Id`). The wake service posts such a copy
@@ -77,17 +77,27 @@ impl Replayer {
                 "an earlier copy of this completion was already handled"
             }));
         }
-        // A dead letter refused by origin verification shares its ledger
-        // key with the genuine completion it may have copied: forcing it
-        // would replace that completion's entry (a `delivered` one
-        // included) with a forced key, under which a later replay of the
-        // genuine completion would wake its session again. It is re-driven
-        // as without --force: posted only if that key was never delivered.
-        let refused_origin = record.kind() == RecordKind::WakeDeadLetter
-            && record
-                .dead_letter_reason()
-                .is_some_and(|reason| reason.starts_with(REFUSED_ORIGIN));
-        let force = self.plan.force && !refused_origin;
+        // A forged completion (a real delegation's task claimed for
+        // another session: dead-lettered by a verifying wake, and in the
+        // history too) shares its ledger key with the genuine one: forcing
+        // it would replace the genuine delivery's entry with a forced key,
+        // under which a later replay of the genuine completion would wake
+        // its session again. It is re-driven as without --force: posted
+        // only if that key was never delivered.
+        let forged = if self.plan.force {
+            match self.submitted_for_another_session(&event, &session).await {
+                Ok(forged) => forged,
+                Err(error) => {
+                    self.seen.remove(&key);
+                    return Ok(item.unchecked(format!(
+                        "cannot tell whether its task was submitted for this session ({error}); run the replay again once the history can be read"
+                    )));
+                }
+            }
+        } else {
+            false
+        };
+        let force = self.plan.force && !forged;
         let ledger = self.ledger.as_ref().expect("wake replays open the ledger");
         // Not knowing whether it was delivered (a leader election), it is
         // left for a later run rather than stopping this one; forced, the
@@ -115,9 +125,9 @@ impl Replayer {
             && !force
         {
             let at = crate::history::rfc3339(*at);
-            return Ok(item.skipped(if refused_origin {
+            return Ok(item.skipped(if forged {
                 format!(
-                    "its delegation's task was already delivered at {at}; a dead letter refused by origin verification is never forced, since it shares that delivery's ledger entry"
+                    "its task was already delivered at {at}; not forced: its task was submitted for another session, so this completion is not the task's own, and forcing it would replace that delivery's ledger entry"
                 )
             } else {
                 format!("already delivered at {at} (use --force to post it again)")

@@ -34,7 +34,6 @@ use crate::quarantine::{ReconnectWatch, sweep_after_reconnect, sweep_at_start};
 use ledger::WakeLedger;
 use lock::SessionLocks;
 use origin::OriginGate;
-pub(crate) use origin::REFUSED_ORIGIN;
 use session::{Pending, Router};
 use session_api::{HttpSecurity, PostShape, SessionApi, SessionApiConfig, SessionApiError};
 

@@ -30,11 +30,6 @@ use crate::protocol::{EventKind, SubmittedRecord, bounded, session_token};
 /// (a batch whose entry is dropped is read once more).
 const REMEMBERED: usize = 4096;
 
-/// How the dead-letter reason of a completion refused by origin
-/// verification begins (docs/PROTOCOL.md 8.6); `replay wakes` tells these
-/// dead letters apart by it.
-pub(crate) const REFUSED_ORIGIN: &str = "origin not verified: ";
-
 /// Routes completions to their sessions, verifying their origin first when
 /// configured to.
 #[derive(Debug)]
@@ -179,7 +174,7 @@ impl OriginGate {
     /// Dead-letters a completion whose origin is not verified, then
     /// terminates it; if the dead letter cannot be written, it comes back later.
     async fn refuse(&self, pending: &Pending, reason: &str) {
-        let reason = format!("{REFUSED_ORIGIN}{reason}");
+        let reason = format!("origin not verified: {reason}");
         let event = &pending.event;
         warn!(
             delegation_id = %event.delegation_id,
