@@ -330,9 +330,8 @@ pub async fn sweep(
         stream,
         info: &info,
         dead_letter_subject,
-        last,
     };
-    let first = scan.from(info.ack_floor.stream_seq + 1).await?;
+    let first = scan.window(info.ack_floor.stream_seq + 1, last).await?;
     if first.next > last {
         return Ok(first.removed);
     }
@@ -340,30 +339,39 @@ pub async fn sweep(
     // consumer made again at sequence 0 on nats-server 2.9) can put more
     // of the consumer's messages before the culprit than one window reads.
     // The culprit dropped the connection as it was delivered, so it is
-    // among the last messages delivered: look there too.
-    let recent = info
-        .delivered
-        .stream_seq
-        .saturating_sub(RECENT_WINDOW)
-        .max(first.next);
-    let second = scan.from(recent).await?;
-    if second.next <= last {
-        warn!(
+    // among the last messages delivered: walk back from there, a stretch
+    // of sequences at a time, until one is found or the first window is
+    // reached.
+    let mut removed = first.removed;
+    let mut end = info.delivered.stream_seq.saturating_add(MAX_SCAN).min(last);
+    for _ in 0..MAX_STRETCHES {
+        if end < first.next {
+            return Ok(removed);
+        }
+        let start = end.saturating_sub(MAX_SCAN - 1).max(first.next);
+        let found = scan.window(start, end).await?.removed;
+        removed += found;
+        if found > 0 {
+            return Ok(removed);
+        }
+        end = start - 1;
+    }
+    if end >= first.next {
+        info!(
             stream,
             consumer,
             unread_from = first.next,
-            unread_to = recent.saturating_sub(1),
-            unread_after = second.next,
-            "The sweep for unreadable messages read its limit of the consumer's messages after its ack floor and before its last delivered one; if the connection keeps dropping, an unreadable message may be among those not read: inspect them with `nats stream get` and remove it with `nats stream rmm`."
+            unread_to = end,
+            "The sweep for unreadable messages did not read every message between the consumer's ack floor and its last delivered one; if the connection keeps dropping, an unreadable message may be among those not read: inspect them with `nats stream get` and remove it with `nats stream rmm`."
         );
     }
-    Ok(first.removed + second.removed)
+    Ok(removed)
 }
 
-/// Stream sequences before the consumer's last delivered message where the
-/// second window of a sweep starts: a pull's batch (the wake's 256, a
-/// worker's concurrency) with the events stored around each completion.
-const RECENT_WINDOW: u64 = 8 * MAX_SCAN;
+/// Stretches of [`MAX_SCAN`] sequences a sweep walks back from the last
+/// delivered message: a pull's batch (the wake's 256, a worker's
+/// concurrency) with many events stored around each of its messages.
+const MAX_STRETCHES: u64 = 16;
 
 /// One sweep's reading of a consumer's messages.
 struct Scan<'a> {
@@ -375,8 +383,6 @@ struct Scan<'a> {
     info: &'a ConsumerInfo,
     /// Where an unreadable message goes.
     dead_letter_subject: &'a str,
-    /// The stream's last sequence when the sweep began.
-    last: u64,
 }
 
 /// What one window of a sweep did.
@@ -388,10 +394,10 @@ struct Window {
 }
 
 impl Scan<'_> {
-    /// Reads up to [`MAX_SCAN`] of the consumer's messages from `seq` on,
-    /// removing those no client can read.
-    async fn from(&self, mut seq: u64) -> Result<Window, SweepError> {
-        let (bus, stream, last) = (self.bus, self.stream, self.last);
+    /// Reads up to [`MAX_SCAN`] of the consumer's messages from `seq` to
+    /// `last`, removing those no client can read.
+    async fn window(&self, mut seq: u64, last: u64) -> Result<Window, SweepError> {
+        let (bus, stream) = (self.bus, self.stream);
         // With one filter (as wakebus's consumers have), each read skips to
         // the next message the consumer takes, past other subjects and gaps.
         let filter = self.info.config.only_filter();
