@@ -420,10 +420,10 @@ async fn a_worker_keeps_its_task_alive_by_its_consumers_ack_wait_when_that_is_sh
     delivered_once(&bus).await;
 }
 
-/// The same when the AckWait is shortened while the task already runs: its
-/// keep-alive, due 10 s after it arrived by the worker's own 30 s, comes
-/// by the new 6 s AckWait's pace once the consumer check has seen it, not
-/// after the server has handed the task to another worker.
+/// The same when the AckWait is shortened (by hand) while the task already
+/// runs: its keep-alive, due 10 s after it arrived by the worker's own
+/// 30 s, comes by the new 9 s AckWait's pace once the consumer check has
+/// seen it, not after the server has handed the task to another worker.
 #[tokio::test]
 async fn a_running_task_is_kept_alive_by_an_ack_wait_shortened_while_it_runs() {
     init_logs();
@@ -436,7 +436,8 @@ async fn a_running_task_is_kept_alive_by_an_ack_wait_shortened_while_it_runs() {
     let worker = Service::spawn(args, dir.path().join("worker.log"));
     let _logs = LogsOnPanic(vec![worker.log.clone()]);
     eventually(WAIT, "the worker's consumer", || worker_consumer_info(&bus)).await;
-    // In the background, so that the delegation does not wait for its run.
+    // With a session, so that `delegate` returns at once instead of
+    // waiting for the run.
     delegate(&bus, Delegation::new("slow").session("s.slow")).await;
     let info = eventually(WAIT, "the task in hand", || async {
         worker_consumer_info(&bus)
@@ -444,7 +445,7 @@ async fn a_running_task_is_kept_alive_by_an_ack_wait_shortened_while_it_runs() {
             .filter(|info| info.num_ack_pending == 1)
     })
     .await;
-    shorten_ack_wait(&bus, info, Duration::from_secs(6), &worker.log).await;
+    shorten_ack_wait(&bus, info, Duration::from_secs(9), &worker.log).await;
     delivered_once(&bus).await;
 }
 
@@ -478,7 +479,7 @@ async fn a_held_completion_is_kept_alive_by_an_ack_wait_shortened_while_it_is_he
             .filter(|info| info.num_ack_pending == 1)
     })
     .await;
-    shorten_ack_wait(&bus, info, Duration::from_secs(6), &wake.log).await;
+    shorten_ack_wait(&bus, info, Duration::from_secs(9), &wake.log).await;
     wait_until(WAIT, "the wake", || async { !api.accepted().is_empty() }).await;
     wake_consumer_settled(&bus).await;
     services.stop().await;

@@ -289,7 +289,7 @@ async fn a_wake_holding_hundreds_of_completions_through_an_outage_still_stops_on
         .signal_and_wait(Signal::SIGTERM, Duration::from_secs(30))
         .await;
     assert!(status.success(), "wake exited with {status}");
-    // Not ended by the stop's last resort (the request timeout plus 5 s):
+    // Not ended by the stop's last resort (the request timeout plus 10 s):
     // nothing the sessions did while stopping waited for the server.
     let log = std::fs::read_to_string(&wake.log).unwrap();
     assert!(log.contains("Wake service stopped."), "{log}");

@@ -87,8 +87,8 @@ pub(crate) struct KeepAliveEvery {
     /// This service's `--ack-wait`.
     ours: Duration,
     /// The consumer's AckWait at the keeper's last check, in nanoseconds
-    /// (0 before the first); shared with the keeper, read at every
-    /// keep-alive.
+    /// (0 before the first); shared with the keeper, read at every look of
+    /// a keep-alive clock (at least once a second).
     seen_nanos: Arc<AtomicU64>,
 }
 
