@@ -448,13 +448,36 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Sends what `client` still holds (acks, hand-backs, ledger writes),
 /// waiting at most [`STOP_TIMEOUT`].
 pub async fn flush_before_stop(client: &Client) {
-    match tokio::time::timeout(STOP_TIMEOUT, client.flush()).await {
-        Ok(Ok(())) => {}
-        Ok(Err(error)) => warn!(%error, "Could not flush the NATS connection."),
-        Err(_) => warn!(
-            timeout = ?STOP_TIMEOUT,
+    match flush_within(client, STOP_TIMEOUT).await {
+        Ok(()) => {}
+        Err(error @ FlushError::Failed(_)) => {
+            warn!(%error, "Could not flush the NATS connection.");
+        }
+        Err(FlushError::TimedOut(timeout)) => warn!(
+            ?timeout,
             "NATS is unreachable while stopping; messages whose ack was not sent will be redelivered after their ack wait."
         ),
+    }
+}
+
+/// Why a bounded flush did not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum FlushError {
+    /// The client could not flush (its connection is closed).
+    #[error("could not flush the NATS connection: {0}")]
+    Failed(String),
+    /// Not done within the time given.
+    #[error("NATS did not take what was sent within {0:?}")]
+    TimedOut(Duration),
+}
+
+/// Flushes `client` within `patience`. async-nats completes a flush only
+/// once its connection handler has written it out: with the server gone,
+/// a flush waits for the reconnect for ever.
+pub async fn flush_within(client: &Client, patience: Duration) -> Result<(), FlushError> {
+    match tokio::time::timeout(patience, client.flush()).await {
+        Ok(flushed) => flushed.map_err(|error| FlushError::Failed(error.to_string())),
+        Err(_) => Err(FlushError::TimedOut(patience)),
     }
 }
 

@@ -661,18 +661,10 @@ async fn discover(
         .publish_with_reply(format!("$SRV.STATS.{service}"), inbox, "".into())
         .await
         .map_err(|e| read_error("service discovery", e))?;
-    // A flush waits for the server's answer, through any reconnect: a
-    // server that stopped answering would hold `status` for ever.
-    let patience = timeout.max(FLUSH_PATIENCE);
-    match tokio::time::timeout(patience, client.flush()).await {
-        Ok(flushed) => flushed.map_err(|e| read_error("service discovery", e))?,
-        Err(_) => {
-            return Err(read_error(
-                "service discovery",
-                format!("NATS did not answer within {patience:?}"),
-            ));
-        }
-    }
+    // Bounded: with the server gone it would wait for ever.
+    crate::connect::flush_within(client, timeout.max(FLUSH_PATIENCE))
+        .await
+        .map_err(|e| read_error("service discovery", e))?;
     let deadline = tokio::time::Instant::now() + timeout;
     let mut found: HashMap<String, ServiceStatus> = HashMap::new();
     // Wait the whole window: there is no telling how many will answer.
