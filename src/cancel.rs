@@ -14,7 +14,8 @@ use time::OffsetDateTime;
 
 use crate::bus::Bus;
 use crate::protocol::{
-    CompletionEvent, EventKind, IdError, session_token, validate_delegation_id, validate_session_id,
+    CompletionEvent, EventKind, IdError, SubmittedRecord, session_token, validate_delegation_id,
+    validate_session_id,
 };
 
 /// What was cancelled, when, and whether the session should hear of it.
@@ -268,17 +269,29 @@ impl Canceller {
             }
         };
         let body = serde_json::to_vec(&record).unwrap_or_default();
-        self.bus
-            .client
-            .publish(target.subject(&self.bus), body.into())
-            .await
-            .map_err(|e| CancelError::Broadcast(e.to_string()))?;
-        self.bus
-            .client
-            .flush()
-            .await
-            .map_err(|e| CancelError::Broadcast(e.to_string()))?;
-        Ok(())
+        // Bounded: with the server gone (after the record was stored) the
+        // client would wait for a reconnect for ever. The record stands,
+        // and workers read it at their next start or watch.
+        let subject = target.subject(&self.bus);
+        let sent = async {
+            self.bus
+                .client
+                .publish(subject, body.into())
+                .await
+                .map_err(|e| CancelError::Broadcast(e.to_string()))?;
+            self.bus
+                .client
+                .flush()
+                .await
+                .map_err(|e| CancelError::Broadcast(e.to_string()))
+        };
+        match tokio::time::timeout(crate::connect::STOP_TIMEOUT, sent).await {
+            Ok(sent) => sent,
+            Err(_) => Err(CancelError::Broadcast(format!(
+                "NATS did not take it within {:?}",
+                crate::connect::STOP_TIMEOUT
+            ))),
+        }
     }
 
     /// Where a delegation stands, from its events and the request queue.
@@ -352,8 +365,23 @@ impl Canceller {
         // completion. Subjects of indexes outside the delegation, or of one
         // task under several session tokens, which only a misbehaving
         // publisher stores, must not make it look finished while tasks
-        // still wait to run.
-        let task_count = done.task_count.max(1);
+        // still wait to run. How many tasks there are, and under which
+        // session token, the delegator's `submitted` record says, where
+        // there is one: the last completion stored may be the stranger.
+        let submitted = events
+            .get_last_raw_message_by_subject(&filter(EventKind::Submitted))
+            .await
+            .ok()
+            .and_then(|message| {
+                let record = serde_json::from_slice::<SubmittedRecord>(&message.payload).ok()?;
+                let token = message.subject.split('.').rev().nth(3)?.to_owned();
+                Some((record.task_count, token))
+            });
+        let (task_count, token) = match submitted {
+            Some((task_count, token)) => (task_count, Some(token)),
+            None => (done.task_count, None),
+        };
+        let task_count = task_count.max(1);
         let mut subjects = events
             .info_with_subjects(filter(EventKind::Done))
             .await
@@ -361,10 +389,13 @@ impl Canceller {
         let mut tasks_done = std::collections::BTreeSet::new();
         while let Some(subject) = subjects.next().await {
             let (subject, _) = subject.map_err(|e| CancelError::History(e.to_string()))?;
-            let index = subject
-                .rsplit('.')
-                .nth(1)
-                .and_then(|i| i.parse::<u32>().ok());
+            // `<prefix>.evt.<token>.<delegation>.<index>.done`
+            let mut tokens = subject.rsplit('.');
+            let index = tokens.nth(1).and_then(|i| i.parse::<u32>().ok());
+            let of_session = tokens.nth(1);
+            if token.is_some() && of_session != token.as_deref() {
+                continue;
+            }
             if let Some(index) = index.filter(|index| *index < task_count) {
                 tasks_done.insert(index);
             }

@@ -505,10 +505,11 @@ async fn an_unreadable_completion_does_not_stop_the_delegation_from_being_cancel
 }
 
 /// A delegation counts as finished when each of its tasks has a
-/// completion: completions stored under indexes outside it, or for one
-/// task under another session's token (by a misbehaving publisher), do not
-/// make a batch whose other tasks still wait look finished, which would
-/// leave them to run uncancelled.
+/// completion: completions stored under indexes outside it, or under
+/// another session's token, or saying it has fewer tasks than its
+/// `submitted` record does (by a misbehaving publisher), do not make a
+/// batch whose other tasks still wait look finished, which would leave
+/// them to run uncancelled.
 #[tokio::test]
 async fn completions_of_tasks_outside_a_batch_do_not_make_it_look_finished_to_a_cancel() {
     init_logs();
@@ -516,22 +517,36 @@ async fn completions_of_tasks_outside_a_batch_do_not_make_it_look_finished_to_a_
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let id = wakebus::protocol::new_delegation_id();
     let prefix = bus.subjects.prefix().to_owned();
-    let completion = |index: u32| {
+    let completion = |index: u32, task_count: u32| {
         serde_json::json!({
             "type": "async_delegation", "delegation_id": id, "task_index": index,
-            "task_count": 3, "status": "completed", "exit_reason": "completed",
+            "task_count": task_count, "status": "completed", "exit_reason": "completed",
             "completed_at": "2026-01-01T00:00:00Z", "summary": "done",
         })
         .to_string()
     };
+    let submitted = serde_json::json!({
+        "type": "delegation_submitted", "version": 1, "delegation_id": id,
+        "task_index": 0, "task_count": 3, "pool": "default",
+        "submitted_at": "2026-01-01T00:00:00Z",
+    });
+    let mut stored = vec![(format!("sync.{id}.0.submitted"), submitted.to_string())];
     // Task 0 ended; tasks 1 and 2 have not. Strangers: indexes 7 and 8,
-    // and task 0 again under another token.
-    for (token, index) in [("sync", 0), ("sync", 7), ("sync", 8), ("other", 0)] {
+    // task 0 again under another token, and last a completion of task 1
+    // under another token that says the delegation has one task.
+    for (token, index, task_count) in [
+        ("sync", 0, 3),
+        ("sync", 7, 3),
+        ("sync", 8, 3),
+        ("other", 0, 3),
+        ("other", 1, 1),
+    ] {
+        let subject = format!("{token}.{id}.{index}.done");
+        stored.push((subject, completion(index, task_count)));
+    }
+    for (subject, body) in stored {
         bus.js
-            .publish(
-                format!("{prefix}.evt.{token}.{id}.{index}.done"),
-                completion(index).into(),
-            )
+            .publish(format!("{prefix}.evt.{subject}"), body.into())
             .await
             .unwrap()
             .await
