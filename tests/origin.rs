@@ -376,3 +376,49 @@ async fn a_forced_replay_of_a_forged_dead_letter_leaves_the_genuine_delivery_on_
     assert_eq!(api.accepted().len(), 1, "only the genuine wake was posted");
     assert_eq!(server.violations(), Vec::<String>::new());
 }
+
+/// A forced replay of a delegation whose forged completion is stored
+/// before its genuine one: the forged one is not forced, and the genuine
+/// one still is (not skipped as a copy already handled).
+#[tokio::test]
+async fn a_forced_replay_forces_the_genuine_completion_stored_after_a_forged_one() {
+    init_logs();
+    let server = RoleServer::start().await;
+    let api = SessionApiServer::start().await;
+    init(&server).await;
+    let operator = server.bus("operator").await;
+    let worker_bus = server.bus("worker").await;
+    let mut services = Services::new();
+    let mut wake_config = test_wake_config(&api.url());
+    wake_config.verify_origin = true;
+    services.wake(&server.bus("wake").await, wake_config);
+    let genuine = Delegator::new(server.bus("delegator").await)
+        .delegate(Delegation::new("genuine work").session("s.real"))
+        .await
+        .expect("delegation");
+    let id = genuine.delegation_id().to_owned();
+    // Forged before any worker runs the task.
+    publish_as_worker(&worker_bus, &id, "s.victim", "FORGED-FIRST").await;
+    services.worker(
+        &worker_bus,
+        Executor::Echo(EchoExecutor),
+        test_worker_config("default"),
+    );
+    ledger_records_delivery(&operator, &id).await;
+
+    let delegation = Selection {
+        delegation: Some(id.clone()),
+        ..Selection::default()
+    };
+    let forced = replay_as_operator(&server, ReplayKind::Wakes, delegation, true).await;
+    let actions: Vec<_> = forced.iter().map(|item| item.action).collect();
+    assert_eq!(actions, [Action::Skipped, Action::Replayed], "{forced:#?}");
+    assert_eq!(forced[1].origin_session.as_deref(), Some("s.real"));
+    wait_until(WAIT, "the forced wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    wake_consumer_settled(&operator).await;
+    services.stop().await;
+    assert!(api.accepted().iter().all(|p| p.session() == "s.real"));
+}

@@ -358,30 +358,37 @@ impl Replayer {
         })
     }
 
-    /// Whether a `submitted` record of `event`'s task names another session
-    /// than `session`: the completion then is not the task's genuine one (a
-    /// worker credential named another session for a real delegation).
-    /// False when there is none (a publisher that writes no records, or a
-    /// record expired).
+    /// Whether `event`'s task was submitted for another session than
+    /// `session` and not for it: the completion then is not the task's
+    /// genuine one (a worker credential named another session for a real
+    /// delegation). False when no `submitted` record of the task is found
+    /// (a publisher that writes none, or one expired).
     async fn submitted_for_another_session(
         &self,
         event: &crate::protocol::CompletionEvent,
         session: &str,
     ) -> Result<bool, String> {
+        let token = crate::protocol::session_token(session);
+        let own = self.submitted_under(event, &token).await?;
+        Ok(!own && self.submitted_under(event, "*").await?)
+    }
+
+    /// Whether a `submitted` record of `event`'s task is stored under the
+    /// session token `token` (`*`: any).
+    async fn submitted_under(
+        &self,
+        event: &crate::protocol::CompletionEvent,
+        token: &str,
+    ) -> Result<bool, String> {
         let events = self.events.as_ref().expect("forced wakes open the history");
-        let prefix = self.bus.subjects.prefix();
-        let subject = format!(
-            "{prefix}.evt.*.{}.{}.{}",
-            event.delegation_id,
+        let subject = self.bus.subjects.event(
+            token,
+            &event.delegation_id,
             event.task_index,
-            EventKind::Submitted.as_str()
+            EventKind::Submitted,
         );
         match events.get_last_raw_message_by_subject(&subject).await {
-            Ok(record) => {
-                let token = crate::protocol::session_token(session);
-                let named = record.subject.split('.').rev().nth(3);
-                Ok(named != Some(token.as_str()))
-            }
+            Ok(_) => Ok(true),
             Err(error)
                 if error.kind()
                     == async_nats::jetstream::stream::LastRawMessageErrorKind::NoMessageFound =>

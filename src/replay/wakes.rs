@@ -125,6 +125,11 @@ impl Replayer {
             && !force
         {
             let at = crate::history::rfc3339(*at);
+            if forged {
+                // Not this completion's wake to force: the genuine one,
+                // met later in this run, may be.
+                self.seen.remove(&key);
+            }
             return Ok(item.skipped(if forged {
                 format!(
                     "its task was already delivered at {at}; not forced: its task was submitted for another session, so this completion is not the task's own, and forcing it would replace that delivery's ledger entry"
