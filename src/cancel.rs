@@ -114,8 +114,11 @@ pub enum CancelError {
     /// The record could not be written.
     #[error("cannot record the cancel: {0}")]
     Put(#[from] kv::PutError),
-    /// The broadcast could not be sent.
-    #[error("cannot broadcast the cancel: {0}")]
+    /// The broadcast could not be sent; the record was stored, and workers
+    /// apply it from there.
+    #[error(
+        "cannot broadcast the cancel ({0}); it is recorded, and workers apply it once their cancel watch reads it"
+    )]
     Broadcast(String),
     /// The history could not be read.
     #[error("cannot read the history: {0}")]
@@ -368,15 +371,26 @@ impl Canceller {
         // still wait to run. How many tasks there are, and under which
         // session token, the delegator's `submitted` record says, where
         // there is one: the last completion stored may be the stranger.
-        let submitted = events
+        let submitted = match events
             .get_last_raw_message_by_subject(&filter(EventKind::Submitted))
             .await
-            .ok()
-            .and_then(|message| {
-                let record = serde_json::from_slice::<SubmittedRecord>(&message.payload).ok()?;
-                let token = message.subject.split('.').rev().nth(3)?.to_owned();
-                Some((record.task_count, token))
-            });
+        {
+            Ok(message) => {
+                let record = serde_json::from_slice::<SubmittedRecord>(&message.payload).ok();
+                let token = message.subject.split('.').rev().nth(3).map(str::to_owned);
+                record
+                    .zip(token)
+                    .map(|(record, token)| (record.task_count, token))
+            }
+            Err(error)
+                if error.kind()
+                    == async_nats::jetstream::stream::LastRawMessageErrorKind::NoMessageFound =>
+            {
+                None
+            }
+            // Not read (a leader election): not a count to guess.
+            Err(error) => return Err(CancelError::History(error.to_string())),
+        };
         let (task_count, token) = match submitted {
             Some((task_count, token)) => (task_count, Some(token)),
             None => (done.task_count, None),
