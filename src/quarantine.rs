@@ -32,7 +32,8 @@ use tracing::{error, info, warn};
 
 use crate::bus::Bus;
 
-/// Most messages after a consumer's ack floor read in one sweep.
+/// Most of a consumer's messages read in one window of a sweep (and the
+/// sequences in one stretch of its walk back).
 const MAX_SCAN: u64 = 512;
 /// Limit for each JetStream API request.
 /// Short: a NATS user that may not read messages gets no answer at all,

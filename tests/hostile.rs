@@ -907,7 +907,11 @@ async fn a_message_whose_headers_the_client_cannot_read_is_removed_and_the_servi
 /// stored.
 async fn publish_sync_completions(bus: &Bus, count: usize) {
     let events = bus.subjects.events_stream();
-    let before = stored_messages(bus, &events).await;
+    let last = || async {
+        let mut stream = bus.js.get_stream(&events).await.unwrap();
+        stream.info().await.unwrap().state.last_sequence
+    };
+    let before = last().await;
     for _ in 0..count {
         let id = wakebus::protocol::new_delegation_id();
         let body = serde_json::json!({
@@ -923,18 +927,19 @@ async fn publish_sync_completions(bus: &Bus, count: usize) {
                 .unwrap(),
         );
     }
+    // By sequence, not by count: a sweep may delete a message meanwhile.
     wait_until(WAIT, "the completions stored", || async {
-        stored_messages(bus, &events).await == before + count as u64
+        last().await >= before + count as u64
     })
     .await;
 }
 
 /// The sweep for unreadable messages reads a window of the consumer's
 /// messages after its ack floor. With the floor held back (here by a
-/// session whose completion waits for a lock another instance holds), and
-/// more of the consumer's messages before the culprit and after it than
-/// that window and the old 4,096-sequence jump covered, the sweep still
-/// finds it, walking back from the last delivered message.
+/// session whose completion waits for a lock another instance holds) and
+/// more of the consumer's messages between it and the culprit than that
+/// window holds, the sweep still finds it, walking back from the last
+/// delivered message.
 #[tokio::test]
 async fn an_unreadable_completion_far_past_a_held_back_ack_floor_is_removed_too() {
     let p = Pipeline::start().await;
@@ -942,13 +947,12 @@ async fn an_unreadable_completion_far_past_a_held_back_ack_floor_is_removed_too(
     let (_locks, _guard) = hold_session_elsewhere(&bus, "s.held").await;
     delegate(&bus, Delegation::new("held back").session("s.held")).await;
     completions_waiting_in_wake(&bus, 1).await;
-    publish_sync_completions(&bus, 700).await;
+    publish_sync_completions(&bus, 5_000).await;
     let unreadable = b"NATS/1.0\r\nWakebus-Origin-Session: \xff\xfe\r\n\r\n";
     let token = session_token("s.raw");
     let subject = format!("{}.evt.{token}.rawdone.0.done", bus.subjects.prefix());
     let refused = raw::hpub(nats.port, &subject, unreadable, b"{}").await;
     assert_eq!(refused, None);
-    publish_sync_completions(&bus, 5_000).await;
     delegate(&bus, Delegation::new("after").session("s.after")).await;
     let dlq = bus.subjects.dead_letter_stream();
     wait_until(WAIT, "the unreadable completion dead-lettered", || async {
