@@ -400,18 +400,25 @@ async fn shorten_ack_wait(
     .await;
 }
 
-#[tokio::test]
-async fn a_worker_keeps_its_task_alive_by_its_consumers_ack_wait_when_that_is_shorter_than_its_own()
-{
+/// A worker process running `script` for each task, whose own 30 s
+/// `--ack-wait` would keep a task alive every 10 s, and which checks its
+/// consumer every second; with its server, bus and log directory.
+async fn slow_worker(script: &str) -> (NatsServer, wakebus::bus::Bus, Service, tempfile::TempDir) {
     init_logs();
     let nats = NatsServer::start().await;
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
     let dir = tempfile::tempdir().unwrap();
-    // By its own 30 s, this worker would keep its task alive every 10 s.
     let extra = ["--ack-wait", "30s", "--consumer-check", "1s"];
-    let args = worker_args(&nats.url(), &prefix, "sleep 5; echo slow", &extra);
+    let args = worker_args(&nats.url(), &prefix, script, &extra);
     let worker = Service::spawn(args, dir.path().join("worker.log"));
+    (nats, bus, worker, dir)
+}
+
+#[tokio::test]
+async fn a_worker_keeps_its_task_alive_by_its_consumers_ack_wait_when_that_is_shorter_than_its_own()
+{
+    let (_nats, bus, worker, _dir) = slow_worker("sleep 5; echo slow").await;
     let _logs = LogsOnPanic(vec![worker.log.clone()]);
     let info = eventually(WAIT, "the worker's consumer", || worker_consumer_info(&bus)).await;
     shorten_ack_wait(&bus, info, Duration::from_secs(2), &worker.log).await;
@@ -426,14 +433,7 @@ async fn a_worker_keeps_its_task_alive_by_its_consumers_ack_wait_when_that_is_sh
 /// seen it, not after the server has handed the task to another worker.
 #[tokio::test]
 async fn a_running_task_is_kept_alive_by_an_ack_wait_shortened_while_it_runs() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let dir = tempfile::tempdir().unwrap();
-    let extra = ["--ack-wait", "30s", "--consumer-check", "1s"];
-    let args = worker_args(&nats.url(), &prefix, "sleep 12; echo slow", &extra);
-    let worker = Service::spawn(args, dir.path().join("worker.log"));
+    let (_nats, bus, worker, _dir) = slow_worker("sleep 12; echo slow").await;
     let _logs = LogsOnPanic(vec![worker.log.clone()]);
     eventually(WAIT, "the worker's consumer", || worker_consumer_info(&bus)).await;
     // With a session, so that `delegate` returns at once instead of

@@ -337,28 +337,60 @@ async fn publish_refused_completion(
     .await;
 }
 
+/// A deployment whose worker runs each of a two-task batch's tasks until
+/// its gate file (`first`, `second`) appears in `gates`, and that batch,
+/// delegated for `session`.
+struct GatedBatch {
+    /// Runs while the test does.
+    _nats: NatsServer,
+    api: SessionApiServer,
+    bus: Bus,
+    gates: tempfile::TempDir,
+    services: Services,
+    id: String,
+}
+
+impl GatedBatch {
+    async fn start(session: &str) -> Self {
+        init_logs();
+        let nats = NatsServer::start().await;
+        let api = SessionApiServer::start().await;
+        let bus = bus(&nats.url(), &unique_prefix()).await;
+        let gates = tempfile::tempdir().unwrap();
+        let mut services = Services::new();
+        let script = gated_script(gates.path());
+        services.worker(&bus, shell(&script), test_worker_config("default"));
+        services.wake(&bus, test_wake_config(&api.url()));
+        let goals = ["first task", "second task"].map(String::from);
+        let id = delegate(&bus, Delegation::batch(goals).session(session)).await;
+        Self {
+            _nats: nats,
+            api,
+            bus,
+            gates,
+            services,
+            id,
+        }
+    }
+
+    /// Lets the task `name` (`first`, `second`) end.
+    fn open(&self, name: &str) {
+        std::fs::write(self.gates.path().join(name), "").unwrap();
+    }
+}
+
 #[tokio::test]
 async fn a_garbled_completion_of_a_batch_task_neither_wakes_the_batch_early_nor_holds_up_the_session()
  {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let gates = tempfile::tempdir().unwrap();
-    let gate = |name: &str| gates.path().join(name);
-    let script = gated_script(gates.path());
-    let mut services = Services::new();
-    services.worker(&bus, shell(&script), test_worker_config("default"));
-    services.wake(&bus, test_wake_config(&api.url()));
-    let goals = ["first task", "second task"].map(String::from);
-    let id = delegate(&bus, Delegation::batch(goals).session("s.garbled")).await;
+    let batch = GatedBatch::start("s.garbled").await;
+    let (bus, api, id) = (&batch.bus, &batch.api, &batch.id);
     // Garbage where the second task's completion is read from, while it runs.
-    publish_garbled_completion(&bus, "s.garbled", &id, 1).await;
+    publish_garbled_completion(bus, "s.garbled", id, 1).await;
 
     // The first task ends: the batch is not complete, and says nothing yet.
-    std::fs::write(gate("first"), "").unwrap();
+    batch.open("first");
     wait_until(WAIT, "the first task's completion", || async {
-        all_messages(&bus, &bus.subjects.events_stream())
+        all_messages(bus, &bus.subjects.events_stream())
             .await
             .iter()
             .filter(|m| m.subject.ends_with(".0.done"))
@@ -367,25 +399,25 @@ async fn a_garbled_completion_of_a_batch_task_neither_wakes_the_batch_early_nor_
     })
     .await;
     // The session's other work is not held up meanwhile.
-    let single = delegate(&bus, Delegation::new("single").session("s.garbled")).await;
+    let single = delegate(bus, Delegation::new("single").session("s.garbled")).await;
     wait_until(WAIT, "the single task's wake", || async {
         !api.accepted().is_empty()
     })
     .await;
-    wake_consumer_settled(&bus).await;
+    wake_consumer_settled(bus).await;
     assert_eq!(api.all_posts().len(), 1, "the batch was woken early");
     assert_eq!(api.all_posts()[0].delegation_ids(), [single]);
 
     // The second task's real completion ends the batch.
-    std::fs::write(gate("second"), "").unwrap();
+    batch.open("second");
     wait_until(WAIT, "the batch's wake", || async {
         api.accepted().len() == 2
     })
     .await;
-    services.stop().await;
+    batch.services.stop().await;
     let posts = api.all_posts();
     assert_eq!(posts.len(), 2);
-    assert_both_tasks_reported(&posts[1].text(), &id);
+    assert_both_tasks_reported(&posts[1].text(), id);
 }
 
 /// A readable completion of a batch task that the wake refuses (here one
@@ -395,20 +427,8 @@ async fn a_garbled_completion_of_a_batch_task_neither_wakes_the_batch_early_nor_
 /// delivered and never be posted.
 #[tokio::test]
 async fn a_completion_the_wake_refused_does_not_end_its_batch_before_the_real_one() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let gates = tempfile::tempdir().unwrap();
-    let mut services = Services::new();
-    services.worker(
-        &bus,
-        shell(&gated_script(gates.path())),
-        test_worker_config("default"),
-    );
-    services.wake(&bus, test_wake_config(&api.url()));
-    let goals = ["first task", "second task"].map(String::from);
-    let id = delegate(&bus, Delegation::batch(goals).session("s.refused")).await;
+    let batch = GatedBatch::start("s.refused").await;
+    let (bus, api, id) = (&batch.bus, &batch.api, &batch.id);
     let impostor = serde_json::json!({
         "type": "async_delegation", "delegation_id": id, "task_index": 1,
         "task_count": 2, "wake_mode": "batch", "origin_session_id": "s.refused",
@@ -416,33 +436,22 @@ async fn a_completion_the_wake_refused_does_not_end_its_batch_before_the_real_on
         "exit_reason": "completed", "summary": "NOT THE REAL RESULT",
     });
     let impostor = serde_json::to_vec(&impostor).unwrap().into();
-    publish_refused_completion(&bus, "s.refused", &id, 1, HeaderMap::new(), impostor).await;
+    publish_refused_completion(bus, "s.refused", id, 1, HeaderMap::new(), impostor).await;
 
     // The first task ends: with the impostor counted, the batch would be
     // woken now.
-    std::fs::write(gates.path().join("first"), "").unwrap();
+    batch.open("first");
     wait_until(WAIT, "the first task's completion", || async {
-        done_events(&bus).await.len() == 2
+        done_events(bus).await.len() == 2
     })
     .await;
-    wake_consumer_settled(&bus).await;
+    wake_consumer_settled(bus).await;
     assert!(api.all_posts().is_empty(), "the batch was woken early");
 
-    std::fs::write(gates.path().join("second"), "").unwrap();
-    wait_until(WAIT, "the batch's wake", || async {
-        !api.accepted().is_empty()
-    })
-    .await;
-    wake_consumer_settled(&bus).await;
-    services.stop().await;
-    let posts = api.all_posts();
-    assert_eq!(posts.len(), 1);
-    assert!(
-        !posts[0].text().contains("NOT THE REAL RESULT"),
-        "{}",
-        posts[0].text()
-    );
-    assert_both_tasks_reported(&posts[0].text(), &id);
+    batch.open("second");
+    batch_woken_once(bus, api, batch.services, id).await;
+    let text = api.all_posts()[0].text();
+    assert!(!text.contains("NOT THE REAL RESULT"), "{text}");
 }
 
 #[tokio::test]
@@ -469,32 +478,20 @@ async fn garbage_stored_after_a_batch_completion_the_wake_has_in_hand_does_not_k
 
 #[tokio::test]
 async fn garbage_stored_after_a_batch_completion_already_acked_is_read_past() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let gates = tempfile::tempdir().unwrap();
-    let mut services = Services::new();
-    services.worker(
-        &bus,
-        shell(&gated_script(gates.path())),
-        test_worker_config("default"),
-    );
-    services.wake(&bus, test_wake_config(&api.url()));
-    let goals = ["first task", "second task"].map(String::from);
-    let id = delegate(&bus, Delegation::batch(goals).session("s.past")).await;
+    let batch = GatedBatch::start("s.past").await;
+    let (bus, api, id) = (&batch.bus, &batch.api, &batch.id);
     // The second task ends first; the wake acks it, as the batch is not done.
-    std::fs::write(gates.path().join("second"), "").unwrap();
+    batch.open("second");
     wait_until(WAIT, "the second task's completion", || async {
-        done_events(&bus).await.len() == 1
+        done_events(bus).await.len() == 1
     })
     .await;
-    wake_consumer_settled(&bus).await;
+    wake_consumer_settled(bus).await;
     // Garbage on its subject, stored after its completion.
-    publish_garbled_completion(&bus, "s.past", &id, 1).await;
+    publish_garbled_completion(bus, "s.past", id, 1).await;
 
-    std::fs::write(gates.path().join("first"), "").unwrap();
-    batch_woken_once(&bus, &api, services, &id).await;
+    batch.open("first");
+    batch_woken_once(bus, api, batch.services, id).await;
 }
 
 #[tokio::test]

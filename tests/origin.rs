@@ -195,8 +195,10 @@ async fn a_worker_learns_whether_a_completion_exists_without_reading_the_events_
     assert_eq!(server.violations(), Vec::<String>::new());
 }
 
-#[tokio::test]
-async fn a_verifying_wake_dead_letters_forged_completions_and_wakes_the_genuine_one_once() {
+/// The repository's roles with `init` run, a session API, the operator's
+/// and the worker's buses, and a wake that verifies origins (no worker
+/// yet: [`echo_worker`]).
+async fn verifying_deployment() -> (RoleServer, SessionApiServer, Bus, Bus, Services) {
     init_logs();
     let server = RoleServer::start().await;
     let api = SessionApiServer::start().await;
@@ -204,14 +206,25 @@ async fn a_verifying_wake_dead_letters_forged_completions_and_wakes_the_genuine_
     let operator = server.bus("operator").await;
     let worker_bus = server.bus("worker").await;
     let mut services = Services::new();
-    services.worker(
-        &worker_bus,
-        Executor::Echo(EchoExecutor),
-        test_worker_config("default"),
-    );
     let mut wake_config = test_wake_config(&api.url());
     wake_config.verify_origin = true;
     services.wake(&server.bus("wake").await, wake_config);
+    (server, api, operator, worker_bus, services)
+}
+
+/// An echo worker of pool `default`, with the worker's credentials.
+fn echo_worker(services: &mut Services, worker_bus: &Bus) {
+    services.worker(
+        worker_bus,
+        Executor::Echo(EchoExecutor),
+        test_worker_config("default"),
+    );
+}
+
+#[tokio::test]
+async fn a_verifying_wake_dead_letters_forged_completions_and_wakes_the_genuine_one_once() {
+    let (server, api, operator, worker_bus, mut services) = verifying_deployment().await;
+    echo_worker(&mut services, &worker_bus);
 
     let delegator = Delegator::new(server.bus("delegator").await);
     let genuine = delegator
@@ -316,21 +329,8 @@ async fn replay_as_operator(
 /// time under that key.
 #[tokio::test]
 async fn a_forced_replay_of_a_forged_dead_letter_leaves_the_genuine_delivery_on_record() {
-    init_logs();
-    let server = RoleServer::start().await;
-    let api = SessionApiServer::start().await;
-    init(&server).await;
-    let operator = server.bus("operator").await;
-    let worker_bus = server.bus("worker").await;
-    let mut services = Services::new();
-    services.worker(
-        &worker_bus,
-        Executor::Echo(EchoExecutor),
-        test_worker_config("default"),
-    );
-    let mut wake_config = test_wake_config(&api.url());
-    wake_config.verify_origin = true;
-    services.wake(&server.bus("wake").await, wake_config);
+    let (server, api, operator, worker_bus, mut services) = verifying_deployment().await;
+    echo_worker(&mut services, &worker_bus);
     let genuine = Delegator::new(server.bus("delegator").await)
         .delegate(Delegation::new("genuine work").session("s.real"))
         .await
@@ -382,16 +382,7 @@ async fn a_forced_replay_of_a_forged_dead_letter_leaves_the_genuine_delivery_on_
 /// one still is (not skipped as a copy already handled).
 #[tokio::test]
 async fn a_forced_replay_forces_the_genuine_completion_stored_after_a_forged_one() {
-    init_logs();
-    let server = RoleServer::start().await;
-    let api = SessionApiServer::start().await;
-    init(&server).await;
-    let operator = server.bus("operator").await;
-    let worker_bus = server.bus("worker").await;
-    let mut services = Services::new();
-    let mut wake_config = test_wake_config(&api.url());
-    wake_config.verify_origin = true;
-    services.wake(&server.bus("wake").await, wake_config);
+    let (server, api, operator, worker_bus, mut services) = verifying_deployment().await;
     let genuine = Delegator::new(server.bus("delegator").await)
         .delegate(Delegation::new("genuine work").session("s.real"))
         .await
@@ -399,11 +390,7 @@ async fn a_forced_replay_forces_the_genuine_completion_stored_after_a_forged_one
     let id = genuine.delegation_id().to_owned();
     // Forged before any worker runs the task.
     publish_as_worker(&worker_bus, &id, "s.victim", "FORGED-FIRST").await;
-    services.worker(
-        &worker_bus,
-        Executor::Echo(EchoExecutor),
-        test_worker_config("default"),
-    );
+    echo_worker(&mut services, &worker_bus);
     ledger_records_delivery(&operator, &id).await;
 
     let delegation = Selection {
