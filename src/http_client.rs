@@ -21,6 +21,40 @@ pub(crate) fn install_crypto_provider() {
     });
 }
 
+/// Redirects followed for one request (reqwest's own default).
+const MAX_REDIRECTS: usize = 10;
+
+/// The redirect policy of a client that POSTs: only 307 and 308 keep the
+/// method and the body; a client follows 301, 302 and 303 with a GET
+/// without the body, whose answer would be taken for the POST's (a 2xx
+/// for a delivered turn, a 404 or 405 for a refusal). Those come back as
+/// themselves. A redirect followed goes where `allowed` lets it (it sends
+/// the body again), at most [`MAX_REDIRECTS`] times.
+pub(crate) fn body_keeping_redirects<E>(
+    allowed: impl Fn(&reqwest::Url) -> Result<(), E> + Send + Sync + 'static,
+) -> reqwest::redirect::Policy
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    reqwest::redirect::Policy::custom(move |attempt| {
+        let keeps_body = matches!(
+            attempt.status(),
+            reqwest::StatusCode::TEMPORARY_REDIRECT | reqwest::StatusCode::PERMANENT_REDIRECT
+        );
+        if !keeps_body {
+            attempt.stop()
+        } else if attempt.previous().len() > MAX_REDIRECTS {
+            // `previous` starts with the URL called, which is not a
+            // redirect (as in reqwest's own limit).
+            attempt.error("too many redirects")
+        } else if let Err(refused) = allowed(attempt.url()) {
+            attempt.error(refused)
+        } else {
+            attempt.follow()
+        }
+    })
+}
+
 /// A host name or address without brackets, surrounding blanks or the
 /// trailing dot of a fully qualified name.
 pub(crate) fn bare_host(host: &str) -> &str {

@@ -222,29 +222,12 @@ impl SessionApi {
             let ca = reqwest::Certificate::from_pem(&pem).map_err(|e| ca_error(e.to_string()))?;
             builder = builder.tls_certs_merge([ca]);
         }
-        // Only 307 and 308 keep the method and the body; a client follows
-        // 301, 302 and 303 with a GET without the turn, and a 2xx to that
-        // GET would count as delivered. Those come back as themselves (a
-        // rejection naming the status). A followed redirect must meet the
-        // same rule as the URL itself: it sends the turn again.
+        // A 301, 302 or 303 comes back as a rejection naming it; a
+        // followed redirect must meet the same rule as the URL itself.
         let redirects = security.clone();
         let http = builder
-            .redirect(reqwest::redirect::Policy::custom(move |attempt| {
-                let keeps_body = matches!(
-                    attempt.status(),
-                    StatusCode::TEMPORARY_REDIRECT | StatusCode::PERMANENT_REDIRECT
-                );
-                if !keeps_body {
-                    attempt.stop()
-                } else if attempt.previous().len() > MAX_REDIRECTS {
-                    // `previous` starts with the URL posted to, which is
-                    // not a redirect (as in reqwest's own limit).
-                    attempt.error("too many redirects")
-                } else if let Err(refused) = check_url(attempt.url().as_str(), &redirects) {
-                    attempt.error(refused)
-                } else {
-                    attempt.follow()
-                }
+            .redirect(crate::http_client::body_keeping_redirects(move |url| {
+                check_url(url.as_str(), &redirects)
             }))
             .timeout(config.request_timeout)
             .connect_timeout(config.request_timeout.min(Duration::from_secs(10)))
@@ -447,9 +430,6 @@ const MAX_ERROR_BODY: usize = 2048;
 /// How long a delivered post's answer may take to arrive in full before
 /// its connection is given up instead.
 const DRAIN_PATIENCE: Duration = Duration::from_secs(1);
-
-/// Redirects followed for one post (reqwest's own default).
-const MAX_REDIRECTS: usize = 10;
 
 /// Refuses URLs that are not http(s), and plain http to anything but
 /// loopback and the hosts `security` allows.

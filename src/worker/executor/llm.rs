@@ -138,25 +138,11 @@ impl LlmExecutor {
             );
         }
         crate::http_client::install_crypto_provider();
-        // Only 307 and 308 keep the method and the body; a client follows
-        // 301, 302 and 303 with a GET without the prompt, whose answer (a
-        // 404 or 405) would name the wrong problem. Those come back as
-        // themselves: a refusal naming the redirect.
+        // A 301, 302 or 303 comes back as a refusal naming it.
         let http = reqwest::Client::builder()
             .timeout(config.request_timeout)
-            .redirect(reqwest::redirect::Policy::custom(|attempt| {
-                let keeps_body = matches!(
-                    attempt.status(),
-                    StatusCode::TEMPORARY_REDIRECT | StatusCode::PERMANENT_REDIRECT
-                );
-                if !keeps_body {
-                    attempt.stop()
-                } else if attempt.previous().len() > MAX_REDIRECTS {
-                    // `previous` starts with the URL called.
-                    attempt.error("too many redirects")
-                } else {
-                    attempt.follow()
-                }
+            .redirect(crate::http_client::body_keeping_redirects(|_| {
+                Ok::<(), std::convert::Infallible>(())
             }))
             .build()?;
         let authorization = match &config.api_key {
@@ -330,10 +316,6 @@ impl LlmExecutor {
 /// misbehaving endpoint (or a proxy in front of it) reaches it, and a
 /// worker's memory stays bounded by it times its concurrency.
 const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
-
-/// Redirects (307, 308) followed for one model call (reqwest's own
-/// default).
-const MAX_REDIRECTS: usize = 10;
 
 /// Most of a refusal's answer read (500 characters of it are kept).
 const MAX_REFUSAL_BYTES: usize = 4096;
