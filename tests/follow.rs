@@ -306,18 +306,13 @@ async fn events_follow_rides_out_a_frozen_server_whose_stream_lookups_fail() {
     stop_with_ctrl_c(&mut child).await;
 }
 
-/// A bounded read (`events`, `replay`) whose last pending messages are
-/// deleted before they reach it (a purge of handled dead letters, a sweep)
-/// ends with what there is, instead of failing as stalled: a forced replay
-/// reported as failed invites the re-run that wakes every session again.
-#[tokio::test]
-async fn a_bounded_read_whose_last_pending_messages_are_deleted_ends_instead_of_stalling() {
-    use wakebus::history::{HistoryReader, Selection, Source};
+/// A server whose events stream holds `total` progress events of one task,
+/// and a bus to it.
+async fn progress_events(total: u64) -> (NatsServer, wakebus::bus::Bus) {
     init_logs();
     let nats = NatsServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let subject = format!("{}.evt.tok.d1.0.progress", bus.subjects.prefix());
-    let total = 3_000_u64;
     for _ in 0..total {
         // Acks awaited below, all at once.
         drop(bus.js.publish(subject.clone(), "{}".into()).await.unwrap());
@@ -327,13 +322,29 @@ async fn a_bounded_read_whose_last_pending_messages_are_deleted_ends_instead_of_
         stored_messages(&bus, &events).await == total
     })
     .await;
+    (nats, bus)
+}
+
+/// A bounded read (`events`, `replay`) whose last pending messages are
+/// deleted before they reach it (a purge of handled dead letters, a sweep)
+/// ends with what there is, instead of failing as stalled: a forced replay
+/// reported as failed invites the re-run that wakes every session again.
+#[tokio::test]
+async fn a_bounded_read_whose_last_pending_messages_are_deleted_ends_instead_of_stalling() {
+    use wakebus::history::{HistoryReader, Selection, Source};
+    let (_nats, bus) = progress_events(3_000).await;
+    let total = 3_000_u64;
     let mut reader = HistoryReader::open(&bus, Source::Events, Selection::default(), false)
         .await
         .unwrap();
     let first = reader.next().await.unwrap().unwrap();
     // Everything after what the reader has taken in so far (its first
     // pull, some hundreds) goes away.
-    let stream = bus.js.get_stream(&events).await.unwrap();
+    let stream = bus
+        .js
+        .get_stream(bus.subjects.events_stream())
+        .await
+        .unwrap();
     for sequence in 3..=total {
         let _ = stream.delete_message(sequence).await;
     }
@@ -445,20 +456,8 @@ async fn a_follow_from_a_time_up_to_a_sequence_ends_once_the_stream_has_passed_i
 #[tokio::test]
 async fn a_follow_until_a_past_time_shows_everything_stored_before_it() {
     use wakebus::history::{HistoryReader, Selection, Source};
-    init_logs();
-    let nats = NatsServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let subject = format!("{}.evt.tok.d1.0.progress", bus.subjects.prefix());
+    let (_nats, bus) = progress_events(2_000).await;
     let total = 2_000_u64;
-    for _ in 0..total {
-        // Acks awaited below, all at once.
-        drop(bus.js.publish(subject.clone(), "{}".into()).await.unwrap());
-    }
-    let events = bus.subjects.events_stream();
-    wait_until(WAIT, "every event stored", || async {
-        stored_messages(&bus, &events).await == total
-    })
-    .await;
     let until = time::OffsetDateTime::now_utc();
     // `--until` and the margin a follow gives the server's clock.
     let ended = until + time::Duration::seconds(6);
