@@ -381,12 +381,10 @@ impl Replayer {
         token: &str,
     ) -> Result<bool, String> {
         let events = self.events.as_ref().expect("forced wakes open the history");
-        let subject = self.bus.subjects.event(
-            token,
-            &event.delegation_id,
-            event.task_index,
-            EventKind::Submitted,
-        );
+        let subject = self
+            .bus
+            .subjects
+            .submitted(token, &event.delegation_id, event.task_index);
         match events.get_last_raw_message_by_subject(&subject).await {
             Ok(_) => Ok(true),
             Err(error)
