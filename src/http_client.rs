@@ -2,6 +2,10 @@
 //! exporter's) share: the TLS provider, the plain-http rule, bounded reads.
 
 use std::sync::Once;
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use reqwest::header::{HeaderMap, RETRY_AFTER};
 
 /// Installs `ring` as the process's rustls crypto provider (once).
 ///
@@ -94,4 +98,59 @@ pub(crate) async fn read_at_most(
         body.extend_from_slice(&chunk);
     }
     Ok(body)
+}
+
+/// 408, 429 and 5xx may succeed later; other statuses will not.
+pub(crate) fn is_retryable(status: StatusCode) -> bool {
+    status == StatusCode::REQUEST_TIMEOUT
+        || status == StatusCode::TOO_MANY_REQUESTS
+        || status.is_server_error()
+}
+
+/// The most a `Retry-After` is honoured for: an endpoint asking for more
+/// is asked again after an hour.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
+
+/// An answer's `Retry-After`, in seconds, at most [`MAX_RETRY_AFTER`]
+/// (HTTP dates are rare from APIs and ignored).
+pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let seconds: u64 = headers
+        .get(RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(Duration::from_secs(seconds).min(MAX_RETRY_AFTER))
+}
+
+#[cfg(test)]
+mod tests {
+    use reqwest::header::HeaderValue;
+
+    use super::*;
+
+    #[test]
+    fn only_timeouts_throttling_and_server_errors_are_retried() {
+        for code in [408, 429, 500, 502, 503, 504] {
+            assert!(is_retryable(StatusCode::from_u16(code).unwrap()), "{code}");
+        }
+        for code in [400, 401, 403, 404, 409, 422] {
+            assert!(!is_retryable(StatusCode::from_u16(code).unwrap()), "{code}");
+        }
+    }
+
+    #[test]
+    fn retry_after_seconds_are_honoured_and_capped() {
+        let after = |value: &'static str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(RETRY_AFTER, HeaderValue::from_static(value));
+            retry_after(&headers)
+        };
+        assert_eq!(after("7"), Some(Duration::from_secs(7)));
+        assert_eq!(after(" 7 "), Some(Duration::from_secs(7)));
+        assert_eq!(after("99999"), Some(MAX_RETRY_AFTER));
+        assert_eq!(after("soon"), None);
+        assert_eq!(retry_after(&HeaderMap::new()), None);
+    }
 }

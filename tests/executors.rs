@@ -34,12 +34,20 @@ enum Reply {
     Endless,
     /// This redirect status, back to the chat-completions path.
     Redirect(u16),
+    /// 429 asking to be called again after this many seconds.
+    Throttled(u64),
+    /// 200 with no content: the model declined, with this refusal.
+    Declined(&'static str),
+    /// 200 with this content, cut at the token limit.
+    CutOff(&'static str),
 }
 
 #[derive(Default)]
 struct ModelState {
     replies: Mutex<VecDeque<Reply>>,
     requests: Mutex<Vec<(HeaderMap, Value)>>,
+    /// When each request arrived.
+    arrivals: Mutex<Vec<std::time::Instant>>,
     /// Hanging calls whose client went away (their handler was dropped).
     abandoned: std::sync::atomic::AtomicUsize,
 }
@@ -81,6 +89,10 @@ impl ModelServer {
         self.state.requests.lock().unwrap().clone()
     }
 
+    fn arrivals(&self) -> Vec<std::time::Instant> {
+        self.state.arrivals.lock().unwrap().clone()
+    }
+
     /// How many hanging calls the client gave up on.
     fn abandoned(&self) -> usize {
         self.state
@@ -107,21 +119,46 @@ async fn answer(
     Json(body): Json<Value>,
 ) -> Response {
     state.requests.lock().unwrap().push((headers, body));
+    state
+        .arrivals
+        .lock()
+        .unwrap()
+        .push(std::time::Instant::now());
     let reply = state
         .replies
         .lock()
         .unwrap()
         .pop_front()
         .unwrap_or(Reply::Status(500));
-    match reply {
-        Reply::Answer(content) => Json(json!({
+    let completion = |message: Value, finish_reason: &str| {
+        Json(json!({
             "id": "chatcmpl-1",
             "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
             "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15},
         }))
-        .into_response(),
-        Reply::Status(code) => (StatusCode::from_u16(code).unwrap(), "model says no").into_response(),
+        .into_response()
+    };
+    match reply {
+        Reply::Answer(content) => {
+            completion(json!({"role": "assistant", "content": content}), "stop")
+        }
+        Reply::CutOff(content) => {
+            completion(json!({"role": "assistant", "content": content}), "length")
+        }
+        Reply::Declined(refusal) => completion(
+            json!({"role": "assistant", "content": null, "refusal": refusal}),
+            "stop",
+        ),
+        Reply::Throttled(seconds) => (
+            StatusCode::TOO_MANY_REQUESTS,
+            [("retry-after", seconds.to_string())],
+            "slow down",
+        )
+            .into_response(),
+        Reply::Status(code) => {
+            (StatusCode::from_u16(code).unwrap(), "model says no").into_response()
+        }
         Reply::Redirect(code) => (
             StatusCode::from_u16(code).unwrap(),
             [("location", "/v1/chat/completions")],
@@ -229,6 +266,90 @@ async fn an_answer_that_misses_the_schema_twice_fails_with_the_reason() {
     assert_eq!(done.status, Status::Failed);
     assert_eq!(done.exit_reason, "schema_mismatch");
     assert!(done.error.unwrap().contains("not JSON"));
+}
+
+/// The first answer is work the task paid for: a correction call that
+/// fails, whether refused (a longer prompt over the context limit) or
+/// transiently, ends the task with it, not with a retry that pays for it
+/// again or a failure that drops it.
+#[tokio::test]
+async fn a_failed_correction_call_ends_the_task_with_the_first_answer() {
+    init_logs();
+    for failure in [400, 503] {
+        let model = ModelServer::start(vec![Reply::Answer("four"), Reply::Status(failure)]).await;
+        let mut delegation = Delegation::new("What is 2+2?");
+        delegation.output_schema = Some(json!({"type": "object"}));
+        let (done, _bus, _nats) = run_one(model.executor(), delegation).await;
+        assert_eq!(
+            (done.status, done.exit_reason.as_str()),
+            (Status::Failed, "schema_mismatch"),
+            "{failure}: {done:?}"
+        );
+        assert_eq!(done.summary.as_deref(), Some("four"), "{failure}");
+        let error = done.error.unwrap();
+        assert!(
+            error.contains("not JSON")
+                && error.contains("correction call failed")
+                && error.contains(&failure.to_string()),
+            "{failure}: {error}"
+        );
+        assert_eq!(done.api_calls, 2, "{failure}");
+        assert_eq!(model.requests().len(), 2, "{failure}: no retry");
+    }
+}
+
+/// A rate-limited endpoint says when to call again: the retry waits that
+/// long, instead of using up the task's deliveries within seconds.
+#[tokio::test]
+async fn a_throttled_model_call_is_retried_no_sooner_than_its_retry_after() {
+    init_logs();
+    let model = ModelServer::start(vec![Reply::Throttled(3), Reply::Answer("in time")]).await;
+    let (done, _bus, _nats) = run_one(model.executor(), Delegation::new("busy")).await;
+    assert_eq!(done.summary.as_deref(), Some("in time"), "{done:?}");
+    let arrivals = model.arrivals();
+    assert_eq!(arrivals.len(), 2);
+    let waited = arrivals[1] - arrivals[0];
+    assert!(waited >= Duration::from_secs(3), "retried after {waited:?}");
+}
+
+/// A model that declines (no content, a refusal) did not complete the
+/// task; one cut at its token limit did, with its answer flagged.
+#[tokio::test]
+async fn a_declined_answer_fails_the_task_and_a_cut_off_one_is_flagged_truncated() {
+    init_logs();
+    let model = ModelServer::start(vec![Reply::Declined("I can't help with that.")]).await;
+    let (done, _bus, _nats) = run_one(model.executor(), Delegation::new("refuse")).await;
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Failed, "llm_no_answer"),
+        "{done:?}"
+    );
+    assert!(
+        done.error
+            .as_deref()
+            .is_some_and(|e| e.contains("I can't help with that.")),
+        "{done:?}"
+    );
+
+    let model = ModelServer::start(vec![Reply::CutOff("The first half")]).await;
+    let (done, _bus, _nats) = run_one(model.executor(), Delegation::new("ramble")).await;
+    assert_eq!(done.status, Status::Completed, "{done:?}");
+    assert_eq!(done.summary.as_deref(), Some("The first half"));
+    assert!(done.truncated, "{done:?}");
+}
+
+/// A structured answer is JSON a reader can parse: the Markdown fence a
+/// model puts around it is not part of the result.
+#[tokio::test]
+async fn a_structured_answer_is_returned_without_its_code_fence() {
+    init_logs();
+    let model = ModelServer::start(vec![Reply::Answer("```json\n{\"answer\": 4}\n```")]).await;
+    let mut delegation = Delegation::new("What is 2+2?");
+    delegation.output_schema = Some(json!({"type": "object"}));
+    let (done, _bus, _nats) = run_one(model.executor(), delegation).await;
+    assert_eq!(done.status, Status::Completed, "{done:?}");
+    assert_eq!(done.summary.as_deref(), Some(r#"{"answer": 4}"#));
+    assert_eq!(done.api_calls, 1);
 }
 
 #[tokio::test]
@@ -565,7 +686,8 @@ async fn a_goal_the_environment_cannot_hold_is_given_on_stdin_only_and_the_task_
 }
 
 #[tokio::test]
-async fn a_process_that_left_the_group_holding_the_output_does_not_hold_the_task_for_ever() {
+async fn a_process_that_left_the_group_holding_the_output_does_not_hold_the_task_or_lose_its_result()
+ {
     init_logs();
     let dir = tempfile::tempdir().unwrap();
     let pid_file = dir.path().join("escaped.pid");
@@ -592,7 +714,21 @@ async fn a_process_that_left_the_group_holding_the_output_does_not_hold_the_task
         nix::sys::signal::Signal::SIGKILL,
     );
     assert_eq!(done.status, Status::Completed, "{done:?}");
+    // What the program printed before it exited is its result; only what
+    // the escaped process might still have written is lost, and said so.
+    assert!(
+        done.summary
+            .as_deref()
+            .is_some_and(|s| s.starts_with("started")),
+        "{done:?}"
+    );
     assert!(done.truncated, "the lost output is flagged: {done:?}");
+    assert!(
+        done.error
+            .as_deref()
+            .is_some_and(|e| e.contains("the end of the output was lost")),
+        "{done:?}"
+    );
 }
 
 /// An endpoint whose answer never ends (a misbehaving proxy) fails the

@@ -4,8 +4,7 @@
 
 use std::time::Duration;
 
-use reqwest::StatusCode;
-use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
 use serde::Serialize;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
@@ -14,6 +13,7 @@ use super::webhook::{
     HEADER_WEBHOOK_ID, HEADER_WEBHOOK_SIGNATURE, HEADER_WEBHOOK_TIMESTAMP, WEBHOOK_EVENT_TYPE,
     WebhookBody, WebhookData, WebhookSecret, signature_header,
 };
+use crate::http_client::{is_retryable, retry_after};
 use crate::protocol::CompletionEvent;
 
 /// Where and how to post turns. Its `Debug` output leaves out the API key
@@ -286,7 +286,7 @@ impl SessionApi {
             drain(response).await;
             return PostResult::Delivered;
         }
-        let after = retry_after(response.headers().get(RETRY_AFTER));
+        let after = retry_after(response.headers());
         if is_retryable(status) {
             // Its answer is not used: the connection is closed unread,
             // rather than waiting for a slow body before the retry.
@@ -458,19 +458,6 @@ fn check_url(url: &str, security: &HttpSecurity) -> Result<(), SessionApiError> 
     }
 }
 
-/// 408, 429 and 5xx may succeed later; other statuses will not.
-fn is_retryable(status: StatusCode) -> bool {
-    status == StatusCode::REQUEST_TIMEOUT
-        || status == StatusCode::TOO_MANY_REQUESTS
-        || status.is_server_error()
-}
-
-/// `Retry-After` in seconds (HTTP dates are rare from APIs and ignored).
-fn retry_after(value: Option<&HeaderValue>) -> Option<Duration> {
-    let seconds: u64 = value?.to_str().ok()?.trim().parse().ok()?;
-    Some(Duration::from_secs(seconds.min(3600)))
-}
-
 fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
@@ -508,22 +495,13 @@ mod tests {
         }
     }
 
-    #[test]
-    fn only_timeouts_throttling_and_server_errors_are_retried() {
-        for code in [408, 429, 500, 502, 503, 504] {
-            assert!(is_retryable(StatusCode::from_u16(code).unwrap()), "{code}");
-        }
-        for code in [400, 401, 403, 404, 409, 422] {
-            assert!(!is_retryable(StatusCode::from_u16(code).unwrap()), "{code}");
-        }
-    }
-
     /// A refusal whose answer never ends (a misbehaving server or proxy)
     /// is read only up to its first 2 KiB, and not for ever.
     #[tokio::test]
     async fn only_the_start_of_an_endless_refusal_is_read() {
         use axum::body::Body;
         use axum::response::IntoResponse;
+        use reqwest::StatusCode;
         let endless = futures::stream::repeat_with(|| {
             Ok::<_, std::convert::Infallible>(bytes::Bytes::from_static(&[b'x'; 8192]))
         });
@@ -662,19 +640,5 @@ mod tests {
             redacted_url("http://127.0.0.1:8642"),
             "http://127.0.0.1:8642"
         );
-    }
-
-    #[test]
-    fn retry_after_seconds_are_honoured_and_capped() {
-        assert_eq!(
-            retry_after(Some(&HeaderValue::from_static("7"))),
-            Some(Duration::from_secs(7))
-        );
-        assert_eq!(
-            retry_after(Some(&HeaderValue::from_static("99999"))),
-            Some(Duration::from_secs(3600))
-        );
-        assert_eq!(retry_after(Some(&HeaderValue::from_static("soon"))), None);
-        assert_eq!(retry_after(None), None);
     }
 }

@@ -243,7 +243,7 @@ impl CommandExecutor {
             command.current_dir(dir);
         }
         let mut child = command.spawn().map_err(|err| {
-            ExecError::Transient(format!("could not start {}: {err}", cfg.program.display()))
+            ExecError::transient(format!("could not start {}: {err}", cfg.program.display()))
         })?;
         let pid = child.id();
         let _running = pid.and_then(RunningGroup::register);
@@ -257,65 +257,94 @@ impl CommandExecutor {
                 let _ = stdin.shutdown().await;
             }
         };
-        let stdout = read_stdout(child.stdout.take(), cfg.max_output_bytes, progress);
-        let stderr = read_capped(child.stderr.take(), STDERR_TAIL_BYTES, true);
-        let io = async { tokio::join!(feed, stdout, stderr) };
-        tokio::pin!(io);
+        // The output is kept here, outside the reading: a read given up
+        // (below) loses only what was still to come, not what was read.
+        let mut out = Output::new(cfg.max_output_bytes);
+        let mut err = Vec::new();
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        let (out_kept, err_kept) = (&mut out, &mut err);
+        let mut io = Box::pin(async move {
+            tokio::join!(
+                feed,
+                read_stdout(stdout, out_kept, progress),
+                read_tail(stderr, err_kept, STDERR_TAIL_BYTES),
+            )
+        });
 
         // The output is read while the program runs (a full pipe would
         // block it), and to its end after it exits, which a process it left
         // behind in its group may keep open: that one gets `kill_grace` to
         // let go, and is then stopped with the rest of the group.
-        let mut output = None;
+        let mut read = false;
         let mut exit = None;
         let mut drain_until = None;
-        // Whether the output was cut short by stopping what held it open.
+        // Whether the output was cut short by stopping what held it open,
+        // and whether the rest of it was given up.
         let mut cut = false;
-        let ((), (out, truncated), (err, _)) = loop {
-            if exit.is_some()
-                && let Some(results) = output.take()
-            {
-                break results;
+        let mut lost = false;
+        let stopped = loop {
+            if exit.is_some() && read {
+                break false;
             }
             tokio::select! {
-                results = &mut io, if output.is_none() => output = Some(results),
+                _ = &mut io, if !read => read = true,
                 exited = child.wait(), if exit.is_none() => {
                     exit = Some(exited);
                     drain_until = Some(tokio::time::Instant::now() + cfg.kill_grace);
                 }
-                () = sleep_until_some(drain_until), if output.is_none() => {
+                () = sleep_until_some(drain_until), if !read => {
                     warn!(?pid, "The task's program exited, but a process it started still holds its output; stopping its process group.");
                     stop_group(pid, cfg.kill_grace, &mut child).await;
-                    output = Some(read_rest(io.as_mut(), cfg.kill_grace).await);
+                    lost = !read_rest(io.as_mut(), cfg.kill_grace).await;
+                    read = true;
                     cut = true;
                 }
                 () = stop.cancelled() => {
                     stop_group(pid, cfg.kill_grace, &mut child).await;
-                    let ((), (out, truncated), _) = match output {
-                        Some(results) => results,
-                        None => read_rest(io.as_mut(), cfg.kill_grace).await,
-                    };
-                    let mut partial = String::from_utf8_lossy(&out).trim().to_owned();
-                    if truncated {
-                        partial.push_str("\n[output truncated]");
+                    if !read {
+                        lost = !read_rest(io.as_mut(), cfg.kill_grace).await;
                     }
-                    let partial = (!partial.trim().is_empty()).then_some(partial);
-                    return Err(ExecError::Stopped { partial, api_calls: 0, tokens: None, truncated });
+                    break true;
                 }
             }
         };
+        // Done reading: what was read is in `out` and `err`.
+        drop(io);
+        let truncated = out.dropped || cut || lost;
+        if stopped {
+            let mut partial = String::from_utf8_lossy(&out.kept).trim().to_owned();
+            if truncated {
+                partial.push_str("\n[output truncated]");
+            }
+            let partial = (!partial.trim().is_empty()).then_some(partial);
+            return Err(ExecError::Stopped {
+                partial,
+                api_calls: 0,
+                tokens: None,
+                truncated,
+            });
+        }
         // Whatever it left running in its group ends with its task.
         stop_group(pid, cfg.kill_grace, &mut child).await;
-        // A helper stopped while it held the output may have had more to say.
-        let truncated = truncated || cut;
         let exit = exit
             .expect("the loop ends once the program has exited")
             .map_err(|err| {
-                ExecError::Transient(format!("could not wait for the process: {err}"))
+                ExecError::transient(format!("could not wait for the process: {err}"))
             })?;
+        // Said even when the program succeeded: its result may be missing
+        // its end.
+        let lost_note = lost.then_some(
+            "the end of the output was lost: a process that left the task's process group kept it open",
+        );
 
-        let stdout_text = String::from_utf8_lossy(&out).trim().to_owned();
-        let stderr_text = String::from_utf8_lossy(&err).trim().to_owned();
+        let stdout_text = String::from_utf8_lossy(&out.kept).trim().to_owned();
+        let mut stderr_text = String::from_utf8_lossy(&err).trim().to_owned();
+        if let Some(note) = lost_note {
+            if !stderr_text.is_empty() {
+                stderr_text.push_str("; ");
+            }
+            stderr_text.push_str(note);
+        }
         // A JSON object with none of the fields is the result itself (a
         // structured answer), not an empty report.
         let structured = serde_json::from_str::<StructuredOutput>(&stdout_text)
@@ -334,7 +363,8 @@ impl CommandExecutor {
             text.push_str("\n[output truncated]");
         }
         let (status, exit_reason, error) = if exit.success() {
-            (Status::Completed, "completed".to_owned(), error_override)
+            let error = error_override.or_else(|| lost_note.map(str::to_owned));
+            (Status::Completed, "completed".to_owned(), error)
         } else {
             let reason = match exit.code() {
                 Some(code) => format!("exit code {code}"),
@@ -367,20 +397,10 @@ impl CommandExecutor {
 const MAX_PROGRESS_LINE: usize = 64 * 1024;
 
 /// Reads stdout to its end: JSON lines with a `"progress"` string are
-/// reported as progress; everything else is output, of which the first
-/// `cap` bytes are kept. Returns the output and whether any was dropped.
-async fn read_stdout(
-    pipe: Option<impl AsyncRead + Unpin>,
-    cap: usize,
-    progress: &Progress,
-) -> (Vec<u8>, bool) {
+/// reported as progress; everything else is kept in `out`, up to its cap.
+async fn read_stdout(pipe: Option<impl AsyncRead + Unpin>, out: &mut Output, progress: &Progress) {
     let Some(mut pipe) = pipe else {
-        return (Vec::new(), false);
-    };
-    let mut out = Output {
-        kept: Vec::new(),
-        cap,
-        dropped: false,
+        return;
     };
     let mut line = Vec::new();
     // Inside a line too long to be a progress report: the rest is output.
@@ -413,7 +433,6 @@ async fn read_stdout(
         Some(message) => progress.report(message),
         None => out.keep(&line),
     }
-    (out.kept, out.dropped)
 }
 
 /// Output kept up to a cap.
@@ -427,6 +446,15 @@ struct Output {
 }
 
 impl Output {
+    /// Nothing kept yet, up to `cap` bytes.
+    fn new(cap: usize) -> Self {
+        Self {
+            kept: Vec::new(),
+            cap,
+            dropped: false,
+        }
+    }
+
     fn keep(&mut self, bytes: &[u8]) {
         let room = self.cap.saturating_sub(self.kept.len());
         if bytes.len() > room {
@@ -449,18 +477,11 @@ fn progress_message(line: &[u8]) -> Option<String> {
     }
 }
 
-/// Reads a pipe to its end, keeping the first `cap` bytes (or the last ones
-/// when `keep_tail`). Returns the kept bytes and whether anything was dropped.
-async fn read_capped(
-    pipe: Option<impl AsyncRead + Unpin>,
-    cap: usize,
-    keep_tail: bool,
-) -> (Vec<u8>, bool) {
+/// Reads a pipe to its end, keeping its last `cap` bytes in `kept`.
+async fn read_tail(pipe: Option<impl AsyncRead + Unpin>, kept: &mut Vec<u8>, cap: usize) {
     let Some(mut pipe) = pipe else {
-        return (Vec::new(), false);
+        return;
     };
-    let mut kept = Vec::new();
-    let mut dropped = false;
     // On the heap: a stack buffer held across `.await` would live in the
     // future, and every task's future is moved when it is spawned.
     let mut chunk = vec![0u8; 8192];
@@ -470,42 +491,25 @@ async fn read_capped(
             Ok(n) => {
                 kept.extend_from_slice(&chunk[..n]);
                 if kept.len() > cap {
-                    dropped = true;
-                    if keep_tail {
-                        kept.drain(..kept.len() - cap);
-                    } else {
-                        kept.truncate(cap);
-                    }
+                    kept.drain(..kept.len() - cap);
                 }
             }
         }
     }
-    (kept, dropped)
 }
 
-/// What the program wrote: stdin fed, stdout (and whether it was cut),
-/// stderr (likewise).
-type Written = ((), (Vec<u8>, bool), (Vec<u8>, bool));
-
-/// The rest of the output once the program's group was stopped, within
-/// `patience`: a process that left the group (`setsid`) may still hold it
-/// open, and must not hold the task for ever. Then what was read is lost,
-/// and stderr says why.
-async fn read_rest(
-    io: std::pin::Pin<&mut impl std::future::Future<Output = Written>>,
-    patience: Duration,
-) -> Written {
-    match tokio::time::timeout(patience, io).await {
-        Ok(written) => written,
-        Err(_) => {
-            warn!(
-                "A process outside the task's process group still holds its output; giving up on reading it."
-            );
-            let why =
-                b"the output was lost: a process that left the task's process group kept it open";
-            ((), (Vec::new(), true), (why.to_vec(), true))
-        }
+/// Reads the rest of the output once the program's group was stopped,
+/// within `patience`: a process that left the group (`setsid`) may still
+/// hold it open, and must not hold the task for ever. `false` if the rest
+/// was given up (what was read before is kept).
+async fn read_rest(io: std::pin::Pin<&mut impl std::future::Future>, patience: Duration) -> bool {
+    let finished = tokio::time::timeout(patience, io).await.is_ok();
+    if !finished {
+        warn!(
+            "A process outside the task's process group still holds its output; giving up on reading the rest of it."
+        );
     }
+    finished
 }
 
 /// Sleeps until `deadline`, or for ever without one.

@@ -9,7 +9,6 @@
 
 use std::time::Duration;
 
-use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, HeaderValue};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -77,13 +76,20 @@ struct ChatResponse {
 struct Choice {
     /// The answer.
     message: ChatMessage,
+    /// Why the model stopped: `length` means the answer was cut at the
+    /// token limit.
+    #[serde(default)]
+    finish_reason: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
 struct ChatMessage {
-    /// Its text.
+    /// Its text; `null` when the model declined or called a tool.
     #[serde(default)]
     content: Option<String>,
+    /// The model's refusal, when it declined (OpenAI's structured outputs).
+    #[serde(default)]
+    refusal: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -98,10 +104,22 @@ struct Usage {
 
 /// How one model call ended.
 enum Call {
-    /// An answer and its token counts.
-    Answer(String, Usage),
+    /// The endpoint answered (possibly with no text).
+    Answer(Answer),
     /// A refusal that retrying will not fix (4xx other than 408/429).
     Refused(String),
+}
+
+/// What the model answered.
+struct Answer {
+    /// Its text; empty when it gave none.
+    text: String,
+    /// Its token counts.
+    usage: Usage,
+    /// Whether it was cut at the token limit (`finish_reason: length`).
+    truncated: bool,
+    /// Why it has no text, when it has none.
+    declined: Option<String>,
 }
 
 /// Whether a request to `url` crosses the network unencrypted: plain
@@ -183,75 +201,109 @@ impl LlmExecutor {
             json!({"role": "system", "content": system_prompt(request.role)}),
             json!({"role": "user", "content": user}),
         ];
-        let mut calls = 0u64;
         let mut tokens = (0u64, 0u64);
-        loop {
-            calls += 1;
-            progress.report(format!("model call {calls}"));
-            let call = tokio::select! {
-                call = self.call(&model, &messages) => call?,
-                () = stop.cancelled() => return Err(ExecError::Stopped {
-                    partial: None,
-                    api_calls: calls,
-                    tokens: Some(tokens),
-                    truncated: false,
-                }),
-            };
-            let (answer, usage) = match call {
-                Call::Answer(answer, usage) => (answer, usage),
-                Call::Refused(reason) => {
-                    return Ok(output(
-                        Status::Failed,
-                        None,
-                        Some(reason),
-                        calls,
-                        tokens,
-                        "llm_refused",
-                    ));
-                }
-            };
-            tokens.0 += usage.prompt_tokens;
-            tokens.1 += usage.completion_tokens;
-            let Some(schema) = &request.output_schema else {
+        progress.report("model call 1".to_owned());
+        let first = match self
+            .call_unless_stopped(&model, &messages, 1, tokens, None, stop)
+            .await?
+        {
+            Call::Answer(answer) => answer,
+            Call::Refused(reason) => {
                 return Ok(output(
-                    Status::Completed,
-                    Some(answer),
+                    Status::Failed,
                     None,
-                    calls,
+                    Some(reason),
+                    1,
                     tokens,
-                    "completed",
+                    "llm_refused",
                 ));
-            };
-            match check_against(schema, &answer) {
-                Ok(()) => {
-                    return Ok(output(
-                        Status::Completed,
-                        Some(answer),
-                        None,
-                        calls,
-                        tokens,
-                        "completed",
-                    ));
-                }
-                Err(problem) if calls == 1 => {
-                    messages.push(json!({"role": "assistant", "content": answer}));
-                    messages.push(json!({"role": "user", "content": format!(
-                        "Your answer does not match the required JSON Schema: {problem}. Reply again with only JSON that matches it."
-                    )}));
-                }
-                Err(problem) => {
-                    return Ok(output(
-                        Status::Failed,
-                        Some(answer),
-                        Some(format!(
-                            "answer does not match output_schema after a correction attempt: {problem}"
-                        )),
-                        calls,
-                        tokens,
-                        "schema_mismatch",
-                    ));
-                }
             }
+        };
+        tokens.0 += first.usage.prompt_tokens;
+        tokens.1 += first.usage.completion_tokens;
+        let Some(schema) = &request.output_schema else {
+            return Ok(first.into_output(1, tokens));
+        };
+        let problem = match check_against(schema, &first.text) {
+            Ok(json) => return Ok(first.with_text(json).into_output(1, tokens)),
+            Err(problem) => problem,
+        };
+
+        // One correction attempt. Whatever becomes of it, the first answer
+        // is not thrown away: a correction call that fails (the longer
+        // prompt refused, the endpoint down) ends the task with it.
+        messages.push(json!({"role": "assistant", "content": first.text}));
+        messages.push(json!({"role": "user", "content": format!(
+            "Your answer does not match the required JSON Schema: {problem}. Reply again with only JSON that matches it."
+        )}));
+        progress.report("model call 2".to_owned());
+        let mismatch = |summary: String, tokens, error: String| {
+            let mut out = output(
+                Status::Failed,
+                Some(summary),
+                Some(error),
+                2,
+                tokens,
+                "schema_mismatch",
+            );
+            out.truncated = first.truncated;
+            out
+        };
+        let failed_correction = |reason: &str| {
+            format!(
+                "answer does not match output_schema ({problem}); the correction call failed: {reason}"
+            )
+        };
+        let second = match self
+            .call_unless_stopped(&model, &messages, 2, tokens, Some(&first), stop)
+            .await
+        {
+            Ok(Call::Answer(answer)) => answer,
+            Ok(Call::Refused(reason)) | Err(ExecError::Transient { reason, .. }) => {
+                let error = failed_correction(&reason);
+                return Ok(mismatch(first.text.clone(), tokens, error));
+            }
+            Err(stopped) => return Err(stopped),
+        };
+        tokens.0 += second.usage.prompt_tokens;
+        tokens.1 += second.usage.completion_tokens;
+        if second.text.is_empty() {
+            // The model declined to correct it: the first answer stands.
+            let error = failed_correction(second.declined.as_deref().unwrap_or("no answer"));
+            return Ok(mismatch(first.text.clone(), tokens, error));
+        }
+        match check_against(schema, &second.text) {
+            Ok(json) => Ok(second.with_text(json).into_output(2, tokens)),
+            Err(problem) => Ok(mismatch(
+                second.text,
+                tokens,
+                format!(
+                    "answer does not match output_schema after a correction attempt: {problem}"
+                ),
+            )),
+        }
+    }
+
+    /// One model call, the `calls`-th, aborted if `stop` fires: what the
+    /// task used so far is kept, and `answered` (an earlier answer) is its
+    /// partial output.
+    async fn call_unless_stopped(
+        &self,
+        model: &str,
+        messages: &[Value],
+        calls: u64,
+        tokens: (u64, u64),
+        answered: Option<&Answer>,
+        stop: &CancellationToken,
+    ) -> Result<Call, ExecError> {
+        tokio::select! {
+            call = self.call(model, messages) => call,
+            () = stop.cancelled() => Err(ExecError::Stopped {
+                partial: answered.map(|answer| answer.text.clone()),
+                api_calls: calls,
+                tokens: Some(tokens),
+                truncated: answered.is_some_and(|answer| answer.truncated),
+            }),
         }
     }
 
@@ -263,18 +315,26 @@ impl LlmExecutor {
         if let Some(auth) = &self.authorization {
             request = request.header(AUTHORIZATION, auth.clone());
         }
-        let response = request
-            .send()
-            .await
-            .map_err(|e| ExecError::Transient(format!("LLM endpoint unreachable: {e}")))?;
+        let response = match request.send().await {
+            Ok(response) => response,
+            // A redirect the policy refused (too many, or one that would
+            // drop the prompt) or a request that cannot be built fails the
+            // same way every time.
+            Err(error) if error.is_redirect() || error.is_builder() => {
+                return Ok(Call::Refused(format!("LLM endpoint not called: {error}")));
+            }
+            Err(error) => {
+                return Err(ExecError::transient(format!(
+                    "LLM endpoint unreachable: {error}"
+                )));
+            }
+        };
         let status = response.status();
-        if status.is_server_error()
-            || status == StatusCode::TOO_MANY_REQUESTS
-            || status == StatusCode::REQUEST_TIMEOUT
-        {
-            return Err(ExecError::Transient(format!(
-                "LLM endpoint answered {status}"
-            )));
+        if crate::http_client::is_retryable(status) {
+            return Err(ExecError::Transient {
+                reason: format!("LLM endpoint answered {status}"),
+                retry_after: crate::http_client::retry_after(response.headers()),
+            });
         }
         if !status.is_success() {
             let body = match read_at_most(response, MAX_REFUSAL_BYTES).await {
@@ -294,21 +354,80 @@ impl LlmExecutor {
                 )));
             }
             Err(Unread::BrokeOff(error)) => {
-                return Err(ExecError::Transient(format!(
+                return Err(ExecError::transient(format!(
                     "LLM endpoint's answer broke off: {error}"
                 )));
             }
         };
         let parsed: ChatResponse = serde_json::from_slice(&body).map_err(|e| {
-            ExecError::Transient(format!("LLM response is not a chat completion: {e}"))
+            ExecError::transient(format!("LLM response is not a chat completion: {e}"))
         })?;
-        let answer = parsed
-            .choices
-            .into_iter()
-            .next()
-            .and_then(|c| c.message.content)
-            .unwrap_or_default();
-        Ok(Call::Answer(answer, parsed.usage.unwrap_or_default()))
+        Ok(Call::Answer(Answer::from(parsed)))
+    }
+}
+
+impl From<ChatResponse> for Answer {
+    fn from(response: ChatResponse) -> Self {
+        let usage = response.usage.unwrap_or_default();
+        let Some(choice) = response.choices.into_iter().next() else {
+            return Self {
+                text: String::new(),
+                usage,
+                truncated: false,
+                declined: Some("the endpoint returned no choices".to_owned()),
+            };
+        };
+        let text = choice.message.content.unwrap_or_default();
+        // Why there is no text: the model's own refusal, or how it finished
+        // (`content_filter`, `tool_calls`).
+        let declined =
+            text.is_empty()
+                .then(|| match (choice.message.refusal, &choice.finish_reason) {
+                    (Some(refusal), _) => format!("the model declined: {refusal}"),
+                    (None, Some(finish)) => {
+                        format!("the model gave no answer (finish_reason: {finish})")
+                    }
+                    (None, None) => "the model gave no answer".to_owned(),
+                });
+        Self {
+            text,
+            usage,
+            truncated: choice.finish_reason.as_deref() == Some("length"),
+            declined,
+        }
+    }
+}
+
+impl Answer {
+    /// The same answer with `text` as its text (a structured answer's JSON
+    /// without the Markdown fence around it).
+    fn with_text(self, text: String) -> Self {
+        Self { text, ..self }
+    }
+
+    /// The task's outcome when this is its last answer: `completed`, or
+    /// `failed` with `llm_no_answer` when the model gave no text.
+    fn into_output(self, api_calls: u64, tokens: (u64, u64)) -> ExecOutput {
+        let mut out = match self.declined {
+            Some(why) => output(
+                Status::Failed,
+                None,
+                Some(why),
+                api_calls,
+                tokens,
+                "llm_no_answer",
+            ),
+            None => output(
+                Status::Completed,
+                Some(self.text),
+                None,
+                api_calls,
+                tokens,
+                "completed",
+            ),
+        };
+        out.truncated = self.truncated;
+        out
     }
 }
 
@@ -320,8 +439,9 @@ const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 /// Most of a refusal's answer read (500 characters of it are kept).
 const MAX_REFUSAL_BYTES: usize = 4096;
 
-/// Checks that `answer` is JSON satisfying `schema`; says why not.
-fn check_against(schema: &Value, answer: &str) -> Result<(), String> {
+/// Checks that `answer` is JSON satisfying `schema`; returns that JSON
+/// (without a Markdown code fence around it), or says why not.
+fn check_against(schema: &Value, answer: &str) -> Result<String, String> {
     let validator = jsonschema::validator_for(schema)
         .map_err(|e| format!("the output_schema itself is invalid: {e}"))?;
     let trimmed = answer
@@ -329,15 +449,16 @@ fn check_against(schema: &Value, answer: &str) -> Result<(), String> {
         .trim_start_matches("```json")
         .trim_start_matches("```")
         .trim_end_matches("```");
-    let value: Value = serde_json::from_str(trimmed.trim())
-        .map_err(|e| format!("the answer is not JSON ({e})"))?;
+    let json = trimmed.trim();
+    let value: Value =
+        serde_json::from_str(json).map_err(|e| format!("the answer is not JSON ({e})"))?;
     let problems: Vec<String> = validator
         .iter_errors(&value)
         .map(|e| e.to_string())
         .take(5)
         .collect();
     if problems.is_empty() {
-        Ok(())
+        Ok(json.to_owned())
     } else {
         Err(problems.join("; "))
     }

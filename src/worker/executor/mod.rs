@@ -38,8 +38,16 @@ pub struct ExecOutput {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ExecError {
     /// Worth retrying later: the executor could not start, an endpoint was down...
-    #[error("transient executor failure: {0}")]
-    Transient(String),
+    #[error("transient executor failure: {reason}")]
+    Transient {
+        /// What went wrong.
+        reason: String,
+        /// How long the endpoint asked to be left alone (its
+        /// `Retry-After`): the retry waits at least that long, so that a
+        /// rate limit is not hit again on every try until the task's
+        /// deliveries run out.
+        retry_after: Option<std::time::Duration>,
+    },
     /// The run was stopped through its cancellation token; whatever it had
     /// produced and used so far is kept.
     #[error("run stopped")]
@@ -54,6 +62,16 @@ pub enum ExecError {
         /// then ends with `[output truncated]`).
         truncated: bool,
     },
+}
+
+impl ExecError {
+    /// A transient failure that asked for no particular delay.
+    pub fn transient(reason: impl Into<String>) -> Self {
+        Self::Transient {
+            reason: reason.into(),
+            retry_after: None,
+        }
+    }
 }
 
 /// Where a run reports progress. Latest wins: the worker publishes at most

@@ -341,13 +341,23 @@ impl TaskHandler {
                 info!("Worker is shutting down; handing the task back.");
                 return Outcome::HandBack;
             }
-            (Err(ExecError::Transient(reason)), _) if attempt < self.config.max_deliver => {
-                let delay = self.config.retry_delay(attempt);
+            (
+                Err(ExecError::Transient {
+                    reason,
+                    retry_after,
+                }),
+                _,
+            ) if attempt < self.config.max_deliver => {
+                // Never sooner than the endpoint asked.
+                let delay = self
+                    .config
+                    .retry_delay(attempt)
+                    .max(retry_after.unwrap_or_default());
                 warn!(%reason, retry_in = ?delay, "Executor failed transiently; will retry.");
                 m::task_retried(&self.config.pool);
                 return Outcome::Nak(Some(delay));
             }
-            (Err(ExecError::Transient(reason)), _) => {
+            (Err(ExecError::Transient { reason, .. }), _) => {
                 // Deliveries, not failures: hand-backs and stalls use them too.
                 let reason = format!(
                     "gave up on its last delivery ({attempt} of {}); last error: {reason}",
@@ -699,7 +709,7 @@ fn stopped_if_asked(
     stopped: bool,
 ) -> Result<ExecOutput, ExecError> {
     match (result, reason) {
-        (Err(ExecError::Transient(_)), reason) if reason.is_some() || stopped => {
+        (Err(ExecError::Transient { .. }), reason) if reason.is_some() || stopped => {
             Err(ExecError::Stopped {
                 partial: None,
                 api_calls: 0,
@@ -768,7 +778,7 @@ mod tests {
 
     #[test]
     fn a_run_failing_as_it_is_stopped_ends_as_stopped_not_as_a_failure_to_retry() {
-        let failed = || Err(ExecError::Transient("connection reset".to_owned()));
+        let failed = || Err(ExecError::transient("connection reset"));
         let cancelled = StopReason::Cancelled { silent: true };
         assert!(matches!(
             stopped_if_asked(failed(), Some(&cancelled), true),
@@ -786,7 +796,7 @@ mod tests {
         // Not asked to stop: a failure to retry.
         assert!(matches!(
             stopped_if_asked(failed(), None, false),
-            Err(ExecError::Transient(_))
+            Err(ExecError::Transient { .. })
         ));
     }
 
