@@ -306,13 +306,7 @@ impl Canceller {
             .get_stream(self.bus.subjects.events_stream())
             .await
             .map_err(|e| history(&e))?;
-        let filter = |kind: EventKind| {
-            format!(
-                "{}.evt.*.{delegation_id}.*.{}",
-                self.bus.subjects.prefix(),
-                kind.as_str()
-            )
-        };
+        let filter = |kind: EventKind| self.bus.subjects.delegation_events(delegation_id, kind);
         // Only "no such event" means none: a read that failed (a leader
         // election) is an error, not a delegation to call unknown.
         let none = |e: &async_nats::jetstream::stream::LastRawMessageError| {
@@ -377,7 +371,11 @@ impl Canceller {
         {
             Ok(message) => {
                 let record = serde_json::from_slice::<SubmittedRecord>(&message.payload).ok();
-                let token = message.subject.split('.').rev().nth(3).map(str::to_owned);
+                let token = self
+                    .bus
+                    .subjects
+                    .parse_event(&message.subject)
+                    .map(|subject| subject.session_token.to_owned());
                 record
                     .zip(token)
                     .map(|(record, token)| (record.task_count, token))
@@ -403,15 +401,17 @@ impl Canceller {
         let mut tasks_done = std::collections::BTreeSet::new();
         while let Some(subject) = subjects.next().await {
             let (subject, _) = subject.map_err(|e| CancelError::History(e.to_string()))?;
-            // `<prefix>.evt.<token>.<delegation>.<index>.done`
-            let mut tokens = subject.rsplit('.');
-            let index = tokens.nth(1).and_then(|i| i.parse::<u32>().ok());
-            let of_session = tokens.nth(1);
-            if token.is_some() && of_session != token.as_deref() {
+            let Some(done) = self.bus.subjects.parse_event(&subject) else {
+                continue;
+            };
+            if token
+                .as_deref()
+                .is_some_and(|token| done.session_token != token)
+            {
                 continue;
             }
-            if let Some(index) = index.filter(|index| *index < task_count) {
-                tasks_done.insert(index);
+            if done.task_index < task_count {
+                tasks_done.insert(done.task_index);
             }
         }
         Ok(if tasks_done.len() >= task_count as usize {

@@ -2247,6 +2247,108 @@ async fn status_does_not_list_a_woken_batch_or_a_silent_completion_as_undelivere
     assert_eq!(sessions, ["s.waiting"], "{report:#}");
 }
 
+/// Above a held-back ack floor lie completions the wake has finished
+/// with: a turn the session API refused (dead-lettered and acknowledged),
+/// a completion the wake cannot use, a batch member whose batch waits for
+/// its other task. None waits for a wake: `status` says what they are
+/// instead of listing their sessions as undelivered, which would send an
+/// operator after the wrong sessions.
+#[tokio::test]
+async fn status_tells_refused_unusable_and_batch_waiting_completions_from_undelivered_ones() {
+    let p = Pipeline::start().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
+    api.fail_always(404);
+    delegate(&bus, Delegation::new("refused").session("s.refused")).await;
+    let dlq = bus.subjects.dead_letter_stream();
+    wait_until(WAIT, "the refused turn's dead letter", || async {
+        !all_messages(&bus, &dlq).await.is_empty()
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    // Without the wake's consumer, status scans every completion: as if
+    // an older one held the floor.
+    let events = bus
+        .js
+        .get_stream(bus.subjects.events_stream())
+        .await
+        .unwrap();
+    events
+        .delete_consumer(bus.subjects.wake_consumer())
+        .await
+        .unwrap();
+    let publish = |session: &str, id: &str, extra: Value| {
+        let mut body = serde_json::json!({
+            "type": "async_delegation", "delegation_id": id, "origin_session_id": session,
+            "status": "completed", "completed_at": "2026-01-01T00:00:00Z", "exit_reason": "completed",
+        });
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Wakebus-Origin-Session", session);
+        let subject = format!("{prefix}.evt.{}.{id}.0.done", session_token(session));
+        let bus = bus.clone();
+        async move {
+            bus.js
+                .publish_with_headers(subject, headers, serde_json::to_vec(&body).unwrap().into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+    };
+    publish(
+        "s.waiting",
+        "01JV3N4Y8K6D2Q7R9T1W5X0WAI",
+        serde_json::json!({}),
+    )
+    .await;
+    publish(
+        "s.unusable",
+        "01JV3N4Y8K6D2Q7R9T1W5X0UNU",
+        serde_json::json!({"task_index": 3, "task_count": 2}),
+    )
+    .await;
+    publish(
+        "s.batch",
+        "01JV3N4Y8K6D2Q7R9T1W5X0BAT",
+        serde_json::json!({"task_count": 2, "wake_mode": "batch"}),
+    )
+    .await;
+
+    let run = wakebus(&nats.url(), &prefix, &["status", "--json"]).await;
+    assert!(run.success(), "{}", run.stderr());
+    let report: Value = serde_json::from_str(&run.stdout()).unwrap();
+    let sessions: Vec<&str> = report["oldest_undelivered"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["session"].as_str().unwrap())
+        .collect();
+    assert_eq!(sessions, ["s.waiting"], "{report:#}");
+    let scan = &report["undelivered_scan"];
+    let counts = [
+        "sessions",
+        "completions",
+        "refused",
+        "unusable",
+        "batch_waiting",
+    ]
+    .map(|field| scan[field].as_u64());
+    assert_eq!(counts, [Some(1); 5], "{scan:#}");
+
+    let run = wakebus(&nats.url(), &prefix, &["status"]).await;
+    assert!(run.success(), "{}", run.stderr());
+    let text = run.stdout();
+    assert!(
+        text.contains("Not waiting: 1 dead-lettered by the wake")
+            && text.contains("1 unusable")
+            && text.contains("1 batch members waiting"),
+        "{text}"
+    );
+}
+
 /// `--version` and the services report the package's version with the
 /// commit the build came from, so that an operator can tell builds apart.
 #[tokio::test]

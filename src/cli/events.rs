@@ -39,25 +39,27 @@ pub(crate) async fn run(global: &Global, args: EventsArgs) -> anyhow::Result<Exi
     let json = args.json || !std::io::stdout().is_terminal();
     let shutdown = super::shutdown_signal();
     tokio::pin!(shutdown);
-    if !json && write_line(&header()).is_err() {
-        return Ok(ExitCode::SUCCESS);
-    }
-    loop {
+    let mut ended = !json && write_line(&header()).is_err();
+    while !ended {
         let next = tokio::select! {
             () = &mut shutdown => break,
             next = reader.next() => next,
         };
         let Some(record) = next else { break };
-        let record = record?;
+        let record = match record {
+            Ok(record) => record,
+            Err(error) => {
+                reader.close().await;
+                return Err(error.into());
+            }
+        };
         let line = if json {
             record.to_json().to_string()
         } else {
             row(&record)
         };
-        if write_line(&line).is_err() {
-            // The reader went away (`| head`): not an error.
-            break;
-        }
+        // The reader went away (`| head`): not an error.
+        ended = write_line(&line).is_err();
     }
     // Stopped by Ctrl-C or a closed pipe: delete the read's consumer now
     // rather than leave it to expire.
@@ -151,9 +153,7 @@ fn row(record: &Record) -> String {
     if let Some(original) = record.replay_of() {
         detail = format!("[replay of {original}] {detail}");
     }
-    let session = record
-        .origin_session()
-        .map_or_else(|| "(sync)".to_owned(), str::to_owned);
+    let session = record.session_label();
     columns(&[
         &record.sequence.to_string(),
         &time,

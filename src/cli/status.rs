@@ -258,9 +258,52 @@ fn render(report: &StatusReport) -> String {
         scan.from_seq,
         if scan.complete { "" } else { ", limit reached" }
     ));
+    // What the scan met that does not wait for a wake, and what it could
+    // not judge.
+    let mut notes = Vec::new();
+    if scan.refused > 0 {
+        notes.push(format!(
+            "{} dead-lettered by the wake (see `wakebus events --dead-letters wake`)",
+            scan.refused
+        ));
+    }
+    if scan.unusable > 0 {
+        notes.push(format!(
+            "{} unusable (dead-lettered as poison)",
+            scan.unusable
+        ));
+    }
+    if scan.batch_waiting > 0 {
+        notes.push(format!(
+            "{} batch members waiting for their batch's other tasks",
+            scan.batch_waiting
+        ));
+    }
+    if !notes.is_empty() {
+        out.push_str(&format!("Not waiting: {}.\n", notes.join("; ")));
+    }
+    if scan.unreadable_entries > 0 {
+        out.push_str(&format!(
+            "Listed as waiting: {} completions whose ledger entry does not parse.\n",
+            scan.unreadable_entries
+        ));
+    }
+    if let Some(error) = &scan.refused_error {
+        out.push_str(&format!(
+            "The wake dead letters were not read ({error}): completions the wake refused are listed as waiting.\n"
+        ));
+    }
     if report.oldest_undelivered.is_empty() {
         out.push_str("none\n");
     } else {
+        if scan.sessions > report.oldest_undelivered.len() as u64 {
+            out.push_str(&format!(
+                "Showing the oldest {} of {} sessions ({} completions waiting in all).\n",
+                report.oldest_undelivered.len(),
+                scan.sessions,
+                scan.completions
+            ));
+        }
         let mut waiting = table(&["SESSION", "COMPLETIONS", "OLDEST", "AGE", "DELEGATION"]);
         for w in &report.oldest_undelivered {
             waiting.add_row(vec![

@@ -228,7 +228,10 @@ impl Selection {
                 )
             }
             Source::TaskDeadLetters => subjects.dead_letter_task(&any(self.pool.as_deref())),
-            Source::WakeDeadLetters => subjects.dead_letter_wake(&any(token.as_deref())),
+            // Not narrowed by the session: its unusable completions are
+            // dead-lettered under `poison`, not under its token (the
+            // session is matched on the client).
+            Source::WakeDeadLetters => subjects.dead_letter_wake("*"),
             Source::DeadLetters => subjects.dead_letters_all(),
         }
     }
@@ -366,11 +369,13 @@ impl HistoryReader {
                     source,
                 })?;
         let created = stream.cached_info().created;
+        // The answer to the lookup just made, if a fresh one fails: the
+        // end of a bounded read is never left open.
+        let looked_up = stream.cached_info().state.last_sequence;
         let last_stored = stream
             .info()
             .await
-            .map(|info| info.state.last_sequence)
-            .unwrap_or(u64::MAX);
+            .map_or(looked_up, |info| info.state.last_sequence);
         let filter_subject = selection.filter_subject(&bus.subjects, source);
         let (messages, consumer_name, total, start_floor) = read(
             &stream,
@@ -727,7 +732,7 @@ mod tests {
         );
         assert_eq!(
             session.filter_subject(&s, Source::WakeDeadLetters),
-            format!("acme.prod.dlq.wake.{}", session_token("a.b *>"))
+            "acme.prod.dlq.wake.*"
         );
         let pool = Selection {
             pool: Some("gpu".into()),

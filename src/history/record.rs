@@ -8,7 +8,7 @@ use time::OffsetDateTime;
 use super::rfc3339;
 use crate::protocol::{
     EventKind, HEADER_DEAD_LETTER_REASON, HEADER_DELEGATION_ID, HEADER_ORIGIN_SESSION,
-    HEADER_REPLAY, HEADER_TASK_INDEX, Status,
+    HEADER_REPLAY, HEADER_TASK_INDEX, POISON_TOKEN, SYNC_SESSION_TOKEN, Status,
 };
 
 /// What a history message is.
@@ -176,6 +176,27 @@ impl Record {
         self.header(HEADER_ORIGIN_SESSION)
     }
 
+    /// Who to show as the record's session: the origin header; the body's
+    /// origin session when the header is missing (it is optional for
+    /// publishers, and a dead letter too large for its original headers
+    /// keeps none); the subject's session token when neither names one;
+    /// `(sync)` when nothing does.
+    pub fn session_label(&self) -> String {
+        if let Some(origin) = self.origin_session() {
+            return origin.to_owned();
+        }
+        if let Some(origin) = self.peek().origin_session_id {
+            return origin;
+        }
+        match self.session_token() {
+            Some(token) if token != SYNC_SESSION_TOKEN && token != POISON_TOKEN => {
+                format!("(token {token})")
+            }
+            Some(POISON_TOKEN) => "-".to_owned(),
+            _ => "(sync)".to_owned(),
+        }
+    }
+
     /// Whether this record is of `session`: by its origin header; when it
     /// has none (the header is optional for publishers, and a dead letter
     /// keeps the headers its original had), by the session token in its
@@ -183,8 +204,11 @@ impl Record {
     pub fn is_of_session(&self, session: &str) -> bool {
         match (self.origin_session(), self.session_token()) {
             (Some(origin), _) => origin == session,
-            (None, Some(token)) => token == crate::protocol::session_token(session),
-            (None, None) => self.peek().origin_session_id.as_deref() == Some(session),
+            // Unusable completions of any session share one subject.
+            (None, Some(token)) if token != POISON_TOKEN => {
+                token == crate::protocol::session_token(session)
+            }
+            (None, _) => self.peek().origin_session_id.as_deref() == Some(session),
         }
     }
 

@@ -30,6 +30,13 @@ impl EventKind {
         }
     }
 
+    /// The kind a subject's last token names (the inverse of [`Self::as_str`]).
+    pub fn from_token(token: &str) -> Option<Self> {
+        [Self::Submitted, Self::Started, Self::Progress, Self::Done]
+            .into_iter()
+            .find(|kind| kind.as_str() == token)
+    }
+
     /// The CloudEvents type.
     pub fn ce_type(self) -> &'static str {
         match self {

@@ -30,7 +30,7 @@ pub use request::{
     DEFAULT_MAX_DEPTH, DecodeError, MAX_TASK_COUNT, PROTOCOL_VERSION, Role, TaskRequest, WakeMode,
     check_output_schema,
 };
-pub use subjects::{PrefixError, Subjects};
+pub use subjects::{EventSubject, POISON_TOKEN, PrefixError, Subjects};
 
 /// Formats a timestamp the way every wakebus body does (RFC 3339, UTC).
 pub(crate) mod rfc3339 {

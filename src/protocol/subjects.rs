@@ -12,6 +12,24 @@ pub struct PrefixError {
     pub prefix: String,
 }
 
+/// The token of `<prefix>.dlq.wake.poison`, where the wake dead-letters
+/// completions it cannot use, whatever session they name.
+pub const POISON_TOKEN: &str = "poison";
+
+/// The parts of an event subject,
+/// `<prefix>.evt.<session-token>.<delegation-id>.<task-index>.<kind>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EventSubject<'a> {
+    /// The session token: `sync`, or the hash of the origin session id.
+    pub session_token: &'a str,
+    /// The delegation id, as the subject spells it.
+    pub delegation_id: &'a str,
+    /// The task index: decimal, without a sign or a leading zero.
+    pub task_index: u32,
+    /// What the event is.
+    pub kind: EventKind,
+}
+
 /// Every subject, stream, consumer and bucket name of one deployment.
 ///
 /// Several deployments (or test runs) can share one NATS server by using
@@ -73,6 +91,42 @@ impl Subjects {
             self.prefix,
             kind.as_str()
         )
+    }
+
+    /// One kind of event of every task of a delegation, under any session
+    /// token: `<prefix>.evt.*.<delegation-id>.*.<kind>`.
+    pub fn delegation_events(&self, delegation_id: &str, kind: EventKind) -> String {
+        format!("{}.evt.*.{delegation_id}.*.{}", self.prefix, kind.as_str())
+    }
+
+    /// The parts of `subject` if it is one of this deployment's event
+    /// subjects, as [`Self::event`] builds them; `None` for anything else
+    /// (another prefix, another layout, an index written another way).
+    pub fn parse_event<'a>(&self, subject: &'a str) -> Option<EventSubject<'a>> {
+        let local = subject
+            .strip_prefix(self.prefix.as_str())?
+            .strip_prefix(".evt.")?;
+        let mut tokens = local.split('.');
+        let (Some(session_token), Some(delegation_id), Some(index), Some(kind), None) = (
+            tokens.next(),
+            tokens.next(),
+            tokens.next(),
+            tokens.next(),
+            tokens.next(),
+        ) else {
+            return None;
+        };
+        let canonical =
+            index == "0" || (!index.starts_with('0') && index.bytes().all(|b| b.is_ascii_digit()));
+        if session_token.is_empty() || delegation_id.is_empty() || !canonical {
+            return None;
+        }
+        Some(EventSubject {
+            session_token,
+            delegation_id,
+            task_index: index.parse().ok()?,
+            kind: EventKind::from_token(kind)?,
+        })
     }
 
     /// All event subjects: `<prefix>.evt.>`.
@@ -192,6 +246,40 @@ mod tests {
         assert_eq!(s.done_events(), "acme.prod.evt.*.*.*.done");
         assert_eq!(s.tasks_stream(), "ACME_PROD_TASKS");
         assert_eq!(s.wake_ledger_bucket(), "ACME_PROD_WAKES");
+    }
+
+    #[test]
+    fn an_event_subject_is_parsed_back_into_the_parts_it_was_built_from() {
+        let s = Subjects::new("acme.prod").unwrap();
+        let built = s.event("ab12", "01H", 30, EventKind::Submitted);
+        assert_eq!(
+            s.parse_event(&built),
+            Some(EventSubject {
+                session_token: "ab12",
+                delegation_id: "01H",
+                task_index: 30,
+                kind: EventKind::Submitted,
+            })
+        );
+        assert_eq!(
+            s.parse_event("acme.prod.evt.ab12.01H.0.done")
+                .map(|e| e.task_index),
+            Some(0)
+        );
+        for other in [
+            "acme.evt.ab12.01H.0.done",
+            "acme.prod.task.default",
+            "acme.prodx.evt.ab12.01H.0.done",
+            "acme.prod.evt.ab12.01H.0",
+            "acme.prod.evt.ab12.01H.0.done.more",
+            "acme.prod.evt..01H.0.done",
+            "acme.prod.evt.ab12.01H.01.done",
+            "acme.prod.evt.ab12.01H.+1.done",
+            "acme.prod.evt.ab12.01H.4294967296.done",
+            "acme.prod.evt.ab12.01H.0.finished",
+        ] {
+            assert_eq!(s.parse_event(other), None, "{other}");
+        }
     }
 
     #[test]

@@ -27,8 +27,8 @@ use crate::bus::{Bus, BusSettings, KeepAliveEvery, ProvisionError, PullRetry, Se
 use crate::ops::service::{Registration, register};
 use crate::outcome::Outcome;
 use crate::protocol::{
-    CompletionEvent, HEADER_ORIGIN_SESSION, HEADER_TRACEPARENT, MAX_TASK_COUNT, TraceParent,
-    bounded, validate_delegation_id, validate_session_id,
+    CompletionEvent, HEADER_ORIGIN_SESSION, HEADER_TRACEPARENT, MAX_TASK_COUNT, POISON_TOKEN,
+    TraceParent, bounded, validate_delegation_id, validate_session_id,
 };
 use crate::quarantine::{ReconnectWatch, sweep_after_reconnect, sweep_at_start};
 use ledger::WakeLedger;
@@ -155,7 +155,7 @@ pub async fn run(
     tokio::pin!(shutdown);
     let (events_stream, poison) = (
         bus.subjects.events_stream(),
-        bus.subjects.dead_letter_wake("poison"),
+        bus.subjects.dead_letter_wake(POISON_TOKEN),
     );
     // Provisioning waits for NATS as long as it takes; a stop must not.
     let starting = async {
@@ -457,7 +457,7 @@ pub fn check_completion(
 /// Dead-letters an unusable completion, then terminates it.
 async fn dead_letter_poison(shared: &Shared, message: &jetstream::Message, reason: String) {
     warn!(subject = %message.subject, %reason, "Dead-lettering an unusable completion.");
-    let subject = shared.bus.subjects.dead_letter_wake("poison");
+    let subject = shared.bus.subjects.dead_letter_wake(POISON_TOKEN);
     dead_letter_then_term(&shared.bus, message, subject, reason, "poison").await;
 }
 

@@ -7,7 +7,7 @@
 //! subject details, live instances by a scatter-gather `$SRV.STATS` request
 //! (see [`crate::ops::service`]), and undelivered wakes by reading the
 //! completions above the wake consumer's acknowledgement floor (through an
-//! ordered consumer) and looking each up in the wake ledger.
+//! ordered consumer) and judging each as the wake does (`undelivered.rs`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -16,11 +16,13 @@ use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
+mod undelivered;
+
+use undelivered::undelivered;
+
 use crate::bus::{Bus, is_stream_not_found};
-use crate::history::{HistoryReader, Selection, Source};
 use crate::ops::service::{ServiceSnapshot, WAKE_SERVICE, WORKER_SERVICE};
-use crate::protocol::{CompletionEvent, EventKind, SYNC_SESSION_TOKEN, WakeMode};
-use crate::wake::ledger::{LedgerState, WakeLedger};
+use crate::protocol::POISON_TOKEN;
 
 /// How the snapshot is taken.
 #[derive(Debug, Clone)]
@@ -294,6 +296,34 @@ pub struct ScanInfo {
     /// creation can time out while a cluster elects leaders.
     #[serde(default)]
     pub error: Option<String>,
+    /// Sessions with completions waiting (the list shows the oldest
+    /// `top_sessions` of them).
+    #[serde(default)]
+    pub sessions: u64,
+    /// Completions waiting, in all those sessions.
+    #[serde(default)]
+    pub completions: u64,
+    /// Completions the wake cannot use (it dead-letters them to
+    /// `<prefix>.dlq.wake.poison`): not waiting.
+    #[serde(default)]
+    pub unusable: u64,
+    /// Completions the wake dead-lettered instead of waking them (the
+    /// session API refused the turn, or the origin was not verified): not
+    /// waiting, but in the wake dead letters.
+    #[serde(default)]
+    pub refused: u64,
+    /// Batch members whose batch still has tasks to end: the batch's turn
+    /// waits for them.
+    #[serde(default)]
+    pub batch_waiting: u64,
+    /// Completions whose ledger entry could not be parsed (edited by hand,
+    /// or written by a newer wakebus): listed as waiting.
+    #[serde(default)]
+    pub unreadable_entries: u64,
+    /// Why the wake dead letters could not be read, if they could not:
+    /// refused completions are then listed as waiting.
+    #[serde(default)]
+    pub refused_error: Option<String>,
 }
 
 /// Why the snapshot could not be taken.
@@ -541,7 +571,7 @@ async fn dead_letter_counts(bus: &Bus) -> Result<DeadLetterCounts, StatusError> 
     let mut counts = DeadLetterCounts::default();
     // `<prefix>.dlq.task.`, the pool follows.
     let task_prefix = s.dead_letter_task("");
-    let poison = s.dead_letter_wake("poison");
+    let poison = s.dead_letter_wake(POISON_TOKEN);
     for (subject, count) in subject_counts(&stream, &name, s.dead_letters_all()).await? {
         counts.total += count;
         if subject == poison {
@@ -689,109 +719,6 @@ async fn discover(
         }
     }
     Ok(found.into_values().collect())
-}
-
-/// Completions above the wake consumer's ack floor that the ledger does not
-/// record as delivered, grouped by session. Without a ledger (the wake
-/// service never ran) every background completion there counts. A batch
-/// member (`wake_mode: batch`) counts as delivered when its batch was; a
-/// completion that wakes nobody (a silent cancel) does not count.
-async fn undelivered(
-    bus: &Bus,
-    from_seq: u64,
-    options: &StatusOptions,
-) -> Result<(Vec<UndeliveredSession>, ScanInfo), StatusError> {
-    let mut scan = ScanInfo {
-        from_seq,
-        ..ScanInfo::default()
-    };
-    // Missing means the wake never ran; any other failure is reported, not
-    // read as "nothing delivered".
-    let ledger = match bus
-        .js
-        .get_key_value(bus.subjects.wake_ledger_bucket())
-        .await
-    {
-        Ok(bucket) => Some(WakeLedger::new(bucket)),
-        Err(error) if crate::bus::is_bucket_missing(&error) => None,
-        Err(error) => return Err(read_error("the wake ledger", error)),
-    };
-    let selection = Selection {
-        kind: Some(EventKind::Done),
-        from_seq: Some(scan.from_seq),
-        ..Selection::default()
-    };
-    let mut reader = match HistoryReader::open(bus, Source::Events, selection, false).await {
-        Ok(reader) => reader,
-        Err(crate::history::HistoryError::Stream { source, .. })
-            if is_stream_not_found(&source) =>
-        {
-            scan.complete = true;
-            return Ok((Vec::new(), scan));
-        }
-        Err(error) => return Err(read_error("completions", error)),
-    };
-    let mut sessions: HashMap<String, UndeliveredSession> = HashMap::new();
-    // Each task once: the history can hold copies of its completion
-    // (replays, a re-send after the duplicate window).
-    let mut tasks: std::collections::HashSet<String> = std::collections::HashSet::new();
-    let now = OffsetDateTime::now_utc();
-    scan.complete = true;
-    while let Some(record) = reader.next().await {
-        let record = record.map_err(|e| read_error("completions", e))?;
-        if scan.scanned >= options.scan_limit {
-            scan.complete = false;
-            break;
-        }
-        scan.scanned += 1;
-        let (Some(token), Some(session), Some(delegation), Some(task)) = (
-            record.session_token(),
-            record.origin_session(),
-            record.delegation_id(),
-            record.task_index(),
-        ) else {
-            continue;
-        };
-        if token == SYNC_SESSION_TOKEN || !tasks.insert(WakeLedger::key(&delegation, task)) {
-            continue;
-        }
-        let event = CompletionEvent::decode(&record.payload).ok();
-        if event.as_ref().is_some_and(|event| event.suppress_wake) {
-            continue;
-        }
-        if let Some(ledger) = &ledger {
-            let batch = event
-                .as_ref()
-                .is_some_and(|e| e.task_count > 1 && e.wake_mode == WakeMode::Batch);
-            let key = if batch {
-                WakeLedger::batch_key(&delegation)
-            } else {
-                WakeLedger::key(&delegation, task)
-            };
-            let state = ledger
-                .get(&key)
-                .await
-                .map_err(|e| read_error("the wake ledger", e))?;
-            if matches!(state, Some(LedgerState::Delivered { .. })) {
-                continue;
-            }
-        }
-        let entry = sessions
-            .entry(session.to_owned())
-            .or_insert_with(|| UndeliveredSession {
-                session: session.to_owned(),
-                session_token: token.to_owned(),
-                completions: 0,
-                oldest: record.published,
-                age_seconds: (now - record.published).as_seconds_f64().max(0.0),
-                oldest_delegation_id: delegation.clone(),
-            });
-        entry.completions += 1;
-    }
-    let mut list: Vec<UndeliveredSession> = sessions.into_values().collect();
-    list.sort_by_key(|s| s.oldest);
-    list.truncate(options.top_sessions);
-    Ok((list, scan))
 }
 
 #[cfg(test)]

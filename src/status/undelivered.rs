@@ -1,0 +1,370 @@
+//! The "oldest undelivered wakes" part of `wakebus status`: the completions
+//! above the wake consumer's ack floor that still wait for their wake.
+//!
+//! The floor is held by the oldest completion not yet acknowledged, which
+//! is when an operator looks; above it lie completions the wake has long
+//! finished with. Each is judged as the wake judges it, and only those
+//! still waiting are listed:
+//!
+//! - one the wake cannot use (it dead-letters it under `poison`) is
+//!   counted as unusable, by the wake's own admission check;
+//! - one whose ledger entry says `delivered` was woken;
+//! - a batch member whose batch has tasks still to end waits for them (the
+//!   wake acknowledged it);
+//! - one the wake dead-lettered (the session API refused its turn, or its
+//!   origin was not verified) is found in the wake dead letters, whose
+//!   dedupe id ends with the completion's stream sequence, and counted as
+//!   refused.
+
+use std::collections::{HashMap, HashSet};
+
+use time::OffsetDateTime;
+
+use super::{ScanInfo, StatusError, StatusOptions, UndeliveredSession, read_error};
+use crate::bus::{Bus, is_stream_not_found};
+use crate::history::{HistoryReader, Record, Selection, Source};
+use crate::protocol::{EventKind, HEADER_MSG_ID, SYNC_SESSION_TOKEN, WakeMode};
+use crate::wake::ledger::{LedgerError, LedgerState, WakeLedger};
+use crate::wake::{Admission, check_completion};
+
+/// A completion that no ledger entry shows delivered, and that waits for
+/// no other task.
+struct Candidate {
+    /// Its sequence in the events stream.
+    sequence: u64,
+    /// When it was stored.
+    published: OffsetDateTime,
+    /// The raw session id it wakes.
+    session: String,
+    /// That session's subject token.
+    session_token: String,
+    /// Its delegation.
+    delegation_id: String,
+    /// Its task.
+    task_index: u32,
+    /// Whether its batch is woken by one turn for all its tasks.
+    batch: bool,
+}
+
+/// Completions above the wake consumer's ack floor still waiting for their
+/// wake, grouped by session, oldest first (at most `top_sessions`). Without
+/// a ledger (the wake service never ran) every background completion there
+/// waits.
+pub(super) async fn undelivered(
+    bus: &Bus,
+    from_seq: u64,
+    options: &StatusOptions,
+) -> Result<(Vec<UndeliveredSession>, ScanInfo), StatusError> {
+    let mut scan = ScanInfo {
+        from_seq,
+        ..ScanInfo::default()
+    };
+    // Missing means the wake never ran; any other failure is reported, not
+    // read as "nothing delivered".
+    let ledger = match bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+    {
+        Ok(bucket) => Some(WakeLedger::new(bucket)),
+        Err(error) if crate::bus::is_bucket_missing(&error) => None,
+        Err(error) => return Err(read_error("the wake ledger", error)),
+    };
+    let selection = Selection {
+        kind: Some(EventKind::Done),
+        from_seq: Some(scan.from_seq),
+        ..Selection::default()
+    };
+    let mut reader = match HistoryReader::open(bus, Source::Events, selection, false).await {
+        Ok(reader) => reader,
+        Err(crate::history::HistoryError::Stream { source, .. })
+            if is_stream_not_found(&source) =>
+        {
+            scan.complete = true;
+            return Ok((Vec::new(), scan));
+        }
+        Err(error) => return Err(read_error("completions", error)),
+    };
+    let mut lookups = Lookups {
+        bus,
+        ledger,
+        states: HashMap::new(),
+        batches: HashMap::new(),
+    };
+    let found = candidates(&mut reader, &mut lookups, options, &mut scan).await;
+    reader.close().await;
+    let candidates = found?;
+
+    let refused = match candidates.iter().map(|c| c.published).min() {
+        Some(oldest) => match Refused::since(bus, oldest).await {
+            Ok(refused) => refused,
+            Err(error) => {
+                scan.refused_error = Some(error.to_string());
+                Refused::default()
+            }
+        },
+        None => Refused::default(),
+    };
+    let now = OffsetDateTime::now_utc();
+    let mut sessions: HashMap<String, UndeliveredSession> = HashMap::new();
+    // Each task once: the history can hold copies of its completion
+    // (replays, a re-send after the duplicate window). A copy dead-lettered
+    // does not hide a later one still waiting.
+    let mut tasks = HashSet::new();
+    for candidate in candidates {
+        if refused.covers(&candidate) {
+            scan.refused += 1;
+            continue;
+        }
+        if !tasks.insert((candidate.delegation_id.clone(), candidate.task_index)) {
+            continue;
+        }
+        let entry = sessions
+            .entry(candidate.session.clone())
+            .or_insert_with(|| UndeliveredSession {
+                session: candidate.session.clone(),
+                session_token: candidate.session_token.clone(),
+                completions: 0,
+                oldest: candidate.published,
+                age_seconds: (now - candidate.published).as_seconds_f64().max(0.0),
+                oldest_delegation_id: candidate.delegation_id.clone(),
+            });
+        entry.completions += 1;
+    }
+    scan.sessions = sessions.len() as u64;
+    scan.completions = sessions.values().map(|s| s.completions).sum();
+    let mut list: Vec<UndeliveredSession> = sessions.into_values().collect();
+    list.sort_by_key(|s| s.oldest);
+    list.truncate(options.top_sessions);
+    Ok((list, scan))
+}
+
+/// Reads the completions from the floor on (at most `scan_limit`), and
+/// keeps those the ledger does not show delivered and that wait for no
+/// other task, counting the others in `scan`.
+async fn candidates(
+    reader: &mut HistoryReader,
+    lookups: &mut Lookups<'_>,
+    options: &StatusOptions,
+    scan: &mut ScanInfo,
+) -> Result<Vec<Candidate>, StatusError> {
+    let mut candidates = Vec::new();
+    scan.complete = true;
+    while let Some(record) = reader.next().await {
+        let record = record.map_err(|e| read_error("completions", e))?;
+        if scan.scanned >= options.scan_limit {
+            scan.complete = false;
+            break;
+        }
+        scan.scanned += 1;
+        let Some(token) = record.session_token() else {
+            continue;
+        };
+        if token == SYNC_SESSION_TOKEN {
+            continue;
+        }
+        let (event, session) = match check_completion(&record.payload, record.origin_session()) {
+            Ok(admitted) => admitted,
+            // Sync mode, a silent cancel: nothing to wake.
+            Err(Admission::NothingToWake) => continue,
+            Err(Admission::Poison(_)) => {
+                scan.unusable += 1;
+                continue;
+            }
+        };
+        let batch = event.task_count > 1 && event.wake_mode == WakeMode::Batch;
+        let key = if batch {
+            WakeLedger::batch_key(&event.delegation_id)
+        } else {
+            WakeLedger::key(&event.delegation_id, event.task_index)
+        };
+        match lookups.state(&key).await? {
+            Entry::Read(Some(LedgerState::Delivered { .. })) => continue,
+            Entry::Read(None) if batch => {
+                let done = lookups
+                    .tasks_ended(&event.delegation_id, token, event.task_count)
+                    .await?;
+                if done < event.task_count {
+                    scan.batch_waiting += 1;
+                    continue;
+                }
+            }
+            Entry::Read(_) => {}
+            Entry::Corrupt => scan.unreadable_entries += 1,
+        }
+        candidates.push(Candidate {
+            sequence: record.sequence,
+            published: record.published,
+            session,
+            session_token: token.to_owned(),
+            delegation_id: event.delegation_id,
+            task_index: event.task_index,
+            batch,
+        });
+    }
+    Ok(candidates)
+}
+
+/// A ledger entry as status can use it.
+#[derive(Clone)]
+enum Entry {
+    /// Read: its state, or none.
+    Read(Option<LedgerState>),
+    /// Present but not ledger JSON (edited by hand, or written by a newer
+    /// wakebus): not known delivered, and the rest of the scan goes on.
+    Corrupt,
+}
+
+/// The reads the scan makes, each once.
+struct Lookups<'a> {
+    /// Where the events stream is.
+    bus: &'a Bus,
+    /// The wake ledger, if there is one.
+    ledger: Option<WakeLedger>,
+    /// Ledger entries read, by key: a batch's members share one.
+    states: HashMap<String, Entry>,
+    /// How many tasks of a batch have a completion stored, by delegation.
+    batches: HashMap<String, u32>,
+}
+
+impl Lookups<'_> {
+    /// The ledger entry under `key`.
+    async fn state(&mut self, key: &str) -> Result<Entry, StatusError> {
+        let Some(ledger) = &self.ledger else {
+            return Ok(Entry::Read(None));
+        };
+        if let Some(entry) = self.states.get(key) {
+            return Ok(entry.clone());
+        }
+        let entry = match ledger.get(key).await {
+            Ok(state) => Entry::Read(state),
+            Err(LedgerError::Corrupt { .. }) => Entry::Corrupt,
+            Err(error) => return Err(read_error("the wake ledger", error)),
+        };
+        self.states.insert(key.to_owned(), entry.clone());
+        Ok(entry)
+    }
+
+    /// How many tasks of the batch `delegation_id` (of `task_count`, under
+    /// `session_token`) have a completion stored: one look at the stream's
+    /// subjects.
+    async fn tasks_ended(
+        &mut self,
+        delegation_id: &str,
+        session_token: &str,
+        task_count: u32,
+    ) -> Result<u32, StatusError> {
+        if let Some(done) = self.batches.get(delegation_id) {
+            return Ok(*done);
+        }
+        let what = || format!("the completions of delegation {delegation_id}");
+        let subjects = &self.bus.subjects;
+        let events = self
+            .bus
+            .js
+            .get_stream(subjects.events_stream())
+            .await
+            .map_err(|e| read_error(what(), e))?;
+        let mut stored = events
+            .info_with_subjects(subjects.delegation_events(delegation_id, EventKind::Done))
+            .await
+            .map_err(|e| read_error(what(), e))?;
+        let mut ended = HashSet::new();
+        while let Some(subject) = futures::StreamExt::next(&mut stored).await {
+            let (subject, _) = subject.map_err(|e| read_error(what(), e))?;
+            if let Some(done) = subjects.parse_event(&subject)
+                && done.session_token == session_token
+                && done.task_index < task_count
+            {
+                ended.insert(done.task_index);
+            }
+        }
+        let done = ended.len() as u32;
+        self.batches.insert(delegation_id.to_owned(), done);
+        Ok(done)
+    }
+}
+
+/// The completions the wake dead-lettered instead of waking.
+#[derive(Default)]
+struct Refused {
+    /// Their sequences in the events stream, with the delegation the dead
+    /// letter names (if it names one).
+    sequences: HashMap<u64, Option<String>>,
+    /// Delegations whose turn the session API refused: a refused batch
+    /// turn dead-letters the members held then, and its earlier members
+    /// (acknowledged as they came) are refused with it.
+    delegations: HashSet<String>,
+}
+
+impl Refused {
+    /// The wake dead letters stored since `oldest` (a completion is stored
+    /// before its dead letter).
+    async fn since(bus: &Bus, oldest: OffsetDateTime) -> Result<Self, StatusError> {
+        let selection = Selection {
+            since: Some(oldest),
+            ..Selection::default()
+        };
+        let mut reader =
+            match HistoryReader::open(bus, Source::WakeDeadLetters, selection, false).await {
+                Ok(reader) => reader,
+                Err(crate::history::HistoryError::Stream { source, .. })
+                    if is_stream_not_found(&source) =>
+                {
+                    return Ok(Self::default());
+                }
+                Err(error) => return Err(read_error("the wake dead letters", error)),
+            };
+        let mut refused = Self::default();
+        let read = async {
+            while let Some(record) = reader.next().await {
+                let record = record.map_err(|e| read_error("the wake dead letters", e))?;
+                refused.add(&record);
+            }
+            Ok(())
+        }
+        .await;
+        reader.close().await;
+        read.map(|()| refused)
+    }
+
+    /// Notes the dead letter `record`: its dedupe id is
+    /// `dlq.wake.<what>.<completion's stream sequence>`, `<what>` being the
+    /// completion's event id for a turn the session API refused, `origin`
+    /// or `poison`.
+    fn add(&mut self, record: &Record) {
+        let Some((what, sequence)) = record
+            .header(HEADER_MSG_ID)
+            .and_then(|id| id.strip_prefix("dlq.wake."))
+            .and_then(|id| id.rsplit_once('.'))
+        else {
+            return;
+        };
+        let Ok(sequence) = sequence.parse::<u64>() else {
+            return;
+        };
+        let delegation = record.delegation_id();
+        if !matches!(what, "origin" | "poison")
+            && let Some(delegation) = &delegation
+        {
+            self.delegations.insert(delegation.clone());
+        }
+        self.sequences.insert(sequence, delegation);
+    }
+
+    /// Whether `candidate` was dead-lettered (its own dead letter, or its
+    /// batch's turn refused).
+    fn covers(&self, candidate: &Candidate) -> bool {
+        let own = self
+            .sequences
+            .get(&candidate.sequence)
+            .is_some_and(|named| {
+                // A dead letter of an events stream made again (whose
+                // sequences started over) names another delegation.
+                named
+                    .as_deref()
+                    .is_none_or(|named| named == candidate.delegation_id)
+            });
+        own || (candidate.batch && self.delegations.contains(&candidate.delegation_id))
+    }
+}
