@@ -322,7 +322,9 @@ fn render(report: &StatusReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use wakebus::status::{DeadLetterCounts, QueuedTasks, ScanInfo, StreamStatus};
+    use wakebus::status::{
+        DeadLetterCounts, QueuedTasks, ScanInfo, StreamStatus, UndeliveredSession,
+    };
 
     fn follower(name: &str, current: bool, offline: bool, lag: Option<u64>) -> Follower {
         Follower {
@@ -429,6 +431,52 @@ mod tests {
         );
         assert!(
             text.contains("Queued tasks: not read (cannot read subjects of P_TASKS: timed out)"),
+            "{text}"
+        );
+    }
+
+    /// A list cut to the oldest sessions says so, with the totals, so
+    /// that nobody reads it as every session waiting.
+    #[test]
+    fn a_shortened_undelivered_list_says_how_many_sessions_wait_in_all() {
+        let waiting = |n: usize| UndeliveredSession {
+            session: format!("s.{n}"),
+            session_token: "t".to_owned(),
+            completions: 2,
+            oldest: time::OffsetDateTime::UNIX_EPOCH,
+            age_seconds: 60.0,
+            oldest_delegation_id: "D".to_owned(),
+        };
+        let report = StatusReport {
+            prefix: "P".to_owned(),
+            taken_at: time::OffsetDateTime::UNIX_EPOCH,
+            streams: Vec::new(),
+            consumers: Vec::new(),
+            dead_letters: DeadLetterCounts::default(),
+            queued: QueuedTasks::default(),
+            services: Vec::new(),
+            oldest_undelivered: (0..10).map(waiting).collect(),
+            undelivered_scan: ScanInfo {
+                scanned: 40,
+                complete: true,
+                sessions: 12,
+                completions: 24,
+                refused: 3,
+                unreadable_entries: 1,
+                ..ScanInfo::default()
+            },
+        };
+        let text = render(&report);
+        assert!(
+            text.contains("Showing the oldest 10 of 12 sessions (24 completions waiting in all)."),
+            "{text}"
+        );
+        assert!(
+            text.contains("Not waiting: 3 dead-lettered by the wake"),
+            "{text}"
+        );
+        assert!(
+            text.contains("Listed as waiting: 1 completions whose ledger entry does not parse."),
             "{text}"
         );
     }

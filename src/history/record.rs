@@ -288,3 +288,46 @@ impl Record {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(local_subject: &str, origin_header: Option<&str>, body: &str) -> Record {
+        let mut headers = HeaderMap::new();
+        if let Some(origin) = origin_header {
+            headers.insert(HEADER_ORIGIN_SESSION, origin);
+        }
+        Record {
+            stream: "P_DLQ".to_owned(),
+            sequence: 1,
+            published: OffsetDateTime::UNIX_EPOCH,
+            subject: format!("p.{local_subject}"),
+            local_subject: local_subject.to_owned(),
+            headers,
+            payload: Bytes::copy_from_slice(body.as_bytes()),
+        }
+    }
+
+    /// A record without the origin header is not taken for sync mode when
+    /// its body or its subject names a session.
+    #[test]
+    fn a_records_session_is_named_from_its_header_body_or_subject() {
+        let label = |local: &str, header: Option<&str>, body: &str| {
+            record(local, header, body).session_label()
+        };
+        assert_eq!(label("dlq.wake.ab12", Some("s.1"), "{}"), "s.1");
+        assert_eq!(
+            label("dlq.wake.ab12", None, r#"{"origin_session_id":"s.2"}"#),
+            "s.2"
+        );
+        assert_eq!(label("dlq.wake.ab12", None, "{}"), "(token ab12)");
+        assert_eq!(label("dlq.wake.poison", None, "not json"), "-");
+        assert_eq!(label("evt.sync.D.0.done", None, "{}"), "(sync)");
+        assert_eq!(label("task.default", None, "{}"), "(sync)");
+        // A poison dead letter of S, its header lost, is still S's.
+        let poison = record("dlq.wake.poison", None, r#"{"origin_session_id":"s.3"}"#);
+        assert!(poison.is_of_session("s.3"));
+        assert!(!poison.is_of_session("s.4"));
+    }
+}
