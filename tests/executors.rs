@@ -331,6 +331,18 @@ async fn a_declined_answer_fails_the_task_and_a_cut_off_one_is_flagged_truncated
         "{done:?}"
     );
 
+    // With an output schema too: there is nothing to correct.
+    let model = ModelServer::start(vec![Reply::Declined("No.")]).await;
+    let mut delegation = Delegation::new("refuse in JSON");
+    delegation.output_schema = Some(json!({"type": "object"}));
+    let (done, _bus, _nats) = run_one(model.executor(), delegation).await;
+    assert_eq!(
+        (done.status, done.exit_reason.as_str(), done.api_calls),
+        (Status::Failed, "llm_no_answer", 1),
+        "{done:?}"
+    );
+    assert_eq!(model.requests().len(), 1);
+
     let model = ModelServer::start(vec![Reply::CutOff("The first half")]).await;
     let (done, _bus, _nats) = run_one(model.executor(), Delegation::new("ramble")).await;
     assert_eq!(done.status, Status::Completed, "{done:?}");
@@ -694,7 +706,7 @@ async fn a_process_that_left_the_group_holding_the_output_does_not_hold_the_task
     // `setsid` puts the helper out of the process group the worker stops;
     // it keeps stdout open.
     let script = format!(
-        "setsid sh -c 'echo $$ > {}; exec sleep 600' & echo started",
+        "setsid sh -c 'echo $$ > {}; exec sleep 600' & printf started",
         pid_file.display()
     );
     let mut config = CommandConfig::new("sh", vec!["-c".into(), script]);
@@ -714,8 +726,9 @@ async fn a_process_that_left_the_group_holding_the_output_does_not_hold_the_task
         nix::sys::signal::Signal::SIGKILL,
     );
     assert_eq!(done.status, Status::Completed, "{done:?}");
-    // What the program printed before it exited is its result; only what
-    // the escaped process might still have written is lost, and said so.
+    // What the program printed before it exited (a last line without a
+    // newline included) is its result; only what the escaped process
+    // might still have written is lost, and said so.
     assert!(
         done.summary
             .as_deref()

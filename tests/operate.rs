@@ -2257,8 +2257,37 @@ async fn status_does_not_list_a_woken_batch_or_a_silent_completion_as_undelivere
 async fn status_tells_refused_unusable_and_batch_waiting_completions_from_undelivered_ones() {
     let p = Pipeline::start().await;
     let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
+    let publish = |session: &str, id: &str, index: u32, extra: Value| {
+        let mut body = serde_json::json!({
+            "type": "async_delegation", "delegation_id": id, "origin_session_id": session,
+            "task_index": index, "status": "completed", "completed_at": "2026-01-01T00:00:00Z",
+            "exit_reason": "completed",
+        });
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Wakebus-Origin-Session", session);
+        let subject = format!("{prefix}.evt.{}.{id}.{index}.done", session_token(session));
+        let bus = bus.clone();
+        async move {
+            bus.js
+                .publish_with_headers(subject, headers, serde_json::to_vec(&body).unwrap().into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+    };
     api.fail_always(404);
-    delegate(&bus, Delegation::new("refused").session("s.refused")).await;
+    // A batch whose turn is refused: the refusal dead-letters the member
+    // that ended it, and the other, acknowledged when it came, is refused
+    // with it.
+    let batch = serde_json::json!({"task_count": 2, "wake_mode": "batch"});
+    let refused = "01JV3N4Y8K6D2Q7R9T1W5X0REF";
+    publish("s.refused", refused, 0, batch.clone()).await;
+    wake_consumer_settled(&bus).await;
+    publish("s.refused", refused, 1, batch.clone()).await;
     let dlq = bus.subjects.dead_letter_stream();
     wait_until(WAIT, "the refused turn's dead letter", || async {
         !all_messages(&bus, &dlq).await.is_empty()
@@ -2266,6 +2295,7 @@ async fn status_tells_refused_unusable_and_batch_waiting_completions_from_undeli
     .await;
     wake_consumer_settled(&bus).await;
     services.stop().await;
+    assert_eq!(all_messages(&bus, &dlq).await.len(), 1, "one member held");
     // Without the wake's consumer, status scans every completion: as if
     // an older one held the floor.
     let events = bus
@@ -2277,45 +2307,21 @@ async fn status_tells_refused_unusable_and_batch_waiting_completions_from_undeli
         .delete_consumer(bus.subjects.wake_consumer())
         .await
         .unwrap();
-    let publish = |session: &str, id: &str, extra: Value| {
-        let mut body = serde_json::json!({
-            "type": "async_delegation", "delegation_id": id, "origin_session_id": session,
-            "status": "completed", "completed_at": "2026-01-01T00:00:00Z", "exit_reason": "completed",
-        });
-        body.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert("Wakebus-Origin-Session", session);
-        let subject = format!("{prefix}.evt.{}.{id}.0.done", session_token(session));
-        let bus = bus.clone();
-        async move {
-            bus.js
-                .publish_with_headers(subject, headers, serde_json::to_vec(&body).unwrap().into())
-                .await
-                .unwrap()
-                .await
-                .unwrap();
-        }
-    };
     publish(
         "s.waiting",
         "01JV3N4Y8K6D2Q7R9T1W5X0WAI",
+        0,
         serde_json::json!({}),
     )
     .await;
     publish(
         "s.unusable",
         "01JV3N4Y8K6D2Q7R9T1W5X0UNU",
-        serde_json::json!({"task_index": 3, "task_count": 2}),
+        3,
+        serde_json::json!({"task_count": 2}),
     )
     .await;
-    publish(
-        "s.batch",
-        "01JV3N4Y8K6D2Q7R9T1W5X0BAT",
-        serde_json::json!({"task_count": 2, "wake_mode": "batch"}),
-    )
-    .await;
+    publish("s.batch", "01JV3N4Y8K6D2Q7R9T1W5X0BAT", 0, batch).await;
 
     let run = wakebus(&nats.url(), &prefix, &["status", "--json"]).await;
     assert!(run.success(), "{}", run.stderr());
@@ -2336,13 +2342,13 @@ async fn status_tells_refused_unusable_and_batch_waiting_completions_from_undeli
         "batch_waiting",
     ]
     .map(|field| scan[field].as_u64());
-    assert_eq!(counts, [Some(1); 5], "{scan:#}");
+    assert_eq!(counts, [1, 1, 2, 1, 1].map(Some), "{scan:#}");
 
     let run = wakebus(&nats.url(), &prefix, &["status"]).await;
     assert!(run.success(), "{}", run.stderr());
     let text = run.stdout();
     assert!(
-        text.contains("Not waiting: 1 dead-lettered by the wake")
+        text.contains("Not waiting: 2 dead-lettered by the wake")
             && text.contains("1 unusable")
             && text.contains("1 batch members waiting"),
         "{text}"

@@ -27,6 +27,14 @@ use crate::protocol::{EventKind, HEADER_MSG_ID, SYNC_SESSION_TOKEN, WakeMode};
 use crate::wake::ledger::{LedgerError, LedgerState, WakeLedger};
 use crate::wake::{Admission, check_completion};
 
+/// How far before the oldest waiting completion the wake dead letters are
+/// read.
+const CLOCK_MARGIN: time::Duration = time::Duration::minutes(1);
+
+/// The most wake dead letters read to find refused completions: beyond,
+/// the rest is listed as waiting, and the scan says so.
+const MAX_DEAD_LETTERS_READ: u64 = 50_000;
+
 /// A completion that no ledger entry shows delivered, and that waits for
 /// no other task.
 struct Candidate {
@@ -97,7 +105,14 @@ pub(super) async fn undelivered(
 
     let refused = match candidates.iter().map(|c| c.published).min() {
         Some(oldest) => match Refused::since(bus, oldest).await {
-            Ok(refused) => refused,
+            Ok(refused) => {
+                if refused.cut {
+                    scan.refused_error = Some(format!(
+                        "more than {MAX_DEAD_LETTERS_READ} wake dead letters since the oldest waiting completion; the rest were not read"
+                    ));
+                }
+                refused
+            }
             Err(error) => {
                 scan.refused_error = Some(error.to_string());
                 Refused::default()
@@ -223,8 +238,10 @@ struct Lookups<'a> {
     ledger: Option<WakeLedger>,
     /// Ledger entries read, by key: a batch's members share one.
     states: HashMap<String, Entry>,
-    /// How many tasks of a batch have a completion stored, by delegation.
-    batches: HashMap<String, u32>,
+    /// How many tasks of a batch have a completion stored, by delegation,
+    /// session token and task count (a completion that names the same
+    /// delegation otherwise, a forged one, counts only for its own).
+    batches: HashMap<(String, String, u32), u32>,
 }
 
 impl Lookups<'_> {
@@ -254,7 +271,12 @@ impl Lookups<'_> {
         session_token: &str,
         task_count: u32,
     ) -> Result<u32, StatusError> {
-        if let Some(done) = self.batches.get(delegation_id) {
+        let batch = (
+            delegation_id.to_owned(),
+            session_token.to_owned(),
+            task_count,
+        );
+        if let Some(done) = self.batches.get(&batch) {
             return Ok(*done);
         }
         let what = || format!("the completions of delegation {delegation_id}");
@@ -280,7 +302,7 @@ impl Lookups<'_> {
             }
         }
         let done = ended.len() as u32;
-        self.batches.insert(delegation_id.to_owned(), done);
+        self.batches.insert(batch, done);
         Ok(done)
     }
 }
@@ -291,18 +313,23 @@ struct Refused {
     /// Their sequences in the events stream, with the delegation the dead
     /// letter names (if it names one).
     sequences: HashMap<u64, Option<String>>,
-    /// Delegations whose turn the session API refused: a refused batch
-    /// turn dead-letters the members held then, and its earlier members
-    /// (acknowledged as they came) are refused with it.
-    delegations: HashSet<String>,
+    /// The last completion, by stream sequence, of each delegation whose
+    /// turn the session API refused: a refused batch turn dead-letters the
+    /// members held then, and its earlier members (acknowledged as they
+    /// came) are refused with it. A later copy (a replay) is not.
+    delegations: HashMap<String, u64>,
+    /// Whether the read stopped at [`MAX_DEAD_LETTERS_READ`].
+    cut: bool,
 }
 
 impl Refused {
     /// The wake dead letters stored since `oldest` (a completion is stored
-    /// before its dead letter).
+    /// before its dead letter; a minute earlier, as the two streams' leaders
+    /// may be on machines whose clocks differ), at most
+    /// [`MAX_DEAD_LETTERS_READ`] of them.
     async fn since(bus: &Bus, oldest: OffsetDateTime) -> Result<Self, StatusError> {
         let selection = Selection {
-            since: Some(oldest),
+            since: Some(oldest - CLOCK_MARGIN),
             ..Selection::default()
         };
         let mut reader =
@@ -317,8 +344,14 @@ impl Refused {
             };
         let mut refused = Self::default();
         let read = async {
+            let mut read = 0;
             while let Some(record) = reader.next().await {
                 let record = record.map_err(|e| read_error("the wake dead letters", e))?;
+                read += 1;
+                if read > MAX_DEAD_LETTERS_READ {
+                    refused.cut = true;
+                    break;
+                }
                 refused.add(&record);
             }
             Ok(())
@@ -343,11 +376,16 @@ impl Refused {
         let Ok(sequence) = sequence.parse::<u64>() else {
             return;
         };
+        // A poison completion is never a candidate (the same check judged it).
+        if what == "poison" || sequence == 0 {
+            return;
+        }
         let delegation = record.delegation_id();
-        if !matches!(what, "origin" | "poison")
+        if what != "origin"
             && let Some(delegation) = &delegation
         {
-            self.delegations.insert(delegation.clone());
+            let last = self.delegations.entry(delegation.clone()).or_default();
+            *last = (*last).max(sequence);
         }
         self.sequences.insert(sequence, delegation);
     }
@@ -365,6 +403,11 @@ impl Refused {
                     .as_deref()
                     .is_none_or(|named| named == candidate.delegation_id)
             });
-        own || (candidate.batch && self.delegations.contains(&candidate.delegation_id))
+        let turn_refused = candidate.batch
+            && self
+                .delegations
+                .get(&candidate.delegation_id)
+                .is_some_and(|last| candidate.sequence <= *last);
+        own || turn_refused
     }
 }

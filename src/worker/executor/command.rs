@@ -308,8 +308,10 @@ impl CommandExecutor {
                 }
             }
         };
-        // Done reading: what was read is in `out` and `err`.
+        // Done reading: what was read is in `out` and `err`, but for a
+        // last line a read given up never ended.
         drop(io);
+        out.end_line(progress);
         let truncated = out.dropped || cut || lost;
         if stopped {
             let mut partial = String::from_utf8_lossy(&out.kept).trim().to_owned();
@@ -402,9 +404,6 @@ async fn read_stdout(pipe: Option<impl AsyncRead + Unpin>, out: &mut Output, pro
     let Some(mut pipe) = pipe else {
         return;
     };
-    let mut line = Vec::new();
-    // Inside a line too long to be a progress report: the rest is output.
-    let mut long_line = false;
     // On the heap: a stack buffer held across `.await` would live in the
     // future, and every task's future is moved when it is spawned.
     let mut chunk = vec![0u8; 8192];
@@ -413,29 +412,14 @@ async fn read_stdout(pipe: Option<impl AsyncRead + Unpin>, out: &mut Output, pro
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        for &byte in &chunk[..n] {
-            line.push(byte);
-            if byte == b'\n' {
-                match progress_message(&line).filter(|_| !long_line) {
-                    Some(message) => progress.report(message),
-                    None => out.keep(&line),
-                }
-                line.clear();
-                long_line = false;
-            } else if line.len() > MAX_PROGRESS_LINE {
-                out.keep(&line);
-                line.clear();
-                long_line = true;
-            }
-        }
+        out.take(&chunk[..n], progress);
     }
-    match progress_message(&line).filter(|_| !long_line) {
-        Some(message) => progress.report(message),
-        None => out.keep(&line),
-    }
+    out.end_line(progress);
 }
 
-/// Output kept up to a cap.
+/// Output kept up to a cap, read line by line (a line may be a progress
+/// report). It lives outside the reading, so that a read given up keeps
+/// what came before, its unfinished last line included.
 struct Output {
     /// What is kept.
     kept: Vec<u8>,
@@ -443,6 +427,10 @@ struct Output {
     cap: usize,
     /// Whether anything was dropped.
     dropped: bool,
+    /// The line being read.
+    line: Vec<u8>,
+    /// Inside a line too long to be a progress report: the rest is output.
+    long_line: bool,
 }
 
 impl Output {
@@ -452,7 +440,34 @@ impl Output {
             kept: Vec::new(),
             cap,
             dropped: false,
+            line: Vec::new(),
+            long_line: false,
         }
+    }
+
+    /// Takes `bytes` read: each line ended is reported or kept.
+    fn take(&mut self, bytes: &[u8], progress: &Progress) {
+        for &byte in bytes {
+            self.line.push(byte);
+            if byte == b'\n' {
+                self.end_line(progress);
+            } else if self.line.len() > MAX_PROGRESS_LINE {
+                let line = std::mem::take(&mut self.line);
+                self.keep(&line);
+                self.long_line = true;
+            }
+        }
+    }
+
+    /// Ends the line being read (at its newline, or where the output
+    /// stopped): a progress report, or output.
+    fn end_line(&mut self, progress: &Progress) {
+        let line = std::mem::take(&mut self.line);
+        match progress_message(&line).filter(|_| !self.long_line) {
+            Some(message) => progress.report(message),
+            None => self.keep(&line),
+        }
+        self.long_line = false;
     }
 
     fn keep(&mut self, bytes: &[u8]) {

@@ -221,7 +221,12 @@ impl LlmExecutor {
         };
         tokens.0 += first.usage.prompt_tokens;
         tokens.1 += first.usage.completion_tokens;
-        let Some(schema) = &request.output_schema else {
+        // No text (the model declined): nothing to correct.
+        let Some(schema) = request
+            .output_schema
+            .as_ref()
+            .filter(|_| first.declined.is_none())
+        else {
             return Ok(first.into_output(1, tokens));
         };
         let problem = match check_against(schema, &first.text) {
@@ -237,16 +242,16 @@ impl LlmExecutor {
             "Your answer does not match the required JSON Schema: {problem}. Reply again with only JSON that matches it."
         )}));
         progress.report("model call 2".to_owned());
-        let mismatch = |summary: String, tokens, error: String| {
+        let mismatch = |answer: &Answer, tokens, error: String| {
             let mut out = output(
                 Status::Failed,
-                Some(summary),
+                Some(answer.text.clone()),
                 Some(error),
                 2,
                 tokens,
                 "schema_mismatch",
             );
-            out.truncated = first.truncated;
+            out.truncated = answer.truncated;
             out
         };
         let failed_correction = |reason: &str| {
@@ -259,9 +264,19 @@ impl LlmExecutor {
             .await
         {
             Ok(Call::Answer(answer)) => answer,
+            // A failure as the run is stopped is the stop's: the first
+            // answer is its partial output.
+            Ok(Call::Refused(_)) | Err(ExecError::Transient { .. }) if stop.is_cancelled() => {
+                return Err(ExecError::Stopped {
+                    partial: Some(first.text.clone()),
+                    api_calls: 2,
+                    tokens: Some(tokens),
+                    truncated: first.truncated,
+                });
+            }
             Ok(Call::Refused(reason)) | Err(ExecError::Transient { reason, .. }) => {
                 let error = failed_correction(&reason);
-                return Ok(mismatch(first.text.clone(), tokens, error));
+                return Ok(mismatch(&first, tokens, error));
             }
             Err(stopped) => return Err(stopped),
         };
@@ -270,12 +285,12 @@ impl LlmExecutor {
         if second.text.is_empty() {
             // The model declined to correct it: the first answer stands.
             let error = failed_correction(second.declined.as_deref().unwrap_or("no answer"));
-            return Ok(mismatch(first.text.clone(), tokens, error));
+            return Ok(mismatch(&first, tokens, error));
         }
         match check_against(schema, &second.text) {
             Ok(json) => Ok(second.with_text(json).into_output(2, tokens)),
             Err(problem) => Ok(mismatch(
-                second.text,
+                &second,
                 tokens,
                 format!(
                     "answer does not match output_schema after a correction attempt: {problem}"

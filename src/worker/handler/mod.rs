@@ -348,11 +348,11 @@ impl TaskHandler {
                 }),
                 _,
             ) if attempt < self.config.max_deliver => {
-                // Never sooner than the endpoint asked.
-                let delay = self
-                    .config
-                    .retry_delay(attempt)
-                    .max(retry_after.unwrap_or_default());
+                // Never sooner than the endpoint asked, up to a bound: a
+                // task waiting for its retry sees a cancel only when it
+                // comes back.
+                let asked = retry_after.unwrap_or_default().min(MAX_RETRY_AFTER);
+                let delay = self.config.retry_delay(attempt).max(asked);
                 warn!(%reason, retry_in = ?delay, "Executor failed transiently; will retry.");
                 m::task_retried(&self.config.pool);
                 return Outcome::Nak(Some(delay));
@@ -710,6 +710,10 @@ const CANCEL_READ_RETRY_MAX: Duration = Duration::from_secs(5);
 /// When the worker last said that tasks wait for their cancel records.
 static CANNOT_READ_CANCELS_SAID: std::sync::atomic::AtomicU64 =
     std::sync::atomic::AtomicU64::new(0);
+
+/// The longest an executor's `Retry-After` delays a task's retry: a
+/// cancelled task waiting for it ends only when it comes back.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(300);
 
 /// A run that failed while it was being stopped (a timeout, a cancel, the
 /// worker's own shutdown: `stopped`) ended because of the stop: a failure
