@@ -108,7 +108,7 @@ impl Delegator {
     /// `<delegation_id>.<task_index>`, the same on every attempt.
     fn task_headers(request: &TaskRequest, trace: TraceParent) -> async_nats::HeaderMap {
         let id = format!("{}.{}", request.delegation_id, request.task_index);
-        Self::headers(&id, "io.wakebus.task.requested", request, trace)
+        Self::headers(&id, crate::protocol::CE_TYPE_REQUESTED, request, trace)
     }
 
     /// The headers of a delegator's publish.

@@ -17,6 +17,15 @@ pub const HEADER_DEAD_LETTER_REASON: &str = "Wakebus-Dead-Letter-Reason";
 /// Marks a copy made by `wakebus replay`; the value names the original as
 /// `<stream>:<sequence>`.
 pub const HEADER_REPLAY: &str = "Wakebus-Replay";
+/// On a `replay wakes --force` copy of a delivered completion: the copy's
+/// ULID (the one in its `Nats-Msg-Id`). The wake service posts such a copy
+/// alone, under a key of its own (`<usual key>.replay.<ULID>`).
+pub const HEADER_FORCED_REPLAY: &str = "Wakebus-Forced-Replay";
+/// JetStream stores a message with this header only if the last message on
+/// its subject has this sequence (0: none).
+pub const HEADER_EXPECTED_LAST_SUBJECT_SEQUENCE: &str = "Nats-Expected-Last-Subject-Sequence";
+/// The CloudEvents type of a task request.
+pub const CE_TYPE_REQUESTED: &str = "io.wakebus.task.requested";
 /// W3C trace context.
 pub const HEADER_TRACEPARENT: &str = "traceparent";
 /// CloudEvents id.

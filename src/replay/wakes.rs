@@ -9,10 +9,7 @@ use crate::protocol::{CompletionEvent, EventKind, HEADER_MSG_ID, WakeMode, sessi
 use crate::wake::ledger::{LedgerState, WakeLedger};
 use crate::wake::{Admission, check_completion};
 
-/// On a `replay wakes --force` copy of a delivered completion: the copy's
-/// ULID (the one in its `Nats-Msg-Id`). The wake service posts such a copy
-/// alone, under [`forced_idempotency_key`].
-pub const HEADER_FORCED_REPLAY: &str = "Wakebus-Forced-Replay";
+pub use crate::protocol::HEADER_FORCED_REPLAY;
 
 /// The Idempotency-Key of a forced re-post: `<base>.replay.<ULID>`, `base`
 /// being the key the post would otherwise carry (`<delegation_id>.<task_index>.done`,

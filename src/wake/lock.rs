@@ -322,7 +322,7 @@ impl SessionLocks {
         let mut headers = HeaderMap::new();
         headers.insert("KV-Operation", "DEL");
         headers.insert(
-            "Nats-Expected-Last-Subject-Sequence",
+            crate::protocol::HEADER_EXPECTED_LAST_SUBJECT_SEQUENCE,
             guard.revision.to_string().as_str(),
         );
         let published = self

@@ -18,8 +18,7 @@ use serde::Deserialize;
 
 use crate::bus::Bus;
 
-/// The header JetStream checks before storing a message.
-const EXPECTED_LAST_SUBJECT_SEQUENCE: &str = "Nats-Expected-Last-Subject-Sequence";
+use crate::protocol::HEADER_EXPECTED_LAST_SUBJECT_SEQUENCE as EXPECTED_LAST_SUBJECT_SEQUENCE;
 
 /// JetStream's error code for "wrong last sequence".
 const WRONG_LAST_SEQUENCE: u64 = 10071;
