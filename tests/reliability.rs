@@ -1233,29 +1233,39 @@ async fn a_given_up_task_whose_failed_completion_is_not_stored_at_first_keeps_it
     assert_eq!(dead_letters.len(), 1);
 }
 
-/// The default pool's worker consumer, once the worker has created it.
-async fn worker_consumer(bus: &Bus) -> Option<async_nats::jetstream::consumer::Info> {
+/// A given-up task whose dead letter JetStream refuses at first (the
+/// dead-letter stream full, discard=new) keeps it and publishes it again
+/// in place, holding the task with in-progress acks: the task is not
+/// delivered again (and so not given up again for another reason), and
+/// once there is room, one dead letter and one completion with the real
+/// reason are stored.
+#[tokio::test]
+async fn a_given_up_task_whose_dead_letter_is_refused_at_first_keeps_it_until_stored() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
     let s = &bus.subjects;
-    let mut consumer = bus
-        .js
-        .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
-            s.worker_consumer("default"),
-            s.tasks_stream(),
-        )
-        .await
-        .ok()?;
-    consumer.info().await.ok().cloned()
-}
-
-/// Fills the dead-letter stream (one message, no room for more, new ones
-/// refused) once the worker has provisioned the streams (which would undo
-/// it); returns the stream's config with room, to put back.
-async fn fill_dead_letters(bus: &Bus) -> async_nats::jetstream::stream::Config {
-    let s = &bus.subjects;
+    let mut services = Services::new();
+    worker_that_cannot_start(&mut services, &bus, 1);
+    let consumer = s.worker_consumer("default");
+    // The worker's consumer, once the worker has created it.
+    let held = || async {
+        let mut c = bus
+            .js
+            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                &consumer,
+                s.tasks_stream(),
+            )
+            .await
+            .ok()?;
+        c.info().await.ok().cloned()
+    };
     wait_until(WAIT, "the worker's consumer", || async {
-        worker_consumer(bus).await.is_some()
+        held().await.is_some()
     })
     .await;
+    // Fill the dead letters (after the worker provisioned the streams, which
+    // would have undone it): one message, no room for more.
     let filler = bus
         .js
         .publish(s.dead_letter_task("elsewhere"), "filler".into())
@@ -1271,101 +1281,41 @@ async fn fill_dead_letters(bus: &Bus) -> async_nats::jetstream::stream::Config {
         .update_stream(&full)
         .await
         .expect("fill the dead letters");
-    room
-}
 
-/// Checks that the worker holds the one task it was given, delivered once,
-/// for longer than its ack wait, with no completion stored, while the dead
-/// letters are full; then makes room, and returns the one completion
-/// stored once the task is done, checking that it was delivered once and
-/// that one dead letter joined the filler.
-async fn held_until_dead_lettered(
-    bus: &Bus,
-    room: &async_nats::jetstream::stream::Config,
-    services: Services,
-) -> CompletionEvent {
-    let s = &bus.subjects;
+    let req = request("s.dlq.full", "cannot start");
+    publish_until_stored(&bus, &req).await;
     wait_until(WAIT, "the task held by the worker", || async {
-        worker_consumer(bus)
-            .await
-            .is_some_and(|info| info.num_ack_pending == 1)
+        held().await.is_some_and(|info| info.num_ack_pending == 1)
     })
     .await;
     // Not a wait for a condition: the task must stay held, undelivered
     // again, for longer than its ack wait while the dead letter is refused.
     let ack_wait = test_worker_config("default").ack_wait;
     tokio::time::sleep(ack_wait + Duration::from_secs(2)).await;
-    let info = worker_consumer(bus).await.expect("the worker's consumer");
+    let info = held().await.expect("the worker's consumer");
     assert_eq!(
         (info.num_ack_pending, info.delivered.consumer_sequence),
         (1, 1),
         "held, and delivered once: {info:?}"
     );
     assert!(
-        done_events(bus).await.is_empty(),
+        done_events(&bus).await.is_empty(),
         "a completion before its dead letter"
     );
 
-    bus.js.update_stream(room).await.expect("make room");
-    drained(bus, &s.tasks_stream(), &s.worker_consumer("default"), WAIT).await;
-    let info = worker_consumer(bus).await.expect("the worker's consumer");
+    bus.js.update_stream(&room).await.expect("make room");
+    drained(&bus, &s.tasks_stream(), &consumer, WAIT).await;
+    let info = held().await.expect("the worker's consumer");
     assert_eq!(
         info.delivered.consumer_sequence, 1,
         "delivered once: {info:?}"
     );
     services.stop().await;
-    let stored = all_messages(bus, &s.dead_letter_stream()).await;
-    assert_eq!(stored.len(), 2, "the filler and one dead letter");
-    let mut done = done_events(bus).await;
+    let done = done_events(&bus).await;
     assert_eq!(done.len(), 1, "{done:?}");
-    done.remove(0)
-}
-
-/// A given-up task whose dead letter JetStream refuses at first (the
-/// dead-letter stream full, discard=new) keeps it and publishes it again
-/// in place, holding the task with in-progress acks: the task is not
-/// delivered again (and so not given up again for another reason), and
-/// once there is room, one dead letter and one completion with the real
-/// reason are stored.
-#[tokio::test]
-async fn a_given_up_task_whose_dead_letter_is_refused_at_first_keeps_it_until_stored() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let mut services = Services::new();
-    worker_that_cannot_start(&mut services, &bus, 1);
-    let room = fill_dead_letters(&bus).await;
-    publish_until_stored(&bus, &request("s.dlq.full", "cannot start")).await;
-    let done = held_until_dead_lettered(&bus, &room, services).await;
-    assert_eq!(done.exit_reason, "max_attempts_exceeded", "{done:?}");
-}
-
-/// So is an unusable request: handed back each time its dead letter was
-/// refused, it came back at once, for as long as the dead letters were
-/// full, and its session heard nothing meanwhile.
-#[tokio::test]
-async fn an_unusable_request_whose_dead_letter_is_refused_at_first_is_held_until_stored() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    let room = fill_dead_letters(&bus).await;
-    // A blank goal: a request no worker can run.
-    let unusable = request("s.dlq.full", "   ");
-    let body = serde_json::to_vec(&unusable).unwrap();
-    let ack = bus
-        .js
-        .publish(bus.subjects.task("default"), body.into())
-        .await
-        .expect("publish");
-    ack.await.expect("stored");
-    let done = held_until_dead_lettered(&bus, &room, services).await;
-    assert_eq!(
-        (done.status, done.exit_reason.as_str()),
-        (Status::Error, "invalid_request"),
-        "{done:?}"
-    );
+    assert_eq!(done[0].exit_reason, "max_attempts_exceeded", "{done:?}");
+    let stored = all_messages(&bus, &s.dead_letter_stream()).await;
+    assert_eq!(stored.len(), 2, "the filler and one dead letter");
 }
 
 /// Whether the default pool's worker consumer and the wake consumer each

@@ -141,7 +141,7 @@ impl TaskHandler {
         let headers = message.headers.as_ref();
         let request = match decode_request(&message.payload, headers, &self.config.limits) {
             Ok(request) => request,
-            Err(rejected) => return (self.reject(message, rejected, stop).await, None),
+            Err(rejected) => return (self.reject(message, rejected).await, None),
         };
         let trace = header(headers, HEADER_TRACEPARENT)
             .and_then(TraceParent::parse)
@@ -592,18 +592,9 @@ impl TaskHandler {
             .await
     }
 
-    /// A request that can never run: a dead letter with the reason, an
-    /// `error` completion (woken when the session is known), then TERM.
-    /// Each is kept and published again until stored, the request held
-    /// meanwhile, as a given-up task's are: handed back instead, it would
-    /// come back at once for as long as the dead-letter stream refuses
-    /// writes.
-    async fn reject(
-        &self,
-        message: &jetstream::Message,
-        rejected: Rejected,
-        stop: &CancellationToken,
-    ) -> Outcome {
+    /// A request that can never run: an `error` completion (woken when the
+    /// session is known), a dead letter with the reason, then TERM.
+    async fn reject(&self, message: &jetstream::Message, rejected: Rejected) -> Outcome {
         let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
         let delegation_id = rejected
             .delegation_id
@@ -615,13 +606,9 @@ impl TaskHandler {
             reason = %rejected.reason,
             "Rejecting an unusable request."
         );
-        let dead_letter = || self.dead_letter(message, &rejected.reason);
-        if let Err(error) = self
-            .until_stored(Record::DeadLetter, dead_letter, stop)
-            .await
-        {
-            warn!(%error, "Could not dead-letter the unusable request and the worker is stopping; handing it back.");
-            return Outcome::HandBack;
+        if let Err(error) = self.dead_letter(message, &rejected.reason).await {
+            warn!(%error, "Could not dead-letter the request; will retry.");
+            return Outcome::retry_later(message);
         }
         let (stand_in, reason) = stand_in(delegation_id, seq, &rejected);
         let mut done = CompletionEvent::for_request(&stand_in, Status::Error, "invalid_request");
@@ -630,10 +617,9 @@ impl TaskHandler {
             .and_then(TraceParent::parse)
             .unwrap_or_else(TraceParent::new_root)
             .child();
-        let publish = || self.publish(&stand_in, EventKind::Done, trace, &done);
-        if let Err(error) = self.until_stored(Record::Completion, publish, stop).await {
-            warn!(%error, "Could not publish the error completion and the worker is stopping; handing the request back.");
-            return Outcome::HandBack;
+        if let Err(error) = self.publish(&stand_in, EventKind::Done, trace, &done).await {
+            warn!(%error, "Could not publish the error completion; will retry.");
+            return Outcome::retry_later(message);
         }
         m::task_completed(&self.config.pool, Status::Error, Duration::ZERO);
         Outcome::Term(rejected.reason)
