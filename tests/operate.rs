@@ -12,8 +12,9 @@ use common::*;
 use futures::TryStreamExt;
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
+use wakebus::bus::Bus;
 use wakebus::delegate::{Delegation, Delegator};
-use wakebus::protocol::{HEADER_REPLAY, Status, session_token};
+use wakebus::protocol::{EventKind, HEADER_REPLAY, Status, session_token};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -2189,7 +2190,52 @@ async fn status_does_not_list_a_woken_batch_or_a_silent_completion_as_undelivere
     .await;
     wake_consumer_settled(&bus).await;
     services.stop().await;
-    // Without the wake's consumer, status scans every completion.
+    forget_the_wake_floor(&bus).await;
+    let completion = |session, id, extra| publish_completion(&bus, session, id, 0, extra);
+    completion(
+        "s.silent",
+        "01JV3N4Y8K6D2Q7R9T1W5X0SIL",
+        serde_json::json!({"suppress_wake": true}),
+    )
+    .await;
+    completion(
+        "s.waiting",
+        "01JV3N4Y8K6D2Q7R9T1W5X0WAI",
+        serde_json::json!({}),
+    )
+    .await;
+
+    let (report, sessions) = status_waiting(&nats, &prefix).await;
+    assert_eq!(sessions, ["s.waiting"], "{report:#}");
+}
+
+/// Stores a completion of task `index` of delegation `id` for `session`,
+/// as a publisher could: the body (with `extra` fields), the origin header.
+async fn publish_completion(bus: &Bus, session: &str, id: &str, index: u32, extra: Value) {
+    let mut body = serde_json::json!({
+        "type": "async_delegation", "delegation_id": id, "origin_session_id": session,
+        "task_index": index, "status": "completed", "completed_at": "2026-01-01T00:00:00Z",
+        "exit_reason": "completed",
+    });
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Wakebus-Origin-Session", session);
+    let subject = bus
+        .subjects
+        .event(&session_token(session), id, index, EventKind::Done);
+    bus.js
+        .publish_with_headers(subject, headers, serde_json::to_vec(&body).unwrap().into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+/// Deletes the wake's consumer: without its ack floor, status scans every
+/// completion, as when an old one holds the floor back.
+async fn forget_the_wake_floor(bus: &Bus) {
     let events = bus
         .js
         .get_stream(bus.subjects.events_stream())
@@ -2199,52 +2245,20 @@ async fn status_does_not_list_a_woken_batch_or_a_silent_completion_as_undelivere
         .delete_consumer(bus.subjects.wake_consumer())
         .await
         .unwrap();
-    let publish = |session: &str, id: &str, extra: Value| {
-        let mut body = serde_json::json!({
-            "type": "async_delegation", "delegation_id": id, "origin_session_id": session,
-            "status": "completed", "completed_at": "2026-01-01T00:00:00Z", "exit_reason": "completed",
-        });
-        body.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert("Wakebus-Origin-Session", session);
-        headers.insert("Wakebus-Delegation-Id", id);
-        headers.insert("Wakebus-Task-Index", "0");
-        let subject = format!("{prefix}.evt.{}.{id}.0.done", session_token(session));
-        let bus = bus.clone();
-        async move {
-            bus.js
-                .publish_with_headers(subject, headers, serde_json::to_vec(&body).unwrap().into())
-                .await
-                .unwrap()
-                .await
-                .unwrap();
-        }
-    };
-    publish(
-        "s.silent",
-        "01JV3N4Y8K6D2Q7R9T1W5X0SIL",
-        serde_json::json!({"suppress_wake": true}),
-    )
-    .await;
-    publish(
-        "s.waiting",
-        "01JV3N4Y8K6D2Q7R9T1W5X0WAI",
-        serde_json::json!({}),
-    )
-    .await;
+}
 
-    let run = wakebus(&nats.url(), &prefix, &["status", "--json"]).await;
+/// `wakebus status --json`, and the sessions it lists as waiting.
+async fn status_waiting(nats: &NatsServer, prefix: &str) -> (Value, Vec<String>) {
+    let run = wakebus(&nats.url(), prefix, &["status", "--json"]).await;
     assert!(run.success(), "{}", run.stderr());
     let report: Value = serde_json::from_str(&run.stdout()).unwrap();
-    let sessions: Vec<&str> = report["oldest_undelivered"]
+    let sessions = report["oldest_undelivered"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|s| s["session"].as_str().unwrap())
+        .map(|s| s["session"].as_str().unwrap().to_owned())
         .collect();
-    assert_eq!(sessions, ["s.waiting"], "{report:#}");
+    (report, sessions)
 }
 
 /// Above a held-back ack floor lie completions the wake has finished
@@ -2257,28 +2271,7 @@ async fn status_does_not_list_a_woken_batch_or_a_silent_completion_as_undelivere
 async fn status_tells_refused_unusable_and_batch_waiting_completions_from_undelivered_ones() {
     let p = Pipeline::start().await;
     let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
-    let publish = |session: &str, id: &str, index: u32, extra: Value| {
-        let mut body = serde_json::json!({
-            "type": "async_delegation", "delegation_id": id, "origin_session_id": session,
-            "task_index": index, "status": "completed", "completed_at": "2026-01-01T00:00:00Z",
-            "exit_reason": "completed",
-        });
-        body.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert("Wakebus-Origin-Session", session);
-        let subject = format!("{prefix}.evt.{}.{id}.{index}.done", session_token(session));
-        let bus = bus.clone();
-        async move {
-            bus.js
-                .publish_with_headers(subject, headers, serde_json::to_vec(&body).unwrap().into())
-                .await
-                .unwrap()
-                .await
-                .unwrap();
-        }
-    };
+    let publish = |session, id, index, extra| publish_completion(&bus, session, id, index, extra);
     api.fail_always(404);
     // A batch whose turn is refused: the refusal dead-letters the member
     // that ended it, and the other, acknowledged when it came, is refused
@@ -2296,17 +2289,7 @@ async fn status_tells_refused_unusable_and_batch_waiting_completions_from_undeli
     wake_consumer_settled(&bus).await;
     services.stop().await;
     assert_eq!(all_messages(&bus, &dlq).await.len(), 1, "one member held");
-    // Without the wake's consumer, status scans every completion: as if
-    // an older one held the floor.
-    let events = bus
-        .js
-        .get_stream(bus.subjects.events_stream())
-        .await
-        .unwrap();
-    events
-        .delete_consumer(bus.subjects.wake_consumer())
-        .await
-        .unwrap();
+    forget_the_wake_floor(&bus).await;
     publish(
         "s.waiting",
         "01JV3N4Y8K6D2Q7R9T1W5X0WAI",
@@ -2323,15 +2306,7 @@ async fn status_tells_refused_unusable_and_batch_waiting_completions_from_undeli
     .await;
     publish("s.batch", "01JV3N4Y8K6D2Q7R9T1W5X0BAT", 0, batch).await;
 
-    let run = wakebus(&nats.url(), &prefix, &["status", "--json"]).await;
-    assert!(run.success(), "{}", run.stderr());
-    let report: Value = serde_json::from_str(&run.stdout()).unwrap();
-    let sessions: Vec<&str> = report["oldest_undelivered"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["session"].as_str().unwrap())
-        .collect();
+    let (report, sessions) = status_waiting(&nats, &prefix).await;
     assert_eq!(sessions, ["s.waiting"], "{report:#}");
     let scan = &report["undelivered_scan"];
     let counts = [

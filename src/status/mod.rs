@@ -97,10 +97,16 @@ impl StatusReport {
             .error
             .as_ref()
             .map(|_| Unread::UndeliveredScan);
+        let refused = self
+            .undelivered_scan
+            .refused_error
+            .as_ref()
+            .map(|_| Unread::RefusedWakes);
         streams
             .chain(dead_letters)
             .chain(queued)
             .chain(scan)
+            .chain(refused)
             .collect()
     }
 }
@@ -120,6 +126,9 @@ pub enum Unread {
     QueuedTasks,
     /// The scan for undelivered wakes.
     UndeliveredScan,
+    /// The wake dead letters the scan reads to tell refused completions
+    /// from waiting ones: refused ones are listed as waiting.
+    RefusedWakes,
 }
 
 impl std::fmt::Display for Unread {
@@ -130,6 +139,7 @@ impl std::fmt::Display for Unread {
             Self::DeadLetters => f.write_str("the dead letters"),
             Self::QueuedTasks => f.write_str("the queued tasks"),
             Self::UndeliveredScan => f.write_str("the undelivered scan"),
+            Self::RefusedWakes => f.write_str("the wake dead letters of the undelivered scan"),
         }
     }
 }
@@ -766,6 +776,7 @@ mod tests {
         report["dead_letters"]["error"] = "refused".into();
         report["queued"] = serde_json::json!({"total": 0, "pools": {}, "without_consumer": [], "without_worker": [], "error": "timed out"});
         report["undelivered_scan"]["error"] = "no consumer".into();
+        report["undelivered_scan"]["refused_error"] = "timed out".into();
         let parts = unread(report);
         assert_eq!(
             parts,
@@ -775,12 +786,13 @@ mod tests {
                 Unread::DeadLetters,
                 Unread::QueuedTasks,
                 Unread::UndeliveredScan,
+                Unread::RefusedWakes,
             ]
         );
         let text: Vec<String> = parts.iter().map(ToString::to_string).collect();
         assert_eq!(
             text.join(", "),
-            "WAKEBUS_TASKS, WAKEBUS_EVENTS's consumers, the dead letters, the queued tasks, the undelivered scan"
+            "WAKEBUS_TASKS, WAKEBUS_EVENTS's consumers, the dead letters, the queued tasks, the undelivered scan, the wake dead letters of the undelivered scan"
         );
     }
 

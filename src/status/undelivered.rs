@@ -23,7 +23,7 @@ use time::OffsetDateTime;
 use super::{ScanInfo, StatusError, StatusOptions, UndeliveredSession, read_error};
 use crate::bus::{Bus, is_stream_not_found};
 use crate::history::{HistoryReader, Record, Selection, Source};
-use crate::protocol::{EventKind, HEADER_MSG_ID, SYNC_SESSION_TOKEN, WakeMode};
+use crate::protocol::{EventKind, HEADER_MSG_ID, POISON_TOKEN, SYNC_SESSION_TOKEN, WakeMode};
 use crate::wake::ledger::{LedgerError, LedgerState, WakeLedger};
 use crate::wake::{Admission, check_completion};
 
@@ -31,8 +31,9 @@ use crate::wake::{Admission, check_completion};
 /// read.
 const CLOCK_MARGIN: time::Duration = time::Duration::minutes(1);
 
-/// The most wake dead letters read to find refused completions: beyond,
-/// the rest is listed as waiting, and the scan says so.
+/// The most wake dead letters (other than poison) read to find refused
+/// completions: beyond, the rest is listed as waiting, and the scan says
+/// so.
 const MAX_DEAD_LETTERS_READ: u64 = 50_000;
 
 /// A completion that no ledger entry shows delivered, and that waits for
@@ -347,6 +348,11 @@ impl Refused {
             let mut read = 0;
             while let Some(record) = reader.next().await {
                 let record = record.map_err(|e| read_error("the wake dead letters", e))?;
+                // Poison dead letters are never a candidate's: not read
+                // towards the bound.
+                if record.session_token() == Some(POISON_TOKEN) {
+                    continue;
+                }
                 read += 1;
                 if read > MAX_DEAD_LETTERS_READ {
                     refused.cut = true;
