@@ -478,6 +478,11 @@ async fn a_cancelled_llm_task_reports_the_calls_and_tokens_it_had_used() {
         (Some(12), Some(3)),
         "the answered call's usage is kept"
     );
+    assert_eq!(
+        done.summary.as_deref(),
+        Some("not json"),
+        "the first answer is the partial output"
+    );
 }
 
 #[tokio::test]
