@@ -72,6 +72,16 @@ pub enum ConnectError {
     /// another deployment's server.
     #[error("no NATS server URL given (--nats-url or NATS_URL is empty)")]
     NoUrl,
+    /// The inbox prefix is not a subject replies can be sent to: empty,
+    /// with a wildcard, a blank or an empty token. No JetStream answer
+    /// would ever reach the client, and every request would time out.
+    #[error(
+        "invalid inbox prefix {prefix:?} (--inbox-prefix or NATS_INBOX_PREFIX): use dot-separated tokens without wildcards or blanks, e.g. _INBOX_worker"
+    )]
+    InvalidInboxPrefix {
+        /// The prefix as given.
+        prefix: String,
+    },
     /// The server refused this client's credentials: retrying will not help.
     #[error(
         "NATS at {url} refused this client ({source}): check the credentials (--user/--password-file, --nkey-file, --creds, --token-file) and TLS client certificate"
@@ -90,6 +100,23 @@ pub enum ConnectError {
         /// The client error.
         source: async_nats::ConnectError,
     },
+}
+
+/// Refuses an inbox prefix no reply could be sent to.
+fn check_inbox_prefix(prefix: &str) -> Result<(), ConnectError> {
+    let usable = prefix.split('.').all(|token| {
+        !token.is_empty()
+            && !token
+                .chars()
+                .any(|c| c.is_whitespace() || c == '*' || c == '>')
+    });
+    if usable {
+        Ok(())
+    } else {
+        Err(ConnectError::InvalidInboxPrefix {
+            prefix: prefix.to_owned(),
+        })
+    }
 }
 
 fn read_secret(what: &'static str, path: &PathBuf) -> Result<String, ConnectError> {
@@ -155,6 +182,7 @@ impl NatsConfig {
             options = options.name(name);
         }
         if let Some(prefix) = &self.inbox_prefix {
+            check_inbox_prefix(prefix)?;
             options = options.custom_inbox_prefix(prefix);
         }
         if wait_for_server {
@@ -633,6 +661,30 @@ mod tests {
         for url in ["", " ", ","] {
             let error = NatsConfig::new(url).servers().expect_err("no server");
             assert!(matches!(error, ConnectError::NoUrl), "{url:?}: {error}");
+        }
+    }
+
+    #[test]
+    fn an_inbox_prefix_no_reply_could_reach_is_refused() {
+        for bad in [
+            "",
+            " ",
+            "_INBOX.*",
+            "_INBOX.>",
+            "_INBOX..w",
+            "_INBOX.",
+            "my inbox",
+        ] {
+            assert!(
+                matches!(
+                    check_inbox_prefix(bad),
+                    Err(ConnectError::InvalidInboxPrefix { .. })
+                ),
+                "{bad:?}"
+            );
+        }
+        for good in ["_INBOX_worker", "_INBOX.wake", "acme.prod._INBOX"] {
+            assert!(check_inbox_prefix(good).is_ok(), "{good:?}");
         }
     }
 

@@ -1068,6 +1068,63 @@ async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_say
     }
 }
 
+/// Settings under which every task or post would fail, or every request
+/// time out: refused at start, with what to change.
+#[tokio::test]
+async fn a_service_whose_settings_would_fail_every_call_refuses_to_start_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.key");
+    std::fs::write(&empty, "\n").unwrap();
+    let empty = empty.display().to_string();
+    let llm = [
+        "worker",
+        "--executor",
+        "llm",
+        "--llm-base-url",
+        "http://127.0.0.1:1/v1",
+        "--llm-model",
+        "m",
+    ];
+    let cases: [(Vec<&str>, &str); 5] = [
+        (
+            vec!["worker", "--executor", "echo", "--", "/bin/true"],
+            "a task program (after --) or --workdir is given, but the executor is echo",
+        ),
+        (
+            vec!["worker", "--executor", "llm", "--workdir", "/tmp"],
+            "but the executor is llm",
+        ),
+        (
+            [&llm[..], &["--llm-api-key-file", &empty]].concat(),
+            "is empty: put the LLM API key in it",
+        ),
+        (
+            vec![
+                "wake",
+                "--api-url",
+                "http://127.0.0.1:1",
+                "--api-key-file",
+                &empty,
+            ],
+            "is empty: put the API key in it",
+        ),
+        (
+            vec!["--inbox-prefix", "_INBOX.*", "worker", "--executor", "echo"],
+            "invalid inbox prefix \"_INBOX.*\"",
+        ),
+    ];
+    // Refused before connecting: nothing listens at this URL.
+    for (args, expected) in cases {
+        let run = wakebus("nats://127.0.0.1:1", "wakebus", &args).await;
+        assert_eq!(run.code(), Some(1), "{args:?}: {}", run.stderr());
+        assert!(
+            run.stderr().contains(expected),
+            "{args:?}: {}",
+            run.stderr()
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_worker_whose_task_program_cannot_run_refuses_to_start_and_says_why() {
     use std::os::unix::fs::PermissionsExt;

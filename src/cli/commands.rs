@@ -113,6 +113,18 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{}", serde_json::to_string(&report)?);
         }
         Command::Worker(args) => {
+            // A program given to another executor would be ignored, and
+            // every real task answered by that executor instead.
+            if !matches!(args.executor, ExecutorKind::Command)
+                && (!args.command.is_empty() || args.workdir.is_some())
+            {
+                let executor = clap::ValueEnum::to_possible_value(&args.executor)
+                    .map(|value| value.get_name().to_owned())
+                    .unwrap_or_default();
+                bail!(
+                    "a task program (after --) or --workdir is given, but the executor is {executor}: use --executor command to run the program, or leave them out"
+                );
+            }
             let executor = match args.executor {
                 ExecutorKind::Echo => Executor::Echo(EchoExecutor),
                 ExecutorKind::Command => {
@@ -161,12 +173,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Wake(args) => {
             let api_key = match &args.api_key_file {
-                Some(path) => Some(
-                    std::fs::read_to_string(path)
-                        .with_context(|| format!("reading the API key from {}", path.display()))?
-                        .trim()
-                        .to_owned(),
-                ),
+                Some(path) => Some(read_key_file(path, "the API key")?),
                 None => None,
             };
             let (base_url, shape) = match (args.api_url, args.webhook_url) {
@@ -210,6 +217,23 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `what` (an API key) from the file at `path`, trimmed. An empty file is
+/// refused: its key would be sent as an empty bearer token, and every call
+/// refused (each wake dead-lettered, each task failed).
+fn read_key_file(path: &std::path::Path, what: &str) -> anyhow::Result<String> {
+    let key = std::fs::read_to_string(path)
+        .with_context(|| format!("reading {what} from {}", path.display()))?
+        .trim()
+        .to_owned();
+    if key.is_empty() {
+        bail!(
+            "{} is empty: put {what} in it, or leave the option out if the endpoint needs none",
+            path.display()
+        );
+    }
+    Ok(key)
+}
+
 /// Inline JSON, or the JSON in a file given as `@PATH`.
 fn read_json_arg(text: &str) -> anyhow::Result<serde_json::Value> {
     let json = match text.strip_prefix('@') {
@@ -231,13 +255,11 @@ fn llm_executor(
         bail!("--executor llm needs --llm-model (or WAKEBUS_LLM_MODEL)");
     };
     let api_key = match &args.llm_api_key_file {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("reading the LLM API key from {}", path.display()))?
-                .trim()
-                .to_owned(),
-        ),
-        None => std::env::var("WAKEBUS_LLM_API_KEY").ok(),
+        Some(path) => Some(read_key_file(path, "the LLM API key")?),
+        // Set but empty (`${VAR:-}` in a compose file) is as good as unset.
+        None => std::env::var("WAKEBUS_LLM_API_KEY")
+            .ok()
+            .filter(|key| !key.trim().is_empty()),
     };
     Ok(LlmExecutor::new(&LlmConfig {
         base_url,
