@@ -1116,6 +1116,17 @@ async fn replay_copy_republishes_history_under_another_prefix_with_headers_and_a
     .await;
     assert_eq!(same.code(), Some(1));
     assert!(same.stderr().contains("own prefix"), "{}", same.stderr());
+    // Nor onto one subject under it, where the workers take copies for
+    // tasks (a mistyped --to-subject).
+    let task_queue = format!("{prefix}.task.default");
+    let under = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "copy", "--to-subject", &task_queue],
+    )
+    .await;
+    assert_eq!(under.code(), Some(1));
+    assert!(under.stderr().contains("own prefix"), "{}", under.stderr());
     let nowhere = wakebus(
         &nats.url(),
         &prefix,

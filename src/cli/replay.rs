@@ -127,7 +127,9 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
                 (Some(prefix), _) => CopyTarget::Prefix(Subjects::new(&prefix)?),
                 (None, Some(subject)) => {
                     if subject.is_empty()
-                        || subject.contains(['*', '>', ' '])
+                        || subject.contains(|c: char| {
+                            matches!(c, '*' | '>') || c.is_whitespace() || c.is_control()
+                        })
                         || subject.split('.').any(str::is_empty)
                     {
                         bail!("--to-subject {subject:?} is not a valid subject to publish to");

@@ -273,9 +273,10 @@ pub enum ReplayError {
         /// The publish error.
         source: PublishError,
     },
-    /// The copy target is the deployment being read.
+    /// The copy target is the deployment being read (its prefix, or a
+    /// subject under it).
     #[error(
-        "the target prefix is this deployment's own prefix; to re-drive wakes use `replay wakes`"
+        "the copy target is under this deployment's own prefix, where its workers and wake would take the copies for tasks and completions; to re-drive them use `replay tasks` or `replay wakes`"
     )]
     SamePrefix,
 }
@@ -343,6 +344,18 @@ impl Replayer {
                 target: CopyTarget::Prefix(target),
                 ..
             } if target.prefix() == bus.subjects.prefix() => {
+                return Err(ReplayError::SamePrefix);
+            }
+            // A subject under the deployment's own prefix is one its
+            // workers or wake read: copies there would run as tasks or
+            // wake sessions.
+            ReplayKind::Copy {
+                target: CopyTarget::Subject(subject),
+                ..
+            } if subject
+                .strip_prefix(bus.subjects.prefix())
+                .is_some_and(|rest| rest.starts_with('.')) =>
+            {
                 return Err(ReplayError::SamePrefix);
             }
             ReplayKind::Copy { .. } => {}
