@@ -60,17 +60,34 @@ pub(crate) fn with_config_file(args: Vec<OsString>, path: &Path) -> anyhow::Resu
                 known.join(", ")
             );
         };
-        if arg.get_env().is_some_and(is_set) || overridden_by_otel_variables(name) {
+        // A flag given wins; its value in the file is not even parsed
+        // (one the flag corrects must not stop the command).
+        if arg.get_env().is_some_and(is_set)
+            || overridden_by_otel_variables(name)
+            || given(&args, name)
+        {
             continue;
         }
-        from_file.push(OsString::from(format!("--{name}")));
-        from_file.push(OsString::from(value));
+        // One argument: a value starting with `-` is not taken for a flag.
+        from_file.push(OsString::from(format!("--{name}={value}")));
     }
     let mut args = args.into_iter();
     let mut out: Vec<OsString> = args.next().into_iter().collect();
     out.extend(from_file);
     out.extend(args);
     Ok(out)
+}
+
+/// Whether `--name` is among the user's arguments (as `--name VALUE` or
+/// `--name=VALUE`).
+fn given(args: &[OsString], name: &str) -> bool {
+    let flag = format!("--{name}");
+    args.iter().filter_map(|arg| arg.to_str()).any(|arg| {
+        arg == flag
+            || arg
+                .strip_prefix(flag.as_str())
+                .is_some_and(|rest| rest.starts_with('='))
+    })
 }
 
 /// A value as written after `=`: in double or single quotes (kept as
@@ -121,6 +138,33 @@ fn is_set(variable: &std::ffi::OsStr) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file value is one argument, whatever it starts with; a flag on
+    /// the command line wins, and the file's value for it is left out.
+    #[test]
+    fn file_values_are_single_arguments_and_flags_given_win() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wakebus.conf");
+        std::fs::write(&path, "inbox-prefix = -worker\nhistory = 0s\n").unwrap();
+        let args: Vec<OsString> = ["wakebus", "--history=7d", "status"]
+            .into_iter()
+            .map(OsString::from)
+            .collect();
+        let out = with_config_file(args, &path).unwrap();
+        let out: Vec<&str> = out.iter().map(|arg| arg.to_str().unwrap()).collect();
+        assert_eq!(
+            out,
+            [
+                "wakebus",
+                "--inbox-prefix=-worker",
+                "--history=7d",
+                "status"
+            ]
+        );
+        let given = |arg: &str| given(&[OsString::from(arg)], "history");
+        assert!(given("--history") && given("--history=1d"));
+        assert!(!given("--history-x") && !given("--historyx=1"));
+    }
 
     #[test]
     fn values_may_be_quoted_either_way_and_followed_by_a_comment() {
