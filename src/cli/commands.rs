@@ -167,9 +167,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 service_shutdown(),
             )
             .await?;
-            wakebus::connect::close(&client)
-                .await
-                .context("closing the NATS connection")?;
+            close_after_stop(&client).await;
         }
         Command::Wake(args) => {
             let api_key = match &args.api_key_file {
@@ -209,12 +207,20 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.verify_origin = args.verify_origin;
             let client = bus.client.clone();
             wake::run(bus, settings(&global), config, service_shutdown()).await?;
-            wakebus::connect::close(&client)
-                .await
-                .context("closing the NATS connection")?;
+            close_after_stop(&client).await;
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Closes a stopped service's connection. The service has stopped cleanly
+/// (its work acknowledged or handed back, and flushed): a close that fails
+/// (the connection's task already ended) is worth a warning, not an exit
+/// status that a supervisor would take for a crash.
+async fn close_after_stop(client: &async_nats::Client) {
+    if let Err(error) = wakebus::connect::close(client).await {
+        tracing::warn!(%error, "Could not close the NATS connection cleanly after the service stopped.");
+    }
 }
 
 /// `what` (an API key) from the file at `path`, trimmed. An empty file is
