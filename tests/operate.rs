@@ -1068,6 +1068,21 @@ async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_say
     }
 }
 
+/// Runs each command line of `cases` against a URL where nothing listens
+/// and checks that it is refused before connecting, exit status 1, saying
+/// what its case expects.
+async fn refused_at_start(cases: &[(Vec<&str>, &str)]) {
+    for (args, expected) in cases {
+        let run = wakebus("nats://127.0.0.1:1", "wakebus", args).await;
+        assert_eq!(run.code(), Some(1), "{args:?}: {}", run.stderr());
+        assert!(
+            run.stderr().contains(expected),
+            "{args:?}: {}",
+            run.stderr()
+        );
+    }
+}
+
 /// Settings under which every task or post would fail, or every request
 /// time out: refused at start, with what to change.
 #[tokio::test]
@@ -1113,16 +1128,7 @@ async fn a_service_whose_settings_would_fail_every_call_refuses_to_start_and_say
             "invalid inbox prefix \"_INBOX.*\"",
         ),
     ];
-    // Refused before connecting: nothing listens at this URL.
-    for (args, expected) in cases {
-        let run = wakebus("nats://127.0.0.1:1", "wakebus", &args).await;
-        assert_eq!(run.code(), Some(1), "{args:?}: {}", run.stderr());
-        assert!(
-            run.stderr().contains(expected),
-            "{args:?}: {}",
-            run.stderr()
-        );
-    }
+    refused_at_start(&cases).await;
 }
 
 #[tokio::test]
@@ -1152,16 +1158,7 @@ async fn a_worker_whose_task_program_cannot_run_refuses_to_start_and_says_why() 
             "working directory /nonexistent-dir is not a directory",
         ),
     ];
-    // Refused before connecting: nothing listens at this URL.
-    for (args, expected) in cases {
-        let run = wakebus("nats://127.0.0.1:1", "wakebus", &args).await;
-        assert_eq!(run.code(), Some(1), "{args:?}: {}", run.stderr());
-        assert!(
-            run.stderr().contains(expected),
-            "{args:?}: {}",
-            run.stderr()
-        );
-    }
+    refused_at_start(&cases).await;
 }
 
 #[tokio::test]
