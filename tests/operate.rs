@@ -694,10 +694,11 @@ async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
 }
 
 /// `/readyz` says not ready when what the service works with is gone: a
-/// worker's events stream (its completions could not be stored), a wake's
-/// ledger bucket (no turn could be planned).
+/// worker's events stream (its completions could not be stored) or cancel
+/// bucket (it would hold every task it takes), a wake's ledger bucket (no
+/// turn could be planned).
 #[tokio::test]
-async fn readiness_fails_when_the_events_stream_or_the_wake_ledger_is_gone() {
+async fn readiness_fails_when_the_events_stream_the_cancel_bucket_or_the_wake_ledger_is_gone() {
     init_logs();
     let nats = NatsServer::start().await;
     let api = SessionApiServer::start().await;
@@ -735,6 +736,15 @@ async fn readiness_fails_when_the_events_stream_or_the_wake_ledger_is_gone() {
         ready(worker.clone())
             .await
             .is_some_and(|(s, body)| s == 503 && body.contains("no stream takes completions"))
+    })
+    .await;
+    // Streams are checked before the completions probe.
+    let cancels = wakebus::protocol::Subjects::bucket_stream(&bus.subjects.cancel_bucket());
+    bus.js.delete_stream(&cancels).await.unwrap();
+    wait_until(WAIT, "the worker to name the cancel bucket", || async {
+        ready(worker.clone())
+            .await
+            .is_some_and(|(s, body)| s == 503 && body.contains(&cancels))
     })
     .await;
 }

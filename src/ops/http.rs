@@ -43,8 +43,13 @@ impl Probe {
             bus: bus.clone(),
             // Not the events stream: a worker may not read its info (with a
             // subject filter it would list every delegation id). It is
-            // probed instead, as at start.
-            streams: vec![s.tasks_stream(), s.dead_letter_stream()],
+            // probed instead, as at start. The cancel bucket: without it,
+            // each task taken is held until its cancel records are known.
+            streams: vec![
+                s.tasks_stream(),
+                s.dead_letter_stream(),
+                crate::protocol::Subjects::bucket_stream(&s.cancel_bucket()),
+            ],
             consumers: vec![(s.tasks_stream(), s.worker_consumer(pool))],
             completions_probe: Some(s.event("probe", "probe", 0, crate::protocol::EventKind::Done)),
         }
