@@ -273,6 +273,40 @@ async fn sigterm_hands_running_work_back_at_once_and_exits_zero() {
 }
 
 #[tokio::test]
+async fn a_hangup_stops_the_worker_and_the_wake_as_gracefully_as_sigterm() {
+    let rig = Rig::start().await;
+    // Started from a terminal or SSH session that then closes: left to
+    // SIGHUP's default, each would die on the spot, leaving its running
+    // tasks' programs behind.
+    let mut worker = rig.worker("worker", "echo hi", &[]);
+    let mut wake = rig.wake("wake");
+    for (service, started) in [
+        (&worker, "Worker started."),
+        (&wake, "Wake service started."),
+    ] {
+        wait_until(Duration::from_secs(30), started, || async {
+            std::fs::read_to_string(&service.log).is_ok_and(|log| log.contains(started))
+        })
+        .await;
+    }
+    for (service, stopped) in [
+        (&mut worker, "Worker stopped."),
+        (&mut wake, "Wake service stopped."),
+    ] {
+        let status = service
+            .signal_and_wait(Signal::SIGHUP, Duration::from_secs(30))
+            .await;
+        assert!(status.success(), "exited with {status}");
+        let log = std::fs::read_to_string(&service.log).unwrap();
+        assert!(
+            log.contains("signal=\"SIGHUP\"") || log.contains("signal=SIGHUP"),
+            "{log}"
+        );
+        assert!(log.contains(stopped), "{log}");
+    }
+}
+
+#[tokio::test]
 async fn a_wake_holding_hundreds_of_completions_through_an_outage_still_stops_on_sigterm() {
     let mut rig = Rig::start().await;
     let mut wake = rig.wake_holding_failing_sessions(600, "3s").await;

@@ -345,3 +345,32 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
         "{stderr}"
     );
 }
+
+/// Asked for traces it cannot export, a build without the `otel` feature
+/// stops with the reason, whether the endpoint came as a flag or from a
+/// config file shared with builds that have it.
+#[cfg(not(feature = "otel"))]
+#[tokio::test]
+async fn a_build_without_otel_refuses_an_otlp_endpoint_instead_of_dropping_the_traces() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = write(
+        dir.path(),
+        "shared.conf",
+        "otlp-endpoint = http://127.0.0.1:4318\n",
+    );
+    let flag = ["--otlp-endpoint", "http://127.0.0.1:4318", "status"];
+    let file = ["--config", shared.to_str().unwrap(), "status"];
+    for args in [&flag, &file] {
+        let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+            .env_clear()
+            .args(args)
+            .output_within(WAIT)
+            .await;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?}");
+        assert!(
+            stderr.contains("built without OpenTelemetry export"),
+            "{args:?}: {stderr}"
+        );
+    }
+}

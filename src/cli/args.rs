@@ -69,8 +69,8 @@ pub(crate) struct Global {
     pub(crate) log_format: LogFormat,
     /// Export spans over OTLP/HTTP to this collector base URL (like
     /// OTEL_EXPORTER_OTLP_ENDPOINT, which is read when this is not given;
-    /// `/v1/traces` is appended).
-    #[cfg(feature = "otel")]
+    /// `/v1/traces` is appended). Needs a build with the `otel` feature;
+    /// others refuse it rather than run without the traces asked for.
     #[arg(long, global = true)]
     pub(crate) otlp_endpoint: Option<String>,
     /// How long events are kept (e.g. 7d, 12h) [default: 7d, for new

@@ -24,6 +24,15 @@ pub(crate) fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    #[cfg(not(feature = "otel"))]
+    if cli.global.otlp_endpoint.is_some() {
+        eprintln!(
+            "error: --otlp-endpoint: this wakebus was built without OpenTelemetry export; \
+             build it with `--features otel` (an image: `--build-arg FEATURES=otel`), \
+             or leave the option out"
+        );
+        return ExitCode::FAILURE;
+    }
     // Tools run by hand (or by a gateway, for delegate and cancel) log only
     // problems; services log progress. The NATS client's own INFO lines
     // repeat what connect.rs logs of its events (every 4 s while the server
@@ -125,8 +134,8 @@ fn init_logging(global: &args::Global, default_level: &str) -> Telemetry {
     registry.init();
 }
 
-/// A service's graceful stop: completes on the first SIGINT or SIGTERM. A
-/// second one kills the task programs still running and ends the process
+/// A service's graceful stop: completes on the first SIGINT, SIGTERM or
+/// SIGHUP. A second one kills the task programs still running and ends the process
 /// at once (exit 130), as operators expect of a second Ctrl-C, for a stop
 /// that waits on what may not come: a task in its `--shutdown-grace`, or
 /// NATS taking the last acks while unreachable. What was not acknowledged
@@ -164,18 +173,26 @@ fn error_report(error: &anyhow::Error) -> String {
     report
 }
 
-/// Completes on SIGINT or SIGTERM.
+/// Completes on SIGINT, SIGTERM or SIGHUP. A hangup (the terminal or SSH
+/// session that started the process closed) stops it as gracefully as a
+/// SIGTERM: left to its default, it would end the process at once, with
+/// running tasks only redelivered after their ack wait and their programs,
+/// in process groups of their own, left running.
 pub(crate) async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
-    let Ok(mut term) = signal(SignalKind::terminate()) else {
+    let (Ok(mut term), Ok(mut hangup)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::hangup()),
+    ) else {
         let _ = tokio::signal::ctrl_c().await;
         return;
     };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-    tracing::info!("Shutdown signal received.");
+    let name = tokio::select! {
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+        _ = hangup.recv() => "SIGHUP",
+    };
+    tracing::info!(signal = name, "Shutdown signal received.");
 }
 
 #[cfg(test)]
