@@ -637,6 +637,14 @@ async fn the_delegator_refuses_oversized_or_unsafe_input_before_publishing() {
             },
             "timeout_seconds must be at least 1",
         ),
+        (
+            {
+                let mut zero = Delegation::new("g").session("s");
+                zero.depth = 0;
+                zero
+            },
+            "depth must be at least 1",
+        ),
     ];
     for (delegation, expected) in cases {
         let err = delegator.delegate(delegation).await.unwrap_err();
@@ -647,6 +655,7 @@ async fn the_delegator_refuses_oversized_or_unsafe_input_before_publishing() {
                     | DelegateError::InvalidId(_)
                     | DelegateError::EmptyGoal(_)
                     | DelegateError::ZeroTimeout
+                    | DelegateError::ZeroDepth
             ),
             "{err:?}"
         );

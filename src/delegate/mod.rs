@@ -228,6 +228,9 @@ pub enum DelegateError {
     /// `timeout_seconds` is 0, which would time every task out at once.
     #[error("timeout_seconds must be at least 1 (None: the worker's default)")]
     ZeroTimeout,
+    /// `depth` is 0: a top-level session delegates at depth 1.
+    #[error("depth must be at least 1 (1: delegated by a top-level session)")]
+    ZeroDepth,
     /// The delegation would nest subagents deeper than allowed.
     #[error("Delegation depth limit reached: depth {depth} is above the maximum of {max}")]
     DepthLimit {
@@ -429,6 +432,9 @@ impl Delegator {
         }
         if delegation.timeout_seconds == Some(0) {
             return Err(DelegateError::ZeroTimeout);
+        }
+        if delegation.depth == 0 {
+            return Err(DelegateError::ZeroDepth);
         }
         if delegation.depth > self.max_depth {
             return Err(DelegateError::DepthLimit {

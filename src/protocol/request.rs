@@ -147,6 +147,10 @@ pub enum DecodeError {
     /// (`null` or absent means the pool's default).
     #[error("timeout_seconds must be at least 1 (null or absent: the worker's default)")]
     ZeroTimeout,
+    /// `depth` is 0: a top-level session's task is at depth 1, and a 0
+    /// would let its subagent delegate one level past `--max-depth`.
+    #[error("depth must be at least 1 (1: delegated by a top-level session; absent: 1)")]
+    ZeroDepth,
     /// The task index is not below the task count.
     #[error("task_index {index} is not below task_count {count}")]
     TaskIndex {
@@ -228,6 +232,9 @@ impl TaskRequest {
         }
         if self.timeout_seconds == Some(0) {
             return Err(DecodeError::ZeroTimeout);
+        }
+        if self.depth == 0 {
+            return Err(DecodeError::ZeroDepth);
         }
         if self.task_count > MAX_TASK_COUNT {
             return Err(DecodeError::TaskCount {
@@ -319,6 +326,18 @@ mod tests {
             br#"{"version":1,"delegation_id":"d1","goal":"g","timeout_seconds":null}"#,
         );
         assert!(ok.is_ok(), "{ok:?}");
+    }
+
+    /// A subagent delegates at its own depth plus one: a 0 would give a
+    /// task's subagent depth 1, as if a top-level session had delegated.
+    #[test]
+    fn a_depth_of_zero_is_refused_rather_than_granting_a_level_past_the_limit() {
+        let err =
+            TaskRequest::decode(br#"{"version":1,"delegation_id":"d1","goal":"g","depth":0}"#)
+                .unwrap_err();
+        assert!(matches!(err, DecodeError::ZeroDepth), "{err}");
+        let absent = TaskRequest::decode(br#"{"version":1,"delegation_id":"d1","goal":"g"}"#);
+        assert_eq!(absent.unwrap().depth, 1);
     }
 
     #[test]
