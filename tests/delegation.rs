@@ -1194,6 +1194,67 @@ async fn a_batch_stored_only_in_part_is_completed_by_delegating_it_again_under_i
     assert_eq!(ran, [0, 1, 2], "each task ran once");
 }
 
+/// A nats-server restart forgets the ids of requests already consumed: it
+/// rebuilds its duplicate window from the messages still stored, and the
+/// task queue deleted each finished task's request. The retry that the
+/// restart made necessary must not send a finished task again (nothing
+/// else would stop it running twice: it is a first delivery of a request
+/// stored within the window), and still sends the task never stored.
+#[tokio::test]
+async fn a_retry_after_a_server_restart_does_not_run_a_finished_task_again() {
+    init_logs();
+    let mut nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    // The task queue takes the first request and refuses the second.
+    let mut tasks = bus
+        .js
+        .get_stream(bus.subjects.tasks_stream())
+        .await
+        .unwrap();
+    let config = tasks.info().await.unwrap().config.clone();
+    let mut refusing = config.clone();
+    refusing.max_messages = 1;
+    refusing.discard = async_nats::jetstream::stream::DiscardPolicy::New;
+    bus.js.update_stream(&refusing).await.unwrap();
+    let delegation = || Delegation::batch(["first", "second"].map(String::from)).session("s.rs");
+    let error = Delegator::new(bus.clone())
+        .delegate(delegation())
+        .await
+        .unwrap_err();
+    let DelegateError::NotStored { delegation_id, .. } = &error else {
+        panic!("{error}");
+    };
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    wait_until(
+        WAIT,
+        "the stored task to finish and its request to go",
+        || async {
+            done_events(&bus).await.len() == 1
+                && stored_messages(&bus, &bus.subjects.tasks_stream()).await == 0
+        },
+    )
+    .await;
+    services.stop().await;
+    bus.js.update_stream(&config).await.unwrap();
+
+    nats.restart_gracefully().await;
+    wait_until(WAIT, "the test's connection to come back", || async {
+        bus.client.connection_state() == async_nats::connection::State::Connected
+    })
+    .await;
+    let mut again = delegation();
+    again.delegation_id = Some(delegation_id.clone());
+    Delegator::new(bus.clone()).delegate(again).await.unwrap();
+    let queued: Vec<TaskRequest> = all_messages(&bus, &bus.subjects.tasks_stream())
+        .await
+        .iter()
+        .map(|m| TaskRequest::decode(&m.payload).unwrap())
+        .collect();
+    let indexes: Vec<u32> = queued.iter().map(|r| r.task_index).collect();
+    assert_eq!(indexes, [1], "only the task never stored is sent again");
+}
+
 /// JetStream drops a request sent again under its `Nats-Msg-Id` only within
 /// the requests stream's duplicate window (1 s here). A copy stored later,
 /// by a delegation sent again under its id or by a publisher sending the
@@ -1414,6 +1475,43 @@ async fn waiting_for_a_delegation_reads_past_garbage_and_strangers_on_its_subjec
 /// election: `duplicate: true`, sequence 0) is reported as not published,
 /// rather than returned as if it were queued. A NATS responder stands in
 /// for the events stream and answers so.
+/// Each publish's wait for its acknowledgement starts when it is awaited:
+/// awaited one after the other, a round of a batch's writes that nobody
+/// answers lasted 5 s per task (76 s for five tasks, hours for the largest
+/// batches), far past the bound gateways size their timeouts on.
+#[tokio::test]
+async fn a_batch_whose_writes_nobody_answers_fails_within_the_documented_bound() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    bus.js
+        .delete_stream(bus.subjects.events_stream())
+        .await
+        .expect("delete the events stream");
+    // Takes the records' publishes, so the client gets no "no responders"
+    // answer, and never replies.
+    let _silent = bus
+        .client
+        .subscribe(format!("{prefix}.evt.>"))
+        .await
+        .expect("subscribe");
+    let goals = ["a", "b", "c", "d", "e"].map(String::from);
+    let started = std::time::Instant::now();
+    let error = Delegator::new(bus.clone())
+        .delegate(Delegation::batch(goals).session("s.silent"))
+        .await
+        .expect_err("nothing was stored");
+    let took = started.elapsed();
+    assert!(
+        matches!(error, DelegateError::NotStored { .. }),
+        "{error:?}"
+    );
+    // Three rounds of 5 s and the pauses between them; the docs promise
+    // about 35 s for both steps.
+    assert!(took < Duration::from_secs(35), "took {took:?}");
+}
+
 #[tokio::test]
 async fn a_delegation_whose_record_is_acked_as_a_duplicate_of_nothing_stored_is_reported_unpublished()
  {

@@ -20,7 +20,7 @@ mod wait;
 
 use std::time::Duration;
 
-use async_nats::jetstream::stream::RawMessageErrorKind;
+use async_nats::jetstream::stream::{LastRawMessageErrorKind, RawMessageErrorKind};
 use serde::Serialize;
 use time::OffsetDateTime;
 use tracing::Instrument as _;
@@ -344,12 +344,14 @@ impl Delegator {
     /// every completion.
     pub async fn delegate(&self, delegation: Delegation) -> Result<DelegateResult, DelegateError> {
         let mut requests = self.requests(&delegation)?;
+        let mut finished = Vec::new();
         if delegation.delegation_id.is_some()
             && let Some(first) = self.first_submitted_at(&requests[0]).await
         {
             for request in &mut requests {
                 request.created_at = Some(first);
             }
+            finished = self.finished_tasks(&requests).await;
         }
         // The delegation's span, parent of its tasks' spans (`otel` feature).
         let span = tracing::info_span!(
@@ -360,7 +362,7 @@ impl Delegator {
         );
         let trace = crate::telemetry::hop(&span, delegation.traceparent);
         span.record("trace_id", trace.trace_id_hex());
-        self.publish_all(&delegation.pool, &requests, trace)
+        self.publish_all(&delegation.pool, &requests, &finished, trace)
             .instrument(span.clone())
             .await?;
 
@@ -515,5 +517,48 @@ impl Delegator {
                 None
             }
         }
+    }
+
+    /// The tasks of a delegation sent before that already have their
+    /// completion, by index: their requests are not sent again. The task
+    /// queue drops a re-sent request as a duplicate only while it
+    /// remembers its id, and a nats-server restart forgets the ids of
+    /// requests already consumed (it rebuilds its duplicate window from
+    /// the messages still stored, and the queue deletes each request once
+    /// its task is done): a retry after the restart that made the first
+    /// attempt fail would otherwise run a finished task again. A task
+    /// still queued or running keeps its request stored, and so its id.
+    async fn finished_tasks(&self, requests: &[TaskRequest]) -> Vec<bool> {
+        let Ok(events) = self
+            .bus
+            .js
+            .get_stream_no_info(self.bus.subjects.events_stream())
+            .await
+        else {
+            // Read a moment ago by `first_submitted_at`: every task is sent.
+            return vec![false; requests.len()];
+        };
+        let token = crate::worker::token_for(requests[0].origin_session_id.as_deref());
+        let finished = requests.iter().map(|request| {
+            let subject = self.bus.subjects.event(
+                &token,
+                &request.delegation_id,
+                request.task_index,
+                crate::protocol::EventKind::Done,
+            );
+            let events = &events;
+            async move {
+                match events.get_last_raw_message_by_subject(&subject).await {
+                    // Garbage on the subject is no completion: the task is sent.
+                    Ok(done) => crate::protocol::CompletionEvent::decode(&done.payload).is_ok(),
+                    Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => false,
+                    Err(error) => {
+                        tracing::warn!(%error, delegation_id = %request.delegation_id, task_index = request.task_index, "Cannot tell whether this task finished before; sending it again (after a nats-server restart it may run twice).");
+                        false
+                    }
+                }
+            }
+        });
+        futures::future::join_all(finished).await
     }
 }

@@ -35,8 +35,9 @@ impl Delegator {
     }
 
     /// Writes every task's `submitted` record and waits until JetStream has
-    /// stored them, then publishes every request and waits for all acks
-    /// (each step pipelined: one round trip per step, not per task).
+    /// stored them, then publishes every request (but those `finished`
+    /// marks as finished before) and waits for all acks (each step
+    /// pipelined: one round trip per step, not per task).
     ///
     /// The records go first so that no completion can exist without one: a
     /// wake that verifies origins would refuse it.
@@ -44,13 +45,16 @@ impl Delegator {
         &self,
         pool: &str,
         requests: &[TaskRequest],
+        finished: &[bool],
         trace: TraceParent,
     ) -> Result<(), DelegateError> {
         let subject = self.bus.subjects.task(pool);
         let traceparent = trace.to_string();
         let mut records = Vec::with_capacity(requests.len());
         let mut pending = Vec::with_capacity(requests.len());
-        for request in requests {
+        // Which requests are sent (all but those finished before), by index.
+        let mut sent = Vec::with_capacity(requests.len());
+        for (index, request) in requests.iter().enumerate() {
             let token = crate::worker::token_for(request.origin_session_id.as_deref());
             let record = SubmittedRecord::for_request(request, pool, Some(traceparent.clone()));
             records.push((
@@ -62,6 +66,11 @@ impl Delegator {
             ));
             let payload = Bytes::from(serde_json::to_vec(request).map_err(PublishError::from)?);
             self.check_size(payload.len(), request)?;
+            if finished.get(index).copied().unwrap_or(false) {
+                tracing::debug!(delegation_id = %request.delegation_id, task_index = request.task_index, "Task finished before; not sending it again.");
+                continue;
+            }
+            sent.push(index);
             pending.push((subject.clone(), Self::task_headers(request, trace), payload));
         }
         let stored = match self
@@ -69,7 +78,7 @@ impl Delegator {
             .await
         {
             Ok(()) => {
-                self.publish_stored(pending, |i| Self::task_headers(&requests[i], trace))
+                self.publish_stored(pending, |i| Self::task_headers(&requests[sent[i]], trace))
                     .await
             }
             failed => failed,
@@ -171,20 +180,20 @@ impl Delegator {
                     .await;
                 acks.push(ack);
             }
-            let mut results = Vec::with_capacity(acks.len());
-            for ack in acks {
-                results.push(match ack {
-                    Ok(ack) => ack.await.and_then(|ack| {
-                        crate::bus::confirm_stored(ack).map(drop).map_err(|error| {
-                            async_nats::jetstream::context::PublishError::with_source(
-                                PublishErrorKind::Other,
-                                error,
-                            )
-                        })
-                    }),
-                    Err(error) => Err(error),
-                });
-            }
+            // Awaited together: each ack's timeout starts when it is
+            // awaited, so awaiting them in turn would make a round that
+            // gets no answers last the timeout once per message.
+            let results = futures::future::join_all(acks.into_iter().map(|ack| async move {
+                ack?.await.and_then(|ack| {
+                    crate::bus::confirm_stored(ack).map(drop).map_err(|error| {
+                        async_nats::jetstream::context::PublishError::with_source(
+                            PublishErrorKind::Other,
+                            error,
+                        )
+                    })
+                })
+            }))
+            .await;
             let mut results = results.into_iter();
             unconfirmed.retain(|(_, (subject, ..))| match results.next() {
                 Some(Err(error)) => {
