@@ -409,3 +409,85 @@ async fn a_forced_replay_forces_the_genuine_completion_stored_after_a_forged_one
     services.stop().await;
     assert!(api.accepted().iter().all(|p| p.session() == "s.real"));
 }
+
+/// A replay handled one completion per task, so a forged completion met
+/// first (its dead letter stored before the genuine one's) made the
+/// genuine one, refused by its session API, look handled: the run
+/// reported success and the session was never woken. Plain, both are
+/// re-driven (the verifying wake refuses the forged copy again); forced,
+/// the forged one is skipped and the genuine one forced.
+#[tokio::test]
+async fn a_forged_dead_letter_stored_first_does_not_hide_the_genuine_refused_one_from_a_replay() {
+    let (server, api, operator, worker_bus, mut services) = verifying_deployment().await;
+    let genuine = Delegator::new(server.bus("delegator").await)
+        .delegate(Delegation::new("genuine work").session("s.real"))
+        .await
+        .expect("delegation");
+    let id = genuine.delegation_id().to_owned();
+    publish_as_worker(&worker_bus, &id, "s.victim", "FORGED-FIRST").await;
+    let dead_letters = |count: usize| {
+        let operator = &operator;
+        async move { all_messages(operator, "WAKEBUS_DLQ").await.len() == count }
+    };
+    wait_until(WAIT, "the forged completion dead-lettered", || {
+        dead_letters(1)
+    })
+    .await;
+    api.fail_always(400);
+    echo_worker(&mut services, &worker_bus);
+    wait_until(WAIT, "the genuine completion refused", || dead_letters(2)).await;
+    api.recover();
+
+    let delegation = Selection {
+        delegation: Some(id.clone()),
+        ..Selection::default()
+    };
+    let replayed_for = |items: &[ReplayItem], session: &str| {
+        items
+            .iter()
+            .filter(|item| item.origin_session.as_deref() == Some(session))
+            .map(|item| item.action)
+            .collect::<Vec<_>>()
+    };
+    let plain = replay_as_operator(
+        &server,
+        ReplayKind::WakeDeadLetters,
+        delegation.clone(),
+        false,
+    )
+    .await;
+    assert_eq!(
+        replayed_for(&plain, "s.real"),
+        [Action::Replayed],
+        "{plain:#?}"
+    );
+    wait_until(WAIT, "the genuine wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    // The forged copy, refused again.
+    wait_until(WAIT, "the forged copy dead-lettered again", || {
+        dead_letters(3)
+    })
+    .await;
+
+    let forced = replay_as_operator(&server, ReplayKind::WakeDeadLetters, delegation, true).await;
+    assert_eq!(
+        replayed_for(&forced, "s.real"),
+        [Action::Replayed],
+        "{forced:#?}"
+    );
+    let victim = replayed_for(&forced, "s.victim");
+    assert!(
+        !victim.is_empty() && victim.iter().all(|action| *action == Action::Skipped),
+        "{forced:#?}"
+    );
+    wait_until(WAIT, "the forced wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    wake_consumer_settled(&operator).await;
+    services.stop().await;
+    assert!(api.accepted().iter().all(|p| p.session() == "s.real"));
+    assert_eq!(server.violations(), Vec::<String>::new());
+}

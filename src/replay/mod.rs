@@ -303,9 +303,12 @@ pub struct Replayer {
     /// of a record older than that, no trace of an earlier run proves
     /// there was none. Zero: kept for ever.
     kept: std::time::Duration,
-    /// Tasks already handled in this run: the history holds earlier replay
-    /// copies of the same completion, and one wake per task is enough.
-    seen: HashSet<String>,
+    /// Wakes already handled in this run, by ledger key and the session
+    /// the completion names: the history holds earlier replay copies of
+    /// the same completion, and one wake per task is enough; a completion
+    /// naming another session (a forged one) is not a copy of the task's
+    /// own and must not stand in for it.
+    seen: HashSet<(String, String)>,
 }
 
 impl Replayer {

@@ -67,7 +67,8 @@ impl Replayer {
         } else {
             WakeLedger::key(&event.delegation_id, event.task_index)
         };
-        if !self.seen.insert(key.clone()) {
+        let seen = (key.clone(), session.clone());
+        if !self.seen.insert(seen.clone()) {
             return Ok(item.skipped(if batch {
                 "another completion of this batch was already handled"
             } else {
@@ -79,22 +80,26 @@ impl Replayer {
         // history too) shares its ledger key with the genuine one: forcing
         // it would replace the genuine delivery's entry with a forced key,
         // under which a later replay of the genuine completion would wake
-        // its session again. It is re-driven as without --force: posted
-        // only if that key was never delivered.
-        let forged = if self.plan.force {
+        // its session again, and a verifying wake would only refuse its
+        // copy. It is not replayed; the genuine one, met in this run or
+        // not, is handled on its own (`seen` tells them apart by session).
+        if self.plan.force {
             match self.submitted_for_another_session(&event, &session).await {
-                Ok(forged) => forged,
+                Ok(false) => {}
+                Ok(true) => {
+                    return Ok(item.skipped(
+                        "not forced: its task was submitted for another session, so this completion is not the task's own (forcing it would replace the genuine wake's ledger entry)",
+                    ));
+                }
                 Err(error) => {
-                    self.seen.remove(&key);
+                    self.seen.remove(&seen);
                     return Ok(item.unchecked(format!(
                         "cannot tell whether its task was submitted for this session ({error}); run the replay again once the history can be read"
                     )));
                 }
             }
-        } else {
-            false
-        };
-        let force = self.plan.force && !forged;
+        }
+        let force = self.plan.force;
         let ledger = self.ledger.as_ref().expect("wake replays open the ledger");
         // Not knowing whether it was delivered (a leader election), it is
         // left for a later run rather than stopping this one; forced, the
@@ -103,7 +108,7 @@ impl Replayer {
             Ok(entry) => Ok(entry),
             Err(_) if force => Err(()),
             Err(error) => {
-                self.seen.remove(&key);
+                self.seen.remove(&seen);
                 return Ok(item.unchecked(format!(
                     "cannot tell whether it was delivered ({error}); run the replay again once the ledger can be read (a leader election passes by itself; a refused read or a corrupt entry needs an operator)"
                 )));
@@ -115,25 +120,16 @@ impl Replayer {
             && !force
             && let Some(reason) = self.outlived_its_traces(record, "wake ledger entries")
         {
-            self.seen.remove(&key);
+            self.seen.remove(&seen);
             return Ok(item.skipped(reason));
         }
         if let Ok(Some(LedgerState::Delivered { at, .. })) = &entry
             && !force
         {
             let at = crate::history::rfc3339(*at);
-            if forged {
-                // Not this completion's wake to force: the genuine one,
-                // met later in this run, may be.
-                self.seen.remove(&key);
-            }
-            return Ok(item.skipped(if forged {
-                format!(
-                    "its task was already delivered at {at}; not forced: its task was submitted for another session, so this completion is not the task's own, and forcing it would replace that delivery's ledger entry"
-                )
-            } else {
-                format!("already delivered at {at} (use --force to post it again)")
-            }));
+            return Ok(item.skipped(format!(
+                "already delivered at {at} (use --force to post it again)"
+            )));
         }
         // Forced, any entry is replaced by the forced post's record: a
         // `posting` one (a post the session API refused, or one in doubt)
@@ -171,7 +167,7 @@ impl Replayer {
             // Recorded before the copy is published, so that no copy of
             // the completion wakes under another key from now on.
             if let Err(error) = ledger.record_forced(&key, &forced_key).await {
-                self.seen.remove(&key);
+                self.seen.remove(&seen);
                 return Ok(item.unchecked(format!(
                     "cannot record the forced wake in its ledger entry ({error}); run the replay again for it"
                 )));
