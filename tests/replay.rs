@@ -868,6 +868,76 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
     assert_eq!(api.all_posts().len(), 2);
 }
 
+/// A batch member re-queued under its batch's task count left the derived
+/// delegation looking unfinished for ever: a cancel of it, once it had
+/// ended, counted siblings that never existed as running, recorded a
+/// cancel and reported it `cancelled`.
+#[tokio::test]
+async fn a_replayed_batch_member_is_a_delegation_of_its_own_that_a_cancel_finds_finished() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    let mut broken = Services::new();
+    let mut config = test_worker_config("default");
+    config.max_deliver = 1;
+    let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
+    broken.worker(
+        &bus,
+        Executor::Command(CommandExecutor::new(missing)),
+        config,
+    );
+    let goals = ["first", "second"].map(String::from);
+    let id = delegate(&bus, Delegation::batch(goals).session("s.members")).await;
+    wait_until(WAIT, "the batch's failure wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    broken.stop().await;
+
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "tasks", "--delegation", &id],
+    )
+    .await
+    .ok_json();
+    let derived: Vec<String> = lines
+        .iter()
+        .filter(|line| line.get("action").is_some())
+        .map(|line| {
+            assert_eq!(line["action"], "replayed", "{lines:#?}");
+            line["new_delegation_id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(derived.len(), 2, "{lines:#?}");
+    services.echo_worker(&bus);
+    // Woken on their own (together, as one session's wakes may be).
+    wait_until(WAIT, "each member's own wake", || async {
+        let woken: Vec<String> = api
+            .accepted()
+            .iter()
+            .flat_map(|post| post.delegation_ids())
+            .collect();
+        derived.iter().all(|id| woken.contains(id))
+    })
+    .await;
+    services.stop().await;
+    let canceller = wakebus::cancel::Canceller::new(bus.clone());
+    for derived in &derived {
+        let report = canceller.cancel_delegation(derived, false).await.unwrap();
+        assert_eq!(
+            report.state,
+            Some(wakebus::cancel::DelegationState::Finished),
+            "{report:?}"
+        );
+        assert_eq!(report.status, "nothing_to_cancel");
+    }
+}
+
 /// A task whose delegation, or whose session, was cancelled after it was
 /// given up is not run again by a replay: the re-queued copy, a new
 /// delegation stored after the cancel, would escape both records.

@@ -66,7 +66,7 @@ impl Replayer {
         let earlier = if self.plan.force {
             Requeued::No
         } else {
-            self.requeued(&request, &new_id).await
+            self.requeued(&new_id).await
         };
         if matches!(earlier, Requeued::No)
             && !self.plan.force
@@ -91,21 +91,32 @@ impl Replayer {
             item.action = Action::WouldReplay;
             return Ok(item);
         }
+        let mut requeued = request;
+        requeued.delegation_id.clone_from(&new_id);
         body["delegation_id"] = serde_json::Value::from(new_id.as_str());
-        if request.task_count > 1 {
-            // Alone under its new id: a batch would wait for siblings that
-            // will never run.
+        if requeued.task_count > 1 {
+            // Alone under its new id, a one-task delegation: a batch would
+            // wait for siblings that will never run, and a cancel would
+            // count them as still running.
+            requeued.task_index = 0;
+            requeued.task_count = 1;
+            requeued.wake_mode = crate::protocol::WakeMode::Independent;
+            body["task_index"] = serde_json::Value::from(0);
+            body["task_count"] = serde_json::Value::from(1);
             body["wake_mode"] = serde_json::Value::from("independent");
         }
         let payload = encode(&subject, &body)?;
         let mut headers = replay_headers(record);
-        set_ids(&mut headers, &format!("{new_id}.{}", request.task_index));
+        set_ids(&mut headers, &format!("{new_id}.{}", requeued.task_index));
         headers.insert(HEADER_DELEGATION_ID, new_id.as_str());
+        headers.insert(
+            crate::protocol::HEADER_TASK_INDEX,
+            requeued.task_index.to_string().as_str(),
+        );
         // After a re-queue whose task write failed, the record is there:
         // only the task is sent (under the same Nats-Msg-Id).
         if !matches!(earlier, Requeued::RecordOnly) {
-            self.publish_submitted(&request, &new_id, &pool, &headers)
-                .await?;
+            self.publish_submitted(&requeued, &pool, &headers).await?;
         }
         self.publish(subject, headers, payload).await?;
         item.action = Action::Replayed;
@@ -165,18 +176,16 @@ impl Replayer {
     /// `submitted` record is written before the task, so a record alone
     /// means either a task still in the queue (or in its first second of
     /// running, before its started event) or a task write that failed.
-    async fn requeued(&self, request: &TaskRequest, new_id: &str) -> Requeued {
+    async fn requeued(&self, new_id: &str) -> Requeued {
         let events = self
             .events
             .as_ref()
             .expect("task replays open the events stream");
-        let token = crate::worker::token_for(request.origin_session_id.as_deref());
-        // Whether an event of `kind` exists; a failed read is no answer.
+        // Whether an event of `kind` exists, for any task of the new id: a
+        // batch member is re-queued as task 0 (by earlier releases, under
+        // its own index); a failed read is no answer.
         let has = |kind| {
-            let subject = self
-                .bus
-                .subjects
-                .event(&token, new_id, request.task_index, kind);
+            let subject = self.bus.subjects.delegation_events(new_id, kind);
             async move {
                 match events.get_last_raw_message_by_subject(&subject).await {
                     Ok(_) => Ok(true),
@@ -211,24 +220,22 @@ impl Replayer {
     /// verifies origins requires of its completion (docs/PROTOCOL.md, 5.6).
     async fn publish_submitted(
         &self,
-        request: &TaskRequest,
-        new_id: &str,
+        requeued: &TaskRequest,
         pool: &str,
         request_headers: &HeaderMap,
     ) -> Result<(), ReplayError> {
-        let mut requeued = request.clone();
-        requeued.delegation_id = new_id.to_owned();
-        let token = crate::worker::token_for(request.origin_session_id.as_deref());
+        let new_id = &requeued.delegation_id;
+        let token = crate::worker::token_for(requeued.origin_session_id.as_deref());
         let subject = self
             .bus
             .subjects
-            .submitted(&token, new_id, request.task_index);
-        let body = crate::protocol::SubmittedRecord::for_request(&requeued, pool, None);
+            .submitted(&token, new_id, requeued.task_index);
+        let body = crate::protocol::SubmittedRecord::for_request(requeued, pool, None);
         let payload = encode(&subject, &body)?;
         let mut headers = request_headers.clone();
         set_ids(
             &mut headers,
-            &crate::protocol::SubmittedRecord::id_for(new_id, request.task_index),
+            &crate::protocol::SubmittedRecord::id_for(new_id, requeued.task_index),
         );
         headers.insert(
             crate::protocol::HEADER_CE_TYPE,
