@@ -404,6 +404,51 @@ async fn an_earlier_forced_copy_met_again_after_a_later_one_is_not_posted_again(
     assert_eq!(api.accepted().len(), 3, "{:?}", api.accepted());
 }
 
+/// `replay wakes --force` records its copy's key in the ledger before it
+/// publishes the copy. A copy carrying the header that no replay recorded
+/// (a worker credential re-publishing a delivered completion with a
+/// made-up ULID, or a `replay copy` of a forced copy) was posted under a
+/// new Idempotency-Key, which even a session API honouring the key takes
+/// as a second turn; for a single task and for a batch.
+#[tokio::test]
+async fn a_forced_replay_header_that_no_replay_recorded_does_not_wake_a_session_again() {
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
+    let single = delivered_wake(&bus, &api, "s.forged.force").await;
+    let batch = delegate(
+        &bus,
+        Delegation::batch(["one", "two"].map(String::from)).session("s.forged.batch"),
+    )
+    .await;
+    wait_until(WAIT, "the batch's wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    let done: Vec<_> = all_messages(&bus, &bus.subjects.events_stream())
+        .await
+        .into_iter()
+        .filter(|m| m.subject.ends_with(".done"))
+        .collect();
+    assert_eq!(done.len(), 3);
+    for (n, original) in done.iter().enumerate() {
+        let mut copy = original.clone();
+        let ulid = ulid::Ulid::new().to_string();
+        copy.headers.insert(HEADER_FORCED_REPLAY, ulid.as_str());
+        publish_copy_again(&bus, &copy, &format!("made-up-forced-copy-{n}")).await;
+    }
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let posted: Vec<String> = api.all_posts().iter().map(|p| p.session()).collect();
+    assert_eq!(
+        posted,
+        ["s.forged.force", "s.forged.batch"],
+        "no second turn"
+    );
+    assert_eq!(api.accepted()[0].delegation_ids(), [single]);
+    assert!(api.accepted()[1].text().contains(&batch));
+}
+
 /// The provisioned wake ledger of `bus`.
 async fn ledger_of(bus: &wakebus::bus::Bus) -> WakeLedger {
     let state = bus

@@ -31,7 +31,7 @@ use tracing::{Instrument, error, info, info_span, warn};
 
 use self::hold::Hold;
 use super::Shared;
-use super::ledger::{LedgerState, WakeLedger};
+use super::ledger::WakeLedger;
 use super::lock::{LockError, LockGuard, Taken};
 use super::session_api::Post;
 use crate::ops::metrics as m;
@@ -77,24 +77,6 @@ impl Pending {
     /// completion's id.
     fn base_key(&self) -> String {
         CompletionEvent::id_for(&self.event.delegation_id, self.event.task_index)
-    }
-
-    /// Whether the ledger record `recorded` stands for this copy's wake
-    /// (`base`: the key it would carry unforced): any record does for an
-    /// ordinary copy. For a `replay wakes --force` copy, a `delivered` of
-    /// any forced re-post of the same completion does (a forced turn went
-    /// out after the copy was asked for, or it is this copy's own), and a
-    /// `posting` of its own replay, which the replay records before
-    /// publishing the copy, or of a later one (ULIDs sort by time: the
-    /// later run's post stands for both). A record under any other key is
-    /// the wake the copy was forced to repeat.
-    fn settled_by(&self, base: &str, recorded: &LedgerState) -> bool {
-        let Some(own) = self.forced_key(base) else {
-            return true;
-        };
-        let key = recorded.key();
-        crate::replay::is_forced_key_of(base, key)
-            && (matches!(recorded, LedgerState::Delivered { .. }) || key >= own.as_str())
     }
 }
 

@@ -78,17 +78,11 @@ impl Router {
                 |p: &Pending| is_batch_member(p) && p.event.delegation_id == delegation_id;
             let batch_key = WakeLedger::batch_key(&delegation_id);
             let recorded = ledger.read(&batch_key).await?;
-            // A forced replay copy that the record does not settle: the
-            // batch is posted again under its key.
+            // A forced replay copy's key is used only when nothing is
+            // recorded: see `plan_singles`.
             let forced = held
                 .iter()
-                .filter(|p| of_batch(p))
-                .filter(|p| {
-                    !recorded
-                        .state
-                        .as_ref()
-                        .is_some_and(|state| p.settled_by(&batch_key, state))
-                })
+                .filter(|p| of_batch(p) && recorded.state.is_none())
                 .find_map(|p| p.forced_key(&batch_key));
             if let Some(LedgerState::Delivered { .. }) = recorded.state
                 && forced.is_none()
@@ -347,10 +341,12 @@ impl Router {
         let mut recovering: Vec<Turn> = Vec::new();
         let mut fresh: Vec<Pending> = Vec::new();
         for (pending, state) in std::mem::take(held).into_iter().zip(states) {
-            // A forced replay copy goes only by a forced re-post's record
-            // (`Pending::settled_by`): anything else recorded is the wake
-            // it was forced to repeat, so it is planned afresh.
-            let state = state.filter(|state| pending.settled_by(&pending.base_key(), state));
+            // A forced replay copy goes by the record like any copy:
+            // `replay wakes --force` records the copy's key before it
+            // publishes it, so by the time it arrives the record is its
+            // own post (or a later forced run's, or the delivery of one).
+            // A forced header on a copy no replay recorded (a publisher's
+            // own, a copy of a forced copy) is no reason to post again.
             match state {
                 Some(LedgerState::Delivered { .. }) => {
                     info!(delegation_id = %pending.event.delegation_id, task_index = pending.event.task_index, "Wake already delivered; acking the duplicate.");
