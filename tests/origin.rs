@@ -491,3 +491,56 @@ async fn a_forged_dead_letter_stored_first_does_not_hide_the_genuine_refused_one
     assert!(api.accepted().iter().all(|p| p.session() == "s.real"));
     assert_eq!(server.violations(), Vec::<String>::new());
 }
+
+/// A task that waits or runs longer than the history outlives its
+/// `submitted` record. Its completion cannot be verified and is refused,
+/// but as what it is: an expired record, said at ERROR with the history to
+/// lengthen, not a forged completion that points at a worker.
+#[tokio::test]
+async fn a_completion_whose_submitted_record_expired_is_refused_as_expired_not_as_forged() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut events = bus
+        .js
+        .get_stream(bus.subjects.events_stream())
+        .await
+        .unwrap();
+    let mut config = events.info().await.unwrap().config.clone();
+    config.max_age = Duration::from_secs(1);
+    config.duplicate_window = config.max_age;
+    bus.js.update_stream(&config).await.unwrap();
+    let mut services = Services::new();
+    services.worker(
+        &bus,
+        shell("sleep 3; echo late"),
+        test_worker_config("default"),
+    );
+    let mut wake_config = test_wake_config(&api.url());
+    wake_config.verify_origin = true;
+    services.wake(&bus, wake_config);
+    delegate(
+        &bus,
+        Delegation::new("outlives its record").session("s.long"),
+    )
+    .await;
+
+    let dead_letters = bus.subjects.dead_letter_stream();
+    wait_until(WAIT, "the completion refused", || async {
+        !all_messages(&bus, &dead_letters).await.is_empty()
+    })
+    .await;
+    services.stop().await;
+    let dead = all_messages(&bus, &dead_letters).await;
+    let reason = dead[0]
+        .headers
+        .get(HEADER_DEAD_LETTER_REASON)
+        .map(|v| v.as_str().to_owned())
+        .unwrap_or_default();
+    assert!(
+        reason.contains("may have been removed by the history's limits"),
+        "{reason}"
+    );
+    assert!(api.accepted().is_empty());
+}

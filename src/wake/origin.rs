@@ -163,12 +163,39 @@ impl OriginGate {
                 ))
             }),
             Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
-                Err(Refusal::Forged(
-                    "no submitted record for this delegation, task and session".to_owned(),
-                ))
+                Err(Refusal::Forged(self.why_no_record(event).await))
             }
             Err(error) => Err(Refusal::Unavailable(error.to_string())),
         }
+    }
+
+    /// Why a completion has no `submitted` record: never written (a forged
+    /// completion), or, when the history's oldest message was stored after
+    /// the task was dispatched, maybe removed by the history's limits (a
+    /// task that waited or ran longer than `--history`). The completion is
+    /// refused either way (its `dispatched_at` is the publisher's word),
+    /// but the second is said so, at ERROR: no worker is to blame, the
+    /// session is not woken, and the history must be kept longer.
+    async fn why_no_record(&self, event: &crate::protocol::CompletionEvent) -> String {
+        let absent = "no submitted record for this delegation, task and session";
+        let Some(dispatched) = event.dispatched_at else {
+            return absent.to_owned();
+        };
+        let Ok(info) = self.shared.events.get_info().await else {
+            return absent.to_owned();
+        };
+        let oldest = info.state.first_timestamp;
+        if info.state.messages == 0 || oldest <= dispatched {
+            return absent.to_owned();
+        }
+        let reason = format!(
+            "{absent}; the task was dispatched at {}, before the oldest event the history still holds ({}): the record may have been removed by the history's limits (--history, now {:?})",
+            crate::history::rfc3339(dispatched),
+            crate::history::rfc3339(oldest),
+            info.config.max_age
+        );
+        tracing::error!(delegation_id = %event.delegation_id, task_index = event.task_index, %reason, "A completion's submitted record may have expired; its session is not woken. Keep the history longer than tasks wait and run (--history), then re-drive it with `wakebus replay wakes --dead-letters` once a record is written for it (docs/PROTOCOL.md 5.6) or through a wake without --verify-origin.");
+        reason
     }
 
     /// Dead-letters a completion whose origin is not verified, then
