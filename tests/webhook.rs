@@ -261,6 +261,62 @@ async fn a_wake_posted_as_a_webhook_carries_signatures_a_receiver_verifies() {
     assert_eq!(*receiver.refused.lock().unwrap(), 0);
 }
 
+/// A batch's consolidated turn and an early failure notice have ledger
+/// keys of their own (`<id>.batch`, `<id>.<task>.early`), which the
+/// webhook's `completions` listed in place of the completions the turn
+/// reports: a receiver could not tell which tasks a batch turn reported.
+#[tokio::test]
+async fn a_webhook_lists_every_task_a_batch_turn_or_an_early_notice_reports() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let receiver = Receiver::start(&[NEW]).await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mark = dir.path().join("early-notice-seen");
+    let mut services = Services::new();
+    // Task 1 fails at once; task 0 ends once its early notice is in.
+    services.worker(
+        &bus,
+        shell(&format!(
+            "if [ \"$WAKEBUS_TASK_INDEX\" = 1 ]; then exit 3; fi; while [ ! -e {m} ]; do sleep 0.05; done; echo ok",
+            m = mark.display()
+        )),
+        test_worker_config("default"),
+    );
+    services.wake(&bus, webhook_wake_config(&receiver.url, &[NEW]));
+    let mut delegation = Delegation::batch(["slow", "fails"].map(String::from)).session("s.hooks");
+    delegation.notify_early_failure = true;
+    let result = Delegator::new(bus.clone())
+        .delegate(delegation)
+        .await
+        .unwrap();
+    let id = result.delegation_id().to_owned();
+    wait_until(WAIT, "the early notice", || async {
+        receiver.verified().len() == 1
+    })
+    .await;
+    std::fs::write(&mark, "").unwrap();
+    wait_until(WAIT, "the batch's turn", || async {
+        receiver.verified().len() == 2
+    })
+    .await;
+    services.stop().await;
+    let completions: Vec<serde_json::Value> = receiver
+        .verified()
+        .iter()
+        .map(|(_, raw)| {
+            serde_json::from_slice::<serde_json::Value>(raw).unwrap()["data"]["completions"].clone()
+        })
+        .collect();
+    assert_eq!(
+        completions,
+        [
+            serde_json::json!([format!("{id}.1")]),
+            serde_json::json!([format!("{id}.0"), format!("{id}.1")]),
+        ]
+    );
+}
+
 #[tokio::test]
 async fn https_certificates_are_verified_and_a_private_ca_can_be_trusted() {
     init_logs();
@@ -423,7 +479,7 @@ async fn only_redirects_that_keep_the_turn_and_meet_the_http_rule_are_followed()
         text: "the turn",
         idempotency_key: "k1",
         traceparent: None,
-        covers: &[],
+        reports: &[],
         events: &[],
     };
 
@@ -492,7 +548,7 @@ async fn a_post_follows_ten_redirects_and_not_an_eleventh() {
         text: "the turn",
         idempotency_key: "k1",
         traceparent: None,
-        covers: &[],
+        reports: &[],
         events: &[],
     };
     for (hops, delivered) in [(10, true), (11, false)] {

@@ -116,8 +116,9 @@ pub struct Post<'a> {
     pub idempotency_key: &'a str,
     /// Trace context, if the completion had one.
     pub traceparent: Option<&'a str>,
-    /// Ledger keys of the completions the turn reports.
-    pub covers: &'a [String],
+    /// `<delegation_id>.<task_index>` of every completion the turn reports
+    /// (every task of a batch).
+    pub reports: &'a [String],
     /// The completion events in hand.
     pub events: &'a [&'a CompletionEvent],
 }
@@ -334,7 +335,7 @@ impl SessionApi {
                         session_id: post.session,
                         idempotency_key: post.idempotency_key,
                         text: post.text,
-                        completions: post.covers,
+                        completions: post.reports,
                         events: post.events.to_vec(),
                     },
                 };
@@ -529,7 +530,7 @@ mod tests {
                 text: "t",
                 idempotency_key: "k",
                 traceparent: None,
-                covers: &[],
+                reports: &[],
                 events: &[],
             }),
         )

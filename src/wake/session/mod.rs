@@ -87,8 +87,13 @@ struct Turn {
     key: String,
     /// The rendered text.
     text: String,
-    /// Ledger keys of the completions it reports.
+    /// Ledger keys of the completions it reports: one per completion,
+    /// but a batch's consolidated turn (`<delegation>.batch`) and an early
+    /// failure notice (`<delegation>.<task>.early`) have their own.
     covers: Vec<String>,
+    /// `<delegation_id>.<task_index>` of every completion it reports (every
+    /// task of a batch), as a webhook's `completions` lists them.
+    reports: Vec<String>,
     /// The covered entries whose delivery this turn records, each with its
     /// revision as this instance last read or wrote it: the `delivered`
     /// records are written only over these, so that one never lands over
@@ -121,7 +126,7 @@ impl Turn {
             text: &self.text,
             idempotency_key: &self.key,
             traceparent: self.traceparent.as_deref(),
-            covers: &self.covers,
+            reports: &self.reports,
             events,
         }
     }

@@ -108,6 +108,9 @@ impl Router {
                     text: turn::render_batch(&delegation_id, &all),
                     at: BTreeMap::from([(batch_key.clone(), recorded.revision)]),
                     covers: vec![batch_key],
+                    reports: (0..all.len() as u32)
+                        .map(|index| WakeLedger::key(&delegation_id, index))
+                        .collect(),
                     messages: group,
                 });
                 continue;
@@ -147,6 +150,7 @@ impl Router {
                         text: turn::render_early_failure(&pending.event),
                         at: BTreeMap::from([(early_key.clone(), revision.unwrap_or(0))]),
                         covers: vec![early_key.clone()],
+                        reports: vec![pending.ledger_key()],
                         key: early_key,
                         messages: vec![pending],
                     });
@@ -291,6 +295,7 @@ impl Router {
                     text: turn::render(&[&pending.event]),
                     at: BTreeMap::from([(pending.ledger_key(), revision)]),
                     covers: vec![pending.ledger_key()],
+                    reports: vec![pending.ledger_key()],
                     key,
                     messages: vec![pending],
                 });
@@ -368,12 +373,13 @@ impl Router {
                         .cloned()
                     {
                         intents.remove(&idempotency_key);
-                        warn!(idempotency_key = %idempotency_key, "A post was recorded but never confirmed (it may not have been sent at all); sending it with the same Idempotency-Key.");
+                        info!(idempotency_key = %idempotency_key, "Sending again, under the same Idempotency-Key, a post that was recorded but not confirmed (most often never sent: its wake instance stopped, lost its lock or failed before posting).");
                         recovering.push(Turn {
                             traceparent: pending.traceparent.clone(),
                             at: marked_for(&known, &intent.covers, &idempotency_key),
                             key: idempotency_key,
                             text: intent.text,
+                            reports: intent.covers.clone(),
                             covers: intent.covers,
                             messages: vec![pending],
                         });
@@ -391,13 +397,14 @@ impl Router {
                         if crate::replay::is_forced_key_of(&pending.base_key(), &idempotency_key) {
                             info!(idempotency_key = %idempotency_key, "Posting the wake a forced replay recorded.");
                         } else {
-                            warn!(idempotency_key = %idempotency_key, "A post was recorded but never confirmed (it may not have been sent at all); sending it with the same Idempotency-Key.");
+                            info!(idempotency_key = %idempotency_key, "Sending again, under the same Idempotency-Key, a post that was recorded but not confirmed (most often never sent: its wake instance stopped, lost its lock or failed before posting).");
                         }
                         recovering.push(Turn {
                             traceparent: pending.traceparent.clone(),
                             text: turn::render(&[&pending.event]),
                             at: revisions(&known, &[pending.ledger_key()]),
                             covers: vec![pending.ledger_key()],
+                            reports: vec![pending.ledger_key()],
                             key: idempotency_key,
                             messages: vec![pending],
                         });
@@ -533,6 +540,7 @@ impl Router {
                     key,
                     text,
                     at: covers.iter().cloned().zip(marked).collect(),
+                    reports: covers.clone(),
                     covers,
                     messages,
                 });
