@@ -1256,10 +1256,11 @@ async fn a_retry_after_a_server_restart_does_not_run_a_finished_task_again() {
 }
 
 /// JetStream drops a request sent again under its `Nats-Msg-Id` only within
-/// the requests stream's duplicate window (1 s here). A copy stored later,
-/// by a delegation sent again under its id or by a publisher sending the
-/// same request again, is checked against the history before it runs, and
-/// does not run again.
+/// the requests stream's duplicate window (1 s here). A delegation sent
+/// again under its id later sends nothing for a task that has a
+/// completion; a copy a publisher sends again is checked against the
+/// history before it runs (stored long after its `created_at`, or without
+/// one), and does not run again.
 #[tokio::test]
 async fn a_task_sent_again_after_the_duplicate_window_does_not_run_again() {
     init_logs();
@@ -1322,9 +1323,26 @@ async fn a_task_sent_again_after_the_duplicate_window_does_not_run_again() {
 
     // Not a wait for a condition: the window is time itself.
     tokio::time::sleep(Duration::from_millis(1_500)).await;
-    send_both().await;
-    // JetStream stored both copies (sequences 3 and 4), and the worker
-    // settled them.
+    // The delegator sends again only the tasks without a completion:
+    // none here.
+    Delegator::new(bus.clone())
+        .delegate(delegation())
+        .await
+        .unwrap();
+    // A publisher that sends the delegation's request again as it was
+    // (its `created_at` kept), and the one without `created_at`.
+    let first = done_events(&bus)
+        .await
+        .into_iter()
+        .find(|done| done.delegation_id == id)
+        .unwrap();
+    let mut copy = request("s.again", "once");
+    copy.delegation_id = id.clone();
+    copy.created_at = first.dispatched_at;
+    publish_until_stored(&bus, &copy).await;
+    publish_until_stored(&bus, &raw).await;
+    // JetStream stored both copies (sequences 3 and 4: nothing from the
+    // delegator), and the worker settled them.
     wait_until(WAIT, "both copies settled", || settled(4)).await;
     services.stop().await;
     let mut ran: Vec<String> = done_events(&bus)
