@@ -168,7 +168,10 @@ impl Replayer {
                 "its session was cancelled at {}, after the request was made (use --include-cancelled to run it anyway)",
                 crate::history::rfc3339(at)
             ))),
-            _ => Ok(None),
+            _ => Ok(outlived_cancel_records(
+                cancels.stream.cached_info().config.max_age,
+                time::OffsetDateTime::now_utc() - made,
+            )),
         }
     }
 
@@ -245,6 +248,23 @@ impl Replayer {
     }
 }
 
+/// Why finding no cancel record proves nothing for a request made `age`
+/// ago: cancel records are kept `kept` (the history's age; dead letters
+/// are kept longer), less a margin for the clocks. `None` while a cancel
+/// made since the request would still be there.
+fn outlived_cancel_records(kept: std::time::Duration, age: time::Duration) -> Option<String> {
+    let margin = std::time::Duration::from_secs(300).min(kept / 10);
+    (!kept.is_zero() && age >= kept.saturating_sub(margin)).then(|| {
+        format!(
+            "made {} ago, and cancel records are kept {}: whether it was cancelled is not known (use --include-cancelled to run it anyway)",
+            humantime::format_duration(std::time::Duration::from_secs(
+                u64::try_from(age.whole_seconds()).unwrap_or(0)
+            )),
+            humantime::format_duration(kept)
+        )
+    })
+}
+
 /// How far an earlier re-queue of a dead letter got.
 enum Requeued {
     /// Never re-queued.
@@ -277,6 +297,25 @@ pub fn derived_delegation_id(original: &str, dead_letter_sequence: u64) -> Strin
 mod tests {
     use super::*;
     use crate::protocol::validate_delegation_id;
+
+    /// Cancel records live as long as the history (7 days by default),
+    /// dead letters 30: an older request found no record and was re-queued
+    /// by `--force`, though its user may have cancelled it.
+    #[test]
+    fn a_request_older_than_the_cancel_records_is_not_taken_for_uncancelled() {
+        let week = std::time::Duration::from_secs(7 * 86_400);
+        assert_eq!(outlived_cancel_records(week, time::Duration::days(1)), None);
+        let reason = outlived_cancel_records(week, time::Duration::days(8)).unwrap();
+        assert!(reason.contains("--include-cancelled"), "{reason}");
+        // Within the clock margin of the keep, it is not known either.
+        let nearly = time::Duration::days(7) - time::Duration::minutes(1);
+        assert!(outlived_cancel_records(week, nearly).is_some());
+        // Kept for ever: a missing record means none.
+        assert_eq!(
+            outlived_cancel_records(std::time::Duration::ZERO, time::Duration::days(400)),
+            None
+        );
+    }
 
     #[test]
     fn derived_ids_are_valid_deterministic_and_distinct_per_dead_letter() {
