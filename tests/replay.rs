@@ -913,6 +913,45 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
     assert_eq!(api.all_posts().len(), 2);
 }
 
+/// `replay tasks` checked requests against the default size limits, not
+/// the workers': a request the workers refused for theirs was re-queued,
+/// to be refused again and wake its session with the same error a second
+/// time (and one within larger limits was skipped as unable to run).
+#[tokio::test]
+async fn replay_tasks_checks_requests_against_the_size_limits_it_is_given() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    let mut config = test_worker_config("default");
+    config.limits.max_goal_bytes = 100;
+    services.worker(
+        &bus,
+        Executor::Echo(wakebus::worker::executor::EchoExecutor),
+        config,
+    );
+    services.wake(&bus, test_wake_config(&api.url()));
+    delegate(&bus, Delegation::new("g".repeat(200)).session("s.limits")).await;
+    wait_until(WAIT, "the refusal's wake and dead letter", || async {
+        api.accepted().len() == 1
+            && stored_messages(&bus, &bus.subjects.dead_letter_stream()).await == 1
+    })
+    .await;
+    services.stop().await;
+
+    let args = ["replay", "tasks", "--dry-run", "--max-goal-bytes", "100"];
+    let limited = wakebus(&nats.url(), &prefix, &args).await.ok_json();
+    assert_eq!(limited[0]["action"], "skipped", "{limited:#?}");
+    let reason = limited[0]["reason"].as_str().unwrap();
+    assert!(reason.contains("the limit is 100 bytes"), "{reason}");
+    let defaults = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
+        .await
+        .ok_json();
+    assert_eq!(defaults[0]["action"], "would_replay", "{defaults:#?}");
+}
+
 /// A batch member re-queued under its batch's task count left the derived
 /// delegation looking unfinished for ever: a cancel of it, once it had
 /// ended, counted siblings that never existed as running, recorded a

@@ -85,6 +85,10 @@ pub(crate) struct TasksArgs {
     /// those whose cancel records cannot be read (`--force` does not).
     #[arg(long)]
     pub(crate) include_cancelled: bool,
+    /// The size limits a request must meet to be re-queued: give the
+    /// workers' (the same variables set them).
+    #[command(flatten)]
+    pub(crate) limits: super::args::LimitArgs,
 }
 
 /// `wakebus replay copy`.
@@ -110,6 +114,7 @@ pub(crate) struct CopyArgs {
 const UNCHECKED: u8 = 3;
 
 pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<ExitCode> {
+    let mut limits = wakebus::protocol::Limits::default();
     let (kind, common, force, include_cancelled) = match args.what {
         ReplayCommand::Wakes(a) => (
             if a.dead_letters {
@@ -121,7 +126,10 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
             a.force,
             false,
         ),
-        ReplayCommand::Tasks(a) => (ReplayKind::Tasks, a.common, a.force, a.include_cancelled),
+        ReplayCommand::Tasks(a) => {
+            limits = a.limits.limits();
+            (ReplayKind::Tasks, a.common, a.force, a.include_cancelled)
+        }
         ReplayCommand::Copy(a) => {
             let target = match (a.to_prefix, a.to_subject) {
                 (Some(prefix), _) => CopyTarget::Prefix(Subjects::new(&prefix)?),
@@ -153,7 +161,7 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
     };
     let bus = super::commands::connect_within(global, "wakebus-replay", std::time::Duration::ZERO)
         .await?;
-    let replayer = Replayer::new(bus, plan).await?;
+    let replayer = Replayer::new(bus, plan).await?.with_limits(limits);
 
     let cancel = CancellationToken::new();
     let on_signal = cancel.clone();

@@ -309,6 +309,8 @@ pub struct Replayer {
     /// naming another session (a forged one) is not a copy of the task's
     /// own and must not stand in for it.
     seen: HashSet<(String, String)>,
+    /// The size limits a re-queued request must meet: the workers'.
+    limits: crate::protocol::Limits,
 }
 
 impl Replayer {
@@ -371,7 +373,18 @@ impl Replayer {
             kept,
             cancels,
             seen: HashSet::new(),
+            limits: crate::protocol::Limits::default(),
         })
+    }
+
+    /// Sets the size limits a request must meet to be re-queued: the
+    /// workers' (`--max-*-bytes`). A request over them would only be
+    /// refused again, waking its session with the same error; one within
+    /// larger limits than the defaults can run.
+    #[must_use]
+    pub fn with_limits(mut self, limits: crate::protocol::Limits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// Whether `event`'s task was submitted for another session than

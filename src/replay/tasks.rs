@@ -19,11 +19,12 @@ impl Replayer {
         let Some(pool) = record.pool().map(str::to_owned) else {
             return Ok(item.skipped("not a task dead letter"));
         };
-        let request = TaskRequest::decode(&record.payload).and_then(|request| {
-            request
-                .check_origin_header(record.origin_session())
-                .map(|()| request)
-        });
+        let request =
+            TaskRequest::decode_within(&record.payload, &self.limits).and_then(|request| {
+                request
+                    .check_origin_header(record.origin_session())
+                    .map(|()| request)
+            });
         let request = match request {
             Ok(request) => request,
             Err(error) => {
