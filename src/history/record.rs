@@ -212,24 +212,28 @@ impl Record {
         }
     }
 
-    /// The delegation id: from the event subject, the header, or the body.
+    /// The delegation id: from the event subject, else the body, else
+    /// the header (a dead letter's). The body first, as workers and
+    /// replays act on it: a request sent again may carry a stale header
+    /// (PROTOCOL 4.2 reads the header only when the body is unusable).
     pub fn delegation_id(&self) -> Option<String> {
         if let ["evt", _, delegation, _, _] = self.tokens().as_slice() {
             return Some((*delegation).to_owned());
         }
-        self.header(HEADER_DELEGATION_ID)
-            .map(str::to_owned)
-            .or_else(|| self.peek().delegation_id)
+        self.peek()
+            .delegation_id
+            .or_else(|| self.header(HEADER_DELEGATION_ID).map(str::to_owned))
     }
 
-    /// The task index: from the event subject, the header, or the body.
+    /// The task index: from the event subject, else the body, else the
+    /// header (see [`Self::delegation_id`]).
     pub fn task_index(&self) -> Option<u32> {
         if let ["evt", _, _, index, _] = self.tokens().as_slice() {
             return index.parse().ok();
         }
-        self.header(HEADER_TASK_INDEX)
-            .and_then(|v| v.parse().ok())
-            .or_else(|| self.peek().task_index)
+        self.peek()
+            .task_index
+            .or_else(|| self.header(HEADER_TASK_INDEX).and_then(|v| v.parse().ok()))
     }
 
     /// The completion's status (done events and wake dead letters).
@@ -329,5 +333,26 @@ mod tests {
         let poison = record("dlq.wake.poison", None, r#"{"origin_session_id":"s.3"}"#);
         assert!(poison.is_of_session("s.3"));
         assert!(!poison.is_of_session("s.4"));
+    }
+
+    /// A task dead letter is named by the request its replay re-queues:
+    /// by a stale header (a request sent again by a publisher that kept an
+    /// old one), `--delegation` picked the wrong request.
+    #[test]
+    fn a_dead_letters_delegation_is_its_bodys_and_the_header_only_stands_in_for_an_unusable_one() {
+        let mut stale = record(
+            "dlq.task.default",
+            None,
+            r#"{"delegation_id":"body-id","task_index":2}"#,
+        );
+        stale.headers.insert(HEADER_DELEGATION_ID, "header-id");
+        stale.headers.insert(HEADER_TASK_INDEX, "5");
+        assert_eq!(stale.delegation_id().as_deref(), Some("body-id"));
+        assert_eq!(stale.task_index(), Some(2));
+        let mut unusable = record("dlq.task.default", None, "not json");
+        unusable.headers.insert(HEADER_DELEGATION_ID, "header-id");
+        unusable.headers.insert(HEADER_TASK_INDEX, "5");
+        assert_eq!(unusable.delegation_id().as_deref(), Some("header-id"));
+        assert_eq!(unusable.task_index(), Some(5));
     }
 }
