@@ -544,3 +544,43 @@ async fn a_completion_whose_submitted_record_expired_is_refused_as_expired_not_a
     );
     assert!(api.accepted().is_empty());
 }
+
+/// The record that cannot be read now (a leader election, a permission
+/// missing) is no proof of a forgery: the completion is handed back and
+/// asked about again, never dead-lettered, and no session is woken
+/// unverified meanwhile.
+#[tokio::test]
+async fn a_completion_whose_submitted_record_cannot_be_read_is_retried_not_refused() {
+    init_logs();
+    let prefix = unique_prefix();
+    let events = wakebus::protocol::Subjects::new(&prefix)
+        .unwrap()
+        .events_stream();
+    let server =
+        common::nats::LimitedUserServer::start(&common::nats::message_reads_of(&events)).await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&server.nats.url(), &prefix).await;
+    let client = server.limited_config().connect().await.unwrap();
+    let wake_bus = Bus::new(client, wakebus::protocol::Subjects::new(&prefix).unwrap());
+    let mut services = Services::new();
+    echo_worker(&mut services, &bus);
+    let mut wake_config = test_wake_config(&api.url());
+    wake_config.verify_origin = true;
+    services.wake(&wake_bus, wake_config);
+    delegate(&bus, Delegation::new("checked later").session("s.unread")).await;
+
+    wait_until(WAIT, "the completion asked about again", || async {
+        wake_consumer_info(&bus)
+            .await
+            .is_some_and(|info| info.num_redelivered > 0)
+    })
+    .await;
+    services.stop().await;
+    assert!(
+        all_messages(&bus, &bus.subjects.dead_letter_stream())
+            .await
+            .is_empty(),
+        "a completion it could not check was dead-lettered"
+    );
+    assert!(api.all_posts().is_empty(), "woken unverified");
+}
