@@ -277,22 +277,32 @@ async fn a_hangup_stops_the_worker_and_the_wake_as_gracefully_as_sigterm() {
     let rig = Rig::start().await;
     // Started from a terminal or SSH session that then closes: left to
     // SIGHUP's default, each would die on the spot, leaving its running
-    // tasks' programs behind.
-    let mut worker = rig.worker("worker", "echo hi", &[]);
+    // tasks' programs behind. The closing shell and then the kernel each
+    // send one: the second is no order to stop at once.
+    let extra = ["--shutdown-grace", "1s"];
+    let mut worker = rig.worker("worker", "sleep 60", &extra);
     let mut wake = rig.wake("wake");
-    for (service, started) in [
-        (&worker, "Worker started."),
-        (&wake, "Wake service started."),
-    ] {
-        wait_until(Duration::from_secs(30), started, || async {
-            std::fs::read_to_string(&service.log).is_ok_and(|log| log.contains(started))
-        })
+    rig.delegate_and_wait_started("s.hangup", "outlive the terminal")
         .await;
-    }
+    wait_until(Duration::from_secs(30), "the wake to start", || async {
+        std::fs::read_to_string(&wake.log).is_ok_and(|log| log.contains("Wake service started."))
+    })
+    .await;
     for (service, stopped) in [
         (&mut worker, "Worker stopped."),
         (&mut wake, "Wake service stopped."),
     ] {
+        service.signal(Signal::SIGHUP);
+        // The second once the first is taken: sent together, they are one.
+        wait_until(
+            Duration::from_secs(10),
+            "the first hangup taken",
+            || async {
+                std::fs::read_to_string(&service.log)
+                    .is_ok_and(|log| log.contains("Shutdown signal received"))
+            },
+        )
+        .await;
         let status = service
             .signal_and_wait(Signal::SIGHUP, Duration::from_secs(30))
             .await;
@@ -303,6 +313,7 @@ async fn a_hangup_stops_the_worker_and_the_wake_as_gracefully_as_sigterm() {
             "{log}"
         );
         assert!(log.contains(stopped), "{log}");
+        assert!(!log.contains("Second shutdown signal"), "{log}");
     }
 }
 

@@ -301,13 +301,45 @@ impl Bus {
     /// other settings is updated; if that fails (this user may not manage
     /// streams) the stream is used as it is, with a warning. A missing stream
     /// is created; if this user may not, the caller retries until an
-    /// operator has run `wakebus init`.
+    /// operator has run `wakebus init`. A create that another creator beat
+    /// (a service starting beside `init`) reads the stream it made and
+    /// goes on as for an existing one, so that this one's settings (an
+    /// `init --history 30d`, say) are applied, or their refusal reported.
     async fn ensure_stream(
+        &self,
+        config: stream::Config,
+        age_change: AgeChange,
+        require_update: bool,
+    ) -> Result<stream::Stream, ProvisionError> {
+        match self
+            .ensure_stream_once(config.clone(), age_change, require_update)
+            .await?
+        {
+            Some(stream) => Ok(stream),
+            None => match self
+                .ensure_stream_once(config.clone(), age_change, require_update)
+                .await?
+            {
+                Some(stream) => Ok(stream),
+                // Deleted again since: as it is now.
+                None => self.js.get_stream(&config.name).await.map_err(|source| {
+                    ProvisionError::GetStream {
+                        name: config.name,
+                        source,
+                    }
+                }),
+            },
+        }
+    }
+
+    /// One pass of [`Self::ensure_stream`]; `None` when another creator
+    /// made the stream first (its settings are not checked yet).
+    async fn ensure_stream_once(
         &self,
         mut config: stream::Config,
         age_change: AgeChange,
         require_update: bool,
-    ) -> Result<stream::Stream, ProvisionError> {
+    ) -> Result<Option<stream::Stream>, ProvisionError> {
         let name = config.name.clone();
         // The server refuses a window longer than the max age; the window
         // asked for is kept to clamp it again to the age the stream keeps.
@@ -317,7 +349,7 @@ impl Bus {
         }
         match self.js.get_stream(&name).await {
             Ok(existing) if stream_matches(&existing.cached_info().config, &config) => {
-                return Ok(existing);
+                return Ok(Some(existing));
             }
             Ok(existing) if existing.cached_info().config.subjects != config.subjects => {
                 return Err(ProvisionError::SubjectsTaken {
@@ -348,7 +380,7 @@ impl Bus {
                         window.min(kept)
                     };
                     if stream_matches(&existing.cached_info().config, &config) {
-                        return Ok(existing);
+                        return Ok(Some(existing));
                     }
                 }
                 let current = &existing.cached_info().config;
@@ -379,7 +411,7 @@ impl Bus {
                         return Err(ProvisionError::Stream { name, source });
                     }
                     warn!(stream = %name, error = %source, "Stream settings differ from this service's and could not be updated (the server's reason is given; `wakebus init` as operator makes them right); using it as it is.");
-                    return Ok(existing);
+                    return Ok(Some(existing));
                 }
                 if !reset.is_empty() {
                     warn!(stream = %name, settings = ?reset, "Stream settings that wakebus manages differed from its own and were set back (a change made by hand is undone at every start).");
@@ -395,7 +427,7 @@ impl Bus {
                 match self.js.create_stream(config).await {
                     Ok(_) => {}
                     // On a cluster, another service may just have created it.
-                    Err(error) if is_creation_clash(&error) => {}
+                    Err(error) if is_creation_clash(&error) => return Ok(None),
                     // Also answered to a second create of the same stream on
                     // a cluster, before the first one shows: only another
                     // stream taking the subjects is an error.
@@ -408,6 +440,7 @@ impl Bus {
                                 owner,
                             });
                         }
+                        return Ok(None);
                     }
                     Err(source) => {
                         return Err(ProvisionError::Stream {
@@ -422,6 +455,7 @@ impl Bus {
         self.js
             .get_stream(&name)
             .await
+            .map(Some)
             .map_err(|source| ProvisionError::GetStream { name, source })
     }
 

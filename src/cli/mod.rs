@@ -135,18 +135,20 @@ fn init_logging(global: &args::Global, default_level: &str) -> Telemetry {
 }
 
 /// A service's graceful stop: completes on the first SIGINT, SIGTERM or
-/// SIGHUP. A second one kills the task programs still running and ends the process
-/// at once (exit 130), as operators expect of a second Ctrl-C, for a stop
-/// that waits on what may not come: a task in its `--shutdown-grace`, or
-/// NATS taking the last acks while unreachable. What was not acknowledged
-/// then is redelivered after its ack wait, as after a crash.
+/// SIGHUP. A second SIGINT or SIGTERM kills the task programs still
+/// running and ends the process at once (exit 130), as operators expect of
+/// a second Ctrl-C, for a stop that waits on what may not come: a task in
+/// its `--shutdown-grace`, or NATS taking the last acks while unreachable.
+/// What was not acknowledged then is redelivered after its ack wait, as
+/// after a crash. A second SIGHUP does not: a closing SSH session's shell
+/// and then the kernel each send one.
 pub(crate) fn service_shutdown() -> impl std::future::Future<Output = ()> {
     let first = tokio_util::sync::CancellationToken::new();
     let stop = first.clone().cancelled_owned();
     tokio::spawn(async move {
         shutdown_signal().await;
         first.cancel();
-        shutdown_signal().await;
+        second_interrupt().await;
         tracing::warn!(
             "Second shutdown signal: stopping task programs and exiting now; work not acknowledged yet is redelivered after its ack wait."
         );
@@ -193,6 +195,20 @@ pub(crate) async fn shutdown_signal() {
         _ = hangup.recv() => "SIGHUP",
     };
     tracing::info!(signal = name, "Shutdown signal received.");
+}
+
+/// Completes on a SIGINT or SIGTERM (not a SIGHUP): the operator's second
+/// signal, once a stop is under way, to stop waiting for it.
+pub(crate) async fn second_interrupt() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        let _ = tokio::signal::ctrl_c().await;
+        return;
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
 }
 
 #[cfg(test)]

@@ -169,7 +169,7 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
         super::shutdown_signal().await;
         // The record in hand is finished, then the run stops.
         on_signal.cancel();
-        super::shutdown_signal().await;
+        super::second_interrupt().await;
         // A second Ctrl-C: the operator will not wait (NATS unreachable?).
         eprintln!("Interrupted again: exiting now; the last record may not have been handled.");
         std::process::exit(130);
