@@ -1188,3 +1188,55 @@ async fn a_held_completion_gets_its_keep_alive_as_soon_as_its_wake_reconnects() 
     services.stop().await;
     assert_eq!(api.all_posts().len(), 1, "{:?}", api.all_posts());
 }
+
+/// A forced replay of a batch whose other task has not ended: the replay
+/// records the forced key and reports the copy replayed, but the wake can
+/// post the batch's turn only once every task has a completion. It says
+/// so, and posts the turn under the forced key when the last one arrives.
+#[tokio::test]
+async fn a_forced_replay_of_an_unfinished_batch_warns_and_posts_when_its_last_task_ends() {
+    let rig = Rig::start().await;
+    let (bus, api) = (&rig.bus, &rig.api);
+    let mark = rig.logs.path().join("let-task-1-end");
+    let script = format!(
+        "if [ \"$WAKEBUS_TASK_INDEX\" = 1 ]; then while [ ! -e {m} ]; do sleep 0.05; done; fi; echo ok",
+        m = mark.display()
+    );
+    let _worker = rig.worker("worker", &script, &[]);
+    let wake = rig.wake("wake");
+    let id = delegate(
+        bus,
+        Delegation::batch(["first", "second"].map(String::from)).session("s.forced.batch"),
+    )
+    .await;
+    wait_until(
+        Duration::from_secs(30),
+        "the first task's completion",
+        || async { !events(bus, ".0.done").await.is_empty() },
+    )
+    .await;
+    let forced = common::cli::wakebus(
+        &rig.nats.url(),
+        &rig.prefix,
+        &["replay", "wakes", "--delegation", &id, "--force"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
+    let key = forced[0]["idempotency_key"].as_str().unwrap().to_owned();
+    wait_until(Duration::from_secs(30), "the wake's warning", || async {
+        std::fs::read_to_string(&wake.log).is_ok_and(|log| {
+            log.contains("A forced replay of a batch task arrived while not every task")
+                && log.contains(&key)
+        })
+    })
+    .await;
+    assert!(api.all_posts().is_empty(), "posted before the batch ended");
+    std::fs::write(&mark, "").unwrap();
+    wait_until(Duration::from_secs(30), "the batch's turn", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    assert_eq!(api.accepted()[0].header("idempotency-key"), Some(key));
+    assert_eq!(api.all_posts().len(), 1);
+}

@@ -6,8 +6,8 @@
 //! case), `delivered` after a 2xx. A completion whose entry says
 //! `delivered` is never posted again; one that says `posting` is re-posted
 //! with the same key, so a session API that honours `Idempotency-Key` sees
-//! a repeat, not a new turn. (A `replay wakes --force` copy goes by its own
-//! replay's record, or a later replay's, and by no other.)
+//! a repeat, not a new turn. (A `replay wakes --force` copy goes by the
+//! record like any copy: the replay recorded its key before publishing it.)
 //!
 //! The wake's writes are conditional: a `posting` mark only over the
 //! revision the planner read ([`LedgerEntry`]), a `delivered` record only
@@ -245,8 +245,8 @@ impl WakeLedger {
     /// copy is published: `posting` under `forced_key`, over whatever the
     /// entry says (a corrupt value included, and without reading it, which
     /// the replay's user may not). Every copy of the completion then wakes
-    /// under that key (an ordinary one re-sends it, the forced one settles
-    /// only by it), and a post still being made under the old key cannot
+    /// under that key (the forced copy as any other: it finds its own key
+    /// recorded), and a post still being made under the old key cannot
     /// record its delivery over it. The one unconditional write of a
     /// `posting`: the operator's, meant to replace what is there.
     pub async fn record_forced(&self, key: &str, forced_key: &str) -> Result<(), LedgerError> {

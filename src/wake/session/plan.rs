@@ -80,10 +80,11 @@ impl Router {
             let recorded = ledger.read(&batch_key).await?;
             // A forced replay copy's key is used only when nothing is
             // recorded: see `plan_singles`.
-            let forced = held
+            let forced_copy = held
                 .iter()
-                .filter(|p| of_batch(p) && recorded.state.is_none())
+                .filter(|p| of_batch(p))
                 .find_map(|p| p.forced_key(&batch_key));
+            let forced = forced_copy.clone().filter(|_| recorded.state.is_none());
             if let Some(LedgerState::Delivered { .. }) = recorded.state
                 && forced.is_none()
             {
@@ -118,7 +119,17 @@ impl Router {
             // Not complete yet: a failure is reported early if the batch
             // asked for that and it was not reported before; the rest is
             // recorded in the history, and the batch's last task reports it.
-            if let Some(key) = &forced {
+            // The key the forced turn waits under: its replay's record, or
+            // its own when nothing is recorded.
+            let waiting = forced_copy.and(match &recorded.state {
+                Some(LedgerState::Posting { idempotency_key })
+                    if crate::replay::is_forced_key_of(&batch_key, idempotency_key) =>
+                {
+                    Some(idempotency_key.clone())
+                }
+                _ => forced,
+            });
+            if let Some(key) = &waiting {
                 // The replay recorded its key and said it replayed: say
                 // why nothing is posted now.
                 warn!(delegation_id = %delegation_id, idempotency_key = %key, "A forced replay of a batch task arrived while not every task of the batch has a completion in the history; its turn is posted under the forced key when the missing one arrives. If that one was removed (older than the history, or trimmed by a limit), nothing is posted: see the batch with `wakebus events --delegation`.");
