@@ -1022,6 +1022,93 @@ async fn a_replayed_batch_member_is_a_delegation_of_its_own_that_a_cancel_finds_
     }
 }
 
+/// An earlier release re-queued a batch member under its own index, and
+/// its task write failed, leaving only that record. Sent now as task 0,
+/// the task needs a record at index 0, or a wake that verifies origins
+/// refuses its completion and the session is never woken.
+#[tokio::test]
+async fn a_member_half_requeued_by_an_earlier_release_is_sent_with_a_record_a_verifying_wake_accepts()
+ {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    let mut wake_config = test_wake_config(&api.url());
+    wake_config.verify_origin = true;
+    services.wake(&bus, wake_config);
+    let mut broken = Services::new();
+    let mut config = test_worker_config("default");
+    config.max_deliver = 1;
+    let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
+    broken.worker(
+        &bus,
+        Executor::Command(CommandExecutor::new(missing)),
+        config,
+    );
+    let session = "s.old-half";
+    let goals = ["first", "second"].map(String::from);
+    let id = delegate(&bus, Delegation::batch(goals).session(session)).await;
+    wait_until(WAIT, "the batch's failure wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    broken.stop().await;
+
+    let dry = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
+        .await
+        .ok_json();
+    let member = dry
+        .iter()
+        .find(|line| line["task_index"] == 1)
+        .unwrap_or_else(|| panic!("{dry:#?}"));
+    let derived = member["new_delegation_id"].as_str().unwrap().to_owned();
+    // What the earlier release stored before its task write failed.
+    let mut request = wakebus::protocol::TaskRequest::new(derived.clone(), "second");
+    request.origin_session_id = Some(session.to_owned());
+    request.task_index = 1;
+    request.task_count = 2;
+    let old = wakebus::protocol::SubmittedRecord::for_request(&request, "default", None);
+    let subject = bus.subjects.submitted(&session_token(session), &derived, 1);
+    let body = serde_json::to_vec(&old).unwrap();
+    bus.js
+        .publish(subject, body.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "tasks", "--delegation", &id],
+    )
+    .await
+    .ok_json();
+    let replayed: Vec<&str> = lines
+        .iter()
+        .filter(|line| line["action"] == "replayed")
+        .filter_map(|line| line["new_delegation_id"].as_str())
+        .collect();
+    assert!(replayed.contains(&derived.as_str()), "{lines:#?}");
+    services.echo_worker(&bus);
+    wait_until(WAIT, "the member's own wake", || async {
+        api.accepted()
+            .iter()
+            .any(|post| post.delegation_ids().contains(&derived))
+    })
+    .await;
+    services.stop().await;
+    assert!(
+        all_messages(&bus, &bus.subjects.dead_letter_stream())
+            .await
+            .iter()
+            .all(|m| !m.subject.contains(".wake.")),
+        "a completion was refused"
+    );
+}
+
 /// A task whose delegation, or whose session, was cancelled after it was
 /// given up is not run again by a replay: the re-queued copy, a new
 /// delegation stored after the cancel, would escape both records.

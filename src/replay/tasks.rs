@@ -114,11 +114,11 @@ impl Replayer {
             crate::protocol::HEADER_TASK_INDEX,
             requeued.task_index.to_string().as_str(),
         );
-        // After a re-queue whose task write failed, the record is there:
-        // only the task is sent (under the same Nats-Msg-Id).
-        if !matches!(earlier, Requeued::RecordOnly) {
-            self.publish_submitted(&requeued, &pool, &headers).await?;
-        }
+        // After a re-queue whose task write failed, the record is there;
+        // it is written again all the same (dropped as a duplicate within
+        // the window), as an earlier release wrote a member's under its
+        // own index, not 0. The task goes under the same Nats-Msg-Id.
+        self.publish_submitted(&requeued, &pool, &headers).await?;
         self.publish(subject, headers, payload).await?;
         item.action = Action::Replayed;
         Ok(item)
