@@ -1253,6 +1253,14 @@ async fn a_retry_after_a_server_restart_does_not_run_a_finished_task_again() {
         .collect();
     let indexes: Vec<u32> = queued.iter().map(|r| r.task_index).collect();
     assert_eq!(indexes, [1], "only the task never stored is sent again");
+    // With the time of the first submission, by which a worker tells a
+    // copy stored after the duplicate window.
+    let first_record = all_messages(&bus, &bus.subjects.events_stream())
+        .await
+        .into_iter()
+        .find(|m| m.subject.ends_with(".submitted"))
+        .unwrap();
+    assert_eq!(queued[0].created_at, Some(first_record.time));
 }
 
 /// JetStream drops a request sent again under its `Nats-Msg-Id` only within
@@ -1488,11 +1496,6 @@ async fn waiting_for_a_delegation_reads_past_garbage_and_strangers_on_its_subjec
     assert_eq!(results[0].status, Status::Completed);
 }
 
-/// A delegation whose `submitted` record is acknowledged only as a
-/// duplicate of nothing stored (nats-server before 2.10.25 after a leader
-/// election: `duplicate: true`, sequence 0) is reported as not published,
-/// rather than returned as if it were queued. A NATS responder stands in
-/// for the events stream and answers so.
 /// Each publish's wait for its acknowledgement starts when it is awaited:
 /// awaited one after the other, a round of a batch's writes that nobody
 /// answers lasted 5 s per task (76 s for five tasks, hours for the largest
@@ -1530,6 +1533,11 @@ async fn a_batch_whose_writes_nobody_answers_fails_within_the_documented_bound()
     assert!(took < Duration::from_secs(35), "took {took:?}");
 }
 
+/// A delegation whose `submitted` record is acknowledged only as a
+/// duplicate of nothing stored (nats-server before 2.10.25 after a leader
+/// election: `duplicate: true`, sequence 0) is reported as not published,
+/// rather than returned as if it were queued. A NATS responder stands in
+/// for the events stream and answers so.
 #[tokio::test]
 async fn a_delegation_whose_record_is_acked_as_a_duplicate_of_nothing_stored_is_reported_unpublished()
  {

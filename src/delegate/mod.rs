@@ -549,8 +549,15 @@ impl Delegator {
             let events = &events;
             async move {
                 match events.get_last_raw_message_by_subject(&subject).await {
-                    // Garbage on the subject is no completion: the task is sent.
-                    Ok(done) => crate::protocol::CompletionEvent::decode(&done.payload).is_ok(),
+                    // Garbage on the subject, or a completion of another
+                    // task (which the wake would not take for this one),
+                    // is no completion of it: the task is sent.
+                    Ok(done) => crate::protocol::CompletionEvent::decode(&done.payload)
+                        .is_ok_and(|done| {
+                            done.delegation_id == request.delegation_id
+                                && done.task_index == request.task_index
+                                && done.task_count == request.task_count
+                        }),
                     Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => false,
                     Err(error) => {
                         tracing::warn!(%error, delegation_id = %request.delegation_id, task_index = request.task_index, "Cannot tell whether this task finished before; sending it again (after a nats-server restart it may run twice).");
