@@ -173,9 +173,10 @@ impl OriginGate {
     /// completion), or, when the history's oldest message was stored after
     /// the task was dispatched, maybe removed by the history's limits (a
     /// task that waited or ran longer than `--history`). The completion is
-    /// refused either way (its `dispatched_at` is the publisher's word),
-    /// but the second is said so, at ERROR: no worker is to blame, the
-    /// session is not woken, and the history must be kept longer.
+    /// refused either way, and the second is said so, at ERROR: most
+    /// likely no worker is to blame, the session is not woken, and the
+    /// history must be kept longer. (Most likely only: `dispatched_at` is
+    /// the publisher's word, and a forger can set it too.)
     async fn why_no_record(&self, event: &crate::protocol::CompletionEvent) -> String {
         let absent = "no submitted record for this delegation, task and session";
         let Some(dispatched) = event.dispatched_at else {
@@ -189,12 +190,12 @@ impl OriginGate {
             return absent.to_owned();
         }
         let reason = format!(
-            "{absent}; the task was dispatched at {}, before the oldest event the history still holds ({}): the record may have been removed by the history's limits (--history, now {:?})",
+            "{absent}; the task was dispatched at {} (so the completion says), before the oldest event the history still holds ({}): the record may have been removed by the history's limits (--history, now {:?})",
             crate::history::rfc3339(dispatched),
             crate::history::rfc3339(oldest),
             info.config.max_age
         );
-        tracing::error!(delegation_id = %event.delegation_id, task_index = event.task_index, %reason, "A completion's submitted record may have expired; its session is not woken. Keep the history longer than tasks wait and run (--history), then re-drive it with `wakebus replay wakes --dead-letters` once a record is written for it (docs/PROTOCOL.md 5.6) or through a wake without --verify-origin.");
+        tracing::error!(delegation_id = %event.delegation_id, task_index = event.task_index, %reason, "A completion's submitted record may have expired; its session is not woken. Keep the history longer than tasks wait and run (--history). Check the completion with `wakebus events --dead-letters wake --delegation` before re-driving it: its dispatch time is the worker's word, and a forged completion can claim an old one.");
         reason
     }
 
