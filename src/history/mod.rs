@@ -500,8 +500,17 @@ impl HistoryReader {
                     }));
                 }
             };
-            self.last_sequence = Some(record.sequence);
-            self.reopen_delay = None;
+            // Shown already: a consumer the client made again by itself
+            // before it had delivered anything starts over from the first
+            // message of the stream (a stream made anew is read from its
+            // start with `last_sequence` cleared, so this is never one).
+            let shown = self
+                .last_sequence
+                .is_some_and(|last| record.sequence <= last);
+            if !shown {
+                self.last_sequence = Some(record.sequence);
+                self.reopen_delay = None;
+            }
             if self.end.is_some_and(|end| record.sequence > end)
                 || self.selection.until.is_some_and(|u| record.published > u)
             {
@@ -513,7 +522,7 @@ impl HistoryReader {
             if self.end == Some(record.sequence) || (!self.follow && pending == 0) {
                 self.finished = true;
             }
-            if self.selection.matches(&record) {
+            if !shown && self.selection.matches(&record) {
                 return Some(Ok(record));
             }
         }
