@@ -41,6 +41,11 @@ use crate::protocol::{
     validate_session_id,
 };
 
+/// The most messages a read's pull asks for at a time: a bound on what it
+/// holds (about one and a half times this many messages), whatever their
+/// size, that still reads a long history in few round trips.
+const READ_BATCH: i64 = 64;
+
 /// How long a bounded read waits for the next message it knows is pending
 /// before it reports the read as stalled.
 const STALL_TIMEOUT: Duration = Duration::from_secs(15);
@@ -601,6 +606,9 @@ async fn read(
             filter_subject: filter_subject.to_owned(),
             deliver_policy,
             description: Some("wakebus history reader".to_owned()),
+            // The client asks for 500 at a time, and holds up to half as
+            // many more: with dead letters of large requests, gigabytes.
+            max_batch: READ_BATCH,
             ..Default::default()
         })
         .await
