@@ -284,6 +284,66 @@ async fn a_wake_consumer_made_again_starts_after_its_ack_floor_so_a_refused_comp
     assert_eq!(rig.woken_ids().into_iter().collect::<HashSet<_>>(), ids);
 }
 
+/// nats-server 2.9 answers an ack floor of 0 for a consumer made to start
+/// after a sequence until it acks something. The keeper took that 0 from
+/// its next check as the floor, and a consumer lost again before anything
+/// was acked was made from the stream's start: the completion the session
+/// API had refused was posted again. (On later servers the floor is right
+/// from the start; the test holds on both.)
+#[tokio::test]
+async fn a_wake_consumer_lost_twice_in_a_quiet_spell_starts_after_the_same_floor_both_times() {
+    let rig = Rig::start().await;
+    rig.delegate("s.quiet.0").await;
+    rig.woken(1).await;
+    rig.api.fail_next(1, 422);
+    let refused = rig.delegate("s.quiet.refused").await;
+    wait_until(WAIT, "the refused post", || async {
+        rig.api.all_posts().len() == 2
+    })
+    .await;
+    wake_consumer_settled(&rig.bus).await;
+    let floor = wake_consumer_info(&rig.bus)
+        .await
+        .unwrap()
+        .ack_floor
+        .stream_sequence;
+    rig.keeper_saw(floor).await;
+
+    rig.delete_wake_consumer().await;
+    let first = rig.wake_consumer_created(1).await;
+    // A check of the new consumer, nothing acked on it since.
+    let checks = |log: &str| log.matches("Consumer checked.").count();
+    let before = checks(&rig.wake_log());
+    wait_until(WAIT, "a check of the new consumer", || async {
+        checks(&rig.wake_log()) > before
+    })
+    .await;
+    rig.delete_wake_consumer().await;
+    let second = rig.wake_consumer_created(2).await;
+    assert_eq!(second, first, "made again from another place");
+    // Everything it was given, handled (its ack floor stays 0 on 2.9).
+    wait_until(
+        WAIT,
+        "the new consumer to have handled all it has",
+        || async {
+            wake_consumer_info(&rig.bus)
+                .await
+                .is_some_and(|info| info.num_pending == 0 && info.num_ack_pending == 0)
+        },
+    )
+    .await;
+    let posts_of_refused = rig
+        .api
+        .all_posts()
+        .iter()
+        .filter(|post| post.delegation_ids().contains(&refused))
+        .count();
+    assert_eq!(
+        posts_of_refused, 1,
+        "the refused completion was posted again"
+    );
+}
+
 #[tokio::test]
 async fn a_wake_whose_events_stream_was_made_anew_reads_the_new_stream_from_its_start() {
     let rig = Rig::start().await;

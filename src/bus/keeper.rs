@@ -287,8 +287,23 @@ impl Keeper {
     fn seen(&mut self, info: &consumer::Info) {
         self.warned_no_stream = false;
         self.warned_create = false;
+        // Never below where the consumer starts, nor below what was seen
+        // of the same consumer: nats-server 2.9 answers an ack floor of 0
+        // for a consumer made to start after a sequence until it acks
+        // something, and a consumer lost again in a quiet period would
+        // then be made from the stream's start.
+        let mut sequence = info.ack_floor.stream_sequence;
+        if let DeliverPolicy::ByStartSequence { start_sequence } = info.config.deliver_policy {
+            sequence = sequence.max(start_sequence.saturating_sub(1));
+        }
+        if let Some(old) = self
+            .floor
+            .filter(|old| old.consumer_created == info.created)
+        {
+            sequence = sequence.max(old.sequence);
+        }
         self.floor = Some(Floor {
-            sequence: info.ack_floor.stream_sequence,
+            sequence,
             consumer_created: info.created,
         });
         debug!(consumer = %info.name, ack_floor = info.ack_floor.stream_sequence, "Consumer checked.");
