@@ -1808,6 +1808,56 @@ async fn a_worker_without_its_consumer_is_not_ready() {
     assert!(body.contains("consumer worker-gpu"), "{body}");
 }
 
+/// Streams and consumer all there, but a setup step that retries without
+/// end (here the cancel watch, which this worker's user may not create):
+/// it takes no work, and a rolling deploy must not take it for ready and
+/// retire the instances that do.
+#[tokio::test]
+async fn a_worker_still_setting_up_is_not_ready_though_its_streams_and_consumer_exist() {
+    init_logs();
+    let prefix = unique_prefix();
+    let cancels = wakebus::protocol::Subjects::bucket_stream(
+        &wakebus::protocol::Subjects::new(&prefix)
+            .unwrap()
+            .cancel_bucket(),
+    );
+    let denied = [
+        format!("$JS.API.CONSUMER.CREATE.{cancels}"),
+        format!("$JS.API.CONSUMER.CREATE.{cancels}.>"),
+    ];
+    let server = common::nats::LimitedUserServer::start(&denied).await;
+    let nats = &server.nats;
+    let bus = bus(&nats.url(), &prefix).await;
+    bus.provision(&Default::default()).await.unwrap();
+
+    let mut args = common::process::base_args(&nats.url(), &prefix);
+    args.extend(server.limited_args());
+    args.extend(["worker", "--executor", "echo"].map(String::from));
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let (_worker, base) = spawn_with_metrics(args, log.path().to_owned());
+    wait_until(WAIT, "the worker to retry its cancel watch", || async {
+        std::fs::read_to_string(log.path())
+            .is_ok_and(|log| log.contains("Cannot follow the cancel records"))
+    })
+    .await;
+    let (status, body) = eventually(WAIT, "/readyz to answer", || async {
+        http_get(&format!("{base}/readyz")).await
+    })
+    .await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("starting"), "{body}");
+    // Its consumer exists: only the setup keeps it from being ready.
+    let tasks = bus
+        .js
+        .get_stream(bus.subjects.tasks_stream())
+        .await
+        .unwrap();
+    tasks
+        .consumer_info(bus.subjects.worker_consumer("default"))
+        .await
+        .expect("the worker's consumer");
+}
+
 /// A stream at a limit with discard=old makes room by deleting its oldest
 /// messages, stored work among them; with discard=new it refuses the write,
 /// which a publisher sees and retries. So streams are made with new, and the

@@ -142,8 +142,9 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             wakebus::protocol::validate_pool(&args.pool)?;
             let bus = connect(&global, "wakebus-worker").await?;
-            let _ops = super::ops::start(&args.ops, Probe::worker(&bus, &args.pool)).await?;
             let mut config = WorkerConfig::new(&args.pool);
+            let probe = Probe::worker(&bus, &args.pool, config.started.clone());
+            let _ops = super::ops::start(&args.ops, probe).await?;
             config.concurrency = args.concurrency;
             config.ack_wait = args.ack_wait;
             config.max_deliver = args.max_deliver;
@@ -185,13 +186,14 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 (None, None) => bail!("either --api-url or --webhook-url is needed"),
             };
             let bus = connect(&global, "wakebus-wake").await?;
-            let _ops = super::ops::start(&args.ops, Probe::wake(&bus)).await?;
             let mut config = WakeConfig::new(SessionApiConfig {
                 base_url,
                 api_key,
                 model: args.model,
                 request_timeout: args.request_timeout,
             });
+            let _ops =
+                super::ops::start(&args.ops, Probe::wake(&bus, config.started.clone())).await?;
             config.shape = shape;
             config.http = HttpSecurity {
                 allow_insecure_http: args.allow_insecure_http,

@@ -1,6 +1,7 @@
 //! The operations HTTP server: `/metrics` (Prometheus text format),
-//! `/healthz` (the process is alive) and `/readyz` (connected to NATS, and
-//! the streams and buckets the service works with and its consumer exist).
+//! `/healthz` (the process is alive) and `/readyz` (started, connected to
+//! NATS, and the streams and buckets the service works with and its
+//! consumer exist).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -33,11 +34,13 @@ pub struct Probe {
     /// A `done` subject to probe (a worker's check that the events stream
     /// takes its completions, which it may not read the info of).
     pub completions_probe: Option<String>,
+    /// Set by the service once it takes work: not ready before.
+    pub started: super::Started,
 }
 
 impl Probe {
-    /// The probe of a worker of `pool`.
-    pub fn worker(bus: &Bus, pool: &str) -> Self {
+    /// The probe of a worker of `pool`, ready once `started` is set.
+    pub fn worker(bus: &Bus, pool: &str, started: super::Started) -> Self {
         let s = &bus.subjects;
         Self {
             bus: bus.clone(),
@@ -52,11 +55,12 @@ impl Probe {
             ],
             consumers: vec![(s.tasks_stream(), s.worker_consumer(pool))],
             completions_probe: Some(s.event("probe", "probe", 0, crate::protocol::EventKind::Done)),
+            started,
         }
     }
 
-    /// The probe of a wake instance.
-    pub fn wake(bus: &Bus) -> Self {
+    /// The probe of a wake instance, ready once `started` is set.
+    pub fn wake(bus: &Bus, started: super::Started) -> Self {
         let s = &bus.subjects;
         Self {
             bus: bus.clone(),
@@ -69,6 +73,7 @@ impl Probe {
             ],
             consumers: vec![(s.events_stream(), s.wake_consumer().to_owned())],
             completions_probe: None,
+            started,
         }
     }
 
@@ -129,6 +134,13 @@ impl Probe {
                     ));
                 }
             }
+        }
+        // Last, so that a missing stream or consumer is named when it is
+        // what the setup waits for.
+        if !self.started.is_set() {
+            return Err(
+                "starting: not taking work yet (its log says what it waits for)".to_owned(),
+            );
         }
         Ok(())
     }

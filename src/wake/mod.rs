@@ -70,6 +70,9 @@ pub struct WakeConfig {
     /// dead-letter it. Off by default: publishers in other languages that
     /// write no records would have every wake refused.
     pub verify_origin: bool,
+    /// Marked once the service takes completions (its `/readyz` waits
+    /// for it).
+    pub started: crate::ops::Started,
 }
 
 impl WakeConfig {
@@ -87,6 +90,7 @@ impl WakeConfig {
             shape: PostShape::Hermes,
             http: HttpSecurity::default(),
             verify_origin: false,
+            started: crate::ops::Started::default(),
         }
     }
 }
@@ -176,6 +180,7 @@ pub async fn run(
         }
     };
     info!(api = %session_api::redacted_url(&config.api.base_url), instance = %config.instance, verify_origin = config.verify_origin, "Wake service started.");
+    config.started.mark();
     // Created again if it goes away while the wake runs.
     let wanted = ServiceConsumer::Wake {
         ack_wait: config.ack_wait,

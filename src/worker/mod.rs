@@ -84,6 +84,8 @@ pub struct WorkerConfig {
     /// Largest request, goal and context accepted; larger ones end with an
     /// `error` completion.
     pub limits: Limits,
+    /// Marked once the worker pulls tasks (its `/readyz` waits for it).
+    pub started: crate::ops::Started,
 }
 
 impl WorkerConfig {
@@ -102,6 +104,7 @@ impl WorkerConfig {
             instance: default_instance_name("worker"),
             max_depth: crate::protocol::DEFAULT_MAX_DEPTH,
             limits: Limits::default(),
+            started: crate::ops::Started::default(),
         }
     }
 
@@ -197,6 +200,7 @@ pub async fn run(
         }
     };
     info!(pool = %config.pool, concurrency = config.concurrency, executor = executor.name(), instance = %config.instance, "Worker started.");
+    config.started.mark();
 
     // Created again if it goes away while the worker runs.
     let wanted = ServiceConsumer::Worker {
