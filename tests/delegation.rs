@@ -1127,14 +1127,14 @@ async fn a_request_whose_index_is_outside_its_batch_still_wakes_its_session_with
     services.stop().await;
 }
 
-#[tokio::test]
-async fn a_batch_stored_only_in_part_is_completed_by_delegating_it_again_under_its_id_and_runs_each_task_once()
- {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let bus = bus(&nats.url(), &unique_prefix()).await;
-    // The task queue takes one request and refuses the others.
+/// Makes the task queue take one request and refuse the others; returns
+/// it and its settings before, to restore.
+async fn take_one_request_only(
+    bus: &wakebus::bus::Bus,
+) -> (
+    async_nats::jetstream::stream::Stream,
+    async_nats::jetstream::stream::Config,
+) {
     let mut tasks = bus
         .js
         .get_stream(bus.subjects.tasks_stream())
@@ -1145,6 +1145,17 @@ async fn a_batch_stored_only_in_part_is_completed_by_delegating_it_again_under_i
     refusing.max_messages = 1;
     refusing.discard = async_nats::jetstream::stream::DiscardPolicy::New;
     bus.js.update_stream(&refusing).await.unwrap();
+    (tasks, config)
+}
+
+#[tokio::test]
+async fn a_batch_stored_only_in_part_is_completed_by_delegating_it_again_under_its_id_and_runs_each_task_once()
+ {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let (mut tasks, config) = take_one_request_only(&bus).await;
     let goals = ["first", "second", "third"].map(String::from);
     let delegation = || Delegation::batch(goals.clone()).session("s.part");
     let error = Delegator::new(bus.clone())
@@ -1205,17 +1216,7 @@ async fn a_retry_after_a_server_restart_does_not_run_a_finished_task_again() {
     init_logs();
     let mut nats = NatsServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
-    // The task queue takes the first request and refuses the second.
-    let mut tasks = bus
-        .js
-        .get_stream(bus.subjects.tasks_stream())
-        .await
-        .unwrap();
-    let config = tasks.info().await.unwrap().config.clone();
-    let mut refusing = config.clone();
-    refusing.max_messages = 1;
-    refusing.discard = async_nats::jetstream::stream::DiscardPolicy::New;
-    bus.js.update_stream(&refusing).await.unwrap();
+    let (_, config) = take_one_request_only(&bus).await;
     let delegation = || Delegation::batch(["first", "second"].map(String::from)).session("s.rs");
     let error = Delegator::new(bus.clone())
         .delegate(delegation())

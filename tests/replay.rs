@@ -783,6 +783,19 @@ async fn dead_letter_a_task(
     api: &SessionApiServer,
     session: &str,
 ) -> String {
+    let delegation = Delegation::new("needs a working worker").session(session);
+    dead_letter_delegation(bus, api, delegation).await
+}
+
+/// Delegates `delegation` to a worker that cannot start its program and
+/// gives up at once; returns its id once its failure has woken its session
+/// (a wake service must be running: one turn, for a batch too) and its
+/// requests are dead-lettered.
+async fn dead_letter_delegation(
+    bus: &wakebus::bus::Bus,
+    api: &SessionApiServer,
+    delegation: Delegation,
+) -> String {
     let mut broken = Services::new();
     let mut config = test_worker_config("default");
     config.max_deliver = 1;
@@ -792,23 +805,15 @@ async fn dead_letter_a_task(
         Executor::Command(CommandExecutor::new(missing)),
         config,
     );
-    let id = delegate(
-        bus,
-        Delegation::new("needs a working worker").session(session),
-    )
-    .await;
+    let id = delegate(bus, delegation).await;
+    // The turn names the delegation (a batch's lists no task ids).
+    let of_it = |post: &common::session_api::Recorded| post.text().contains(&id);
     wait_until(WAIT, "the failure wake", || async {
-        api.accepted()
-            .iter()
-            .any(|post| post.delegation_ids().contains(&id))
+        api.accepted().iter().any(of_it)
     })
     .await;
-    let post = api
-        .accepted()
-        .into_iter()
-        .find(|post| post.delegation_ids().contains(&id))
-        .unwrap();
-    assert!(post.text().contains("Status: failed"));
+    let post = api.accepted().into_iter().find(of_it).unwrap();
+    assert!(post.text().contains("failed"), "{}", post.text());
     broken.stop().await;
     id
 }
@@ -965,22 +970,9 @@ async fn a_replayed_batch_member_is_a_delegation_of_its_own_that_a_cancel_finds_
     let bus = bus(&nats.url(), &prefix).await;
     let mut services = Services::new();
     services.wake(&bus, test_wake_config(&api.url()));
-    let mut broken = Services::new();
-    let mut config = test_worker_config("default");
-    config.max_deliver = 1;
-    let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
-    broken.worker(
-        &bus,
-        Executor::Command(CommandExecutor::new(missing)),
-        config,
-    );
     let goals = ["first", "second"].map(String::from);
-    let id = delegate(&bus, Delegation::batch(goals).session("s.members")).await;
-    wait_until(WAIT, "the batch's failure wake", || async {
-        api.accepted().len() == 1
-    })
-    .await;
-    broken.stop().await;
+    let id =
+        dead_letter_delegation(&bus, &api, Delegation::batch(goals).session("s.members")).await;
 
     let lines = wakebus(
         &nats.url(),
@@ -1038,23 +1030,9 @@ async fn a_member_half_requeued_by_an_earlier_release_is_sent_with_a_record_a_ve
     let mut wake_config = test_wake_config(&api.url());
     wake_config.verify_origin = true;
     services.wake(&bus, wake_config);
-    let mut broken = Services::new();
-    let mut config = test_worker_config("default");
-    config.max_deliver = 1;
-    let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
-    broken.worker(
-        &bus,
-        Executor::Command(CommandExecutor::new(missing)),
-        config,
-    );
     let session = "s.old-half";
     let goals = ["first", "second"].map(String::from);
-    let id = delegate(&bus, Delegation::batch(goals).session(session)).await;
-    wait_until(WAIT, "the batch's failure wake", || async {
-        api.accepted().len() == 1
-    })
-    .await;
-    broken.stop().await;
+    let id = dead_letter_delegation(&bus, &api, Delegation::batch(goals).session(session)).await;
 
     let dry = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
         .await
