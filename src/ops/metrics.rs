@@ -35,7 +35,8 @@ pub const TASK_REDELIVERIES: &str = "wakebus_task_redeliveries_total";
 /// task's completion already existed (a redelivery whose earlier attempt
 /// stored it, or a copy sent again after the duplicate window), by `pool`.
 pub const TASKS_ALREADY_DONE: &str = "wakebus_tasks_already_done_total";
-/// Tasks running now, by `pool`.
+/// Tasks in hand, by `pool`: running, or held before they start (asking
+/// whether they ran before, waiting for their cancel records).
 pub const TASKS_IN_FLIGHT: &str = "wakebus_tasks_in_flight";
 /// Messages dead-lettered, by `kind` (`task`, `wake`, `poison`, `origin`,
 /// `unreadable`).
@@ -120,7 +121,10 @@ fn describe() {
         TASKS_ALREADY_DONE,
         "Deliveries acknowledged without running, the task's completion already existing."
     );
-    describe_gauge!(TASKS_IN_FLIGHT, "Tasks running now.");
+    describe_gauge!(
+        TASKS_IN_FLIGHT,
+        "Tasks in hand: running, or held before they start."
+    );
     describe_counter!(DEAD_LETTERS, "Messages dead-lettered.");
     describe_counter!(WAKE_POSTS, "Wake posts to the session API, by result.");
     describe_counter!(

@@ -34,7 +34,8 @@ pub struct ServiceSnapshot {
     pub pool: Option<String>,
     /// Tasks it runs at once (workers only).
     pub concurrency: Option<usize>,
-    /// Tasks running now (workers) or wake posts awaiting an answer (wake).
+    /// Tasks in hand, running or held before they start (workers), or wake
+    /// posts awaiting an answer (wake).
     pub in_flight: usize,
     /// The wakebus version it runs.
     pub version: String,
