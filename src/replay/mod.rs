@@ -431,17 +431,10 @@ impl Replayer {
     /// kept (less a margin for the clocks). `None` when the trace would
     /// still be there.
     fn outlived_its_traces(&self, record: &Record, traces: &str) -> Option<String> {
-        let kept = self.kept;
-        // 5 minutes, or a tenth of a shorter keep (a test deployment's).
-        let margin = std::time::Duration::from_secs(300).min(kept / 10);
         let age = time::OffsetDateTime::now_utc() - record.published;
-        (!kept.is_zero() && age >= kept.saturating_sub(margin)).then(|| {
+        outlived(self.kept, age).map(|(age, kept)| {
             format!(
-                "stored {} ago, and {traces} are kept {}: whether an earlier replay handled it is not known (use --force to replay it anyway)",
-                humantime::format_duration(std::time::Duration::from_secs(
-                    u64::try_from(age.whole_seconds()).unwrap_or(0)
-                )),
-                humantime::format_duration(kept)
+                "stored {age} ago, and {traces} are kept {kept}: whether an earlier replay handled it is not known (use --force to replay it anyway)"
             )
         })
     }
@@ -569,6 +562,21 @@ fn replay_headers(record: &Record) -> HeaderMap {
     }
     headers.insert(HEADER_REPLAY, record.origin_ref().as_str());
     headers
+}
+
+/// Whether something `age` old may have outlived a trace kept `kept`
+/// (less a margin for the clocks: 5 minutes, or a tenth of a shorter
+/// keep, a test deployment's), as both durations for a reason; `None`
+/// while the trace would still be there, or when kept for ever (zero).
+fn outlived(kept: std::time::Duration, age: time::Duration) -> Option<(String, String)> {
+    let margin = std::time::Duration::from_secs(300).min(kept / 10);
+    (!kept.is_zero() && age >= kept.saturating_sub(margin)).then(|| {
+        let age = std::time::Duration::from_secs(u64::try_from(age.whole_seconds()).unwrap_or(0));
+        (
+            humantime::format_duration(age).to_string(),
+            humantime::format_duration(kept).to_string(),
+        )
+    })
 }
 
 /// The events stream of `bus`'s deployment.

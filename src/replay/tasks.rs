@@ -254,14 +254,9 @@ impl Replayer {
 /// are kept longer), less a margin for the clocks. `None` while a cancel
 /// made since the request would still be there.
 fn outlived_cancel_records(kept: std::time::Duration, age: time::Duration) -> Option<String> {
-    let margin = std::time::Duration::from_secs(300).min(kept / 10);
-    (!kept.is_zero() && age >= kept.saturating_sub(margin)).then(|| {
+    super::outlived(kept, age).map(|(age, kept)| {
         format!(
-            "made {} ago, and cancel records are kept {}: whether it was cancelled is not known (use --include-cancelled to run it anyway)",
-            humantime::format_duration(std::time::Duration::from_secs(
-                u64::try_from(age.whole_seconds()).unwrap_or(0)
-            )),
-            humantime::format_duration(kept)
+            "made {age} ago, and cancel records are kept {kept}: whether it was cancelled is not known (use --include-cancelled to run it anyway)"
         )
     })
 }
