@@ -91,9 +91,10 @@ struct Turn {
     /// but a batch's consolidated turn (`<delegation>.batch`) and an early
     /// failure notice (`<delegation>.<task>.early`) have their own.
     covers: Vec<String>,
-    /// `<delegation_id>.<task_index>` of every completion it reports (every
-    /// task of a batch), as a webhook's `completions` lists them.
-    reports: Vec<String>,
+    /// `<delegation_id>.<task_index>` of every completion it reports, as a
+    /// webhook's `completions` lists them, where they are not `covers`:
+    /// every task of a batch, the failed task of an early notice.
+    reports: Option<Vec<String>>,
     /// The covered entries whose delivery this turn records, each with its
     /// revision as this instance last read or wrote it: the `delivered`
     /// records are written only over these, so that one never lands over
@@ -119,6 +120,11 @@ impl Turn {
         events
     }
 
+    /// `<delegation_id>.<task_index>` of every completion it reports.
+    fn reports(&self) -> &[String] {
+        self.reports.as_deref().unwrap_or(&self.covers)
+    }
+
     /// The post for this turn.
     fn post<'a>(&'a self, session: &'a str, events: &'a [&'a CompletionEvent]) -> Post<'a> {
         Post {
@@ -126,7 +132,7 @@ impl Turn {
             text: &self.text,
             idempotency_key: &self.key,
             traceparent: self.traceparent.as_deref(),
-            reports: &self.reports,
+            reports: self.reports(),
             events,
         }
     }

@@ -109,9 +109,11 @@ impl Router {
                     text: turn::render_batch(&delegation_id, &all),
                     at: BTreeMap::from([(batch_key.clone(), recorded.revision)]),
                     covers: vec![batch_key],
-                    reports: (0..all.len() as u32)
-                        .map(|index| WakeLedger::key(&delegation_id, index))
-                        .collect(),
+                    reports: Some(
+                        (0..all.len() as u32)
+                            .map(|index| WakeLedger::key(&delegation_id, index))
+                            .collect(),
+                    ),
                     messages: group,
                 });
                 continue;
@@ -161,7 +163,7 @@ impl Router {
                         text: turn::render_early_failure(&pending.event),
                         at: BTreeMap::from([(early_key.clone(), revision.unwrap_or(0))]),
                         covers: vec![early_key.clone()],
-                        reports: vec![pending.ledger_key()],
+                        reports: Some(vec![pending.ledger_key()]),
                         key: early_key,
                         messages: vec![pending],
                     });
@@ -306,7 +308,7 @@ impl Router {
                     text: turn::render(&[&pending.event]),
                     at: BTreeMap::from([(pending.ledger_key(), revision)]),
                     covers: vec![pending.ledger_key()],
-                    reports: vec![pending.ledger_key()],
+                    reports: None,
                     key,
                     messages: vec![pending],
                 });
@@ -390,7 +392,7 @@ impl Router {
                             at: marked_for(&known, &intent.covers, &idempotency_key),
                             key: idempotency_key,
                             text: intent.text,
-                            reports: intent.covers.clone(),
+                            reports: None,
                             covers: intent.covers,
                             messages: vec![pending],
                         });
@@ -415,7 +417,7 @@ impl Router {
                             text: turn::render(&[&pending.event]),
                             at: revisions(&known, &[pending.ledger_key()]),
                             covers: vec![pending.ledger_key()],
-                            reports: vec![pending.ledger_key()],
+                            reports: None,
                             key: idempotency_key,
                             messages: vec![pending],
                         });
@@ -551,7 +553,7 @@ impl Router {
                     key,
                     text,
                     at: covers.iter().cloned().zip(marked).collect(),
-                    reports: covers.clone(),
+                    reports: None,
                     covers,
                     messages,
                 });

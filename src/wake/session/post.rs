@@ -141,7 +141,7 @@ impl Router {
             match result {
                 PostResult::Delivered => {
                     m::wake_posted("delivered");
-                    info!(completions = turn.reports.len(), attempt, idempotency_key = %turn.key, "Wake delivered.");
+                    info!(completions = turn.reports().len(), attempt, idempotency_key = %turn.key, "Wake delivered.");
                     return if self.record_delivery(posting, hold).await {
                         Posted::Done
                     } else {
@@ -149,7 +149,7 @@ impl Router {
                     };
                 }
                 PostResult::Rejected { status, body } => {
-                    error!(status, body = %body, completions = turn.reports.len(), "Session API rejected the wake; dead-lettering it for replay.");
+                    error!(status, body = %body, completions = turn.reports().len(), "Session API rejected the wake; dead-lettering it for replay.");
                     m::wake_posted("rejected");
                     let reason = format!("session API answered {status}: {body}");
                     return if self.dead_letter_refused(posting, hold, &reason).await {
