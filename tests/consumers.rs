@@ -107,6 +107,36 @@ impl Rig {
     }
 
     /// Waits until the wake's keeper has seen its consumer's ack floor at
+    /// Delegates for `session` a task whose wake the session API refuses
+    /// (dead-lettered and acked, with no `delivered` entry in the ledger:
+    /// only where the consumer starts keeps it from being posted again),
+    /// after `posted` other posts; returns its delegation id and the ack
+    /// floor the keeper has seen once it is handled.
+    async fn refused_wake(&self, session: &str, posted: usize) -> (String, u64) {
+        self.api.fail_next(1, 422);
+        let refused = self.delegate(session).await;
+        wait_until(WAIT, "the refused post", || async {
+            self.api.all_posts().len() == posted + 1
+        })
+        .await;
+        wake_consumer_settled(&self.bus).await;
+        let floor = wake_consumer_info(&self.bus)
+            .await
+            .unwrap()
+            .ack_floor
+            .stream_sequence;
+        (refused, self.keeper_saw(floor).await)
+    }
+
+    /// How many posts the session API received for `delegation_id`.
+    fn posts_of(&self, delegation_id: &str) -> usize {
+        self.api
+            .all_posts()
+            .iter()
+            .filter(|post| post.delegation_ids().iter().any(|id| id == delegation_id))
+            .count()
+    }
+
     /// `floor` or beyond; returns the floor it saw.
     async fn keeper_saw(&self, floor: u64) -> u64 {
         eventually(WAIT, "the keeper to see the ack floor", || async {
@@ -233,22 +263,7 @@ async fn a_wake_consumer_made_again_starts_after_its_ack_floor_so_a_refused_comp
     let mut rig = Rig::start().await;
     let mut ids = HashSet::from([rig.delegate("s.floor.0").await]);
     rig.woken(1).await;
-    // A completion the session API refuses is dead-lettered and acked with
-    // no `delivered` entry in the ledger: only where the consumer starts
-    // keeps it from being posted again.
-    rig.api.fail_next(1, 422);
-    let refused = rig.delegate("s.floor.refused").await;
-    wait_until(WAIT, "the refused post", || async {
-        rig.api.all_posts().len() == 2
-    })
-    .await;
-    wake_consumer_settled(&rig.bus).await;
-    let floor = wake_consumer_info(&rig.bus)
-        .await
-        .unwrap()
-        .ack_floor
-        .stream_sequence;
-    let seen = rig.keeper_saw(floor).await;
+    let (refused, seen) = rig.refused_wake("s.floor.refused", 1).await;
 
     // Deleted, with a completion stored while it is gone.
     rig.delete_wake_consumer().await;
@@ -263,14 +278,9 @@ async fn a_wake_consumer_made_again_starts_after_its_ack_floor_so_a_refused_comp
         }
     );
     assert_eq!(from_sequence, seen + 1);
-    let posts_of_refused = rig
-        .api
-        .all_posts()
-        .iter()
-        .filter(|post| post.delegation_ids().contains(&refused))
-        .count();
     assert_eq!(
-        posts_of_refused, 1,
+        rig.posts_of(&refused),
+        1,
         "the refused completion was posted again"
     );
     assert_eq!(rig.woken_ids().into_iter().collect::<HashSet<_>>(), ids);
@@ -295,19 +305,7 @@ async fn a_wake_consumer_lost_twice_in_a_quiet_spell_starts_after_the_same_floor
     let rig = Rig::start().await;
     rig.delegate("s.quiet.0").await;
     rig.woken(1).await;
-    rig.api.fail_next(1, 422);
-    let refused = rig.delegate("s.quiet.refused").await;
-    wait_until(WAIT, "the refused post", || async {
-        rig.api.all_posts().len() == 2
-    })
-    .await;
-    wake_consumer_settled(&rig.bus).await;
-    let floor = wake_consumer_info(&rig.bus)
-        .await
-        .unwrap()
-        .ack_floor
-        .stream_sequence;
-    rig.keeper_saw(floor).await;
+    let (refused, _) = rig.refused_wake("s.quiet.refused", 1).await;
 
     rig.delete_wake_consumer().await;
     let first = rig.wake_consumer_created(1).await;
@@ -332,14 +330,9 @@ async fn a_wake_consumer_lost_twice_in_a_quiet_spell_starts_after_the_same_floor
         },
     )
     .await;
-    let posts_of_refused = rig
-        .api
-        .all_posts()
-        .iter()
-        .filter(|post| post.delegation_ids().contains(&refused))
-        .count();
     assert_eq!(
-        posts_of_refused, 1,
+        rig.posts_of(&refused),
+        1,
         "the refused completion was posted again"
     );
 }
