@@ -391,10 +391,10 @@ async fn a_session_api_that_refuses_with_4xx_gets_the_wake_dead_lettered_not_ret
 
 /// An API that enforces `Idempotency-Key` answers 409 while a post under
 /// the same key is still in progress (one whose answer was lost, or a dead
-/// instance's): the wake tries again for two request timeouts, and takes
+/// instance's): the wake tries again for `--conflict-patience`, and takes
 /// only a conflict that lasts longer for a refusal.
 #[tokio::test]
-async fn a_409_conflict_is_retried_for_two_request_timeouts_before_the_wake_is_dead_lettered() {
+async fn a_409_conflict_is_retried_for_the_conflict_patience_before_the_wake_is_dead_lettered() {
     init_logs();
     let nats = NatsServer::start().await;
     let api = SessionApiServer::start().await;
@@ -433,9 +433,56 @@ async fn a_409_conflict_is_retried_for_two_request_timeouts_before_the_wake_is_d
         .into_iter()
         .filter(|post| post.session() == "s.conflicts")
         .collect();
-    // Retried for two request timeouts (5 s each in tests) from the first.
+    // Retried for the conflict patience (10 s in tests) from the first.
     let retried_for = conflicted.last().unwrap().at - conflicted[0].at;
     assert!(retried_for >= Duration::from_secs(9), "{retried_for:?}");
+    let reason = all_messages(&bus, &dlq).await[0]
+        .headers
+        .get("Wakebus-Dead-Letter-Reason")
+        .unwrap()
+        .to_string();
+    assert!(reason.contains("replay without --force"), "{reason}");
+}
+
+/// An agent's turn often outlasts `--request-timeout`: the wake gives its
+/// post up and sends it again under the same key, and an API honouring the
+/// key answers 409 until the turn it is running ends, then the stored
+/// answer. The wake waits that out (`--conflict-patience`) instead of
+/// dead-lettering a turn the API then delivers, which a forced replay
+/// would have made a second turn.
+#[tokio::test]
+async fn a_turn_slower_than_the_request_timeout_is_delivered_once_by_an_api_honouring_its_key() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    api.honour_keys(Duration::from_secs(6));
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    let mut config = test_wake_config(&api.url());
+    config.api.request_timeout = Duration::from_secs(1);
+    config.conflict_patience = Duration::from_secs(60);
+    services.wake(&bus, config);
+    let delegation = Delegator::new(bus.clone())
+        .delegate(Delegation::new("a long turn").session("s.long-turn"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the first post", || async {
+        !api.all_posts().is_empty()
+    })
+    .await;
+    ledger_records_delivery(&bus, delegation.delegation_id()).await;
+    services.stop().await;
+    let posts = api.all_posts();
+    assert!(api.conflicts() > 0, "the turn outlasted a post: {posts:?}");
+    let keys: HashSet<_> = posts
+        .iter()
+        .map(|post| post.header("idempotency-key"))
+        .collect();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    assert_eq!(api.turns().len(), 1);
+    let dlq = bus.subjects.dead_letter_stream();
+    assert!(all_messages(&bus, &dlq).await.is_empty(), "dead-lettered");
 }
 
 /// The patience for 409s counts conflicts in a row: a 409 after a longer
@@ -461,7 +508,7 @@ async fn a_409_after_an_outage_longer_than_its_patience_is_retried_like_a_first_
     })
     .await;
     api.fail_always(503);
-    // Past two request timeouts (5 s each in tests) since the first 409.
+    // Past the conflict patience (10 s in tests) since the first 409.
     wait_until(WAIT, "503s for longer than the 409 patience", || async {
         let posts = api.all_posts();
         posts.last().unwrap().at - posts[0].at > Duration::from_millis(10_500)

@@ -431,6 +431,12 @@ pub(crate) struct WakeArgs {
     /// ask for longer).
     #[arg(long, value_parser = positive_duration, default_value = "30s")]
     pub(crate) retry_max: Duration,
+    /// How long 409 Conflict answers in a row are retried before the wake
+    /// is dead-lettered: an API honouring Idempotency-Key answers 409
+    /// while the turn under the key still runs (a post given up after
+    /// `--request-timeout`), so make it longer than the longest turn.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "10m")]
+    pub(crate) conflict_patience: Duration,
     /// Act on a completion only if its delegator's `submitted` record exists
     /// and names the same origin session; dead-letter it otherwise (a
     /// forged completion). Needs every publisher of tasks to write the

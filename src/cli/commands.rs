@@ -206,6 +206,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.max_in_flight = args.max_in_flight;
             config.retry_min = args.retry_min;
             config.retry_max = args.retry_max;
+            config.conflict_patience = args.conflict_patience;
             config.verify_origin = args.verify_origin;
             let client = bus.client.clone();
             wake::run(bus, settings(&global), config, service_shutdown()).await?;

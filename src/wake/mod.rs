@@ -59,6 +59,12 @@ pub struct WakeConfig {
     /// Longest retry delay, jitter included (a `Retry-After` may ask for
     /// longer).
     pub retry_max: Duration,
+    /// How long 409 Conflict answers in a row are retried before the wake
+    /// is dead-lettered. An API honouring `Idempotency-Key` answers 409
+    /// while the turn under the key still runs, which is how a post given
+    /// up after `request_timeout` looks while the agent's turn goes on; a
+    /// refusal taken too early dead-letters a turn that is then delivered.
+    pub conflict_patience: Duration,
     /// This instance's name, in lock values and logs.
     pub instance: String,
     /// Hermes chat completions, or a signed webhook.
@@ -86,6 +92,7 @@ impl WakeConfig {
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             retry_min: Duration::from_millis(500),
             retry_max: Duration::from_secs(30),
+            conflict_patience: DEFAULT_CONFLICT_PATIENCE,
             instance: crate::worker::default_instance_name("wake"),
             shape: PostShape::Hermes,
             http: HttpSecurity::default(),
@@ -99,6 +106,12 @@ impl WakeConfig {
 /// gap between a busy session's completions, short enough that another
 /// instance taking over the session barely notices.
 pub const DEFAULT_LOCK_LINGER: Duration = Duration::from_millis(250);
+
+/// How long 409 answers in a row are retried by default: longer than an
+/// agent's turn with tool calls takes, so that one still running under the
+/// key (this wake's own post, given up after `--request-timeout`) ends
+/// before the conflict is taken as a refusal.
+pub const DEFAULT_CONFLICT_PATIENCE: Duration = Duration::from_secs(600);
 
 /// Completions held unacknowledged at once by default, across all wake
 /// instances: enough to keep every session busy, small enough that a large

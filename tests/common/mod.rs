@@ -297,6 +297,7 @@ pub fn test_wake_config(api_url: &str) -> WakeConfig {
     config.ack_wait = Duration::from_secs(5);
     config.retry_min = Duration::from_millis(50);
     config.retry_max = Duration::from_millis(300);
+    config.conflict_patience = Duration::from_secs(10);
     config
 }
 

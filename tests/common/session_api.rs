@@ -75,6 +75,14 @@ struct Inner {
     answer_size: AtomicUsize,
     /// The client address of every post: one per TCP connection.
     peers: Mutex<HashSet<SocketAddr>>,
+    /// Honour `Idempotency-Key` as such APIs do, each turn taking this many
+    /// milliseconds, plus one (0: off).
+    honour_keys_ms: AtomicU64,
+    /// Keys seen in that mode: `false` while the turn runs, `true` once its
+    /// answer is stored.
+    keys: Mutex<HashMap<String, bool>>,
+    /// 409 answers given in that mode.
+    conflicts: AtomicUsize,
 }
 
 #[derive(Clone)]
@@ -142,6 +150,21 @@ impl SessionApiServer {
     /// Send `Retry-After: seconds` with refusals.
     pub fn set_retry_after(&self, seconds: u64) {
         self.inner.retry_after.store(seconds + 1, Ordering::SeqCst);
+    }
+
+    /// Honour `Idempotency-Key` as such an API does: the first post under
+    /// a key starts a turn that runs for `turn` whether or not its client
+    /// waits for the answer; another post under the key is answered 409
+    /// while the turn runs, then with its stored answer (not a new turn).
+    pub fn honour_keys(&self, turn: Duration) {
+        self.inner
+            .honour_keys_ms
+            .store(turn.as_millis() as u64 + 1, Ordering::SeqCst);
+    }
+
+    /// How many 409s were answered to posts under a key whose turn ran.
+    pub fn conflicts(&self) -> usize {
+        self.inner.conflicts.load(Ordering::SeqCst)
     }
 
     /// Posts received and not yet answered.
@@ -241,6 +264,10 @@ async fn receive(
         }
     }
     let _landed = Landed(&inner, session);
+    let honour = inner.honour_keys_ms.load(Ordering::SeqCst);
+    if honour > 0 {
+        return honouring_keys(&inner, recorded, Duration::from_millis(honour - 1)).await;
+    }
     let delay = inner.delay_ms.load(Ordering::SeqCst);
     if delay > 0 {
         tokio::time::sleep(Duration::from_millis(delay)).await;
@@ -249,6 +276,39 @@ async fn receive(
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     answer(&inner, recorded)
+}
+
+/// A post to an API honouring `Idempotency-Key`.
+async fn honouring_keys(inner: &Arc<Inner>, recorded: Recorded, turn: Duration) -> Response {
+    inner.all.lock().unwrap().push(recorded.clone());
+    let key = recorded.header("idempotency-key").unwrap_or_default();
+    let seen = inner.keys.lock().unwrap().insert(key.clone(), false);
+    match seen {
+        Some(true) => {
+            inner.keys.lock().unwrap().insert(key, true);
+            return accepted_answer(inner);
+        }
+        Some(false) => {
+            inner.conflicts.fetch_add(1, Ordering::SeqCst);
+            return (
+                StatusCode::CONFLICT,
+                "a request with this Idempotency-Key is in progress",
+            )
+                .into_response();
+        }
+        None => {}
+    }
+    // The turn runs on when the client stops waiting, as an agent's does.
+    let (done, answered) = tokio::sync::oneshot::channel();
+    let running = inner.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(turn).await;
+        running.accepted.lock().unwrap().push(recorded);
+        running.keys.lock().unwrap().insert(key, true);
+        let _ = done.send(());
+    });
+    let _ = answered.await;
+    accepted_answer(inner)
 }
 
 fn answer(inner: &Inner, recorded: Recorded) -> Response {
@@ -284,6 +344,11 @@ fn answer(inner: &Inner, recorded: Recorded) -> Response {
         return refuse(inner.fail_status.load(Ordering::SeqCst));
     }
     inner.accepted.lock().unwrap().push(recorded);
+    accepted_answer(inner)
+}
+
+/// A 2xx with the assistant's reply.
+fn accepted_answer(inner: &Inner) -> Response {
     Json(json!({
         "id": "chatcmpl-test",
         "object": "chat.completion",

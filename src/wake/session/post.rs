@@ -45,12 +45,6 @@ impl Posting<'_> {
     }
 }
 
-/// How long 409 answers to a turn are retried, in `--request-timeout`s
-/// from the first: the post still in progress under the same key is most
-/// often this wake's own, given up after one request timeout, so it has
-/// had as long again to finish when a conflict is taken as a refusal.
-const CONFLICT_PATIENCE: u32 = 2;
-
 /// How soon a lock refresh that failed during a post is tried again.
 const LOCK_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -72,7 +66,7 @@ impl Router {
         let events = turn.events();
         let mut attempt = 0u32;
         let mut first_conflict: Option<Instant> = None;
-        let conflict_patience = shared.config.api.request_timeout * CONFLICT_PATIENCE;
+        let conflict_patience = shared.config.conflict_patience;
         loop {
             attempt += 1;
             // Post only while the lock is surely ours: refresh it when due
@@ -123,9 +117,11 @@ impl Router {
             drop(posting_gauge);
             if let PostResult::Rejected { status: 409, .. } = result {
                 // An API enforcing Idempotency-Key answers 409 while a post
-                // under the same key is still being processed: one whose
-                // answer was lost, or a dead instance's. It settles; a
-                // conflict that lasts is a refusal.
+                // under the same key is still being processed: most often
+                // this wake's own, given up after `--request-timeout` while
+                // the agent's turn runs on (minutes, with tool calls), or a
+                // dead instance's. It settles; only a conflict that lasts
+                // past `--conflict-patience` is taken as a refusal.
                 if first_conflict.get_or_insert_with(Instant::now).elapsed() < conflict_patience {
                     result = PostResult::Retry {
                         reason: "session API answered 409 Conflict (a post under this Idempotency-Key may still be in progress)".to_owned(),
@@ -148,8 +144,23 @@ impl Router {
                         Posted::DoneThenShutdown
                     };
                 }
+                PostResult::Rejected { status: 409, body } => {
+                    // The post in progress may still deliver the turn: a
+                    // replay under the same key is answered from the API's
+                    // store, a forced one (a new key) would be a second turn.
+                    error!(body = ?body, completions = turn.reports().len(), idempotency_key = %turn.key, patience = ?conflict_patience, "Session API answered 409 Conflict for longer than --conflict-patience; dead-lettering the wake. The turn under this key may still be delivered: replay it without --force.");
+                    m::wake_posted("rejected");
+                    let reason = format!(
+                        "session API answered 409 for longer than --conflict-patience (the turn under this Idempotency-Key may have been delivered; replay without --force): {body}"
+                    );
+                    return if self.dead_letter_refused(posting, hold, &reason).await {
+                        Posted::Done
+                    } else {
+                        Posted::Shutdown
+                    };
+                }
                 PostResult::Rejected { status, body } => {
-                    error!(status, body = %body, completions = turn.reports().len(), "Session API rejected the wake; dead-lettering it for replay.");
+                    error!(status, body = ?body, completions = turn.reports().len(), "Session API rejected the wake; dead-lettering it for replay.");
                     m::wake_posted("rejected");
                     let reason = format!("session API answered {status}: {body}");
                     return if self.dead_letter_refused(posting, hold, &reason).await {
