@@ -510,3 +510,70 @@ async fn a_wake_whose_entry_changes_between_its_read_and_its_mark_plans_again_an
         "{log}"
     );
 }
+
+/// A lock refresh that falls due during a post runs while the post's
+/// answer is read. Here the lock bucket's stream stops answering (as
+/// between two leaders) while a post is in flight, so the next refresh
+/// waits for its ack until it times out, and the answer comes meanwhile,
+/// well before the post's deadline. Awaited before the answer was read,
+/// the refresh let the deadline pass first, and the HTTP client took the
+/// delivered turn for a timeout: it was posted again.
+#[tokio::test]
+async fn an_answer_that_arrives_during_a_slow_lock_refresh_is_not_posted_again() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    // Refreshed every second.
+    let ttl = Duration::from_secs(3);
+    let locks = session_lock_bucket(&bus, ttl).await;
+    let mut config = test_wake_config(&api.url());
+    config.api.request_timeout = Duration::from_secs(4);
+    let settings = BusSettings {
+        session_lock_ttl: ttl,
+        ..Default::default()
+    };
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake_with(&bus, settings, config);
+    api.hold_posts();
+    let id = delegate(
+        &bus,
+        Delegation::new("answered during a refresh").session("s.refreshing"),
+    )
+    .await;
+    wait_until(WAIT, "the post in flight", || async {
+        api.in_flight() == 1
+    })
+    .await;
+
+    // The bucket's stream stops taking its subjects; this subscriber
+    // keeps the writes from failing at once for want of a responder.
+    let stream_name = format!("KV_{}", locks.name);
+    let mut stream = bus.js.get_stream(&stream_name).await.unwrap();
+    let config = stream.info().await.unwrap().config.clone();
+    let mut writes = bus
+        .client
+        .subscribe(format!("$KV.{}.>", locks.name))
+        .await
+        .unwrap();
+    let mut electing = config.clone();
+    electing.subjects = vec![format!("{}.paused.>", bus.subjects.prefix())];
+    bus.js.update_stream(&electing).await.unwrap();
+    tokio::time::timeout(WAIT, writes.next())
+        .await
+        .expect("a lock refresh during the post")
+        .unwrap();
+    // Answered while the refresh waits for its ack.
+    api.release_posts();
+    wait_until(WAIT, "the answer", || async { api.in_flight() == 0 }).await;
+    bus.js.update_stream(&config).await.unwrap();
+    drop(writes);
+    ledger_records_delivery(&bus, &id).await;
+    services.stop().await;
+    assert_eq!(
+        api.all_posts().len(),
+        1,
+        "the delivered turn was posted again"
+    );
+}

@@ -91,13 +91,28 @@ impl Router {
                 // lock's revision that succeeds later (a NATS hiccup, not
                 // another holder) holds it again, before it can expire.
                 let mut retry_at = None;
+                // An answer that came during a lock refresh.
+                let mut answered = None;
                 loop {
                     let next = retry_at.unwrap_or(*posting.refresh_at);
                     tokio::select! {
                         result = &mut post => break result,
                         () = tokio::time::sleep_until(next) => {
-                            // A slow post keeps the lock alive.
-                            match posting.refresh_lock_if_due(&shared.locks).await {
+                            // A slow post keeps the lock alive. Its answer is
+                            // read meanwhile: the HTTP client checks the
+                            // request's deadline before it reads, so an
+                            // answer left unread while a slow refresh (a
+                            // leader election) ran past the deadline would
+                            // be taken for a timeout and posted again.
+                            let refresh = posting.refresh_lock_if_due(&shared.locks);
+                            tokio::pin!(refresh);
+                            let refreshed = loop {
+                                tokio::select! {
+                                    refreshed = &mut refresh => break refreshed,
+                                    result = &mut post, if answered.is_none() => answered = Some(result),
+                                }
+                            };
+                            match refreshed {
                                 Ok(()) if retry_at.take().is_some() => {
                                     info!("Session lock held again during the post.");
                                 }
@@ -108,6 +123,9 @@ impl Router {
                                     }
                                     retry_at = Some(Instant::now() + LOCK_RETRY);
                                 }
+                            }
+                            if let Some(result) = answered.take() {
+                                break result;
                             }
                         }
                     }
