@@ -4,6 +4,7 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
@@ -1518,4 +1519,469 @@ async fn a_combined_turn_not_every_completion_was_marked_for_is_not_resent() {
         assert_ne!(post.header("idempotency-key").as_deref(), Some(key));
         assert!(!post.text().contains(recorded), "{}", post.text());
     }
+}
+
+/// Panics with the error `check` returns, if it returns one at any look
+/// (every 50 ms) within `window`: for what must not happen.
+async fn holds_throughout<F, Fut>(window: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let end = tokio::time::Instant::now() + window;
+    while tokio::time::Instant::now() < end {
+        if let Err(broken) = check().await {
+            panic!("{broken}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Writes `value` over the session lock on `token` that the wake named
+/// `wake` holds, as another instance's take would look once the wake's
+/// lock expired; the wake may refresh it meanwhile (a changed revision is
+/// read again). Returns the revision written.
+async fn take_over_lock(
+    kv: &async_nats::jetstream::kv::Store,
+    token: &str,
+    wake: &str,
+    value: &bytes::Bytes,
+) -> u64 {
+    use async_nats::jetstream::kv::{Operation, UpdateErrorKind};
+    loop {
+        let entry = kv.entry(token).await.unwrap().expect("the wake's lock");
+        let held = String::from_utf8_lossy(&entry.value).into_owned();
+        assert!(
+            entry.operation == Operation::Put && held.starts_with(&format!("{wake} ")),
+            "not the wake's lock: {entry:?}"
+        );
+        match kv.update(token, value.clone(), entry.revision).await {
+            Ok(revision) => return revision,
+            Err(error) if error.kind() == UpdateErrorKind::WrongLastRevision => {}
+            Err(error) => panic!("cannot take the lock over: {error}"),
+        }
+    }
+}
+
+/// Refreshes the lock on `token` every second from `revision`, as the
+/// instance holding it would, until `stop`; returns the last revision
+/// written, or why a refresh failed (someone else wrote the lock).
+fn keep_lock(
+    kv: async_nats::jetstream::kv::Store,
+    token: String,
+    value: bytes::Bytes,
+    mut revision: u64,
+    stop: tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<Result<u64, String>> {
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return Ok(revision),
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+            revision = kv
+                .update(&token, value.clone(), revision)
+                .await
+                .map_err(|error| format!("the other instance's lock refresh failed: {error}"))?;
+        }
+    })
+}
+
+/// The `Idempotency-Key` of every post in `posts`.
+fn keys_of(posts: &[common::session_api::Recorded]) -> Vec<Option<String>> {
+    posts.iter().map(|p| p.header("idempotency-key")).collect()
+}
+
+/// Two completions for `session` in the history, from an echo worker
+/// started in `services`, for a wake started once this returns to post
+/// as one combined turn (with a coalesce window long enough to take both:
+/// `combining_wake_config`). A combined turn's Idempotency-Key,
+/// `wake.<ULID>`, is new at each plan, so that only the key recorded in
+/// the ledger can be sent again; a single completion's key is its event's
+/// id, the same at every plan. Returns the delegation ids.
+async fn two_completions_waiting(bus: &Bus, services: &mut Services, session: &str) -> [String; 2] {
+    let ids = [
+        delegate(bus, Delegation::new("first").session(session)).await,
+        delegate(bus, Delegation::new("second").session(session)).await,
+    ];
+    services.echo_worker(bus);
+    wait_until(WAIT, "both completions", || async {
+        done_events(bus).await.len() == 2
+    })
+    .await;
+    ids
+}
+
+/// `test_wake_config` posting to `url`, whose coalesce window takes both
+/// completions of `two_completions_waiting` into one turn.
+fn combining_wake_config(url: &str) -> wakebus::wake::WakeConfig {
+    let mut config = test_wake_config(url);
+    config.coalesce_window = Duration::from_millis(500);
+    config
+}
+
+/// Asserts that `post` is the combined turn of the delegations `ids`;
+/// returns its Idempotency-Key.
+fn assert_combined(post: &common::session_api::Recorded, ids: &[String; 2]) -> String {
+    let key = post.header("idempotency-key").expect("a key");
+    assert!(key.starts_with("wake."), "not a combined turn's key: {key}");
+    let mut reported = post.delegation_ids();
+    reported.sort();
+    let mut expected = ids.to_vec();
+    expected.sort();
+    assert_eq!(reported, expected, "{}", post.text());
+    key
+}
+
+/// A wake whose lock another instance takes while it retries a failing
+/// post (its refreshes were lost past the TTL, say) learns it at its next
+/// refresh: it posts no more, leaves the other instance's lock alone and
+/// keeps the completions, unacked, until it takes the lock again; then it
+/// sends the turn again under the key its ledger recorded.
+#[tokio::test]
+async fn a_wake_that_loses_its_session_lock_while_retrying_stops_posting_and_resends_under_the_same_key()
+ {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    api.fail_always(503);
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let session = "s.lock.lost";
+    let mut services = Services::new();
+    let ids = two_completions_waiting(&bus, &mut services, session).await;
+    // Refreshed every second (a third of the TTL) while the post is retried.
+    let ttl = Duration::from_secs(3);
+    let settings = wakebus::bus::BusSettings {
+        session_lock_ttl: ttl,
+        ..Default::default()
+    };
+    let mut config = combining_wake_config(&api.url());
+    config.instance = "wake-under-test".to_owned();
+    let ack_wait = config.ack_wait;
+    services.wake_with(&bus, settings, config);
+    wait_until(WAIT, "the wake retrying its post", || async {
+        api.all_posts().len() >= 3
+    })
+    .await;
+    let key = assert_combined(&api.all_posts()[0], &ids);
+
+    let kv = session_lock_bucket(&bus, ttl).await;
+    let token = wakebus::protocol::session_token(session);
+    let foreign = bytes::Bytes::from(format!("another-wake {}", ulid::Ulid::new()));
+    let taken = take_over_lock(&kv, &token, "wake-under-test", &foreign).await;
+    let taken_at = std::time::Instant::now();
+    let stop_keeping = tokio_util::sync::CancellationToken::new();
+    let keeper = keep_lock(
+        kv.clone(),
+        token.clone(),
+        foreign.clone(),
+        taken,
+        stop_keeping.clone(),
+    );
+
+    // Posts came every 50 to 300 ms (test_wake_config's backoff); the
+    // wake's next refresh, due at most a third of the TTL after the take,
+    // fails, and they stop.
+    let quiet = Duration::from_millis(1500);
+    wait_until(WAIT, "the wake to stop posting", || async {
+        api.all_posts().last().unwrap().at.elapsed() >= quiet
+    })
+    .await;
+    let posts = api.all_posts().len();
+    let posted_on = api
+        .all_posts()
+        .last()
+        .unwrap()
+        .at
+        .saturating_duration_since(taken_at);
+    assert!(
+        posted_on < ttl,
+        "the wake posted for {posted_on:?} after another instance took its lock"
+    );
+    // Not a wait for a condition: nothing may happen while the other
+    // instance holds the lock. Two TTLs, past the AckWait: the wake tries
+    // to take the lock at least once a second, a wake waiting out a lock's
+    // TTL and taking it would post within one, and completions the wake
+    // did not keep alive would be redelivered.
+    let window = (2 * ttl).max(ack_wait + Duration::from_secs(1));
+    holds_throughout(window, || async {
+        let now = api.all_posts().len();
+        if now != posts {
+            return Err(format!(
+                "{} post(s) while another instance held the lock",
+                now - posts
+            ));
+        }
+        if keeper.is_finished() {
+            return Err("the other instance's lock was written over".to_owned());
+        }
+        Ok(())
+    })
+    .await;
+
+    stop_keeping.cancel();
+    let revision = keeper
+        .await
+        .unwrap()
+        .unwrap_or_else(|error| panic!("{error}"));
+    let entry = kv.entry(&token).await.unwrap().expect("the other lock");
+    assert_eq!(
+        (entry.operation, &entry.value, entry.revision),
+        (
+            async_nats::jetstream::kv::Operation::Put,
+            &foreign,
+            revision
+        ),
+        "the wake wrote over another instance's lock"
+    );
+    let info = wake_consumer_info(&bus).await.unwrap();
+    assert_eq!(
+        (info.num_ack_pending, info.num_pending, info.num_redelivered),
+        (2, 0, 0),
+        "a completion left the wake: {info:?}"
+    );
+    let dlq = bus.subjects.dead_letter_stream();
+    assert_eq!(stored_messages(&bus, &dlq).await, 0, "dead-lettered");
+    let ledger = WakeLedger::new(
+        bus.js
+            .get_key_value(bus.subjects.wake_ledger_bucket())
+            .await
+            .unwrap(),
+    );
+    for id in &ids {
+        assert_eq!(
+            ledger.get(&WakeLedger::key(id, 0)).await.unwrap(),
+            Some(wakebus::wake::ledger::LedgerState::Posting {
+                idempotency_key: key.clone()
+            })
+        );
+    }
+
+    // The other instance is done with the session, and the API is back.
+    api.recover();
+    kv.delete(&token).await.unwrap();
+    wait_until(WAIT, "the turn accepted", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    for id in &ids {
+        ledger_records_delivery(&bus, id).await;
+    }
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    assert_eq!(api.turns().len(), 1, "{:?}", api.accepted());
+    assert_combined(&api.accepted()[0], &ids);
+    let all = api.all_posts();
+    assert_eq!(all.len(), posts + 1, "once the lock was free: one post");
+    assert!(
+        keys_of(&all).iter().all(|k| k.as_ref() == Some(&key)),
+        "posted under another key than {key}: {:?}",
+        keys_of(&all)
+    );
+    assert_eq!(api.max_in_flight_per_session(), 1);
+    assert_eq!(stored_messages(&bus, &dlq).await, 0, "dead-lettered");
+}
+
+/// What a connection through [`PostTap`] carried from the client.
+#[derive(Default)]
+struct Wire {
+    bytes: Vec<u8>,
+    /// Where each read began in `bytes`, and when it came.
+    reads: Vec<(usize, std::time::Instant)>,
+}
+
+/// A post as it went over the wire.
+#[derive(Debug)]
+struct SentPost {
+    /// When its first bytes reached the tap.
+    at: std::time::Instant,
+    key: Option<String>,
+}
+
+/// A TCP forwarder in front of the session API that keeps what the wake
+/// sent over each connection. A post the wake gives up on is in none of
+/// the API's records (the API stops handling a request whose connection
+/// closes, before it records it), but it went over the wire.
+struct PostTap {
+    addr: std::net::SocketAddr,
+    wires: Arc<Mutex<Vec<Arc<Mutex<Wire>>>>>,
+}
+
+impl PostTap {
+    async fn start(api: &SessionApiServer) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let target = api.addr;
+        let wires: Arc<Mutex<Vec<Arc<Mutex<Wire>>>>> = Arc::default();
+        tokio::spawn({
+            let wires = Arc::clone(&wires);
+            async move {
+                while let Ok((inbound, _)) = listener.accept().await {
+                    let wire: Arc<Mutex<Wire>> = Arc::default();
+                    wires.lock().unwrap().push(Arc::clone(&wire));
+                    tokio::spawn(Self::forward(inbound, target, wire));
+                }
+            }
+        });
+        Self { addr, wires }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    async fn forward(
+        inbound: tokio::net::TcpStream,
+        target: std::net::SocketAddr,
+        wire: Arc<Mutex<Wire>>,
+    ) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let Ok(outbound) = tokio::net::TcpStream::connect(target).await else {
+            return;
+        };
+        let (mut from_client, mut to_client) = inbound.into_split();
+        let (mut from_server, mut to_server) = outbound.into_split();
+        let upstream = async {
+            let mut buffer = vec![0; 64 * 1024];
+            while let Ok(n @ 1..) = from_client.read(&mut buffer).await {
+                {
+                    let mut wire = wire.lock().unwrap();
+                    let at = wire.bytes.len();
+                    wire.reads.push((at, std::time::Instant::now()));
+                    wire.bytes.extend_from_slice(&buffer[..n]);
+                }
+                if to_server.write_all(&buffer[..n]).await.is_err() {
+                    break;
+                }
+            }
+            // The client gave up: so does the connection to the API.
+            let _ = to_server.shutdown().await;
+        };
+        let downstream = async {
+            let _ = tokio::io::copy(&mut from_server, &mut to_client).await;
+            let _ = to_client.shutdown().await;
+        };
+        tokio::join!(upstream, downstream);
+    }
+
+    /// Every post sent through the tap, in the order sent.
+    fn posts(&self) -> Vec<SentPost> {
+        fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+            haystack.windows(needle.len()).position(|w| w == needle)
+        }
+        let mut posts = Vec::new();
+        for wire in self.wires.lock().unwrap().iter() {
+            let wire = wire.lock().unwrap();
+            let bytes = &wire.bytes;
+            let mut from = 0;
+            // The JSON body holds no raw line break, so a request line
+            // is only ever at the start of a request.
+            while let Some(start) = find(&bytes[from..], b"POST /v1/chat/completions ") {
+                let start = from + start;
+                let end = find(&bytes[start..], b"\r\n\r\n").map_or(bytes.len(), |i| start + i);
+                let head = String::from_utf8_lossy(&bytes[start..end]);
+                let key = head.lines().find_map(|line| {
+                    let (name, value) = line.split_once(':')?;
+                    name.trim()
+                        .eq_ignore_ascii_case("idempotency-key")
+                        .then(|| value.trim().to_owned())
+                });
+                let at = wire
+                    .reads
+                    .iter()
+                    .rev()
+                    .find(|(offset, _)| *offset <= start)
+                    .map(|(_, at)| *at)
+                    .expect("a read");
+                posts.push(SentPost { at, key });
+                from = end;
+            }
+        }
+        posts.sort_by_key(|post| post.at);
+        posts
+    }
+}
+
+/// A post whose answer does not come within `--request-timeout` is in
+/// doubt: the wake gives it up and sends it again under the same
+/// Idempotency-Key, so an API honouring the key shows one turn, and the
+/// ledger records that one turn delivered. A combined turn: see
+/// `two_completions_waiting`.
+#[tokio::test]
+async fn a_post_that_times_out_is_sent_again_under_the_same_idempotency_key() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let tap = PostTap::start(&api).await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    let ids = two_completions_waiting(&bus, &mut services, "s.timed.out").await;
+    let mut config = combining_wake_config(&tap.url());
+    config.api.request_timeout = Duration::from_secs(2);
+    let request_timeout = config.api.request_timeout;
+    // The first post would be answered long after the wake gave it up.
+    api.set_delay(3 * request_timeout);
+    services.wake(&bus, config);
+    wait_until(WAIT, "the first post in flight", || async {
+        api.in_flight() == 1
+    })
+    .await;
+    // The posts after it are answered at once (the first keeps its delay).
+    api.set_delay(Duration::ZERO);
+    wait_until(WAIT, "the turn accepted", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    for id in &ids {
+        ledger_records_delivery(&bus, id).await;
+    }
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+
+    let accepted = api.accepted();
+    let key = assert_combined(&accepted[0], &ids);
+    assert_eq!(api.turns().len(), 1, "{:?}", keys_of(&accepted));
+    // The ledger: one turn delivered, covering both completions.
+    let ledger = bus
+        .js
+        .get_key_value(bus.subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    let mut delivered = Vec::new();
+    let mut entries = ledger.keys().await.unwrap();
+    while let Some(entry) = entries.next().await {
+        let entry = entry.unwrap();
+        let value = ledger.get(&entry).await.unwrap().unwrap_or_default();
+        if let Ok(wakebus::wake::ledger::LedgerState::Delivered {
+            idempotency_key, ..
+        }) = serde_json::from_slice(&value)
+        {
+            delivered.push((entry, idempotency_key));
+        }
+    }
+    delivered.sort();
+    let mut expected: Vec<_> = ids
+        .iter()
+        .map(|id| (WakeLedger::key(id, 0), key.clone()))
+        .collect();
+    expected.sort();
+    assert_eq!(delivered, expected);
+
+    let sent = tap.posts();
+    assert_eq!(
+        sent.len(),
+        2,
+        "the post given up, then its repeat: {sent:?}"
+    );
+    assert!(
+        sent.iter().all(|post| post.key.as_ref() == Some(&key)),
+        "sent under another key than the delivered {key}: {sent:?}"
+    );
+    // Sent again once the first was given up, a request timeout after it
+    // was sent (less the connection's setup, before the tap saw it).
+    let gap = sent[1].at - sent[0].at;
+    assert!(
+        gap >= request_timeout - Duration::from_millis(500),
+        "sent again after {gap:?}"
+    );
 }
