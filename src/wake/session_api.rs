@@ -42,12 +42,24 @@ impl std::fmt::Debug for SessionApiConfig {
     }
 }
 
-/// `url` without its user name and password, for logs.
+/// `url` without its user name, password, query and fragment, for logs:
+/// webhook endpoints often carry their secret in the query (`?code=...`).
 pub fn redacted_url(url: &str) -> String {
     match reqwest::Url::parse(url) {
-        Ok(mut parsed) if parsed.password().is_some() || !parsed.username().is_empty() => {
+        Ok(mut parsed)
+            if !parsed.username().is_empty()
+                || parsed.password().is_some()
+                || parsed.query().is_some()
+                || parsed.fragment().is_some() =>
+        {
             let _ = parsed.set_username("");
             let _ = parsed.set_password(None);
+            if parsed.query().is_some() {
+                parsed.set_query(Some("REDACTED"));
+            }
+            if parsed.fragment().is_some() {
+                parsed.set_fragment(Some("REDACTED"));
+            }
             parsed.to_string()
         }
         Ok(_) => url.to_owned(),
@@ -144,6 +156,7 @@ pub struct SessionApi {
 
 /// Why the client could not be built.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum SessionApiError {
     /// The HTTP client could not be built.
     #[error("cannot build the HTTP client: {0}")]
@@ -185,6 +198,25 @@ pub enum SessionApiError {
         /// The URL as given (credentials hidden).
         url: String,
     },
+    /// A Hermes base URL with a query or fragment, after which the path
+    /// `/v1/chat/completions` cannot be appended.
+    #[error(
+        "the API URL {url:?} has a query or fragment, and /v1/chat/completions is appended to it: give the server's base URL"
+    )]
+    QueryInBaseUrl {
+        /// The URL as given (credentials and query hidden).
+        url: String,
+    },
+    /// A user name or password in the URL besides an API key: each becomes
+    /// an `Authorization` header, and which one the server reads is
+    /// anybody's guess.
+    #[error(
+        "the URL {url:?} holds a user name or password and an API key is given too: each would be sent as an Authorization header; give one of them"
+    )]
+    TwoCredentials {
+        /// The URL as given (credentials hidden).
+        url: String,
+    },
     /// A webhook shape without a secret to sign with.
     #[error("a webhook needs at least one signing secret")]
     NoWebhookSecret,
@@ -206,6 +238,24 @@ impl SessionApi {
             && config.base_url.trim_end_matches('/').ends_with("/v1")
         {
             return Err(SessionApiError::VersionInBaseUrl {
+                url: redacted_url(&config.base_url),
+            });
+        }
+        let parsed =
+            reqwest::Url::parse(&config.base_url).map_err(|_| SessionApiError::BadUrl {
+                url: redacted_url(&config.base_url),
+            })?;
+        if matches!(shape, PostShape::Hermes)
+            && (parsed.query().is_some() || parsed.fragment().is_some())
+        {
+            return Err(SessionApiError::QueryInBaseUrl {
+                url: redacted_url(&config.base_url),
+            });
+        }
+        if config.api_key.is_some()
+            && (!parsed.username().is_empty() || parsed.password().is_some())
+        {
+            return Err(SessionApiError::TwoCredentials {
                 url: redacted_url(&config.base_url),
             });
         }
@@ -276,8 +326,10 @@ impl SessionApi {
         let response = match request.send().await {
             Ok(response) => response,
             Err(error) => {
+                // The error names the URL, query (a webhook's secret)
+                // included; the service logged the redacted one at start.
                 return PostResult::Retry {
-                    reason: format!("request failed: {}", error_chain(&error)),
+                    reason: format!("request failed: {}", error_chain(&error.without_url())),
                     after: None,
                 };
             }
@@ -494,6 +546,104 @@ mod tests {
         for good in ["http://127.0.0.1:8642", "http://127.0.0.1:8642/gw/"] {
             assert!(SessionApi::new(&config(good), &PostShape::Hermes, &security).is_ok());
         }
+    }
+
+    #[test]
+    fn a_hermes_base_url_with_a_query_or_two_credentials_is_refused_at_start() {
+        let config = |base_url: &str, api_key: Option<&str>| SessionApiConfig {
+            base_url: base_url.to_owned(),
+            api_key: api_key.map(str::to_owned),
+            model: "m".to_owned(),
+            request_timeout: Duration::from_secs(1),
+        };
+        let security = HttpSecurity::default();
+        let hermes = |base_url, api_key| {
+            SessionApi::new(&config(base_url, api_key), &PostShape::Hermes, &security)
+        };
+        for bad in [
+            "http://127.0.0.1:8642/gw?tenant=a",
+            "http://127.0.0.1:8642/#x",
+        ] {
+            let error = hermes(bad, None).expect_err(bad);
+            assert!(
+                matches!(error, SessionApiError::QueryInBaseUrl { .. }),
+                "{error}"
+            );
+        }
+        let error = hermes("http://bob:pw@127.0.0.1:8642", Some("key")).expect_err("two");
+        assert!(
+            matches!(error, SessionApiError::TwoCredentials { .. }),
+            "{error}"
+        );
+        assert!(!error.to_string().contains("pw"), "{error}");
+        assert!(hermes("http://bob:pw@127.0.0.1:8642", None).is_ok());
+        // A webhook's URL is used as it is, query included.
+        let webhook = PostShape::Webhook {
+            secrets: vec![crate::wake::webhook::WebhookSecret::from_bytes(
+                b"s".to_vec(),
+            )],
+        };
+        assert!(
+            SessionApi::new(
+                &config("http://127.0.0.1:9/hook?code=c", None),
+                &webhook,
+                &security
+            )
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn a_url_is_logged_without_its_credentials_query_or_fragment() {
+        assert_eq!(
+            redacted_url("https://bob:pw@hooks.example/api/hook?code=hunter2#frag"),
+            "https://hooks.example/api/hook?REDACTED#REDACTED"
+        );
+        assert_eq!(
+            redacted_url("https://hooks.example/api/hook"),
+            "https://hooks.example/api/hook"
+        );
+        assert_eq!(redacted_url("not a url"), "<not a URL>");
+    }
+
+    /// A failed post's reason, logged at every retry, does not name the
+    /// URL: a webhook's secret in its query would be in every line.
+    #[tokio::test]
+    async fn a_failed_posts_reason_does_not_carry_the_urls_query() {
+        // A port nothing listens on: bound, then closed.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/hook?code=hunter2", closed.local_addr().unwrap());
+        drop(closed);
+        let api = SessionApi::new(
+            &SessionApiConfig {
+                base_url: url,
+                api_key: None,
+                model: "m".to_owned(),
+                request_timeout: Duration::from_secs(2),
+            },
+            &PostShape::Webhook {
+                secrets: vec![crate::wake::webhook::WebhookSecret::from_bytes(
+                    b"s".to_vec(),
+                )],
+            },
+            &HttpSecurity::default(),
+        )
+        .unwrap();
+        let result = api
+            .post(Post {
+                session: "s",
+                idempotency_key: "k",
+                text: "t",
+                traceparent: None,
+                reports: &[],
+                events: &[],
+            })
+            .await;
+        let PostResult::Retry { reason, .. } = result else {
+            panic!("{result:?}");
+        };
+        assert!(reason.starts_with("request failed"), "{reason}");
+        assert!(!reason.contains("hunter2"), "{reason}");
     }
 
     /// A refusal whose answer never ends (a misbehaving server or proxy)
