@@ -169,11 +169,14 @@ impl SessionLocks {
         let value = self
             .take_orphan(session_token)
             .unwrap_or_else(|| Bytes::from(format!("{} {}", self.owner, Ulid::new())));
+        // Before any write: the server times the lock from when it stores
+        // it, so a time taken after a slow answer would overstate its life.
+        let started = tokio::time::Instant::now();
         let guard = |revision, value, taken| LockGuard {
             key: session_token.to_owned(),
             revision,
             value,
-            written_at: tokio::time::Instant::now(),
+            written_at: started,
             taken,
             lost: false,
         };
