@@ -953,6 +953,184 @@ async fn a_running_task_gets_its_keep_alive_as_soon_as_its_worker_reconnects() {
     services.stop().await;
 }
 
+/// An unusable request whose `error` completion cannot be stored (the
+/// events stream between leaders) is kept, the completion tried again, and
+/// its dead letter stored once. Handled again from the start on each
+/// redelivery instead, it was dead-lettered again each time, stored again
+/// once the dead letters' duplicate window had passed, and `replay tasks`
+/// re-queued every copy: the task ran twice.
+#[tokio::test]
+async fn an_unusable_request_is_dead_lettered_once_while_its_completion_cannot_be_stored() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    let dlq = bus.subjects.dead_letter_stream();
+    // Its consumer made last, once its streams are as it wants them.
+    wait_until(Duration::from_secs(30), "the worker's consumer", || async {
+        bus.js
+            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                bus.subjects.worker_consumer("default"),
+                bus.subjects.tasks_stream(),
+            )
+            .await
+            .is_ok()
+    })
+    .await;
+    // Copies a second apart are stored twice.
+    let mut dead_letters = bus.js.get_stream(&dlq).await.unwrap();
+    let mut short = dead_letters.info().await.unwrap().config.clone();
+    short.duplicate_window = Duration::from_secs(1);
+    bus.js.update_stream(&short).await.unwrap();
+    let events = events_stream_unanswered(&bus).await;
+    let mut attempts = bus
+        .client
+        .subscribe(format!("{}.evt.>", bus.subjects.prefix()))
+        .await
+        .unwrap();
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Wakebus-Origin-Session", "s.unusable");
+    bus.js
+        .publish_with_headers(bus.subjects.task("default"), headers, "{not json".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // Its completion tried for three seconds: three deliveries (1 and 2 s
+    // apart) when each was handled from the start.
+    tokio::time::timeout(Duration::from_secs(30), async {
+        attempts.next().await.expect("a first attempt");
+        let first = std::time::Instant::now();
+        while first.elapsed() < Duration::from_secs(3) {
+            attempts.next().await.expect("another attempt");
+        }
+    })
+    .await
+    .expect("the completion tried for three seconds");
+    bus.js.update_stream(&events).await.unwrap();
+    wait_until(
+        Duration::from_secs(30),
+        "the error completion stored",
+        || async { done_events(&bus).await.len() == 1 },
+    )
+    .await;
+    services.stop().await;
+    let dead = all_messages(&bus, &dlq).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+}
+
+/// A redelivered task is checked for a completion an earlier attempt
+/// stored. When the worker's grace ends before the answer comes (no stream
+/// answers: a leader election), it is not known to be undone, so it is
+/// handed back: neither given up (past `--max-deliver`, as here), refused
+/// nor run. Taken for undone, it was dead-lettered and marked failed,
+/// though it may have completed.
+#[tokio::test]
+async fn a_task_whose_done_check_outlasts_the_grace_is_handed_back_not_given_up() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let consumer = bus
+        .worker_consumer("default", Duration::from_secs(5))
+        .await
+        .unwrap();
+    publish_until_stored(&bus, &request("s.grace", "delivered before")).await;
+    // A first delivery handed back for later: the worker's is the second,
+    // one past its --max-deliver.
+    let mut delivered = consumer.fetch().max_messages(1).messages().await.unwrap();
+    let first = delivered.next().await.unwrap().unwrap();
+    first
+        .ack_with(async_nats::jetstream::AckKind::Nak(Some(
+            Duration::from_secs(3),
+        )))
+        .await
+        .unwrap();
+    let mut config = test_worker_config("default");
+    config.max_deliver = 1;
+    config.shutdown_grace = Duration::from_secs(1);
+    let mut services = Services::new();
+    services.worker(&bus, shell("echo ran"), config);
+    // Started (it sets its streams as it wants them), and waiting.
+    wait_until(Duration::from_secs(30), "the worker pulling", || async {
+        let mut consumer = consumer.clone();
+        consumer.info().await.is_ok_and(|info| info.num_waiting > 0)
+    })
+    .await;
+    // No stream answers on the events subjects from now on; this
+    // subscriber keeps the worker's question from failing at once for
+    // want of a responder: it waits for its answer.
+    let mut questions = bus
+        .client
+        .subscribe(format!("{}.evt.>", bus.subjects.prefix()))
+        .await
+        .unwrap();
+    let events = events_stream_unanswered(&bus).await;
+    tokio::time::timeout(Duration::from_secs(30), questions.next())
+        .await
+        .expect("the worker asking whether the task is done")
+        .unwrap();
+    services.stop().await;
+    bus.js.update_stream(&events).await.unwrap();
+    let dead = all_messages(&bus, &bus.subjects.dead_letter_stream()).await;
+    assert!(dead.is_empty(), "given up: {dead:?}");
+    let queued = all_messages(&bus, &bus.subjects.tasks_stream()).await;
+    assert_eq!(queued.len(), 1, "the request is still queued");
+}
+
+/// A completion is cut to fit the max payload of the server it is
+/// published to, at every try: a task that ends while NATS is away, which
+/// comes back taking smaller messages (`max_payload` lowered in a rolling
+/// config change), gets its completion stored, cut to fit. Cut once for
+/// the old server, it was refused by the client on every try, and the
+/// task held its slot until the worker restarted.
+#[tokio::test]
+async fn a_completion_is_cut_again_for_a_server_that_comes_back_taking_smaller_messages() {
+    init_logs();
+    let confs = tempfile::tempdir().unwrap();
+    let conf = |name: &str, max_payload: &str| {
+        let path = confs.path().join(name);
+        std::fs::write(&path, format!("max_payload: {max_payload}\n")).unwrap();
+        path.display().to_string()
+    };
+    let (large, small) = (conf("large.conf", "8MB"), conf("small.conf", "1MB"));
+    let mut nats = NatsServer::start_with(vec!["-c".into(), large]).await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let ended = confs.path().join("ended");
+    // 2 MB of output, of which the worker keeps 1 MiB: a completion the
+    // large server takes and the small one does not.
+    let script = format!(
+        "sleep 2; head -c 2000000 /dev/zero | tr '\\0' a; touch {}",
+        ended.display()
+    );
+    let mut services = Services::new();
+    services.worker(&bus, shell(&script), test_worker_config("default"));
+    let req = request("s.smaller", "a long answer");
+    publish_until_stored(&bus, &req).await;
+    wait_until(Duration::from_secs(30), "the task started", || async {
+        started(&bus).await == 1
+    })
+    .await;
+    nats.kill();
+    wait_until(Duration::from_secs(30), "the task ended", || async {
+        ended.exists()
+    })
+    .await;
+    nats.extra_args = vec!["-c".into(), small];
+    nats.spawn();
+    nats.wait_ready().await;
+    wait_until(Duration::from_secs(30), "the completion stored", || async {
+        done_events(&bus).await.len() == 1
+    })
+    .await;
+    services.stop().await;
+    let done = done_events(&bus).await.remove(0);
+    assert_eq!(done.status, Status::Completed, "{:?}", done.error);
+    assert!(done.truncated);
+    let summary = done.summary.unwrap_or_default();
+    assert!(summary.len() < 1024 * 1024, "{}", summary.len());
+}
+
 /// A task's in-progress acks keep one pace from its delivery to its end,
 /// whatever steps its handling goes through. Here it first asks whether an
 /// earlier copy already completed it while no stream answers (a leader

@@ -141,7 +141,7 @@ impl TaskHandler {
         let headers = message.headers.as_ref();
         let request = match decode_request(&message.payload, headers, &self.config.limits) {
             Ok(request) => request,
-            Err(rejected) => return (self.reject(message, rejected).await, None),
+            Err(rejected) => return (self.reject(message, rejected, stop).await, None),
         };
         let trace = header(headers, HEADER_TRACEPARENT)
             .and_then(TraceParent::parse)
@@ -190,12 +190,22 @@ impl TaskHandler {
             stored_at,
             self.duplicate_window,
         );
-        if late && self.already_done(&request, stop).await {
-            info!(
-                "Completion already published by an earlier attempt or copy; acking this delivery."
-            );
-            m::task_already_done(&self.config.pool);
-            return Outcome::Ack;
+        if late {
+            if self.already_done(&request, stop).await {
+                info!(
+                    "Completion already published by an earlier attempt or copy; acking this delivery."
+                );
+                m::task_already_done(&self.config.pool);
+                return Outcome::Ack;
+            }
+            // The grace period ended before the answer came: not known to
+            // be undone, so neither refused, given up nor run here.
+            if stop.is_cancelled() {
+                info!(
+                    "The worker is stopping before it learned whether the task was done; handing it back."
+                );
+                return Outcome::HandBack;
+            }
         }
         // A cancelled task ends as cancelled, whatever else would refuse
         // it: a silent cancel is not answered by a depth-limit error or a
@@ -402,8 +412,23 @@ impl TaskHandler {
         ending: Ending,
         stop: &CancellationToken,
     ) -> Outcome {
-        fit_to_payload(&mut done, self.bus.max_payload());
-        let publish = || self.publish(request, EventKind::Done, trace, &done);
+        let fitted_for = self.bus.max_payload();
+        fit_to_payload(&mut done, fitted_for);
+        let done = &done;
+        // Fitted again after a reconnect to a server that takes less: cut
+        // for the old one, it would be refused on every try.
+        let publish = || {
+            let now = self.bus.max_payload();
+            let smaller = (now < fitted_for).then(|| {
+                let mut smaller = done.clone();
+                fit_to_payload(&mut smaller, now);
+                smaller
+            });
+            async move {
+                let done = smaller.as_ref().unwrap_or(done);
+                self.publish(request, EventKind::Done, trace, done).await
+            }
+        };
         let stored = self.until_stored(Record::Completion, publish, stop).await;
         match stored {
             Ok(()) => {
@@ -592,9 +617,20 @@ impl TaskHandler {
             .await
     }
 
-    /// A request that can never run: an `error` completion (woken when the
-    /// session is known), a dead letter with the reason, then TERM.
-    async fn reject(&self, message: &jetstream::Message, rejected: Rejected) -> Outcome {
+    /// A request that can never run: a dead letter with the reason, an
+    /// `error` completion (woken when the session is known), then TERM.
+    ///
+    /// Each is kept and tried again here until stored, as a give-up's are:
+    /// handled again from the start on a redelivery, the request would be
+    /// dead-lettered again, and once the dead letters' duplicate window
+    /// has passed (an events stream refusing writes for minutes) stored
+    /// twice, and `replay tasks` would run it twice.
+    async fn reject(
+        &self,
+        message: &jetstream::Message,
+        rejected: Rejected,
+        stop: &CancellationToken,
+    ) -> Outcome {
         let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
         let delegation_id = rejected
             .delegation_id
@@ -606,9 +642,13 @@ impl TaskHandler {
             reason = %rejected.reason,
             "Rejecting an unusable request."
         );
-        if let Err(error) = self.dead_letter(message, &rejected.reason).await {
-            warn!(%error, "Could not dead-letter the request; will retry.");
-            return Outcome::retry_later(message);
+        let dead_letter = || self.dead_letter(message, &rejected.reason);
+        let stored = self
+            .until_stored(Record::DeadLetter, dead_letter, stop)
+            .await;
+        if let Err(error) = stored {
+            warn!(%error, "Could not dead-letter the request and the worker is stopping; handing it back.");
+            return Outcome::HandBack;
         }
         let (stand_in, reason) = stand_in(delegation_id, seq, &rejected);
         let mut done = CompletionEvent::for_request(&stand_in, Status::Error, "invalid_request");
@@ -617,9 +657,11 @@ impl TaskHandler {
             .and_then(TraceParent::parse)
             .unwrap_or_else(TraceParent::new_root)
             .child();
-        if let Err(error) = self.publish(&stand_in, EventKind::Done, trace, &done).await {
-            warn!(%error, "Could not publish the error completion; will retry.");
-            return Outcome::retry_later(message);
+        let publish = || self.publish(&stand_in, EventKind::Done, trace, &done);
+        let stored = self.until_stored(Record::Completion, publish, stop).await;
+        if let Err(error) = stored {
+            warn!(%error, "Could not publish the error completion and the worker is stopping; handing the request back.");
+            return Outcome::HandBack;
         }
         m::task_completed(&self.config.pool, Status::Error, Duration::ZERO);
         Outcome::Term(rejected.reason)
