@@ -879,7 +879,7 @@ fn the_protocol_documents_replay_copies_and_the_status_snapshot() {
         wakebus::ops::service::WAKE_SERVICE,
         "<prefix>.status.<service-id>",
         ".done.replay.<ULID>",
-        "-r<dead-letter-sequence>",
+        "-rt<task_index>",
     ] {
         assert!(
             doc.contains(needle),

@@ -818,6 +818,81 @@ async fn dead_letter_delegation(
     id
 }
 
+/// A task given up twice (its `failed` completion not stored before its
+/// worker stopped, the next worker giving it up again once the dead
+/// letters' duplicate window had passed) has two dead letters: replayed
+/// together, they run the task once. So does a dead letter an earlier
+/// release re-queued under the id it derived from the dead letter's
+/// sequence.
+#[tokio::test]
+async fn a_task_dead_lettered_twice_is_requeued_once() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    let id = dead_letter_a_task(&bus, &api, "s.twice").await;
+    let dlq = bus.subjects.dead_letter_stream();
+    let first = all_messages(&bus, &dlq).await.remove(0);
+    // The second give-up's dead letter: the same request and reason,
+    // stored after the window (under another message id).
+    let mut headers = first.headers.clone();
+    headers.insert("Nats-Msg-Id", "dlq.task.second-give-up");
+    bus.js
+        .publish_with_headers(first.subject.to_string(), headers, first.payload.clone())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let lines = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
+        .await
+        .ok_json();
+    let items: Vec<_> = lines.iter().filter(|l| l.get("action").is_some()).collect();
+    assert_eq!(items.len(), 2, "{lines:#?}");
+    assert_eq!(items[0]["action"], "replayed", "{lines:#?}");
+    assert_eq!(items[0]["new_delegation_id"], format!("{id}-rt0"));
+    assert_eq!(items[1]["action"], "skipped", "{lines:#?}");
+    let reason = items[1]["reason"].as_str().unwrap();
+    assert!(reason.contains(&format!("{id}-rt0")), "{reason}");
+
+    // Another task, re-queued and run by an earlier release under
+    // `<id>-r<dead-letter sequence>` (its completion is what says so).
+    let old = dead_letter_a_task(&bus, &api, "s.old-release").await;
+    let letter = all_messages(&bus, &dlq)
+        .await
+        .into_iter()
+        .find(|m| String::from_utf8_lossy(&m.payload).contains(&old))
+        .unwrap();
+    let legacy = format!("{old}-r{}", letter.sequence);
+    services.stop().await;
+    bus.js
+        .publish(
+            bus.subjects.event(
+                &session_token("s.old-release"),
+                &legacy,
+                0,
+                wakebus::protocol::EventKind::Done,
+            ),
+            "{}".into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let lines = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "tasks", "--session", "s.old-release", "--dry-run"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(lines[0]["action"], "skipped", "{lines:#?}");
+    let reason = lines[0]["reason"].as_str().unwrap();
+    assert!(reason.contains(&legacy), "{reason}");
+}
+
 #[tokio::test]
 async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_session() {
     init_logs();

@@ -56,19 +56,24 @@ impl Replayer {
                 }
             }
         }
-        let new_id = if self.plan.force {
-            new_delegation_id()
+        let (new_id, earlier) = if self.plan.force {
+            (new_delegation_id(), Requeued::No)
         } else {
-            derived_delegation_id(&request.delegation_id, record.sequence)
+            // Earlier releases derived the id from the dead letter's
+            // sequence: a re-queue of this one made by them is this one's.
+            let legacy = legacy_derived_delegation_id(&request.delegation_id, record.sequence);
+            match self.requeued(&legacy).await {
+                Requeued::No => {
+                    let id = derived_delegation_id(&request.delegation_id, request.task_index);
+                    let earlier = self.requeued(&id).await;
+                    (id, earlier)
+                }
+                earlier => (legacy, earlier),
+            }
         };
         item.new_delegation_id = Some(new_id.clone());
         let subject = self.bus.subjects.task(&pool);
         item.target_subject = Some(subject.clone());
-        let earlier = if self.plan.force {
-            Requeued::No
-        } else {
-            self.requeued(&new_id).await
-        };
         if matches!(earlier, Requeued::No)
             && !self.plan.force
             && let Some(reason) = self.outlived_its_traces(record, "a re-queue's events")
@@ -275,11 +280,27 @@ enum Requeued {
 }
 
 /// The delegation id a dead-lettered task is re-queued under:
-/// `<original>-r<dead-letter sequence>`, or, when that would exceed the
+/// `<original>-rt<task index>`, or, when that would exceed the
 /// 64-character limit, the first 32 hex digits of the original's SHA-256
 /// instead of the original.
-pub fn derived_delegation_id(original: &str, dead_letter_sequence: u64) -> String {
-    let suffix = format!("-r{dead_letter_sequence}");
+///
+/// Derived from the task, not from its dead letter: a task given up twice
+/// (its `failed` completion not stored before its worker stopped, and the
+/// next worker giving it up again after the dead letters' duplicate
+/// window) has two dead letters, and both must lead to one re-run.
+pub fn derived_delegation_id(original: &str, task_index: u32) -> String {
+    with_suffix(original, &format!("-rt{task_index}"))
+}
+
+/// The id earlier releases re-queued a dead letter under:
+/// `<original>-r<dead-letter sequence>`, shortened as above.
+fn legacy_derived_delegation_id(original: &str, dead_letter_sequence: u64) -> String {
+    with_suffix(original, &format!("-r{dead_letter_sequence}"))
+}
+
+/// `original` then `suffix`, the original replaced by a digest of it when
+/// the two exceed the 64-character limit of a delegation id.
+fn with_suffix(original: &str, suffix: &str) -> String {
     if original.len() + suffix.len() <= 64 {
         format!("{original}{suffix}")
     } else {
@@ -314,13 +335,19 @@ mod tests {
     }
 
     #[test]
-    fn derived_ids_are_valid_deterministic_and_distinct_per_dead_letter() {
+    fn derived_ids_are_valid_deterministic_and_distinct_per_task() {
         let id = derived_delegation_id("01JV3N4Y8K6D2Q7R9T1W5X0ZAB", 17);
-        assert_eq!(id, "01JV3N4Y8K6D2Q7R9T1W5X0ZAB-r17");
+        assert_eq!(id, "01JV3N4Y8K6D2Q7R9T1W5X0ZAB-rt17");
         assert_ne!(id, derived_delegation_id("01JV3N4Y8K6D2Q7R9T1W5X0ZAB", 18));
         let long = "x".repeat(64);
-        let derived = derived_delegation_id(&long, u64::MAX);
+        let derived = derived_delegation_id(&long, u32::MAX);
         assert!(validate_delegation_id(&derived).is_ok(), "{derived}");
-        assert_eq!(derived, derived_delegation_id(&long, u64::MAX));
+        assert_eq!(derived, derived_delegation_id(&long, u32::MAX));
+        let legacy = legacy_derived_delegation_id(&long, u64::MAX);
+        assert!(validate_delegation_id(&legacy).is_ok(), "{legacy}");
+        assert_eq!(
+            legacy_derived_delegation_id("01JV3N4Y8K6D2Q7R9T1W5X0ZAB", 17),
+            "01JV3N4Y8K6D2Q7R9T1W5X0ZAB-r17"
+        );
     }
 }
