@@ -288,12 +288,13 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
 
     // The same from a config file (WAKEBUS_CONFIG), with a comment; a
     // variable set to nothing (`NATS_URL: ${UNSET:-}` in a compose file)
-    // does not hide the file's value.
+    // counts as unset, whatever its option takes (text, a path, a
+    // duration, a number), and does not hide the file's value.
     let config = write(
         dir.path(),
         "wakebus.conf",
         &format!(
-            "# connection\nnats-url = \"{}\"\ntoken-file = {}\n",
+            "# connection\nnats-url = \"{}\"\ntoken-file = {}\nhistory = 2d\nreplicas = 1\n",
             nats.url(),
             token_file.display()
         ),
@@ -302,6 +303,11 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
         .env_clear()
         .env("WAKEBUS_CONFIG", &config)
         .env("NATS_URL", "")
+        .env("NATS_TOKEN_FILE", "")
+        .env("WAKEBUS_HISTORY", "")
+        .env("WAKEBUS_REPLICAS", "")
+        .env("NATS_NKEY_FILE", "")
+        .env("WAKEBUS_LOG_FORMAT", "")
         .arg("init")
         .output_within(WAIT)
         .await;

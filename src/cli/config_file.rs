@@ -12,25 +12,43 @@
 //!
 //! Values may be in double or single quotes, and a ` # comment` may follow
 //! one. Flags win over environment variables, which win over the file
-//! (for `otlp-endpoint`, the `OTEL_EXPORTER_OTLP_*` variables do); a
-//! variable set to nothing does not hide the file's value. Secrets
-//! stay in their own files; this one only names them.
+//! (for `otlp-endpoint`, the `OTEL_EXPORTER_OTLP_*` variables do); with a
+//! file, a variable set to nothing counts as unset
+//! ([`without_empty_variables`]).
+//! Secrets stay in their own files; this one only names them.
 
 use std::ffi::OsString;
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use clap::CommandFactory;
+use clap::parser::ValueSource;
 
-use super::args::Cli;
+/// `command` with every argument whose variable is set to nothing (as
+/// `VAR: ${UNSET:-}` in a compose file makes) read as if it were unset:
+/// clap would take the empty text for the value, which no path, duration
+/// or number is, and refuse the command before a config file is read.
+pub(crate) fn without_empty_variables(command: clap::Command) -> clap::Command {
+    command
+        .mut_args(|arg| {
+            let empty = arg
+                .get_env()
+                .is_some_and(|name| std::env::var_os(name).is_some_and(|value| value.is_empty()));
+            if empty { arg.env(None) } else { arg }
+        })
+        .mut_subcommands(without_empty_variables)
+}
 
 /// The arguments with the file's options inserted before the user's, for
 /// the options given neither as a flag (a later flag overrides) nor in the
-/// environment.
-pub(crate) fn with_config_file(args: Vec<OsString>, path: &Path) -> anyhow::Result<Vec<OsString>> {
+/// environment, as `matches` (the arguments parsed without the file) say.
+pub(crate) fn with_config_file(
+    args: Vec<OsString>,
+    path: &Path,
+    command: &clap::Command,
+    matches: &clap::ArgMatches,
+) -> anyhow::Result<Vec<OsString>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading the config file {}", path.display()))?;
-    let command = Cli::command();
     let globals: Vec<&clap::Arg> = command
         .get_arguments()
         .filter(|arg| arg.is_global_set() && arg.get_long().is_some_and(|l| l != "config"))
@@ -61,12 +79,33 @@ pub(crate) fn with_config_file(args: Vec<OsString>, path: &Path) -> anyhow::Resu
             );
         };
         // A flag given wins; its value in the file is not even parsed
-        // (one the flag corrects must not stop the command).
-        if arg.get_env().is_some_and(is_set)
-            || overridden_by_otel_variables(name)
-            || given(&args, name)
-        {
+        // (one the flag corrects must not stop the command). Asked of the
+        // parsed arguments: a task program's own `--user` after `--` is
+        // not this one's.
+        let given = matches!(
+            matches.value_source(arg.get_id().as_str()),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        );
+        if given || overridden_by_otel_variables(name) {
             continue;
+        }
+        // Checked here, so that the error names the file and line rather
+        // than a flag nobody typed.
+        let alone = clap::Command::new("wakebus")
+            .no_binary_name(true)
+            .arg((*arg).clone().global(false).env(None));
+        if let Err(error) = alone.try_get_matches_from([format!("--{name}={value}")]) {
+            let error = error.to_string();
+            let reason = error
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .trim_start_matches("error: ");
+            bail!(
+                "{} line {}: option {name:?}: {reason}",
+                path.display(),
+                number + 1
+            );
         }
         // One argument: a value starting with `-` is not taken for a flag.
         from_file.push(OsString::from(format!("--{name}={value}")));
@@ -76,18 +115,6 @@ pub(crate) fn with_config_file(args: Vec<OsString>, path: &Path) -> anyhow::Resu
     out.extend(from_file);
     out.extend(args);
     Ok(out)
-}
-
-/// Whether `--name` is among the user's arguments (as `--name VALUE` or
-/// `--name=VALUE`).
-fn given(args: &[OsString], name: &str) -> bool {
-    let flag = format!("--{name}");
-    args.iter().filter_map(|arg| arg.to_str()).any(|arg| {
-        arg == flag
-            || arg
-                .strip_prefix(flag.as_str())
-                .is_some_and(|rest| rest.starts_with('='))
-    })
 }
 
 /// A value as written after `=`: in double or single quotes (kept as
@@ -146,12 +173,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("wakebus.conf");
         std::fs::write(&path, "inbox-prefix = -worker\nhistory = 0s\n").unwrap();
-        let args: Vec<OsString> = ["wakebus", "--history=7d", "status"]
-            .into_iter()
-            .map(OsString::from)
-            .collect();
-        let out = with_config_file(args, &path).unwrap();
-        let out: Vec<&str> = out.iter().map(|arg| arg.to_str().unwrap()).collect();
+        let out = with_file(&["wakebus", "--history=7d", "status"], &path).unwrap();
         assert_eq!(
             out,
             [
@@ -161,9 +183,63 @@ mod tests {
                 "status"
             ]
         );
-        let given = |arg: &str| given(&[OsString::from(arg)], "history");
-        assert!(given("--history") && given("--history=1d"));
-        assert!(!given("--history-x") && !given("--historyx=1"));
+    }
+
+    /// What the user's arguments hold, as a flag or not, is clap's to say.
+    fn with_file(args: &[&str], path: &Path) -> anyhow::Result<Vec<String>> {
+        use clap::CommandFactory as _;
+        let command = without_empty_variables(super::super::args::Cli::command());
+        let args: Vec<OsString> = args.iter().map(OsString::from).collect();
+        let matches = command.clone().try_get_matches_from(&args)?;
+        let out = with_config_file(args, path, &command, &matches)?;
+        Ok(out
+            .into_iter()
+            .map(|arg| arg.into_string().unwrap())
+            .collect())
+    }
+
+    /// A task program's own flags, after `--`, are not this command's: the
+    /// file's value for an option of the same name is used all the same.
+    #[test]
+    fn a_task_programs_own_flag_does_not_hide_the_files_value() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("worker.conf");
+        std::fs::write(&path, "user = worker\nprefix = prod\n").unwrap();
+        let args = [
+            "wakebus",
+            "worker",
+            "--executor",
+            "command",
+            "--",
+            "agent",
+            "--user",
+            "bob",
+            "--prefix=x",
+        ];
+        let out = with_file(&args, &path).unwrap();
+        assert_eq!(out[1..3], ["--user=worker", "--prefix=prod"], "{out:?}");
+        // Given to wakebus itself, the flag wins.
+        let args = ["wakebus", "worker", "--user", "alice", "--executor", "echo"];
+        let out = with_file(&args, &path).unwrap();
+        assert!(!out.contains(&"--user=worker".to_owned()), "{out:?}");
+    }
+
+    /// A value clap would refuse is refused here, naming the file and line
+    /// rather than a flag nobody typed.
+    #[test]
+    fn a_bad_value_in_the_file_names_the_file_and_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wakebus.conf");
+        std::fs::write(&path, "# comment\nhistory = soon\n").unwrap();
+        let error = with_file(&["wakebus", "status"], &path).unwrap_err();
+        let error = error.to_string();
+        assert!(error.contains("wakebus.conf line 2"), "{error}");
+        assert!(
+            error.contains("history") && error.contains("soon"),
+            "{error}"
+        );
+        // Given on the command line, the file's value is not even read.
+        assert!(with_file(&["wakebus", "--history=1d", "status"], &path).is_ok());
     }
 
     #[test]

@@ -11,8 +11,6 @@ mod status;
 
 use std::process::ExitCode;
 
-use clap::Parser;
-
 pub(crate) use args::Cli;
 
 /// Entry point: parse, set up logging, run the subcommand on a Tokio runtime.
@@ -76,11 +74,24 @@ pub(crate) fn main() -> ExitCode {
 /// Parses the command line, with `--config FILE` (or `WAKEBUS_CONFIG`)
 /// supplying global options not given otherwise.
 fn parse() -> anyhow::Result<Cli> {
+    use clap::{CommandFactory as _, FromArgMatches as _};
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    let cli = Cli::parse_from(&args);
+    let parse = |command: &clap::Command, args: &[std::ffi::OsString]| {
+        let matches = command.clone().get_matches_from(args);
+        let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|error| error.exit());
+        (cli, matches)
+    };
+    // With a file, a variable set to nothing gives way to the file's value;
+    // without one it is the value, and an empty one an error (an empty
+    // `NATS_URL` is no order to use the default server).
+    let lenient = config_file::without_empty_variables(Cli::command());
+    let (cli, matches) = parse(&lenient, &args);
     match &cli.global.config {
-        Some(path) => Ok(Cli::parse_from(config_file::with_config_file(args, path)?)),
-        None => Ok(cli),
+        Some(path) => {
+            let args = config_file::with_config_file(args, path, &lenient, &matches)?;
+            Ok(parse(&lenient, &args).0)
+        }
+        None => Ok(parse(&Cli::command(), &args).0),
     }
 }
 
