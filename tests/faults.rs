@@ -317,6 +317,50 @@ async fn a_hangup_stops_the_worker_and_the_wake_as_gracefully_as_sigterm() {
     }
 }
 
+/// Started with `nohup` (SIGHUP ignored), a service is meant to outlive
+/// its terminal: it leaves SIGHUP ignored and runs on when the session
+/// closes, and still stops on SIGTERM.
+#[tokio::test]
+async fn a_worker_started_under_nohup_runs_on_after_a_hangup() {
+    let rig = Rig::start().await;
+    let mut worker = Service::spawn_ignoring_hangups(
+        worker_args(&rig.nats.url(), &rig.prefix, "echo ran", &[]),
+        rig.logs.path().join("worker.log"),
+    );
+    let _wake = rig.wake("wake");
+    wait_until(Duration::from_secs(30), "the worker to start", || async {
+        std::fs::read_to_string(&worker.log).is_ok_and(|log| log.contains("Worker started"))
+    })
+    .await;
+    // Its signal handlers are installed by now: SIGHUP is not among them.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", worker.pid())).unwrap();
+    let mask = |name: &str| {
+        let line = status.lines().find(|l| l.starts_with(name)).unwrap();
+        u64::from_str_radix(line[name.len()..].trim(), 16).unwrap()
+    };
+    assert_eq!(mask("SigIgn:") & 1, 1, "SIGHUP still ignored:\n{status}");
+    assert_eq!(mask("SigCgt:") & 1, 0, "SIGHUP not caught:\n{status}");
+    assert_ne!(mask("SigCgt:") & (1 << 14), 0, "SIGTERM caught:\n{status}");
+
+    worker.signal(Signal::SIGHUP);
+    let req = request("s.nohup", "after the hangup");
+    publish_until_stored(&rig.bus, &req).await;
+    wait_until(Duration::from_secs(30), "the task's wake", || async {
+        !rig.api.accepted().is_empty()
+    })
+    .await;
+    let status = worker
+        .signal_and_wait(Signal::SIGTERM, Duration::from_secs(30))
+        .await;
+    assert!(status.success(), "exited with {status}");
+    let log = std::fs::read_to_string(&worker.log).unwrap();
+    assert!(
+        log.contains("signal=\"SIGTERM\"") || log.contains("signal=SIGTERM"),
+        "{log}"
+    );
+    assert!(!log.contains("SIGHUP"), "{log}");
+}
+
 #[tokio::test]
 async fn a_wake_holding_hundreds_of_completions_through_an_outage_still_stops_on_sigterm() {
     let mut rig = Rig::start().await;

@@ -15,6 +15,8 @@ pub(crate) use args::Cli;
 
 /// Entry point: parse, set up logging, run the subcommand on a Tokio runtime.
 pub(crate) fn main() -> ExitCode {
+    // Before any signal handler replaces what the process inherited.
+    HANGUP_IGNORED.get_or_init(hangup_ignored);
     let cli = match parse() {
         Ok(cli) => cli,
         Err(error) => {
@@ -190,22 +192,47 @@ fn error_report(error: &anyhow::Error) -> String {
 /// session that started the process closed) stops it as gracefully as a
 /// SIGTERM: left to its default, it would end the process at once, with
 /// running tasks only redelivered after their ack wait and their programs,
-/// in process groups of their own, left running.
+/// in process groups of their own, left running. Unless the process was
+/// started with hangups ignored (`nohup`): then it runs on, as asked.
 pub(crate) async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut hangup)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::hangup()),
-    ) else {
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
         let _ = tokio::signal::ctrl_c().await;
         return;
+    };
+    let hangup = async {
+        if *HANGUP_IGNORED.get_or_init(hangup_ignored) {
+            return std::future::pending().await;
+        }
+        match signal(SignalKind::hangup()) {
+            Ok(mut hangup) => hangup.recv().await,
+            Err(_) => std::future::pending().await,
+        }
     };
     let name = tokio::select! {
         _ = tokio::signal::ctrl_c() => "SIGINT",
         _ = term.recv() => "SIGTERM",
-        _ = hangup.recv() => "SIGHUP",
+        _ = hangup => "SIGHUP",
     };
     tracing::info!(signal = name, "Shutdown signal received.");
+}
+
+/// Whether the process started with SIGHUP ignored, read once before any
+/// handler of ours replaces that.
+static HANGUP_IGNORED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// Whether SIGHUP is ignored now (`nohup`, `setsid -f` after `trap "" HUP`),
+/// from the `SigIgn` mask in `/proc/self/status` (Linux; elsewhere: no).
+fn hangup_ignored() -> bool {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("SigIgn:"))
+        .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+        // Signal n is bit n - 1; SIGHUP is 1.
+        .is_some_and(|mask| mask & 1 != 0)
 }
 
 /// Completes on a SIGINT or SIGTERM (not a SIGHUP): the operator's second

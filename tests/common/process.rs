@@ -15,6 +15,8 @@ pub struct Service {
     pub log: PathBuf,
     /// Extra environment variables, kept for restarts.
     env: Vec<(String, String)>,
+    /// What SIGHUP is at the start: `env`'s option setting it.
+    hangup: &'static str,
     child: Option<Child>,
 }
 
@@ -30,6 +32,22 @@ impl Service {
             args,
             log,
             env,
+            // As a terminal's shell starts it, whatever this test run
+            // inherited (a run under `nohup` ignores SIGHUP).
+            hangup: "--default-signal=HUP",
+            child: None,
+        };
+        service.start();
+        service
+    }
+
+    /// Starts `wakebus <args>` with SIGHUP ignored, as `nohup` starts it.
+    pub fn spawn_ignoring_hangups(args: Vec<String>, log: PathBuf) -> Self {
+        let mut service = Self {
+            args,
+            log,
+            env: Vec::new(),
+            hangup: "--ignore-signal=HUP",
             child: None,
         };
         service.start();
@@ -42,7 +60,11 @@ impl Service {
             .append(true)
             .open(&self.log)
             .expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        // GNU env sets the signal's disposition, then runs wakebus in its
+        // place (the same process).
+        let child = Command::new("env")
+            .arg(self.hangup)
+            .arg(env!("CARGO_BIN_EXE_wakebus"))
             .args(&self.args)
             .env("RUST_LOG", "wakebus=info")
             .envs(self.env.iter().map(|(k, v)| (k, v)))
