@@ -100,12 +100,26 @@ fn columns(cells: &[&str]) -> String {
 }
 
 /// Cuts `text` to `width` characters (first line only), marking the cut.
+/// What a task program or a publisher wrote is shown, not obeyed: control
+/// characters (an escape sequence, a carriage return that would make
+/// `failed` read `completed`) and bidirectional overrides become `�`.
 fn fit(text: &str, width: usize) -> String {
     let line = text.lines().next().unwrap_or("");
+    let shown = |c: char| match c {
+        '\t' => ' ',
+        c if c.is_control() || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}') => {
+            '\u{fffd}'
+        }
+        c => c,
+    };
     if line.chars().count() <= width && !text.contains('\n') {
-        return line.to_owned();
+        return line.chars().map(shown).collect();
     }
-    let kept: String = line.chars().take(width.saturating_sub(1)).collect();
+    let kept: String = line
+        .chars()
+        .take(width.saturating_sub(1))
+        .map(shown)
+        .collect();
     format!("{kept}…")
 }
 
@@ -167,4 +181,21 @@ fn row(record: &Record) -> String {
         &status,
         &detail,
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A summary written by a task program is printed to an operator's
+    /// terminal: its escape sequences and carriage returns are not obeyed.
+    #[test]
+    fn a_cell_shows_control_characters_instead_of_obeying_them() {
+        let cell = fit("\x1b[2Jok\rcompleted\u{202e}x\tend", 80);
+        assert_eq!(cell, "\u{fffd}[2Jok\u{fffd}completed\u{fffd}x end");
+        assert!(!cell.chars().any(char::is_control), "{cell:?}");
+        let cut = fit("\x1b]0;title\x07 and more", 6);
+        assert_eq!(cut, "\u{fffd}]0;t…");
+        assert_eq!(fit("plain", 10), "plain");
+    }
 }
