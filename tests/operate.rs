@@ -929,7 +929,7 @@ async fn a_worker_started_without_an_executor_refuses_to_start_and_names_the_fla
 async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_says_why() {
     let worker = ["worker", "--executor", "echo"];
     let wake = ["wake", "--api-url", "http://127.0.0.1:1"];
-    let cases: [(&[&str], &[&str], &str); 22] = [
+    let cases: [(&[&str], &[&str], &str); 23] = [
         (
             &[],
             &["worker", "--executor", "echo", "--ack-wait", "300ms"],
@@ -1063,6 +1063,11 @@ async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_say
             &[],
             &["worker", "--executor", "echo", "--max-depth", "0"],
             "'--max-depth <MAX_DEPTH>': must be at least 1",
+        ),
+        (
+            &[],
+            &["status", "--discovery-timeout", "0s"],
+            "'--discovery-timeout <DISCOVERY_TIMEOUT>': must be more than 0",
         ),
     ];
     for (global, command, said) in cases {

@@ -499,7 +499,7 @@ fn at_least_a_second(text: &str) -> Result<Duration, String> {
 
 /// A duration like `humantime` reads it, more than zero (a zero interval
 /// would make a loop of what should be a wait, a zero timeout a failure).
-fn positive_duration(text: &str) -> Result<Duration, String> {
+pub(super) fn positive_duration(text: &str) -> Result<Duration, String> {
     match humantime::parse_duration(text) {
         Ok(duration) if duration.is_zero() => Err("must be more than 0".to_owned()),
         Ok(duration) => Ok(duration),

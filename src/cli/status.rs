@@ -17,8 +17,9 @@ pub(crate) struct StatusArgs {
     /// Print the snapshot as one JSON object.
     #[arg(long)]
     pub(crate) json: bool,
-    /// How long to wait for live instances to answer.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "1s")]
+    /// How long to wait for live instances to answer (0 would find none,
+    /// and report every pool as having no worker).
+    #[arg(long, value_parser = super::args::positive_duration, default_value = "1s")]
     pub(crate) discovery_timeout: Duration,
     /// Most completions to examine when looking for undelivered wakes.
     #[arg(long, default_value_t = 5000)]
