@@ -62,12 +62,14 @@ impl Replayer {
             // Earlier releases derived the id from the dead letter's
             // sequence: a re-queue of this one made by them is this one's.
             let legacy = legacy_derived_delegation_id(&request.delegation_id, record.sequence);
+            let id = derived_delegation_id(&request.delegation_id, request.task_index);
             match self.requeued(&legacy).await {
                 Requeued::No => {
-                    let id = derived_delegation_id(&request.delegation_id, request.task_index);
                     let earlier = self.requeued(&id).await;
                     (id, earlier)
                 }
+                // Not known: said of the id it would be sent under.
+                Requeued::Unknown(error) => (id, Requeued::Unknown(error)),
                 earlier => (legacy, earlier),
             }
         };
