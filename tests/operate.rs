@@ -1083,6 +1083,25 @@ async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_say
     }
 }
 
+/// A mistake in a command's own arguments is reported before it connects:
+/// with NATS away, it would otherwise come as `cannot connect` after the
+/// connect timeout, and a gateway would retry what can never work.
+#[tokio::test]
+async fn bad_arguments_are_reported_before_connecting() {
+    refused_at_start(&[
+        (
+            vec!["delegate", "--goal", "g", "--output-schema", "{"],
+            "--output-schema",
+        ),
+        (
+            vec!["delegate", "--goal", "g", "--traceparent", "nonsense"],
+            "is not a W3C traceparent",
+        ),
+        (vec!["events", "--since", "soon"], "--since"),
+    ])
+    .await;
+}
+
 /// Runs each command line of `cases` against a URL where nothing listens
 /// and checks that it is refused before connecting, exit status 1, saying
 /// what its case expects.
@@ -2223,6 +2242,34 @@ async fn a_stream_whose_retention_cannot_be_made_right_is_an_error_not_a_warning
     );
 }
 
+/// A delegation stored whose completion does not come within the wait
+/// exits 4, not 1: stored, it runs, and only the same id may send it
+/// again; 1 means nothing was stored.
+#[tokio::test]
+async fn a_stored_delegation_whose_wait_times_out_exits_4() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    bus.provision(&Default::default()).await.unwrap();
+    let run = wakebus(
+        &nats.url(),
+        &prefix,
+        &[
+            "delegate",
+            "--goal",
+            "nobody runs it",
+            "--wait-timeout",
+            "1s",
+        ],
+    )
+    .await;
+    assert_eq!(run.code(), Some(4), "{}", run.stderr());
+    assert!(run.stderr().contains("may still run"), "{}", run.stderr());
+    let queued = all_messages(&bus, &bus.subjects.tasks_stream()).await;
+    assert_eq!(queued.len(), 1, "the request was stored");
+}
+
 /// A sync delegation whose requests were stored but whose wait then failed
 /// (here: the user may not create the consumer it waits with) must say the
 /// delegation was stored and name it: a caller that delegates again on an
@@ -2242,7 +2289,7 @@ async fn a_delegation_stored_whose_wait_fails_names_itself_and_says_not_to_deleg
             &["delegate", "--goal", "stored, then not waited for"],
         )
         .await;
-    assert_eq!(run.code(), Some(1), "{}", run.stderr());
+    assert_eq!(run.code(), Some(4), "{}", run.stderr());
     let queued = all_messages(&bus, &bus.subjects.tasks_stream()).await;
     assert_eq!(queued.len(), 1, "the request was stored");
     let id = queued[0]

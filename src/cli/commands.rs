@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use wakebus::bus::{AgeChange, Bus, BusSettings};
 use wakebus::connect::NatsConfig;
-use wakebus::delegate::{Delegation, Delegator};
+use wakebus::delegate::{DelegateError, Delegation, Delegator};
 use wakebus::ops::http::Probe;
 use wakebus::protocol::Subjects;
 use wakebus::wake::session_api::{HttpSecurity, PostShape, SessionApiConfig};
@@ -17,6 +17,13 @@ use wakebus::worker::{self, WorkerConfig};
 
 use super::args::{Cli, Command, ExecutorKind, Global};
 use super::service_shutdown;
+
+/// `delegate`'s exit status when the delegation was stored, wholly or in
+/// part, and the call failed after that (not every request confirmed, or
+/// the wait for its completions): it runs. Delegating it again is safe
+/// only with the same `--delegation-id`. Any other failure (1) stored
+/// nothing.
+const STORED: u8 = 4;
 
 pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let global = cli.global;
@@ -70,13 +77,6 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 delegation.wake_mode = wakebus::protocol::WakeMode::Independent;
             }
             delegation.notify_early_failure = args.notify_early_failure;
-            let patience = args.patience.connect_timeout;
-            let bus = connect_within(&global, "wakebus-delegate", patience).await?;
-            let delegator = Delegator::new(bus)
-                .with_wait_timeout(args.wait_timeout)
-                .with_max_depth(args.max_depth)
-                .with_max_batch(args.max_batch)
-                .with_limits(args.limits.limits());
             delegation.origin_session_id = args.session;
             delegation.model = args.model.clone();
             delegation.role = match args.role {
@@ -98,7 +98,30 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 None => None,
             };
             inherit_from_parent_task(&mut delegation)?;
-            let result = delegator.delegate(delegation).await?;
+            // Connected only once the arguments are read: with NATS away,
+            // a mistake in them is reported at once, not as `cannot
+            // connect` after the connect timeout.
+            let patience = args.patience.connect_timeout;
+            let bus = connect_within(&global, "wakebus-delegate", patience).await?;
+            let delegator = Delegator::new(bus)
+                .with_wait_timeout(args.wait_timeout)
+                .with_max_depth(args.max_depth)
+                .with_max_batch(args.max_batch)
+                .with_limits(args.limits.limits());
+            let result = match delegator.delegate(delegation).await {
+                Ok(result) => result,
+                // Stored, wholly or in part: a caller that delegates again
+                // on any failure must know not to, or only under this id.
+                Err(
+                    error @ (DelegateError::NotStored { .. }
+                    | DelegateError::Wait { .. }
+                    | DelegateError::WaitTimeout(..)),
+                ) => {
+                    eprintln!("error: {error}");
+                    return Ok(ExitCode::from(STORED));
+                }
+                Err(error) => return Err(error.into()),
+            };
             println!("{}", serde_json::to_string(&result)?);
         }
         Command::Cancel(args) => {

@@ -29,12 +29,13 @@ pub(crate) struct EventsArgs {
 }
 
 pub(crate) async fn run(global: &Global, args: EventsArgs) -> anyhow::Result<ExitCode> {
-    let bus = super::commands::connect_within(global, "wakebus-events", std::time::Duration::ZERO)
-        .await?;
     let source = args
         .dead_letters
         .map_or(Source::Events, DeadLetterArg::source);
+    // Before connecting: a bad filter is reported at once, NATS away or not.
     let selection = args.filters.selection()?;
+    let bus = super::commands::connect_within(global, "wakebus-events", std::time::Duration::ZERO)
+        .await?;
     let mut reader = HistoryReader::open(&bus, source, selection, args.follow).await?;
     let json = args.json || !std::io::stdout().is_terminal();
     let shutdown = super::shutdown_signal();
