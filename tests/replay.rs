@@ -1435,6 +1435,53 @@ async fn replay_copy_republishes_history_under_another_prefix_with_headers_and_a
     );
 }
 
+/// A replay stopped by an error part-way still ends its output with its
+/// summary, the error in it: a script reading the last line learns what
+/// was replayed before the stop.
+#[tokio::test]
+async fn a_replay_stopped_by_an_error_still_reports_what_it_replayed() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let target = common::bus(&nats.url(), &unique_prefix()).await;
+    publish_task(&bus, Some("s.stops"), Status::Completed).await;
+    // The target takes one message and refuses the next.
+    let events = target.subjects.events_stream();
+    let mut full = target
+        .js
+        .get_stream(&events)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .clone();
+    full.max_messages = 1;
+    full.discard = async_nats::jetstream::stream::DiscardPolicy::New;
+    target.js.update_stream(&full).await.unwrap();
+    let run = wakebus(
+        &nats.url(),
+        &prefix,
+        &[
+            "replay",
+            "copy",
+            "--to-prefix",
+            target.subjects.prefix(),
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(run.code(), Some(1), "{}", run.stderr());
+    let last: Value = serde_json::from_str(run.stdout().lines().last().unwrap()).unwrap();
+    assert_eq!(last["summary"]["replayed"], 1, "{}", run.stdout());
+    assert!(
+        last["error"].as_str().unwrap().contains("cannot publish"),
+        "{last}"
+    );
+}
+
 /// Headers nats-server acts on held where the original was stored, not
 /// where its copy goes: `Nats-Expected-Stream` would have the copy
 /// refused. A copy leaves them out, but for `Nats-Msg-Id`, which lets the

@@ -206,8 +206,15 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
     })
     .await;
     bar.finish_and_clear();
-    let summary = summary?;
-    print_summary(&summary, json);
+    let summary = match summary {
+        Ok(summary) => summary,
+        Err(failed) => {
+            // What was done before the error is reported all the same.
+            print_summary(&failed.summary, json, Some(&failed.error));
+            return Err(failed.error.into());
+        }
+    };
+    print_summary(&summary, json, None);
     Ok(if summary.interrupted {
         ExitCode::from(130)
     } else if summary.unchecked > 0 {
@@ -252,9 +259,14 @@ fn describe(item: &ReplayItem) -> String {
     }
 }
 
-fn print_summary(summary: &Summary, json: bool) {
+/// The run's totals, last on stdout (JSON) or on stderr; with the error
+/// that stopped it, if one did.
+fn print_summary(summary: &Summary, json: bool, error: Option<&replay::ReplayError>) {
     if json {
-        let line = serde_json::json!({ "summary": summary }).to_string();
+        let mut line = serde_json::json!({ "summary": summary });
+        if let Some(error) = error {
+            line["error"] = serde_json::Value::from(error.to_string());
+        }
         let _ = writeln!(std::io::stdout().lock(), "{line}");
     } else {
         eprintln!(
@@ -266,6 +278,8 @@ fn print_summary(summary: &Summary, json: bool) {
             summary.unchecked,
             if summary.interrupted {
                 " (interrupted)"
+            } else if error.is_some() {
+                " (stopped by an error)"
             } else {
                 ""
             }

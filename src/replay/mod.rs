@@ -246,6 +246,19 @@ impl Summary {
     }
 }
 
+/// A replay that stopped with an error, with what it had done by then
+/// (reported too: a script reading the summary learns what was replayed
+/// and what was not checked).
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct ReplayFailed {
+    /// The totals up to the error.
+    pub summary: Summary,
+    /// Why it stopped.
+    #[source]
+    pub error: ReplayError,
+}
+
 /// Why a replay stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ReplayError {
@@ -609,8 +622,16 @@ pub async fn run(
     mut replayer: Replayer,
     cancel: CancellationToken,
     mut progress: impl FnMut(Progress<'_>),
-) -> Result<Summary, ReplayError> {
-    let mut reader = replayer.open().await?;
+) -> Result<Summary, ReplayFailed> {
+    let mut reader = match replayer.open().await {
+        Ok(reader) => reader,
+        Err(error) => {
+            return Err(ReplayFailed {
+                summary: Summary::default(),
+                error,
+            });
+        }
+    };
     progress(Progress::Opened {
         total: reader.estimated_total(),
     });
@@ -638,5 +659,8 @@ pub async fn run(
     .await;
     // Stopped early or not, leave no consumer behind.
     reader.close().await;
-    result.map(|()| summary)
+    match result {
+        Ok(()) => Ok(summary),
+        Err(error) => Err(ReplayFailed { summary, error }),
+    }
 }
