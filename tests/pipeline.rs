@@ -442,6 +442,18 @@ async fn a_409_conflict_is_retried_for_the_conflict_patience_before_the_wake_is_
         .unwrap()
         .to_string();
     assert!(reason.contains("replay without --force"), "{reason}");
+    // Which a forced replay, run for every refused wake after a fix of
+    // the API, leaves alone: the turn may have been delivered.
+    let forced = common::cli::wakebus(
+        &nats.url(),
+        bus.subjects.prefix(),
+        &["replay", "wakes", "--dead-letters", "--force", "--json"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(forced[0]["action"], "skipped", "{forced:#?}");
+    let said = forced[0]["reason"].as_str().unwrap();
+    assert!(said.contains("without --force"), "{said}");
 }
 
 /// An agent's turn often outlasts `--request-timeout`: the wake gives its

@@ -434,9 +434,10 @@ pub(crate) struct WakeArgs {
     /// How long 409 Conflict answers in a row are retried before the wake
     /// is dead-lettered: an API honouring Idempotency-Key answers 409
     /// while the turn under the key still runs (a post given up after
-    /// `--request-timeout`), so make it longer than the longest turn.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "10m")]
-    pub(crate) conflict_patience: Duration,
+    /// `--request-timeout`), so make it longer than the longest turn
+    /// [default: 10m, or twice `--request-timeout` if that is longer].
+    #[arg(long, value_parser = positive_duration)]
+    pub(crate) conflict_patience: Option<Duration>,
     /// Act on a completion only if its delegator's `submitted` record exists
     /// and names the same origin session; dead-letter it otherwise (a
     /// forged completion). Needs every publisher of tasks to write the

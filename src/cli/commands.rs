@@ -229,7 +229,11 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.max_in_flight = args.max_in_flight;
             config.retry_min = args.retry_min;
             config.retry_max = args.retry_max;
-            config.conflict_patience = args.conflict_patience;
+            // A deployment that raised --request-timeout for long turns
+            // keeps at least the two request timeouts of patience it had.
+            config.conflict_patience = args
+                .conflict_patience
+                .unwrap_or(wakebus::wake::DEFAULT_CONFLICT_PATIENCE.max(2 * args.request_timeout));
             config.verify_origin = args.verify_origin;
             let client = bus.client.clone();
             wake::run(bus, settings(&global), config, service_shutdown()).await?;

@@ -83,6 +83,18 @@ impl Replayer {
         // its session again, and a verifying wake would only refuse its
         // copy. It is not replayed; the genuine one, met in this run or
         // not, is handled on its own (`seen` tells them apart by session).
+        // Given up after 409s: the turn under its key may have been
+        // delivered. A plain replay re-sends it under that key, which the
+        // API answers from its store; forced, it would be a second turn.
+        if self.plan.force
+            && record
+                .dead_letter_reason()
+                .is_some_and(|reason| reason.starts_with(crate::wake::CONFLICT_REFUSAL))
+        {
+            return Ok(item.skipped(
+                "not forced: the session API answered 409 for this turn, so it may have been delivered under its Idempotency-Key; replay it without --force (the API answers a repeat of the key from its store)",
+            ));
+        }
         if self.plan.force {
             match self.submitted_for_another_session(&event, &session).await {
                 Ok(false) => {}

@@ -107,6 +107,11 @@ impl WakeConfig {
 /// instance taking over the session barely notices.
 pub const DEFAULT_LOCK_LINGER: Duration = Duration::from_millis(250);
 
+/// How the dead-letter reason of a wake given up after 409s for longer
+/// than `--conflict-patience` begins: the turn under its key may have
+/// been delivered, so `replay wakes --force` leaves it alone.
+pub const CONFLICT_REFUSAL: &str = "session API answered 409 for longer than --conflict-patience";
+
 /// How long 409 answers in a row are retried by default: longer than an
 /// agent's turn with tool calls takes, so that one still running under the
 /// key (this wake's own post, given up after `--request-timeout`) ends

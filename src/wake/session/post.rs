@@ -169,7 +169,8 @@ impl Router {
                     error!(body = ?body, completions = turn.reports().len(), idempotency_key = %turn.key, patience = ?conflict_patience, "Session API answered 409 Conflict for longer than --conflict-patience; dead-lettering the wake. The turn under this key may still be delivered: replay it without --force.");
                     m::wake_posted("rejected");
                     let reason = format!(
-                        "session API answered 409 for longer than --conflict-patience (the turn under this Idempotency-Key may have been delivered; replay without --force): {body}"
+                        "{} (the turn under this Idempotency-Key may have been delivered; replay without --force): {body}",
+                        crate::wake::CONFLICT_REFUSAL
                     );
                     return if self.dead_letter_refused(posting, hold, &reason).await {
                         Posted::Done
