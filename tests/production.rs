@@ -316,6 +316,23 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
+    // For an option the file does not set, an empty variable is still the
+    // value: an empty URL is an error, not the default server.
+    let no_url = write(
+        dir.path(),
+        "no-url.conf",
+        &format!("token-file = {}\n", token_file.display()),
+    );
+    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .env_clear()
+        .env("WAKEBUS_CONFIG", &no_url)
+        .env("NATS_URL", "")
+        .args(["cancel", "--session", "s1", "--connect-timeout", "0s"])
+        .output_within(WAIT)
+        .await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("no NATS server URL given"), "{stderr}");
     let bad = write(dir.path(), "bad.conf", "nats-ur1 = x\n");
     let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
         .env_clear()

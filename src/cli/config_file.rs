@@ -12,9 +12,10 @@
 //!
 //! Values may be in double or single quotes, and a ` # comment` may follow
 //! one. Flags win over environment variables, which win over the file
-//! (for `otlp-endpoint`, the `OTEL_EXPORTER_OTLP_*` variables do); with a
-//! file, a variable set to nothing counts as unset
-//! ([`without_empty_variables`]).
+//! (for `otlp-endpoint`, the `OTEL_EXPORTER_OTLP_*` variables do); a
+//! variable set to nothing counts as unset ([`without_empty_variables`]),
+//! but for `nats-url` and `prefix` unless the file sets them
+//! ([`EMPTY_IS_AN_ERROR`]).
 //! Secrets stay in their own files; this one only names them.
 
 use std::ffi::OsString;
@@ -23,19 +24,42 @@ use std::path::Path;
 use anyhow::{Context, bail};
 use clap::parser::ValueSource;
 
-/// `command` with every argument whose variable is set to nothing (as
-/// `VAR: ${UNSET:-}` in a compose file makes) read as if it were unset:
-/// clap would take the empty text for the value, which no path, duration
-/// or number is, and refuse the command before a config file is read.
-pub(crate) fn without_empty_variables(command: clap::Command) -> clap::Command {
+/// `command` with the arguments `which` names (by long flag) read as if
+/// their variable were unset when it is set to nothing (as
+/// `VAR: ${UNSET:-}` in a compose file makes): clap would take the empty
+/// text for the value, which no path, duration or number is, and refuse
+/// the command before a config file is read.
+pub(crate) fn without_empty_variables(
+    command: clap::Command,
+    which: &dyn Fn(&str) -> bool,
+) -> clap::Command {
     command
         .mut_args(|arg| {
-            let empty = arg
-                .get_env()
-                .is_some_and(|name| std::env::var_os(name).is_some_and(|value| value.is_empty()));
+            let empty = arg.get_long().is_some_and(which)
+                && arg.get_env().is_some_and(|name| {
+                    std::env::var_os(name).is_some_and(|value| value.is_empty())
+                });
             if empty { arg.env(None) } else { arg }
         })
-        .mut_subcommands(without_empty_variables)
+        .mut_subcommands(|sub| without_empty_variables(sub, which))
+}
+
+/// Options whose variable set to nothing is an error (their empty value
+/// is refused) rather than unset: their defaults, the local server and
+/// the `wakebus` deployment, are no safe stand-in for a value left out.
+pub(crate) const EMPTY_IS_AN_ERROR: [&str; 2] = ["nats-url", "prefix"];
+
+/// The option names a config file sets (its `name = value` lines; the
+/// file is checked line by line by [`with_config_file`]).
+pub(crate) fn names_in(path: &Path) -> anyhow::Result<Vec<String>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the config file {}", path.display()))?;
+    Ok(text
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .filter_map(|line| line.split_once('=').map(|(name, _)| name.trim().to_owned()))
+        .collect())
 }
 
 /// The arguments with the file's options inserted before the user's, for
@@ -188,7 +212,7 @@ mod tests {
     /// What the user's arguments hold, as a flag or not, is clap's to say.
     fn with_file(args: &[&str], path: &Path) -> anyhow::Result<Vec<String>> {
         use clap::CommandFactory as _;
-        let command = without_empty_variables(super::super::args::Cli::command());
+        let command = without_empty_variables(super::super::args::Cli::command(), &|_| true);
         let args: Vec<OsString> = args.iter().map(OsString::from).collect();
         let matches = command.clone().try_get_matches_from(&args)?;
         let out = with_config_file(args, path, &command, &matches)?;

@@ -83,17 +83,26 @@ fn parse() -> anyhow::Result<Cli> {
         let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|error| error.exit());
         (cli, matches)
     };
-    // With a file, a variable set to nothing gives way to the file's value;
-    // without one it is the value, and an empty one an error (an empty
-    // `NATS_URL` is no order to use the default server).
-    let lenient = config_file::without_empty_variables(Cli::command());
-    let (cli, matches) = parse(&lenient, &args);
+    // A variable set to nothing counts as unset, but for the server URL
+    // and the prefix, whose defaults it must not stand for (an empty
+    // `NATS_URL` is no order to use the default server) unless the file
+    // gives them. Read leniently first, to find the file.
+    let lenient = config_file::without_empty_variables(Cli::command(), &|_| true);
+    let (cli, _) = parse(&lenient, &args);
+    let set = match &cli.global.config {
+        Some(path) => config_file::names_in(path)?,
+        None => Vec::new(),
+    };
+    let command = config_file::without_empty_variables(Cli::command(), &|long| {
+        !config_file::EMPTY_IS_AN_ERROR.contains(&long) || set.iter().any(|name| name == long)
+    });
+    let (cli, matches) = parse(&command, &args);
     match &cli.global.config {
         Some(path) => {
-            let args = config_file::with_config_file(args, path, &lenient, &matches)?;
-            Ok(parse(&lenient, &args).0)
+            let args = config_file::with_config_file(args, path, &command, &matches)?;
+            Ok(parse(&command, &args).0)
         }
-        None => Ok(parse(&Cli::command(), &args).0),
+        None => Ok(cli),
     }
 }
 
