@@ -32,7 +32,7 @@ pub(crate) enum ReplayCommand {
     /// wake service; completions already delivered are skipped unless --force.
     Wakes(WakesArgs),
     /// Re-queue dead-lettered task requests (each under a derived delegation
-    /// id, <id>-r<dead-letter seq>); ones already re-queued are skipped unless --force.
+    /// id, <id>-rt<task index>); ones already re-queued are skipped unless --force.
     Tasks(TasksArgs),
     /// Re-publish a range of history under another prefix or to one subject,
     /// headers preserved and marked with Wakebus-Replay.

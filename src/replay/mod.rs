@@ -24,8 +24,8 @@
 //!   since a session API that honours the usual key would drop the post as
 //!   a repeat; the ledger records the key it was delivered under.
 //! * **Tasks** (dead-lettered requests): the request is published again to
-//!   its pool under a **derived delegation id** `<id>-r<dead-letter
-//!   sequence>`. Under its original id the re-run could not wake anyone: its
+//!   its pool under a **derived delegation id** `<id>-rt<task index>`
+//!   (every dead letter of one task gets the same). Under its original id the re-run could not wake anyone: its
 //!   completion would be dropped as a duplicate by JetStream or acknowledged
 //!   unposted by the wake ledger, which already records the original's
 //!   failure as delivered. The derived id is deterministic, so a request
