@@ -1075,22 +1075,24 @@ async fn a_task_whose_done_check_outlasts_the_grace_is_handed_back_not_given_up(
     init_logs();
     let nats = NatsServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
-    let consumer = bus
-        .worker_consumer("default", Duration::from_secs(5))
-        .await
-        .unwrap();
+    let ack_wait = Duration::from_secs(60);
+    let consumer = bus.worker_consumer("default", ack_wait).await.unwrap();
     publish_until_stored(&bus, &request("s.grace", "delivered before")).await;
-    // A first delivery handed back for later: the worker's is the second,
-    // one past its --max-deliver.
-    let mut delivered = consumer.fetch().max_messages(1).messages().await.unwrap();
-    let first = delivered.next().await.unwrap().unwrap();
-    first
-        .ack_with(async_nats::jetstream::AckKind::Nak(Some(
-            Duration::from_secs(3),
-        )))
+    // A first delivery, held here until the worker is ready: handed back
+    // then, its next is the worker's and the second, one past its
+    // --max-deliver.
+    // A pull that waits for it (a fetch answers at once, and may come
+    // before the consumer counts the message just stored).
+    let mut delivered = consumer
+        .batch()
+        .max_messages(1)
+        .expires(Duration::from_secs(10))
+        .messages()
         .await
         .unwrap();
+    let first = delivered.next().await.unwrap().unwrap();
     let mut config = test_worker_config("default");
+    config.ack_wait = ack_wait;
     config.max_deliver = 1;
     config.shutdown_grace = Duration::from_secs(1);
     let mut services = Services::new();
@@ -1104,12 +1106,16 @@ async fn a_task_whose_done_check_outlasts_the_grace_is_handed_back_not_given_up(
     // No stream answers on the events subjects from now on; this
     // subscriber keeps the worker's question from failing at once for
     // want of a responder: it waits for its answer.
+    let events = events_stream_unanswered(&bus).await;
     let mut questions = bus
         .client
         .subscribe(format!("{}.evt.>", bus.subjects.prefix()))
         .await
         .unwrap();
-    let events = events_stream_unanswered(&bus).await;
+    first
+        .ack_with(async_nats::jetstream::AckKind::Nak(None))
+        .await
+        .unwrap();
     tokio::time::timeout(Duration::from_secs(30), questions.next())
         .await
         .expect("the worker asking whether the task is done")

@@ -524,11 +524,12 @@ async fn an_answer_that_arrives_during_a_slow_lock_refresh_is_not_posted_again()
     let nats = NatsServer::start().await;
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
-    // Refreshed every second.
-    let ttl = Duration::from_secs(3);
+    // Refreshed every two seconds; a refresh without an answer waits
+    // for it longer than the rest of the post's 5 s.
+    let ttl = Duration::from_secs(6);
     let locks = session_lock_bucket(&bus, ttl).await;
     let mut config = test_wake_config(&api.url());
-    config.api.request_timeout = Duration::from_secs(4);
+    config.api.request_timeout = Duration::from_secs(5);
     let settings = BusSettings {
         session_lock_ttl: ttl,
         ..Default::default()
@@ -552,18 +553,20 @@ async fn an_answer_that_arrives_during_a_slow_lock_refresh_is_not_posted_again()
     let stream_name = format!("KV_{}", locks.name);
     let mut stream = bus.js.get_stream(&stream_name).await.unwrap();
     let config = stream.info().await.unwrap().config.clone();
+    let mut electing = config.clone();
+    electing.subjects = vec![format!("{}.paused.>", bus.subjects.prefix())];
+    bus.js.update_stream(&electing).await.unwrap();
+    // Made after the change: a write it sees is one no stream stores.
     let mut writes = bus
         .client
         .subscribe(format!("$KV.{}.>", locks.name))
         .await
         .unwrap();
-    let mut electing = config.clone();
-    electing.subjects = vec![format!("{}.paused.>", bus.subjects.prefix())];
-    bus.js.update_stream(&electing).await.unwrap();
     tokio::time::timeout(WAIT, writes.next())
         .await
         .expect("a lock refresh during the post")
         .unwrap();
+    assert_eq!(api.in_flight(), 1, "the post still waits for its answer");
     // Answered while the refresh waits for its ack.
     api.release_posts();
     wait_until(WAIT, "the answer", || async { api.in_flight() == 0 }).await;

@@ -248,6 +248,9 @@ async fn receive(
         at: std::time::Instant::now(),
     };
     let session = recorded.session();
+    // Read before the post counts as in flight: a test that changes it
+    // once it sees the post does so for the next one.
+    let delay = inner.delay_ms.load(Ordering::SeqCst);
     {
         let mut in_flight = inner.in_flight.lock().unwrap();
         let n = in_flight.entry(session.clone()).or_default();
@@ -268,7 +271,6 @@ async fn receive(
     if honour > 0 {
         return honouring_keys(&inner, recorded, Duration::from_millis(honour - 1)).await;
     }
-    let delay = inner.delay_ms.load(Ordering::SeqCst);
     if delay > 0 {
         tokio::time::sleep(Duration::from_millis(delay)).await;
     }
