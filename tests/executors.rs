@@ -200,6 +200,32 @@ async fn run_one(
     )
 }
 
+/// An endpoint that cannot be reached fails the task with a reason that
+/// does not name its URL: the reason goes into the completion, the
+/// session's turn and the history, and a URL may carry credentials.
+#[tokio::test]
+async fn an_unreachable_llm_endpoint_is_reported_without_its_url() {
+    init_logs();
+    // A port nothing listens on: bound, then closed.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let executor = Executor::Llm(
+        LlmExecutor::new(&LlmConfig {
+            base_url: format!("http://user:s3cret@127.0.0.1:{port}/v1"),
+            model: "test-model".into(),
+            api_key: None,
+            request_timeout: Duration::from_secs(2),
+        })
+        .unwrap(),
+    );
+    let (done, _bus, _nats) = run_one(executor, Delegation::new("unreachable")).await;
+    let error = done.error.unwrap_or_default();
+    assert!(error.contains("LLM endpoint unreachable"), "{error}");
+    assert!(!error.contains("s3cret"), "{error}");
+    assert!(!error.contains(&port.to_string()), "{error}");
+}
+
 #[tokio::test]
 async fn the_llm_executor_answers_with_the_models_reply_and_counts_calls_and_tokens() {
     init_logs();

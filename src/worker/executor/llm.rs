@@ -34,6 +34,7 @@ pub struct LlmConfig {
 
 /// Why the executor could not be built.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum LlmConfigError {
     /// The HTTP client could not be built.
     #[error("cannot build the HTTP client: {0}")]
@@ -47,6 +48,12 @@ pub enum LlmConfigError {
         /// The URL as given.
         url: String,
     },
+    /// A base URL with a query or fragment, after which the path
+    /// `/chat/completions` cannot be appended.
+    #[error(
+        "the LLM base URL has a query or fragment, and /chat/completions is appended to it: give the API's base URL"
+    )]
+    QueryInBaseUrl,
 }
 
 /// Runs tasks on a chat-completions endpoint.
@@ -149,6 +156,9 @@ impl LlmExecutor {
             .ok_or_else(|| LlmConfigError::BadUrl {
                 url: config.base_url.clone(),
             })?;
+        if base.query().is_some() || base.fragment().is_some() {
+            return Err(LlmConfigError::QueryInBaseUrl);
+        }
         if config.api_key.is_some() && sends_in_clear(&base) {
             tracing::warn!(
                 host = base.host_str().unwrap_or_default(),
@@ -335,10 +345,14 @@ impl LlmExecutor {
             // A redirect the policy refused (too many, or one that would
             // drop the prompt) or a request that cannot be built fails the
             // same way every time.
+            // Without the URL: the reason goes into the completion, the
+            // session's turn and the history.
             Err(error) if error.is_redirect() || error.is_builder() => {
+                let error = error.without_url();
                 return Ok(Call::Refused(format!("LLM endpoint not called: {error}")));
             }
             Err(error) => {
+                let error = error.without_url();
                 return Err(ExecError::transient(format!(
                     "LLM endpoint unreachable: {error}"
                 )));
@@ -521,6 +535,17 @@ mod tests {
             );
         }
         assert!(LlmExecutor::new(&config("https://api.openai.com/v1")).is_ok());
+        for query in [
+            "https://models.example/v1?key=s3cret",
+            "https://models.example/v1#x",
+        ] {
+            let error = LlmExecutor::new(&config(query)).expect_err(query);
+            assert!(
+                matches!(error, LlmConfigError::QueryInBaseUrl),
+                "{query}: {error}"
+            );
+            assert!(!error.to_string().contains("s3cret"), "{error}");
+        }
     }
 
     #[test]
