@@ -207,7 +207,17 @@ impl TaskRequest {
     pub fn decode_within(body: &[u8], limits: &Limits) -> Result<Self, DecodeError> {
         limits.check_body(body.len())?;
         let text = std::str::from_utf8(body)?;
-        let request: Self = serde_json::from_str(text)?;
+        let request: Self = match serde_json::from_str(text) {
+            Ok(request) => request,
+            // A later version's body may lack what this one needs: its
+            // publisher is told the version, not that a field is missing.
+            Err(error) => {
+                return Err(match later_version(text) {
+                    Some(found) => DecodeError::UnsupportedVersion { found },
+                    None => error.into(),
+                });
+            }
+        };
         request.validate()?;
         limits.check_fields(&request.goal, &request.context)?;
         Ok(request)
@@ -260,6 +270,20 @@ impl TaskRequest {
     }
 }
 
+/// The `version` of a body this version of the protocol cannot read, if it
+/// is a later one.
+fn later_version(text: &str) -> Option<u32> {
+    #[derive(Deserialize)]
+    struct VersionOnly {
+        version: Option<serde_json::Value>,
+    }
+    let found = serde_json::from_str::<VersionOnly>(text)
+        .ok()?
+        .version?
+        .as_u64()?;
+    (found > u64::from(PROTOCOL_VERSION)).then(|| u32::try_from(found).unwrap_or(u32::MAX))
+}
+
 /// Checks that `schema` can be an `output_schema`: a JSON object that is a
 /// valid JSON Schema. (`true` and `false` are valid schemas too, but the
 /// contract allows only objects: `false` would refuse every answer.)
@@ -275,6 +299,22 @@ pub fn check_output_schema(schema: &serde_json::Value) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A body of a later version may lack what this one needs, or hold it
+    /// differently: its publisher learns the version is not supported,
+    /// not that `goal` is missing.
+    #[test]
+    fn a_later_versions_body_is_refused_for_its_version() {
+        let later = br#"{"version":2,"delegation_id":"d1","objective":"g"}"#;
+        let error = TaskRequest::decode(later).unwrap_err();
+        assert!(
+            matches!(error, DecodeError::UnsupportedVersion { found: 2 }),
+            "{error}"
+        );
+        let this = br#"{"version":1,"delegation_id":"d1","objective":"g"}"#;
+        let error = TaskRequest::decode(this).unwrap_err();
+        assert!(error.to_string().contains("goal"), "{error}");
+    }
 
     #[test]
     fn a_task_count_above_the_limit_is_refused_and_the_limit_itself_is_not() {

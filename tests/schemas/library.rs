@@ -517,3 +517,81 @@ fn schemas_accept_unknown_fields_like_the_library() {
         assert!(library_accepts(stem, &body).is_ok(), "{stem}");
     }
 }
+
+/// The schemas' patterns are read by every regex engine the same way:
+/// Go's RE2 refuses `\u` escapes (the whole schema then fails to compile),
+/// and its `\s`, `\S`, `\d` and `\w` are ASCII-only where others' are not.
+/// Characters beyond Latin-1 appear as themselves (a JSON escape, which
+/// the JSON parser resolves), never as a regex escape.
+#[test]
+fn schema_patterns_use_only_escapes_every_regex_engine_reads_alike() {
+    fn patterns<'a>(value: &'a Value, out: &mut Vec<&'a str>) {
+        match value {
+            Value::Object(map) => {
+                for (key, value) in map {
+                    match (key.as_str(), value) {
+                        ("pattern", Value::String(pattern)) => out.push(pattern),
+                        _ => patterns(value, out),
+                    }
+                }
+            }
+            Value::Array(items) => items.iter().for_each(|item| patterns(item, out)),
+            _ => {}
+        }
+    }
+    for stem in SCHEMAS {
+        let schema = schema(stem);
+        let mut found = Vec::new();
+        patterns(&schema, &mut found);
+        assert!(!found.is_empty(), "{stem} has no pattern");
+        for pattern in found {
+            for escape in ["\\u", "\\s", "\\S", "\\d", "\\w", "\\p", "\\z", "(?"] {
+                assert!(
+                    !pattern.contains(escape),
+                    "{stem}: {pattern:?} uses {escape}, which regex engines read differently"
+                );
+            }
+        }
+    }
+}
+
+/// "Whitespace" is Unicode White_Space on both sides, character by
+/// character: a goal of one character, and a session id with one at
+/// either end or in the middle, are accepted by the schema exactly when
+/// wakebus accepts them. And a trailing newline, which Python's `$`
+/// lets through, is refused by the schema as by wakebus.
+#[test]
+fn schema_and_library_agree_on_every_whitespace_and_control_character() {
+    let request = serde_json::to_value(full_request()).unwrap();
+    let with = |field: &str, value: String| {
+        let mut body = request.clone();
+        body[field] = Value::String(value);
+        body
+    };
+    let chars = (0..=0x3100u32)
+        .chain([0x1680, 0x2028, 0x2029, 0x202f, 0x205f, 0x3000, 0xfeff])
+        .filter_map(char::from_u32);
+    for c in chars {
+        let bodies = [
+            with("goal", c.to_string()),
+            with("origin_session_id", format!("{c}sess")),
+            with("origin_session_id", format!("sess{c}")),
+            with("origin_session_id", format!("se{c}ss")),
+        ];
+        for body in bodies {
+            let schema_ok = schema_errors(REQUEST, &body).is_empty();
+            let library = library_accepts(REQUEST, &body);
+            assert_eq!(
+                schema_ok,
+                library.is_ok(),
+                "U+{:04X}: schema says {schema_ok}, library says {library:?}",
+                c as u32
+            );
+        }
+    }
+    for id in ["d1\n", "d1\r\n"] {
+        let body = with("delegation_id", id.to_owned());
+        assert!(!schema_errors(REQUEST, &body).is_empty(), "{id:?}");
+        assert!(library_accepts(REQUEST, &body).is_err(), "{id:?}");
+    }
+}
