@@ -1414,6 +1414,29 @@ async fn a_delegate_called_while_nats_restarts_waits_for_it_and_is_stored() {
     assert_eq!(tasks.info().await.unwrap().state.messages, 1);
 }
 
+/// A wake consumer made anew reads the whole history again, and a
+/// completion the ledger does not record delivered (one the session API
+/// refused) is posted again: `init` (or a starting wake) that makes it
+/// while completions are stored says so at WARN, with how many; made for
+/// an empty history, it says nothing.
+#[tokio::test]
+async fn init_warns_when_it_makes_the_wake_consumer_anew_over_a_stored_history() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let said = "The wake consumer is missing and is made anew from the start of the history";
+    let first = wakebus(&nats.url(), &prefix, &["init"]).await;
+    assert!(first.success(), "{}", first.stderr());
+    assert!(!first.stderr().contains(said), "{}", first.stderr());
+    publish_completion(&bus, "s.anew", "d-anew", 0, serde_json::json!({})).await;
+    forget_the_wake_floor(&bus).await;
+    let again = wakebus(&nats.url(), &prefix, &["init"]).await;
+    assert!(again.success(), "{}", again.stderr());
+    assert!(again.stderr().contains(said), "{}", again.stderr());
+    assert!(again.stderr().contains("stored=1"), "{}", again.stderr());
+}
+
 /// The consumers' AckWait and in-flight limit are the running services'
 /// (`--ack-wait`, `--max-in-flight`): `wakebus init`, run again after a
 /// settings change, must not put them back to its defaults, or long tasks

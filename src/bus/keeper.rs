@@ -39,7 +39,7 @@ use async_nats::jetstream::consumer::{self, DeliverPolicy};
 use async_nats::jetstream::context::{ConsumerInfoError, ConsumerInfoErrorKind};
 use backon::BackoffBuilder;
 use tokio_util::sync::{CancellationToken, DropGuard};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::{Bus, ServiceConsumer};
 
@@ -193,7 +193,15 @@ struct Keeper {
     /// Whether a failed create was warned about since the consumer was
     /// last seen or made.
     warned_create: bool,
+    /// Since when checks have failed (not answered: neither found nor
+    /// missing), and when that was last warned about.
+    failing: Option<(Instant, Option<Instant>)>,
 }
+
+/// How long checks may fail in a row before it is a warning (a leader
+/// election passes sooner), and how often it is said again while they do.
+const CHECKS_FAILING_WARN_AFTER: Duration = Duration::from_secs(60);
+const CHECKS_FAILING_WARN_EVERY: Duration = Duration::from_secs(600);
 
 impl Bus {
     /// Keeps `wanted` in place (see the module doc) until the returned
@@ -215,6 +223,7 @@ impl Bus {
             warned_ack_wait: None,
             warned_no_stream: false,
             warned_create: false,
+            failing: None,
         };
         tokio::spawn(keeper.keeping(every, stop.clone()));
         (stop.drop_guard(), keep_alive)
@@ -250,6 +259,15 @@ impl Keeper {
             }
             found => found,
         };
+        let consumer = self.wanted.name(&self.bus.subjects);
+        if found.is_ok()
+            && let Some((since, Some(_))) = self.failing
+        {
+            info!(%consumer, failed_for = ?since.elapsed(), "The consumer could be checked again.");
+        }
+        if found.is_ok() {
+            self.failing = None;
+        }
         match found {
             Ok(Found::Exists(info)) => self.seen(&info),
             Ok(Found::Missing) => self.create_again().await,
@@ -257,10 +275,21 @@ impl Keeper {
                 self.stream_missing();
             }
             Err(error) => {
-                // Transient (a leader election, NATS unreachable): the pulls
-                // show it too. Checked again next round.
-                let consumer = self.wanted.name(&self.bus.subjects);
-                debug!(%consumer, %error, "Could not check that the consumer exists.");
+                // Mostly transient (a leader election), and the pulls show
+                // it too; but a consumer without a leader for good (its
+                // quorum lost) gets this service no work, and a worker's
+                // pulls then just end empty: said once a minute has passed,
+                // and every ten while it lasts.
+                let now = Instant::now();
+                let (since, warned) = self.failing.get_or_insert((now, None));
+                let due = now.duration_since(*since) >= CHECKS_FAILING_WARN_AFTER
+                    && warned.is_none_or(|at| now.duration_since(at) >= CHECKS_FAILING_WARN_EVERY);
+                if due {
+                    *warned = Some(now);
+                    warn!(%consumer, %error, failing_for = ?now.duration_since(*since), "The consumer could not be checked for a minute or more: if its stream or consumer has no leader, this service gets no work. Check `nats consumer info` and the cluster.");
+                } else {
+                    debug!(%consumer, %error, "Could not check that the consumer exists.");
+                }
             }
         }
     }
