@@ -595,3 +595,71 @@ fn schema_and_library_agree_on_every_whitespace_and_control_character() {
         assert!(library_accepts(REQUEST, &body).is_err(), "{id:?}");
     }
 }
+
+/// Every integer bound of the request schema is the library's: the bound
+/// itself is accepted by both, one past it refused by both. (Lowering a
+/// limit in the code alone, say the largest batch, fails here.)
+#[test]
+fn the_request_schemas_integer_bounds_are_the_librarys() {
+    let schema = schema(REQUEST);
+    // task_count at its largest, so that any task_index may be tried.
+    let base = json!({"version": 1, "delegation_id": "d1", "goal": "g", "task_count": 1000});
+    let mut tried = 0;
+    for (name, property) in schema["properties"].as_object().unwrap() {
+        for (bound, step) in [("minimum", -1i128), ("maximum", 1)] {
+            let Some(limit) = property[bound].as_number() else {
+                continue;
+            };
+            let limit = limit
+                .as_i64()
+                .map_or_else(|| i128::from(limit.as_u64().unwrap()), i128::from);
+            let body = |value: i128| {
+                let mut body = base.clone();
+                body[name] = match (u64::try_from(value), i64::try_from(value)) {
+                    (Ok(v), _) => json!(v),
+                    (_, Ok(v)) => json!(v),
+                    _ => return None,
+                };
+                Some(body)
+            };
+            let at = body(limit).unwrap();
+            assert!(schema_errors(REQUEST, &at).is_empty(), "{name} = {limit}");
+            assert!(library_accepts(REQUEST, &at).is_ok(), "{name} = {limit}");
+            // One past a bound JSON can still hold.
+            if let Some(past) = body(limit + step) {
+                assert!(
+                    !schema_errors(REQUEST, &past).is_empty(),
+                    "{name} = {}",
+                    limit + step
+                );
+                assert!(
+                    library_accepts(REQUEST, &past).is_err(),
+                    "{name} = {}",
+                    limit + step
+                );
+            }
+            tried += 1;
+        }
+    }
+    assert!(tried >= 8, "only {tried} bounds found");
+}
+
+/// A field left out takes the value the schema gives as its `default`.
+#[test]
+fn the_request_schemas_defaults_are_the_librarys() {
+    let schema = schema(REQUEST);
+    let minimal = json!({"version": 1, "delegation_id": "d1", "goal": "g"});
+    let decode = |body: &Value| TaskRequest::decode(&serde_json::to_vec(body).unwrap());
+    let left_out = decode(&minimal).unwrap();
+    let mut compared = 0;
+    for (name, property) in schema["properties"].as_object().unwrap() {
+        let Some(default) = property.get("default") else {
+            continue;
+        };
+        let mut given = minimal.clone();
+        given[name] = default.clone();
+        assert_eq!(decode(&given).unwrap(), left_out, "{name}: {default}");
+        compared += 1;
+    }
+    assert!(compared >= 5, "only {compared} defaults found");
+}
