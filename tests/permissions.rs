@@ -885,3 +885,158 @@ fn write_permissions(dir: &std::path::Path, removed: &[&str]) {
     )
     .unwrap();
 }
+
+/// A role allowed to create consumers (the delegator on the events stream,
+/// for its sync wait; the worker on the cancel bucket, for its watch) also
+/// chooses their delivery subject, in the request's body, which subject
+/// permissions cannot see: the server accepts any literal subject outside
+/// the consumer's own stream. Pointed at a ledger key, if the server
+/// stored the deliveries there, the wake would trust a forged `delivered`
+/// entry (and ack that completion unposted) or hold a session over a
+/// cancel record it cannot parse. Two things keep the ledger safe:
+/// - a push consumer delivers only while a subscription on exactly its
+///   delivery subject exists; a stream's wildcard capture (`$KV.<bucket>.>`)
+///   does not count, and no role but the operator may subscribe to a
+///   ledger key;
+/// - even then (an operator's `nats sub` on that key), a stream capturing a
+///   delivery stores it under the message's own subject (here
+///   `wakebus.evt....submitted`, `$KV.<CANCELS>....`), not under the
+///   delivery subject, so no ledger key is written.
+#[tokio::test]
+async fn neither_a_delegator_nor_a_worker_can_write_the_wake_ledger_through_a_push_consumer() {
+    use async_nats::jetstream::consumer::{AckPolicy, push};
+    use futures::StreamExt;
+    use wakebus::protocol::Subjects;
+    use wakebus::wake::ledger::{LedgerEntry, WakeLedger};
+
+    init_logs();
+    let server = RoleServer::start().await;
+    init(&server).await;
+    let operator = server.bus("operator").await;
+    let subjects = operator.subjects.clone();
+    let ledger_subject = |key: &str| format!("$KV.{}.{key}", subjects.wake_ledger_bucket());
+    let ledger_kv = operator
+        .js
+        .get_key_value(subjects.wake_ledger_bucket())
+        .await
+        .unwrap();
+    let ledger = WakeLedger::new(ledger_kv.clone());
+    let absent = LedgerEntry {
+        state: None,
+        revision: 0,
+    };
+    // A durable push consumer `forger` on `stream` (the attacker's best
+    // choice: it outlives its creator's connection), created in the role
+    // of `bus`, delivering into the ledger key `key`.
+    let forge = |bus: Bus, stream: String, filter: String, key: String| {
+        let deliver_subject = ledger_subject(&key);
+        async move {
+            bus.js
+                .create_consumer_on_stream(
+                    push::Config {
+                        durable_name: Some("forger".into()),
+                        deliver_subject,
+                        filter_subject: filter,
+                        ack_policy: AckPolicy::None,
+                        ..Default::default()
+                    },
+                    &stream,
+                )
+                .await
+                .expect("the role may create the consumer")
+        }
+    };
+
+    // The delegator writes, where it may, what a `delivered` entry looks
+    // like, and has it delivered into task 0 of another delegation.
+    let delegator = server.bus("delegator").await;
+    let submitted = subjects.submitted(&session_token("attacker.session"), "attacker", 0);
+    let entry = r#"{"state":"delivered","idempotency_key":"forged","at":"2026-01-01T00:00:00Z"}"#;
+    delegator
+        .js
+        .publish(submitted.clone(), entry.into())
+        .await
+        .unwrap()
+        .await
+        .expect("the delegator may write a submitted record");
+    let delegator_key = WakeLedger::key("victim-delegation", 0);
+    let events = subjects.events_stream();
+    forge(
+        delegator.clone(),
+        events.clone(),
+        submitted,
+        delegator_key.clone(),
+    )
+    .await;
+    // The worker has the cancel records (one, written by the delegator)
+    // delivered into task 0 of a third delegation.
+    Canceller::new(delegator.clone())
+        .cancel_session("s.cancelled", true)
+        .await
+        .unwrap();
+    let worker_key = WakeLedger::key("other-victim", 0);
+    let cancels = Subjects::bucket_stream(&subjects.cancel_bucket());
+    forge(
+        server.bus("worker").await,
+        cancels.clone(),
+        String::new(),
+        worker_key.clone(),
+    )
+    .await;
+
+    let attempts = [
+        ("delegator", &events, &delegator_key),
+        ("worker", &cancels, &worker_key),
+    ];
+    for (role, stream, key) in attempts {
+        // The consumer holds its message, bound to no subscriber. A single
+        // server settles its interest before it answers the creation, and
+        // it delivers nothing until that changes: no wait is needed.
+        let info = consumer_info(&operator, stream).await;
+        assert!(
+            !info.push_bound && info.delivered.stream_sequence == 0 && info.num_pending >= 1,
+            "{role}'s consumer: {info:?}"
+        );
+        assert_eq!(ledger.read(key).await.unwrap(), absent, "{role}");
+        // Nor can the role make the subscription that would set it off.
+        let password = format!("{role}-dev-only");
+        let mut client = raw::RawClient::connect(server.nats.port, Some((role, &password))).await;
+        let refused = client.sub(&ledger_subject(key)).await;
+        assert!(
+            refused
+                .as_deref()
+                .is_some_and(|e| e.contains("Permissions Violation for Subscription")),
+            "{role} could subscribe to a ledger key: {refused:?}"
+        );
+    }
+
+    // The operator subscribes to exactly those keys: the consumers deliver
+    // (their subscriptions get the messages, as does the ledger's stream).
+    for (role, stream, key) in attempts {
+        let mut subscription = operator
+            .client
+            .subscribe(ledger_subject(key))
+            .await
+            .unwrap();
+        let delivered = tokio::time::timeout(WAIT, subscription.next())
+            .await
+            .unwrap_or_else(|_| panic!("{role}'s consumer delivered nothing"))
+            .unwrap();
+        let info = consumer_info(&operator, stream).await;
+        assert!(info.push_bound && info.num_pending == 0, "{role}: {info:?}");
+        assert_ne!(delivered.subject.as_str(), ledger_subject(key));
+    }
+    // The ledger's stream handles what reaches it in order: once the
+    // operator's own write is stored, so are the deliveries (stored under
+    // their own subjects: `wakebus.evt....submitted`, `$KV.<CANCELS>....`).
+    ledger_kv.put("barrier.0", "{}".into()).await.unwrap();
+    for key in [&delegator_key, &worker_key] {
+        assert_eq!(ledger.read(key).await.unwrap(), absent, "{key}");
+    }
+}
+
+/// The info of the consumer `forger` on `stream`.
+async fn consumer_info(operator: &Bus, stream: &str) -> async_nats::jetstream::consumer::Info {
+    let stream = operator.js.get_stream(stream).await.unwrap();
+    stream.consumer_info("forger").await.unwrap()
+}
