@@ -1425,7 +1425,7 @@ async fn init_warns_when_it_makes_the_wake_consumer_anew_over_a_stored_history()
     let nats = NatsServer::start().await;
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
-    let said = "The wake consumer is missing and is made anew from the start of the history";
+    let said = "The wake consumer was missing and is made anew from the start of the history";
     let first = wakebus(&nats.url(), &prefix, &["init"]).await;
     assert!(first.success(), "{}", first.stderr());
     assert!(!first.stderr().contains(said), "{}", first.stderr());
@@ -1434,7 +1434,11 @@ async fn init_warns_when_it_makes_the_wake_consumer_anew_over_a_stored_history()
     let again = wakebus(&nats.url(), &prefix, &["init"]).await;
     assert!(again.success(), "{}", again.stderr());
     assert!(again.stderr().contains(said), "{}", again.stderr());
-    assert!(again.stderr().contains("stored=1"), "{}", again.stderr());
+    assert!(
+        again.stderr().contains("completions=1"),
+        "{}",
+        again.stderr()
+    );
 }
 
 /// The consumers' AckWait and in-flight limit are the running services'

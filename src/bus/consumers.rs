@@ -166,6 +166,7 @@ impl Bus {
                         name: stream.to_owned(),
                         source,
                     })?;
+            let mut made_anew = false;
             match handle.consumer_info(&name).await {
                 Ok(_) if existing == Existing::Keep => {
                     info!(consumer = %name, stream, "Consumer exists; its settings are kept.");
@@ -197,17 +198,7 @@ impl Bus {
                         source: error,
                     });
                 }
-                Err(_) => {
-                    // Made anew, the wake's reads the whole history again:
-                    // a completion its ledger does not record delivered (one
-                    // the session API refused, dead-lettered) is posted
-                    // again. The running wake's keeper starts it after the
-                    // floor it saw; a start or `init` knows of none.
-                    let stored = handle.cached_info().state.messages;
-                    if matches!(wanted, ServiceConsumer::Wake { .. }) && stored > 0 {
-                        warn!(consumer = %name, stream, stored, "The wake consumer is missing and is made anew from the start of the history: every completion in it is read again, and one the wake ledger does not record delivered (a wake the session API refused) is posted again. If it was deleted by mistake, see OPERATIONS.md, \"Consumers deleted under running services\".");
-                    }
-                }
+                Err(_) => made_anew = true,
             }
             let consumer = handle.create_consumer(config).await.map_err(|source| {
                 ProvisionError::Consumer {
@@ -216,6 +207,15 @@ impl Bus {
                     source,
                 }
             })?;
+            // Made anew, the wake's reads the whole history again: a
+            // completion its ledger does not record delivered (one the
+            // session API refused, dead-lettered) is posted again. The
+            // running wake's keeper starts it after the floor it saw; a
+            // start or `init` knows of none.
+            let completions = consumer.cached_info().num_pending;
+            if made_anew && matches!(wanted, ServiceConsumer::Wake { .. }) && completions > 0 {
+                warn!(consumer = %name, stream, completions, "The wake consumer was missing and is made anew from the start of the history: every completion in it is read again, and one the wake ledger does not record delivered (a wake the session API refused) is posted again. If it was deleted by mistake, see OPERATIONS.md, \"Consumers deleted under running services\".");
+            }
             info!(consumer = %name, stream, "Consumer ready.");
             Ok(Some(consumer))
         };

@@ -250,6 +250,9 @@ impl Keeper {
     /// One check, and what follows from it.
     async fn round(&mut self) {
         if !crate::connect::is_connected(&self.bus.client) {
+            // An outage is not a consumer that cannot be checked: the
+            // count starts again once connected.
+            self.failing = None;
             return;
         }
         let found = match self.check().await {
@@ -272,6 +275,7 @@ impl Keeper {
             Ok(Found::Exists(info)) => self.seen(&info),
             Ok(Found::Missing) => self.create_again().await,
             Err(error) if error.kind() == ConsumerInfoErrorKind::StreamNotFound => {
+                self.failing = None;
                 self.stream_missing();
             }
             Err(error) => {
