@@ -206,13 +206,11 @@ async fn run_one(
 #[tokio::test]
 async fn an_unreachable_llm_endpoint_is_reported_without_its_url() {
     init_logs();
-    // A port nothing listens on: bound, then closed.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = closed.local_addr().unwrap().port();
-    drop(closed);
+    // Port 1: nothing listens there (a port taken and let go could be
+    // another test's server by the time it is called).
     let executor = Executor::Llm(
         LlmExecutor::new(&LlmConfig {
-            base_url: format!("http://user:s3cret@127.0.0.1:{port}/v1"),
+            base_url: "http://127.0.0.1:1/v1".to_owned(),
             model: "test-model".into(),
             api_key: None,
             request_timeout: Duration::from_secs(2),
@@ -222,8 +220,7 @@ async fn an_unreachable_llm_endpoint_is_reported_without_its_url() {
     let (done, _bus, _nats) = run_one(executor, Delegation::new("unreachable")).await;
     let error = done.error.unwrap_or_default();
     assert!(error.contains("LLM endpoint unreachable"), "{error}");
-    assert!(!error.contains("s3cret"), "{error}");
-    assert!(!error.contains(&port.to_string()), "{error}");
+    assert!(!error.contains("127.0.0.1"), "{error}");
 }
 
 #[tokio::test]

@@ -54,6 +54,12 @@ pub enum LlmConfigError {
         "the LLM base URL has a query or fragment, and /chat/completions is appended to it: give the API's base URL"
     )]
     QueryInBaseUrl,
+    /// A user name or password in the URL besides an API key: each becomes
+    /// an `Authorization` header.
+    #[error(
+        "the LLM base URL holds a user name or password and an API key is given too: each would be sent as an Authorization header; give one of them"
+    )]
+    TwoCredentials,
 }
 
 /// Runs tasks on a chat-completions endpoint.
@@ -154,10 +160,13 @@ impl LlmExecutor {
             .ok()
             .filter(|url| matches!(url.scheme(), "http" | "https") && url.has_host())
             .ok_or_else(|| LlmConfigError::BadUrl {
-                url: config.base_url.clone(),
+                url: crate::wake::session_api::redacted_url(&config.base_url),
             })?;
         if base.query().is_some() || base.fragment().is_some() {
             return Err(LlmConfigError::QueryInBaseUrl);
+        }
+        if config.api_key.is_some() && (!base.username().is_empty() || base.password().is_some()) {
+            return Err(LlmConfigError::TwoCredentials);
         }
         if config.api_key.is_some() && sends_in_clear(&base) {
             tracing::warn!(
@@ -546,6 +555,9 @@ mod tests {
             );
             assert!(!error.to_string().contains("s3cret"), "{error}");
         }
+        // The test config gives an API key.
+        let error = LlmExecutor::new(&config("https://bob:pw@models.example/v1")).unwrap_err();
+        assert!(matches!(error, LlmConfigError::TwoCredentials), "{error}");
     }
 
     #[test]
