@@ -35,6 +35,9 @@ struct Receiver {
     verified: Arc<Mutex<Vec<(HeaderMap, Bytes)>>>,
     /// Posts whose signature did not verify.
     refused: Arc<Mutex<usize>>,
+    /// How many more verified posts to answer 503 (unavailable), and the
+    /// bodies so answered.
+    unavailable: Arc<Mutex<(usize, Vec<Bytes>)>>,
 }
 
 impl Receiver {
@@ -48,6 +51,7 @@ impl Receiver {
             keys: Arc::new(keys),
             verified: Arc::default(),
             refused: Arc::default(),
+            unavailable: Arc::default(),
         }
     }
 
@@ -175,6 +179,12 @@ fn verify(keys: &[Vec<u8>], headers: &HeaderMap, body: &[u8]) -> Result<(), &'st
 async fn receive(State(receiver): State<Receiver>, headers: HeaderMap, body: Bytes) -> StatusCode {
     match verify(&receiver.keys, &headers, &body) {
         Ok(()) => {
+            let mut unavailable = receiver.unavailable.lock().unwrap();
+            if unavailable.0 > 0 {
+                unavailable.0 -= 1;
+                unavailable.1.push(body);
+                return StatusCode::SERVICE_UNAVAILABLE;
+            }
             receiver.verified.lock().unwrap().push((headers, body));
             StatusCode::NO_CONTENT
         }
@@ -259,6 +269,44 @@ async fn a_wake_posted_as_a_webhook_carries_signatures_a_receiver_verifies() {
         "{text}"
     );
     assert_eq!(*receiver.refused.lock().unwrap(), 0);
+}
+
+/// A post tried again is the same body: its `timestamp` is when the
+/// completion ended, not when the post was sent (the signed
+/// `webhook-timestamp` header is that), so a receiver that compares the
+/// bodies it gets under one key finds the same one. One that differed
+/// would be refused by a receiver following the IETF Idempotency-Key
+/// draft (422), and the wake dead-lettered.
+#[tokio::test]
+async fn a_webhook_post_tried_again_is_the_same_body() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let receiver = Receiver::start(&[NEW]).await;
+    receiver.unavailable.lock().unwrap().0 = 2;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, webhook_wake_config(&receiver.url, &[NEW]));
+    Delegator::new(bus.clone())
+        .delegate(Delegation::new("again").session("sess.again"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the post accepted", || async {
+        !receiver.verified().is_empty()
+    })
+    .await;
+    services.stop().await;
+    let refused = receiver.unavailable.lock().unwrap().1.clone();
+    assert_eq!(refused.len(), 2);
+    let accepted = &receiver.verified()[0].1;
+    for earlier in &refused {
+        assert_eq!(earlier, accepted, "a retry sent another body");
+    }
+    let body: serde_json::Value = serde_json::from_slice(accepted).unwrap();
+    assert_eq!(
+        body["timestamp"], body["data"]["events"][0]["completed_at"],
+        "{body}"
+    );
 }
 
 /// A batch's consolidated turn and an early failure notice have ledger

@@ -380,9 +380,19 @@ impl SessionApi {
             }
             PostShape::Webhook { secrets } => {
                 let now = OffsetDateTime::now_utc();
+                // The event's time, not the attempt's: a re-sent post is
+                // the same body, which a receiver comparing bodies under
+                // one key (the IETF Idempotency-Key draft answers 422 to a
+                // different one) must find. Freshness is the header's.
+                let happened = post
+                    .events
+                    .iter()
+                    .map(|event| event.completed_at)
+                    .max()
+                    .unwrap_or(now);
                 let body = WebhookBody {
                     event_type: WEBHOOK_EVENT_TYPE,
-                    timestamp: now.format(&Rfc3339).unwrap_or_default(),
+                    timestamp: happened.format(&Rfc3339).unwrap_or_default(),
                     data: WebhookData {
                         session_id: post.session,
                         idempotency_key: post.idempotency_key,

@@ -108,7 +108,8 @@ pub(crate) struct WebhookBody<'a> {
     /// Always [`WEBHOOK_EVENT_TYPE`].
     #[serde(rename = "type")]
     pub(crate) event_type: &'static str,
-    /// When the turn was rendered, RFC 3339.
+    /// When the newest completion the post carries ended (its
+    /// `completed_at`), RFC 3339: the same on every re-send of the post.
     pub(crate) timestamp: String,
     /// The wake itself.
     pub(crate) data: WebhookData<'a>,
