@@ -109,7 +109,9 @@ pub(crate) struct WebhookBody<'a> {
     #[serde(rename = "type")]
     pub(crate) event_type: &'static str,
     /// When the newest completion the post carries ended (its
-    /// `completed_at`), RFC 3339: the same on every re-send of the post.
+    /// `completed_at`), RFC 3339: the same on every retry of the post (a
+    /// combined post re-sent in doubt with fewer completions in hand, or a
+    /// batch's, may carry other events, and then another time).
     pub(crate) timestamp: String,
     /// The wake itself.
     pub(crate) data: WebhookData<'a>,

@@ -436,6 +436,12 @@ impl Router {
                 _ => remaining.push(pending),
             }
         }
+        // In the order a new turn has them (by ledger key), not as they
+        // arrived: a webhook post re-sent with all its completions in hand
+        // is then the body first sent.
+        for turn in &mut recovering {
+            turn.messages.sort_by_key(Pending::ledger_key);
+        }
         turns.append(&mut recovering);
         // A redelivered completion may have been posted alone before (its
         // ledger entry lost with the instance that posted it): post it alone
