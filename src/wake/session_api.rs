@@ -44,8 +44,13 @@ impl std::fmt::Debug for SessionApiConfig {
 
 /// `url` without its user name, password, query and fragment, for logs:
 /// webhook endpoints often carry their secret in the query (`?code=...`).
+/// Text that is no http(s) URL is not shown: `bob:s3cret@host/v1`, its
+/// scheme left out, reads as a URL of scheme `bob`.
 pub fn redacted_url(url: &str) -> String {
     match reqwest::Url::parse(url) {
+        Ok(parsed) if !matches!(parsed.scheme(), "http" | "https") => {
+            "<not an http(s) URL>".to_owned()
+        }
         Ok(mut parsed)
             if !parsed.username().is_empty()
                 || parsed.password().is_some()
@@ -614,6 +619,10 @@ mod tests {
             "https://hooks.example/api/hook"
         );
         assert_eq!(redacted_url("not a url"), "<not a URL>");
+        assert_eq!(
+            redacted_url("bob:s3cret@models.example/v1"),
+            "<not an http(s) URL>"
+        );
     }
 
     /// A failed post's reason, logged at every retry, does not name the

@@ -45,7 +45,7 @@ pub enum LlmConfigError {
     /// The base URL is not an http(s) URL.
     #[error("the LLM base URL {url:?} is not an http:// or https:// URL")]
     BadUrl {
-        /// The URL as given.
+        /// The URL as given, its credentials and query hidden.
         url: String,
     },
     /// A base URL with a query or fragment, after which the path
