@@ -1430,6 +1430,16 @@ async fn init_warns_when_it_makes_the_wake_consumer_anew_over_a_stored_history()
     assert!(first.success(), "{}", first.stderr());
     assert!(!first.stderr().contains(said), "{}", first.stderr());
     publish_completion(&bus, "s.anew", "d-anew", 0, serde_json::json!({})).await;
+    // Another task's started event: stored, but no completion to read.
+    let started = bus
+        .subjects
+        .event(&session_token("s.anew"), "d-running", 0, EventKind::Started);
+    bus.js
+        .publish(started, "{}".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
     forget_the_wake_floor(&bus).await;
     let again = wakebus(&nats.url(), &prefix, &["init"]).await;
     assert!(again.success(), "{}", again.stderr());

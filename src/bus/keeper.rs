@@ -250,9 +250,12 @@ impl Keeper {
     /// One check, and what follows from it.
     async fn round(&mut self) {
         if !crate::connect::is_connected(&self.bus.client) {
-            // An outage is not a consumer that cannot be checked: the
-            // count starts again once connected.
-            self.failing = None;
+            // An outage is not a consumer that cannot be checked: failures
+            // count from when the client is back (a warning given is
+            // remembered, for the line saying it is over).
+            if let Some((since, _)) = self.failing.as_mut() {
+                *since = Instant::now();
+            }
             return;
         }
         let found = match self.check().await {
