@@ -316,23 +316,30 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    // For an option the file does not set, an empty variable is still the
-    // value: an empty URL is an error, not the default server.
+    // An empty URL is an error, not the default server: without a config
+    // file, and with one that does not set the URL.
     let no_url = write(
         dir.path(),
         "no-url.conf",
         &format!("token-file = {}\n", token_file.display()),
     );
-    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
-        .env_clear()
-        .env("WAKEBUS_CONFIG", &no_url)
-        .env("NATS_URL", "")
-        .args(["cancel", "--session", "s1", "--connect-timeout", "0s"])
-        .output_within(WAIT)
-        .await;
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success());
-    assert!(stderr.contains("no NATS server URL given"), "{stderr}");
+    for config in [None, Some(&no_url)] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_wakebus"));
+        command.env_clear().env("NATS_URL", "");
+        if let Some(config) = config {
+            command.env("WAKEBUS_CONFIG", config);
+        }
+        let output = command
+            .args(["cancel", "--session", "s1", "--connect-timeout", "0s"])
+            .output_within(WAIT)
+            .await;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{config:?}");
+        assert!(
+            stderr.contains("no NATS server URL given"),
+            "{config:?}: {stderr}"
+        );
+    }
     let bad = write(dir.path(), "bad.conf", "nats-ur1 = x\n");
     let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
         .env_clear()
@@ -345,17 +352,6 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
         stderr.contains("line 1: unknown option \"nats-ur1\""),
         "{stderr}"
     );
-
-    // An empty URL is an error, not the default server.
-    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
-        .env_clear()
-        .env("NATS_URL", "")
-        .args(["cancel", "--session", "s1", "--connect-timeout", "0s"])
-        .output_within(WAIT)
-        .await;
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success());
-    assert!(stderr.contains("no NATS server URL given"), "{stderr}");
 
     // A missing secret file is a clear error naming the file.
     let output = init(&["--token-file", "/nonexistent/token"])
