@@ -1453,6 +1453,12 @@ async fn a_forced_replay_of_an_unfinished_batch_warns_and_posts_when_its_last_ta
         || async { !events(bus, ".0.done").await.is_empty() },
     )
     .await;
+    // The replay reads the wake's ledger, which the wake makes as it
+    // starts: a worker's completion can come first.
+    wait_until(Duration::from_secs(30), "the wake to start", || async {
+        std::fs::read_to_string(&wake.log).is_ok_and(|log| log.contains("Wake service started."))
+    })
+    .await;
     let forced = common::cli::wakebus(
         &rig.nats.url(),
         &rig.prefix,
