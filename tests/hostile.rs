@@ -735,6 +735,19 @@ async fn forged_and_inconsistent_completions_are_dead_lettered_once_and_real_wak
             with_origin(victim),
             completion("wrongtype", serde_json::json!({"task_index": "zero"})),
         ),
+        // Another kind of event on a completion subject.
+        (
+            "kind",
+            with_origin(victim),
+            completion("kind", serde_json::json!({"type": "delegation_started"})),
+        ),
+        // A later protocol version, which may mean something else by the
+        // same fields.
+        (
+            "later",
+            with_origin(victim),
+            completion("later", serde_json::json!({"version": 2})),
+        ),
         // A task index the delegation does not have.
         (
             "index",
@@ -822,6 +835,8 @@ async fn forged_and_inconsistent_completions_are_dead_lettered_once_and_real_wak
         "no Wakebus-Origin-Session header",
         "completion is not valid",
         "invalid type: string \"zero\"",
+        "type is \"delegation_started\", not \"async_delegation\"",
+        "version 2 is not supported",
         "task_index 2 is not below its task_count 2",
         "task_count 4294967295 is above the limit of 1000",
         "left out: too large to store again",

@@ -1,9 +1,62 @@
 //! Lifecycle event bodies, published on `<prefix>.evt.…`.
 
+use serde::de::{DeserializeOwned, Error as _};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
 use super::{PROTOCOL_VERSION, Role, TaskRequest, WakeMode};
+
+/// An event body's kind, as its `type` field names it.
+trait Kind {
+    /// The `type` every body of this kind carries.
+    const TYPE: &'static str;
+    /// The body's `type` and `version`.
+    fn type_and_version(&self) -> (&str, u32);
+}
+
+/// Decodes an event body, refusing one of another kind (its `type`) or of
+/// a version this release does not read: the schemas refuse both, and a
+/// body of a later version may mean something else in the same fields.
+fn decode_kind<T: Kind + DeserializeOwned>(body: &[u8]) -> Result<T, serde_json::Error> {
+    let unsupported = |found: u32| {
+        serde_json::Error::custom(format!(
+            "version {found} is not supported (this release reads version {PROTOCOL_VERSION})"
+        ))
+    };
+    let event: T = match serde_json::from_slice(body) {
+        Ok(event) => event,
+        // A later version's body may lack what this one needs: the reader
+        // is told the version, not that a field is missing.
+        Err(error) => return Err(super::request::later_version(body).map_or(error, unsupported)),
+    };
+    let (found, version) = event.type_and_version();
+    if found != T::TYPE {
+        return Err(serde_json::Error::custom(format!(
+            "type is {found:?}, not {:?}",
+            T::TYPE
+        )));
+    }
+    if version == 0 || version > PROTOCOL_VERSION {
+        return Err(unsupported(version));
+    }
+    Ok(event)
+}
+
+/// Implements [`Kind`] for a body type with `event_type` and `version`.
+macro_rules! kind {
+    ($body:ty, $type:literal) => {
+        impl Kind for $body {
+            const TYPE: &'static str = $type;
+            fn type_and_version(&self) -> (&str, u32) {
+                (&self.event_type, self.version)
+            }
+        }
+    };
+}
+kind!(SubmittedRecord, "delegation_submitted");
+kind!(StartedEvent, "delegation_started");
+kind!(ProgressEvent, "delegation_progress");
+kind!(CompletionEvent, "async_delegation");
 
 /// The last token of an event subject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,7 +170,7 @@ impl SubmittedRecord {
     /// The record of `request`, submitted to `pool`.
     pub fn for_request(request: &TaskRequest, pool: &str, traceparent: Option<String>) -> Self {
         Self {
-            event_type: "delegation_submitted".to_owned(),
+            event_type: <Self as Kind>::TYPE.to_owned(),
             version: PROTOCOL_VERSION,
             delegation_id: request.delegation_id.clone(),
             task_index: request.task_index,
@@ -135,9 +188,10 @@ impl SubmittedRecord {
         format!("{delegation_id}.{task_index}.submitted")
     }
 
-    /// Decodes a record body.
+    /// Decodes a record body, refusing one of another `type` or of a
+    /// version this release does not read.
     pub fn decode(body: &[u8]) -> Result<Self, serde_json::Error> {
-        serde_json::from_slice(body)
+        decode_kind(body)
     }
 }
 
@@ -169,7 +223,7 @@ impl StartedEvent {
     /// The event a worker publishes when it starts running `request`.
     pub fn for_request(request: &TaskRequest, worker: &str, attempt: u64) -> Self {
         Self {
-            event_type: "delegation_started".to_owned(),
+            event_type: <Self as Kind>::TYPE.to_owned(),
             version: PROTOCOL_VERSION,
             delegation_id: request.delegation_id.clone(),
             task_index: request.task_index,
@@ -178,6 +232,12 @@ impl StartedEvent {
             attempt,
             started_at: OffsetDateTime::now_utc(),
         }
+    }
+
+    /// Decodes a started event body, refusing one of another `type` or of
+    /// a version this release does not read.
+    pub fn decode(body: &[u8]) -> Result<Self, serde_json::Error> {
+        decode_kind(body)
     }
 }
 
@@ -209,7 +269,7 @@ impl ProgressEvent {
     /// A progress event for `request`.
     pub fn for_request(request: &TaskRequest, worker: &str, message: String) -> Self {
         Self {
-            event_type: "delegation_progress".to_owned(),
+            event_type: <Self as Kind>::TYPE.to_owned(),
             version: PROTOCOL_VERSION,
             delegation_id: request.delegation_id.clone(),
             task_index: request.task_index,
@@ -218,6 +278,12 @@ impl ProgressEvent {
             message,
             at: OffsetDateTime::now_utc(),
         }
+    }
+
+    /// Decodes a progress event body, refusing one of another `type` or of
+    /// a version this release does not read.
+    pub fn decode(body: &[u8]) -> Result<Self, serde_json::Error> {
+        decode_kind(body)
     }
 }
 
@@ -324,7 +390,7 @@ impl CompletionEvent {
     /// A completion for `request`, with everything but the outcome filled in.
     pub fn for_request(request: &TaskRequest, status: Status, exit_reason: &str) -> Self {
         Self {
-            event_type: "async_delegation".to_owned(),
+            event_type: <Self as Kind>::TYPE.to_owned(),
             version: PROTOCOL_VERSION,
             event_id: Self::id_for(&request.delegation_id, request.task_index),
             delegation_id: request.delegation_id.clone(),
@@ -353,9 +419,10 @@ impl CompletionEvent {
         }
     }
 
-    /// Decodes a completion body.
+    /// Decodes a completion body, refusing one of another `type` or of a
+    /// version this release does not read.
     pub fn decode(body: &[u8]) -> Result<Self, serde_json::Error> {
-        serde_json::from_slice(body)
+        decode_kind(body)
     }
 }
 

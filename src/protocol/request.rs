@@ -212,7 +212,7 @@ impl TaskRequest {
             // A later version's body may lack what this one needs: its
             // publisher is told the version, not that a field is missing.
             Err(error) => {
-                return Err(match later_version(text) {
+                return Err(match later_version(body) {
                     Some(found) => DecodeError::UnsupportedVersion { found },
                     None => error.into(),
                 });
@@ -272,12 +272,12 @@ impl TaskRequest {
 
 /// The `version` of a body this version of the protocol cannot read, if it
 /// is a later one.
-fn later_version(text: &str) -> Option<u32> {
+pub(super) fn later_version(body: &[u8]) -> Option<u32> {
     #[derive(Deserialize)]
     struct VersionOnly {
         version: Option<serde_json::Value>,
     }
-    let found = serde_json::from_str::<VersionOnly>(text)
+    let found = serde_json::from_slice::<VersionOnly>(body)
         .ok()?
         .version?
         .as_u64()?;

@@ -23,7 +23,11 @@ const STARTED: &str = "started-event";
 const PROGRESS: &str = "progress-event";
 const COMPLETION: &str = "completion-event";
 const SUBMITTED: &str = "submitted-record";
-const SCHEMAS: [&str; 5] = [REQUEST, STARTED, PROGRESS, COMPLETION, SUBMITTED];
+const CANCEL: &str = "cancel-record";
+const SCHEMAS: [&str; 6] = [REQUEST, STARTED, PROGRESS, COMPLETION, SUBMITTED, CANCEL];
+/// Schemas without a string pattern: every field is a date, a number or a
+/// flag.
+const WITHOUT_PATTERNS: [&str; 1] = [CANCEL];
 
 /// Completion fields the library leaves out when they are false or unknown;
 /// every other field is always written.
@@ -80,16 +84,20 @@ fn library_accepts(stem: &str, body: &Value) -> Result<(), String> {
         REQUEST => TaskRequest::decode(&bytes)
             .map(drop)
             .map_err(|e| e.to_string()),
-        STARTED => serde_json::from_slice::<StartedEvent>(&bytes)
+        STARTED => StartedEvent::decode(&bytes)
             .map(drop)
             .map_err(|e| e.to_string()),
-        PROGRESS => serde_json::from_slice::<ProgressEvent>(&bytes)
+        PROGRESS => ProgressEvent::decode(&bytes)
             .map(drop)
             .map_err(|e| e.to_string()),
         COMPLETION => CompletionEvent::decode(&bytes)
             .map(drop)
             .map_err(|e| e.to_string()),
         SUBMITTED => SubmittedRecord::decode(&bytes)
+            .map(drop)
+            .map_err(|e| e.to_string()),
+        // As workers read a stored record and a broadcast.
+        CANCEL => serde_json::from_slice::<CancelRecord>(&bytes)
             .map(drop)
             .map_err(|e| e.to_string()),
         other => panic!("no decoder for {other}"),
@@ -153,6 +161,10 @@ fn full_body(stem: &str) -> Value {
             "gpu",
             Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".to_owned()),
         )),
+        CANCEL => serde_json::to_value(CancelRecord {
+            at: datetime!(2025-05-14 09:50:59.812005 UTC),
+            silent: true,
+        }),
         other => panic!("no body for {other}"),
     };
     value.expect("library bodies serialize")
