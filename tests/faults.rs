@@ -1484,3 +1484,34 @@ async fn a_forced_replay_of_an_unfinished_batch_warns_and_posts_when_its_last_ta
     assert_eq!(api.accepted()[0].header("idempotency-key"), Some(key));
     assert_eq!(api.all_posts().len(), 1);
 }
+
+/// A server that stops answering without closing the connection (its host
+/// lost power, a partition) sends no FIN or RST: only the client's pings
+/// tell. A service's client notices within a few of them and connects
+/// again, inside the default AckWait (30 s), so that a worker keeps the
+/// tasks it runs; async-nats's own 60 s interval took about three minutes.
+#[tokio::test]
+async fn a_connection_that_goes_silent_is_given_up_and_made_again_within_the_ack_wait() {
+    use std::sync::atomic::Ordering::Relaxed;
+    init_logs();
+    let nats = NatsServer::start().await;
+    let proxy = common::proxy::Proxy::start(nats.port).await;
+    let client = wakebus::connect::NatsConfig::new(format!("nats://127.0.0.1:{}", proxy.port))
+        .connect()
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let stats = client.statistics();
+    let before = stats.connects.load(Relaxed);
+    proxy.silence();
+    wait_until(
+        Duration::from_secs(30),
+        "the client to give up the silent connection and connect again",
+        || async { stats.connects.load(Relaxed) > before },
+    )
+    .await;
+    tokio::time::timeout(Duration::from_secs(5), client.flush())
+        .await
+        .expect("a flush over the new connection is answered")
+        .unwrap();
+}

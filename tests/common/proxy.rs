@@ -19,6 +19,9 @@ pub struct Proxy {
     up: Arc<AtomicBool>,
     /// Bumped by each cut: the connections open at the time end.
     cuts: Arc<watch::Sender<u64>>,
+    /// Bumped by each silencing: the connections open at the time stay
+    /// open, but nothing more goes through them either way.
+    silences: Arc<watch::Sender<u64>>,
     /// The accept loop.
     task: tokio::task::JoinHandle<()>,
 }
@@ -36,33 +39,42 @@ impl Proxy {
         let port = listener.local_addr().expect("address").port();
         let up = Arc::new(AtomicBool::new(true));
         let cuts = Arc::new(watch::channel(0_u64).0);
+        let silences = Arc::new(watch::channel(0_u64).0);
         let task = tokio::spawn({
-            let (up, cuts) = (up.clone(), cuts.clone());
+            let (up, cuts, silences) = (up.clone(), cuts.clone(), silences.clone());
             async move {
                 while let Ok((mut inbound, _)) = listener.accept().await {
                     if !up.load(Ordering::SeqCst) {
                         continue;
                     }
                     let mut cut = cuts.subscribe();
+                    let mut silenced = silences.subscribe();
                     tokio::spawn(async move {
                         let Ok(mut outbound) = TcpStream::connect(("127.0.0.1", target)).await
                         else {
                             return;
                         };
-                        if delay.is_zero() {
-                            tokio::select! {
-                                _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                                _ = cut.changed() => {}
+                        let forwarding = async {
+                            if delay.is_zero() {
+                                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound)
+                                    .await;
+                                return;
                             }
-                            return;
-                        }
-                        let (from_client, to_client) = inbound.split();
-                        let (from_server, to_server) = outbound.split();
+                            let (from_client, to_client) = inbound.split();
+                            let (from_server, to_server) = outbound.split();
+                            tokio::select! {
+                                () = forward_late(from_client, to_server, delay) => {}
+                                () = forward_late(from_server, to_client, delay) => {}
+                            }
+                        };
                         tokio::select! {
-                            () = forward_late(from_client, to_server, delay) => {}
-                            () = forward_late(from_server, to_client, delay) => {}
-                            _ = cut.changed() => {}
+                            () = forwarding => return,
+                            _ = cut.changed() => return,
+                            _ = silenced.changed() => {}
                         }
+                        // Silent: both sockets stay open, unread, until a cut.
+                        let _ = cut.changed().await;
+                        drop((inbound, outbound));
                     });
                 }
             }
@@ -71,6 +83,7 @@ impl Proxy {
             port,
             up,
             cuts,
+            silences,
             task,
         }
     }
@@ -90,6 +103,14 @@ impl Proxy {
     pub fn cut(&self) {
         self.up.store(false, Ordering::SeqCst);
         self.cuts.send_modify(|cuts| *cuts += 1);
+    }
+
+    /// Makes every forwarded connection go silent without closing, as one
+    /// to a host that lost power does: nothing more goes through it either
+    /// way, and the client learns of it only by its own pings. New
+    /// connections are forwarded as before.
+    pub fn silence(&self) {
+        self.silences.send_modify(|silences| *silences += 1);
     }
 
     /// Forwards new connections again.
