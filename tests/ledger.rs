@@ -119,13 +119,29 @@ async fn a_wake_delivered_while_nats_is_down_is_recorded_by_a_write_made_after_i
 
 #[tokio::test]
 async fn a_session_stays_with_its_wake_and_keeps_its_lock_while_a_delivery_record_is_refused() {
+    session_kept_while_a_delivery_record_is_refused(false).await;
+}
+
+/// A lock refresh that fails while the record is retried (the lock bucket
+/// refuses writes for a moment) is tried again until it holds, rather than
+/// left to expire and give the session to another instance.
+#[tokio::test]
+async fn a_session_lock_refresh_that_fails_while_a_delivery_record_is_refused_is_tried_again() {
+    session_kept_while_a_delivery_record_is_refused(true).await;
+}
+
+/// One wake holds a session while its delivery record is refused for three
+/// AckWaits; with `lock_refused`, its lock bucket also refuses writes for
+/// longer than one refresh interval meanwhile.
+async fn session_kept_while_a_delivery_record_is_refused(lock_refused: bool) {
     init_logs();
     let nats = NatsServer::start().await;
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
-    // A lock TTL shorter than the refusal: only refreshes keep it.
+    // A lock TTL shorter than the refusal: only refreshes keep it. (Longer
+    // when a refresh is refused: room for the refusal and a retry after it.)
     let settings = BusSettings {
-        session_lock_ttl: Duration::from_secs(4),
+        session_lock_ttl: Duration::from_secs(if lock_refused { 6 } else { 4 }),
         ..Default::default()
     };
     let config = test_wake_config(&api.url());
@@ -161,6 +177,20 @@ async fn a_session_stays_with_its_wake_and_keeps_its_lock_while_a_delivery_recor
     .await;
     assert_eq!(api.accepted().len(), 1);
 
+    if lock_refused {
+        // Longer than a refresh interval (a third of the TTL), so that one
+        // refresh at least is refused, and short enough for a retry a
+        // second apart to hold the lock again before it expires (the
+        // scenario's length, not a condition).
+        let name = wakebus::protocol::Subjects::bucket_stream(&bus.subjects.session_lock_bucket());
+        let mut stream = bus.js.get_stream(&name).await.unwrap();
+        let config = stream.info().await.unwrap().config.clone();
+        let mut refusing = config.clone();
+        refusing.max_message_size = 16;
+        bus.js.update_stream(&refusing).await.unwrap();
+        tokio::time::sleep(settings.session_lock_ttl / 3 + Duration::from_millis(500)).await;
+        bus.js.update_stream(&config).await.unwrap();
+    }
     // The refusal (its length is the scenario) lasts three AckWaits.
     tokio::time::sleep(3 * ack_wait).await;
     let info = wake_consumer_info(&bus).await.unwrap();

@@ -371,8 +371,11 @@ impl Router {
 
     /// Waits until `until` keeping the session: what `hold` has and the
     /// messages of `in_hand` stay alive, and the lock is refreshed when due.
-    /// A refresh that fails leaves the lock lost, and the next post tries
-    /// it first. Returns false if the service is shutting down.
+    /// A refresh that fails leaves the lock lost and is tried again every
+    /// second (a NATS hiccup passes, and the lock is held again before it
+    /// expires; one another instance took meanwhile stays lost, and the
+    /// next post takes the session again first). Returns false if the
+    /// service is shutting down.
     async fn keep_session(
         &self,
         posting: &mut Posting<'_>,
@@ -381,16 +384,27 @@ impl Router {
         in_hand: &[&[Turn]],
     ) -> bool {
         loop {
-            let lock_due = (!posting.guard.is_lost()).then_some(*posting.refresh_at);
-            let next = lock_due.map_or(until, |due| due.min(until));
-            if !hold.wait(next, in_hand, &self.shutdown).await {
+            let lock_due = if posting.guard.is_lost() {
+                Instant::now() + LOCK_RETRY
+            } else {
+                *posting.refresh_at
+            };
+            if !hold
+                .wait(lock_due.min(until), in_hand, &self.shutdown)
+                .await
+            {
                 return false;
             }
             if Instant::now() >= until {
                 return true;
             }
-            if let Err(error) = posting.refresh_lock_if_due(&self.shared.locks).await {
-                warn!(%error, "Could not refresh the session lock; the next post takes it again first.");
+            let was_lost = posting.guard.is_lost();
+            match posting.refresh_lock_if_due(&self.shared.locks).await {
+                Err(error) if !was_lost => {
+                    warn!(%error, "Could not refresh the session lock; trying again every second. If it expires meanwhile, another instance may take the session.");
+                }
+                Ok(()) if was_lost => info!("Session lock held again."),
+                _ => {}
             }
         }
     }
