@@ -151,7 +151,7 @@ impl Bus {
                     ..Default::default()
                 },
                 settings.history_change,
-                settings.require_update,
+                settings,
             )
             .await?;
         let cancels = self.ensure_cancels(settings).await?;
@@ -213,7 +213,7 @@ impl Bus {
             },
             Direct::AnyReplica,
             settings.history_change,
-            settings.require_update,
+            settings,
         )
         .await
     }
@@ -233,13 +233,13 @@ impl Bus {
         self.ensure_stream(
             self.tasks_config(settings).await?,
             AgeChange::Keep,
-            settings.require_update,
+            settings,
         )
         .await?;
         self.ensure_stream(
             self.dead_letters_config(settings).await?,
             AgeChange::Keep,
-            settings.require_update,
+            settings,
         )
         .await?;
         Ok(())
@@ -264,7 +264,7 @@ impl Bus {
                 },
                 Direct::LeaderOnly,
                 settings.history_change,
-                settings.require_update,
+                settings,
             )
             .await?;
         let session_locks = self
@@ -283,7 +283,7 @@ impl Bus {
                 },
                 Direct::LeaderOnly,
                 settings.session_lock_ttl_change,
-                settings.require_update,
+                settings,
             )
             .await?;
         Ok(WakeState {
@@ -304,20 +304,23 @@ impl Bus {
     /// operator has run `wakebus init`. A create that another creator beat
     /// (a service starting beside `init`) reads the stream it made and
     /// goes on as for an existing one, so that this one's settings (an
-    /// `init --history 30d`, say) are applied, or their refusal reported.
+    /// `init --history 30d`, say) are applied, or their refusal reported;
+    /// but for its replicas, unless given (`settings.replicas`): a service
+    /// that lost the race to `init --replicas 3` must not scale the stream
+    /// down to the count it guessed.
     async fn ensure_stream(
         &self,
         config: stream::Config,
         age_change: AgeChange,
-        require_update: bool,
+        settings: &BusSettings,
     ) -> Result<stream::Stream, ProvisionError> {
         match self
-            .ensure_stream_once(config.clone(), age_change, require_update)
+            .ensure_stream_once(config.clone(), age_change, settings)
             .await?
         {
             Some(stream) => Ok(stream),
             None => match self
-                .ensure_stream_once(config.clone(), age_change, require_update)
+                .ensure_stream_once(config.clone(), age_change, settings)
                 .await?
             {
                 Some(stream) => Ok(stream),
@@ -338,8 +341,9 @@ impl Bus {
         &self,
         mut config: stream::Config,
         age_change: AgeChange,
-        require_update: bool,
+        settings: &BusSettings,
     ) -> Result<Option<stream::Stream>, ProvisionError> {
+        let require_update = settings.require_update;
         let name = config.name.clone();
         // The server refuses a window longer than the max age; the window
         // asked for is kept to clamp it again to the age the stream keeps.
@@ -347,7 +351,13 @@ impl Bus {
         if !config.max_age.is_zero() {
             config.duplicate_window = window.min(config.max_age);
         }
-        match self.js.get_stream(&name).await {
+        let existing = self.js.get_stream(&name).await;
+        if let (Ok(existing), None) = (&existing, settings.replicas) {
+            // The replicas it has, as `replicas_for` would have found had
+            // the stream existed then.
+            config.num_replicas = existing.cached_info().config.num_replicas;
+        }
+        match existing {
             Ok(existing) if stream_matches(&existing.cached_info().config, &config) => {
                 return Ok(Some(existing));
             }
@@ -390,6 +400,7 @@ impl Bus {
                 let unusable = current.retention != config.retention;
                 let asked_age = config.max_age;
                 let reset = hand_edits_reset(current, &config);
+                let replicas = (current.num_replicas.max(1), config.num_replicas.max(1));
                 let update = managed_update(current, config);
                 // `init` tries a passing failure (a leader election) a few
                 // times before it reports it; a service goes on either way.
@@ -415,6 +426,15 @@ impl Bus {
                 }
                 if !reset.is_empty() {
                     warn!(stream = %name, settings = ?reset, "Stream settings that wakebus manages differed from its own and were set back (a change made by hand is undone at every start).");
+                }
+                match replicas {
+                    (was, now) if now < was => {
+                        warn!(stream = %name, was, now, "Stream replicas lowered (--replicas): it now survives the loss of fewer nodes.");
+                    }
+                    (was, now) if now > was => {
+                        info!(stream = %name, was, now, "Stream replicas raised (--replicas).");
+                    }
+                    _ => {}
                 }
                 if shortens(kept, asked_age) {
                     warn!(stream = %name, was = ?kept, now = ?asked_age, "Stream max age shortened: what was older is deleted.");
@@ -473,7 +493,7 @@ impl Bus {
         config: kv::Config,
         direct: Direct,
         age_change: AgeChange,
-        require_update: bool,
+        settings: &BusSettings,
     ) -> Result<kv::Store, ProvisionError> {
         let name = config.bucket.clone();
         self.ensure_stream(
@@ -493,7 +513,7 @@ impl Bus {
                 ..Default::default()
             },
             age_change,
-            require_update,
+            settings,
         )
         .await?;
         self.js
