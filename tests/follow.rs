@@ -389,6 +389,55 @@ async fn events_follow_until_a_time_ends_after_it_with_nothing_arriving() {
     assert!(status.success(), "{status:?}");
 }
 
+/// `events --follow --until T` whose stream is deleted (and not made
+/// again) ends once T has passed, as it does with the stream there.
+#[tokio::test]
+async fn events_follow_until_a_time_ends_after_it_while_its_stream_is_gone() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let until = time::OffsetDateTime::now_utc() + time::Duration::seconds(2);
+    let until = until
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .args(common::cli::tool_args(
+            &nats.url(),
+            &prefix,
+            &["events", "--follow", "--until", &until],
+        ))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    wait_until(WAIT, "the follow to open its read", || async {
+        consumers_on_events(&bus).await == 1
+    })
+    .await;
+    bus.js
+        .delete_stream(bus.subjects.events_stream())
+        .await
+        .expect("delete");
+    tokio::time::timeout(WAIT, async {
+        while let Some(line) = stderr.next_line().await.unwrap() {
+            if line.contains("no longer exists") {
+                return;
+            }
+        }
+        panic!("the follow ended before it saw its stream gone");
+    })
+    .await
+    .expect("the follow to see its stream gone");
+    let status = tokio::time::timeout(WAIT, child.wait())
+        .await
+        .expect("the follow to end after --until while its stream is gone")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+}
+
 /// `events --follow --to-seq N` ends once the stream has passed N with
 /// nothing left to show before it, even when no message it shows is ever
 /// stored at or after N.

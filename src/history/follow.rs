@@ -42,6 +42,17 @@ enum Lookup {
 }
 
 impl HistoryReader {
+    /// Whether the follow's `--until` (plus its margin) has passed, or the
+    /// stream as last seen had passed its `--to-seq`.
+    fn bound_passed(&self) -> bool {
+        self.selection
+            .until
+            .is_some_and(|until| time::OffsetDateTime::now_utc() > until + super::UNTIL_MARGIN)
+            || self
+                .end
+                .is_some_and(|end| self.handle.cached_info().state.last_sequence >= end)
+    }
+
     /// Between messages of a follow: a stream created again is read from
     /// the selection's start. A missing one is said once and waited for
     /// without reading the old consumer further: the client would recreate
@@ -109,8 +120,17 @@ impl HistoryReader {
             self.reopen_delay = Some(delay);
             match self.refresh_stream().await {
                 Ok(Lookup::Same | Lookup::New) => {}
-                // Said once by `refresh_stream`; looked for again quietly.
-                Ok(Lookup::Gone) => continue,
+                // Said once by `refresh_stream`; looked for again quietly,
+                // unless the follow's end has passed: a follow bounded by
+                // `--until` or `--to-seq` ends as it would with the stream
+                // there (a stream made again holds only later messages).
+                Ok(Lookup::Gone) => {
+                    if self.bound_passed() {
+                        self.finished = true;
+                        return;
+                    }
+                    continue;
+                }
                 Err(error) => {
                     warn!(stream = %self.stream, %error, retry_in = ?delay, "Cannot follow again yet; will retry.");
                     continue;

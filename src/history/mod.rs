@@ -42,8 +42,10 @@ use crate::protocol::{
 };
 
 /// The most messages a read's pull asks for at a time: a bound on what it
-/// holds (about one and a half times this many messages), whatever their
-/// size, that still reads a long history in few round trips.
+/// holds (about one and a half times this many messages) that still reads
+/// a long history in few round trips. It is a count, not bytes (the
+/// client's ordered pulls take no byte limit): about 100 MB of dead letters
+/// at the default 1 MB max payload, eight times that at 8 MB.
 const READ_BATCH: i64 = 64;
 
 /// How long a bounded read waits for the next message it knows is pending
