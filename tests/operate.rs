@@ -2307,6 +2307,59 @@ async fn a_stored_delegation_whose_wait_times_out_exits_4() {
     assert_eq!(queued.len(), 1, "the request was stored");
 }
 
+/// A batch whose wait times out says how many of its completions came, and
+/// how to follow the rest, rather than "no completion".
+#[tokio::test]
+async fn a_batch_whose_wait_times_out_says_how_many_completions_came() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    bus.provision(&Default::default()).await.unwrap();
+    // The first task's completion is in the history already; nobody runs
+    // the second.
+    let id = "01JV3S2D6F8H0K2M4P6R8T0W2Y";
+    let request = wakebus::protocol::TaskRequest::decode(
+        format!(r#"{{"version":1,"delegation_id":"{id}","goal":"a","task_count":2}}"#).as_bytes(),
+    )
+    .unwrap();
+    let done =
+        wakebus::protocol::CompletionEvent::for_request(&request, Status::Completed, "completed");
+    bus.js
+        .publish(
+            bus.subjects.event("sync", id, 0, EventKind::Done),
+            serde_json::to_vec(&done).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let run = wakebus(
+        &nats.url(),
+        &prefix,
+        &[
+            "delegate",
+            "--delegation-id",
+            id,
+            "--task",
+            "a",
+            "--task",
+            "b",
+            "--wait-timeout",
+            "2s",
+        ],
+    )
+    .await;
+    assert_eq!(run.code(), Some(4), "{}", run.stderr());
+    assert!(
+        run.stderr().contains(&format!(
+            "1 of 2 completions of delegation {id} arrived within 2s; its tasks may still run (follow them with `wakebus events --delegation {id} --kind done --follow`"
+        )),
+        "{}",
+        run.stderr()
+    );
+}
+
 /// A sync delegation whose requests were stored but whose wait then failed
 /// (here: the user may not create the consumer it waits with) must say the
 /// delegation was stored and name it: a caller that delegates again on an

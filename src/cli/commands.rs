@@ -115,7 +115,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Err(
                     error @ (DelegateError::NotStored { .. }
                     | DelegateError::Wait { .. }
-                    | DelegateError::WaitTimeout(..)),
+                    | DelegateError::WaitTimeout { .. }),
                 ) => {
                     eprintln!("error: {error}");
                     return Ok(ExitCode::from(STORED));

@@ -282,9 +282,21 @@ pub enum DelegateError {
         /// Why the wait failed.
         reason: String,
     },
-    /// Not every completion arrived within the wait timeout.
-    #[error("no completion within {0:?}; the task may still run (delegation {1})")]
-    WaitTimeout(Duration, String),
+    /// Not every completion arrived within the wait timeout: the
+    /// delegation was stored, and its tasks may still run.
+    #[error(
+        "{received} of {tasks} completions of delegation {delegation_id} arrived within {limit:?}; its tasks may still run (follow them with `wakebus events --delegation {delegation_id} --kind done --follow`; do not delegate it again)"
+    )]
+    WaitTimeout {
+        /// The stored delegation.
+        delegation_id: String,
+        /// The wait timeout.
+        limit: Duration,
+        /// How many of its completions arrived.
+        received: usize,
+        /// How many tasks it has.
+        tasks: usize,
+    },
 }
 
 /// Submits delegations to one deployment.

@@ -22,6 +22,8 @@ impl Delegator {
             self.bus.subjects.prefix(),
             first.delegation_id
         );
+        // Outside the wait, so that a timeout can say how many arrived.
+        let mut done = BTreeMap::new();
         let wait = async {
             let failed = |e: &dyn std::fmt::Display| DelegateError::Wait {
                 delegation_id: first.delegation_id.clone(),
@@ -50,7 +52,6 @@ impl Delegator {
                 .await
                 .map_err(|e| failed(&e))?;
             let mut messages = consumer.messages().await.map_err(|e| failed(&e))?;
-            let mut done = BTreeMap::new();
             while done.len() < tasks {
                 match messages.next().await {
                     // Garbage on the subject (anyone may publish there)
@@ -72,13 +73,21 @@ impl Delegator {
                     None => return Err(failed(&"the event stream ended")),
                 }
             }
-            Ok(done.into_values().collect())
+            Ok(())
         };
-        match self.wait_timeout {
-            Some(limit) => tokio::time::timeout(limit, wait)
-                .await
-                .map_err(|_| DelegateError::WaitTimeout(limit, first.delegation_id.clone()))?,
-            None => wait.await,
+        let waited = match self.wait_timeout {
+            Some(limit) => tokio::time::timeout(limit, wait).await.map_err(|_| limit),
+            None => Ok(wait.await),
+        };
+        match waited {
+            Ok(Ok(())) => Ok(done.into_values().collect()),
+            Ok(Err(error)) => Err(error),
+            Err(limit) => Err(DelegateError::WaitTimeout {
+                delegation_id: first.delegation_id.clone(),
+                limit,
+                received: done.len(),
+                tasks,
+            }),
         }
     }
 }
