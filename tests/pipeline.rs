@@ -681,6 +681,99 @@ async fn dev_demo_starts_a_server_of_its_own_when_none_answers_and_stops_it_quie
     );
 }
 
+/// `wakebus dev` starting a nats-server of its own, as a terminal's
+/// foreground job, once its worker and wake service have started; and the
+/// server's pid.
+async fn dev_with_a_server_of_its_own(
+    logs: &tempfile::TempDir,
+    data: &tempfile::TempDir,
+) -> (common::process::Service, u32) {
+    let port = common::nats::free_port();
+    let mut args = common::process::base_args(&format!("nats://127.0.0.1:{port}"), "wakebus");
+    for arg in [
+        "dev",
+        "--session-addr",
+        "127.0.0.1:0",
+        "--nats-server",
+        common::nats::server_binary().to_str().unwrap(),
+        "--nats-conf",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/nats.conf"),
+        "--data-dir",
+        data.path().to_str().unwrap(),
+    ] {
+        args.push(arg.to_owned());
+    }
+    let dev = common::process::Service::spawn_as_terminal_job(args, logs.path().join("dev.log"));
+    wait_until(WAIT, "the worker and the wake service to start", || async {
+        std::fs::read_to_string(&dev.log).is_ok_and(|log| {
+            log.contains("Worker started.") && log.contains("Wake service started.")
+        })
+    })
+    .await;
+    let children = dev.children();
+    assert_eq!(
+        children.len(),
+        1,
+        "dev started one nats-server: {children:?}"
+    );
+    (dev, children[0])
+}
+
+/// Whether a process with this pid exists (a zombie counts: not reaped).
+fn process_exists(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+#[tokio::test]
+async fn ctrl_c_stops_devs_services_before_the_nats_server_it_started() {
+    init_logs();
+    let (logs, data) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (mut dev, server) = dev_with_a_server_of_its_own(&logs, &data).await;
+    // A terminal sends Ctrl-C to every process of its foreground job.
+    dev.signal_group(nix::sys::signal::Signal::SIGINT);
+    let status = dev.wait_exit(WAIT, "after Ctrl-C").await;
+    let log = std::fs::read_to_string(&dev.log).unwrap();
+    assert!(status.success(), "exit {status}\n{log}");
+    // (2.9 does not log the signals it traps; 2.15 does.)
+    assert!(
+        !log.contains("Trapped \"interrupt\" signal"),
+        "the Ctrl-C reached the server:\n{log}"
+    );
+    let (Some(wake_stopped), Some(worker_stopped), Some(server_stopped)) = (
+        log.find("Wake service stopped."),
+        log.find("Worker stopped."),
+        log.find("Server Exiting.."),
+    ) else {
+        panic!("a service or the server did not stop gracefully:\n{log}");
+    };
+    assert!(
+        wake_stopped < server_stopped && worker_stopped < server_stopped,
+        "the server stopped before the services:\n{log}"
+    );
+    assert!(!log.contains("Disconnected from NATS"), "{log}");
+    assert!(!process_exists(server), "its server still runs");
+}
+
+#[tokio::test]
+async fn dev_stops_with_an_error_when_the_nats_server_it_started_dies() {
+    init_logs();
+    let (logs, data) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (mut dev, server) = dev_with_a_server_of_its_own(&logs, &data).await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(server as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let status = dev.wait_exit(WAIT, "after its server died").await;
+    let log = std::fs::read_to_string(&dev.log).unwrap();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.contains("error: the nats-server that dev mode started exited (signal: 9"),
+        "{log}"
+    );
+    assert!(!process_exists(server), "its server was not reaped");
+}
+
 /// The kinds of `delegation_id`'s stored events, in stream order, with the
 /// messages.
 async fn history_of(

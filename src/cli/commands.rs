@@ -42,8 +42,9 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     session_addr: args.session_addr,
                     demo: args.demo,
                 },
-                // Not service_shutdown(): its handlers would catch the Ctrl-C
-                // that a --demo run, which never awaits this, must die of.
+                // Not service_shutdown(): a second Ctrl-C exits at once, and
+                // the nats-server dev started, in a process group of its
+                // own, would be left running. Dev mode bounds its own stop.
                 super::shutdown_signal(),
             )
             .await?;

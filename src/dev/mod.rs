@@ -4,6 +4,12 @@
 //! local `nats-server` with the repository's `nats.conf`; then runs a worker
 //! (echo executor), the wake service and a small built-in session endpoint
 //! that prints every continuation turn it receives.
+//!
+//! A server it starts runs in a process group of its own, so the Ctrl-C a
+//! terminal sends to its foreground job reaches only `wakebus dev`, which
+//! stops its services first and the server last. If the server or a
+//! service ends by itself, dev mode stops with an error instead of going
+//! on half alive.
 
 mod session_sink;
 
@@ -11,7 +17,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
 use tokio::process::{Child, Command};
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -78,9 +87,15 @@ pub enum DevError {
     /// A demo delegation failed.
     #[error("demo delegation failed: {0}")]
     Delegate(#[from] DelegateError),
-    /// A service failed.
+    /// A service failed, or ended by itself.
     #[error("a service failed: {0}")]
     Service(String),
+    /// The `nats-server` dev mode started exited while it ran.
+    #[error("the nats-server that dev mode started exited ({0}); see its output above")]
+    ServerExited(String),
+    /// The demo was stopped (Ctrl-C) before its wakes arrived.
+    #[error("the demo was stopped before its wakes arrived")]
+    DemoInterrupted,
     /// The demo's wakes did not all arrive in time.
     #[error("only {received} of {expected} demo wakes arrived within {timeout:?}")]
     DemoIncomplete {
@@ -93,7 +108,14 @@ pub enum DevError {
     },
 }
 
-/// Runs dev mode until `shutdown` (or, with `demo`, until the demo is done).
+/// How long the services get to stop before the server is stopped anyway.
+const SERVICES_STOP_GRACE: Duration = Duration::from_secs(20);
+
+/// How long a started server gets to exit after SIGTERM before it is killed.
+const SERVER_STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// Runs dev mode until `shutdown` (or, with `demo`, until the demo is done),
+/// or until the server it started or one of its services ends by itself.
 pub async fn run(
     config: DevConfig,
     shutdown: impl std::future::Future<Output = ()>,
@@ -117,7 +139,8 @@ pub async fn run(
     let settings = BusSettings::default();
     bus.provision(&settings).await?;
     let stop = CancellationToken::new();
-    let worker = tokio::spawn(worker::run(
+    let mut services = JoinSet::new();
+    let worker = worker::run(
         bus.clone(),
         settings.clone(),
         Executor::Echo(EchoExecutor),
@@ -128,8 +151,9 @@ pub async fn run(
         },
         WorkerConfig::new("default"),
         stop.clone().cancelled_owned(),
-    ));
-    let wake = tokio::spawn(wake::run(
+    );
+    services.spawn(async move { ("worker", worker.await.map_err(|e| e.to_string())) });
+    let wake = wake::run(
         bus.clone(),
         settings,
         WakeConfig::new(SessionApiConfig {
@@ -139,26 +163,83 @@ pub async fn run(
             request_timeout: Duration::from_secs(10),
         }),
         stop.clone().cancelled_owned(),
-    ));
+    );
+    services.spawn(async move { ("wake service", wake.await.map_err(|e| e.to_string())) });
 
-    let outcome = if config.demo {
-        demo(&bus, &sink).await
-    } else {
-        shutdown.await;
-        Ok(())
+    let until_stopped = async {
+        if config.demo {
+            tokio::select! {
+                outcome = demo(&bus, &sink) => outcome,
+                () = shutdown => Err(DevError::DemoInterrupted),
+            }
+        } else {
+            shutdown.await;
+            Ok(())
+        }
+    };
+    let mut outcome = tokio::select! {
+        outcome = until_stopped => outcome,
+        Some(joined) = services.join_next() => Err(DevError::Service(match joined {
+            Ok((name, Ok(()))) => format!("the {name} stopped by itself"),
+            Ok((name, Err(error))) => format!("the {name} failed: {error}"),
+            Err(error) => error.to_string(),
+        })),
+        status = exited(server.as_mut()) => Err(DevError::ServerExited(status)),
     };
     stop.cancel();
-    let worker_result = worker.await.map_err(|e| DevError::Service(e.to_string()))?;
-    let wake_result = wake.await.map_err(|e| DevError::Service(e.to_string()))?;
+    let stopped = tokio::time::timeout(SERVICES_STOP_GRACE, async {
+        while let Some(joined) = services.join_next().await {
+            let failure = match joined {
+                Ok((_, Ok(()))) => continue,
+                Ok((name, Err(error))) => format!("the {name} failed: {error}"),
+                Err(error) => error.to_string(),
+            };
+            if outcome.is_ok() {
+                outcome = Err(DevError::Service(failure));
+            }
+        }
+    })
+    .await;
+    if stopped.is_err() {
+        warn!(grace = ?SERVICES_STOP_GRACE, "The services did not stop in time; stopping them now.");
+        services.shutdown().await;
+    }
     // Closed before the server is stopped, which it would otherwise
     // report as a lost connection.
     let _ = crate::connect::close(&bus.client).await;
     if let Some(child) = server.as_mut() {
-        let _ = child.kill().await;
+        stop_server(child).await;
     }
-    worker_result.map_err(|e| DevError::Service(e.to_string()))?;
-    wake_result.map_err(|e| DevError::Service(e.to_string()))?;
     outcome
+}
+
+/// Completes when the started server exits, with its exit status; never
+/// when there is none.
+async fn exited(server: Option<&mut Child>) -> String {
+    match server {
+        Some(child) => match child.wait().await {
+            Ok(status) => status.to_string(),
+            Err(error) => error.to_string(),
+        },
+        None => std::future::pending().await,
+    }
+}
+
+/// Stops a started server as its own Ctrl-C would (SIGTERM: it closes its
+/// store cleanly), and kills it if it has not exited in time.
+async fn stop_server(child: &mut Child) {
+    let Some(pid) = child.id().and_then(|id| i32::try_from(id).ok()) else {
+        return; // Already exited and reaped.
+    };
+    if kill(Pid::from_raw(pid), Signal::SIGTERM).is_ok()
+        && tokio::time::timeout(SERVER_STOP_GRACE, child.wait())
+            .await
+            .is_ok()
+    {
+        return;
+    }
+    warn!(grace = ?SERVER_STOP_GRACE, "nats-server did not stop on SIGTERM in time; killing it.");
+    let _ = child.kill().await;
 }
 
 async fn connect_or_start(
@@ -189,6 +270,9 @@ async fn connect_or_start(
     let mut child = command
         .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
         .arg(&config.data_dir)
+        // Out of the terminal's foreground job: a Ctrl-C would stop the
+        // server under the services still using it.
+        .process_group(0)
         .kill_on_drop(true)
         .spawn()
         .map_err(|source| DevError::StartServer {

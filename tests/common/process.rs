@@ -17,6 +17,9 @@ pub struct Service {
     env: Vec<(String, String)>,
     /// What SIGHUP is at the start: `env`'s option setting it.
     hangup: &'static str,
+    /// Started in a process group of its own, as a shell starts a job, so
+    /// that a signal can go to the whole group as a terminal's Ctrl-C does.
+    own_group: bool,
     child: Option<Child>,
 }
 
@@ -35,6 +38,22 @@ impl Service {
             // As a terminal's shell starts it, whatever this test run
             // inherited (a run under `nohup` ignores SIGHUP).
             hangup: "--default-signal=HUP",
+            own_group: false,
+            child: None,
+        };
+        service.start();
+        service
+    }
+
+    /// Starts `wakebus <args>` in a process group of its own, as an
+    /// interactive shell starts a foreground job: see [`Self::signal_group`].
+    pub fn spawn_as_terminal_job(args: Vec<String>, log: PathBuf) -> Self {
+        let mut service = Self {
+            args,
+            log,
+            env: Vec::new(),
+            hangup: "--default-signal=HUP",
+            own_group: true,
             child: None,
         };
         service.start();
@@ -48,6 +67,7 @@ impl Service {
             log,
             env: Vec::new(),
             hangup: "--ignore-signal=HUP",
+            own_group: false,
             child: None,
         };
         service.start();
@@ -62,7 +82,11 @@ impl Service {
             .expect("log file");
         // GNU env sets the signal's disposition, then runs wakebus in its
         // place (the same process).
-        let child = Command::new("env")
+        let mut command = Command::new("env");
+        if self.own_group {
+            std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        }
+        let child = command
             .arg(self.hangup)
             .arg(env!("CARGO_BIN_EXE_wakebus"))
             .args(&self.args)
@@ -99,6 +123,31 @@ impl Service {
     /// Sends `signal` (SIGSTOP and SIGCONT freeze and thaw it).
     pub fn signal(&self, signal: Signal) {
         kill(Pid::from_raw(self.pid() as i32), signal).expect("signal wakebus");
+    }
+
+    /// Sends `signal` to its whole process group, as a terminal sends Ctrl-C
+    /// to every process of its foreground job (started with
+    /// [`Self::spawn_as_terminal_job`]).
+    pub fn signal_group(&self, signal: Signal) {
+        assert!(self.own_group, "not started in a process group of its own");
+        nix::sys::signal::killpg(Pid::from_raw(self.pid() as i32), signal)
+            .expect("signal the process group");
+    }
+
+    /// The processes it started (its children), by pid.
+    pub fn children(&self) -> Vec<u32> {
+        let tasks = format!("/proc/{}/task", self.pid());
+        std::fs::read_dir(tasks)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+            .flat_map(|pids| {
+                pids.split_whitespace()
+                    .filter_map(|pid| pid.parse().ok())
+                    .collect::<Vec<u32>>()
+            })
+            .collect()
     }
 
     /// Sends `signal` and waits up to `timeout` for the exit status.
