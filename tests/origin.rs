@@ -306,6 +306,7 @@ async fn replay_as_operator(
         selection,
         force,
         include_cancelled: false,
+        include_sync: false,
         dry_run: false,
     };
     let replayer = Replayer::new(server.bus("operator").await, plan)

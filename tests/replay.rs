@@ -854,8 +854,29 @@ async fn a_task_dead_lettered_twice_is_requeued_once() {
     assert_eq!(items[0]["action"], "replayed", "{lines:#?}");
     assert_eq!(items[0]["new_delegation_id"], format!("{id}-rt0"));
     assert_eq!(items[1]["action"], "skipped", "{lines:#?}");
-    let reason = items[1]["reason"].as_str().unwrap();
+    assert_eq!(
+        items[1]["reason"],
+        "another dead letter of this task was already handled in this run"
+    );
+    // A later run finds the re-queue in the history, for each of them.
+    let again = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
+        .await
+        .ok_json();
+    let reason = again[0]["reason"].as_str().unwrap();
     assert!(reason.contains(&format!("{id}-rt0")), "{reason}");
+    // Forced, the task is re-queued once more: once, not once for each
+    // of its dead letters.
+    let forced = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--force"])
+        .await
+        .ok_json();
+    let actions: Vec<_> = forced.iter().filter_map(|l| l.get("action")).collect();
+    assert_eq!(actions, ["replayed", "skipped"], "{forced:#?}");
+    let requests = all_messages(&bus, &bus.subjects.tasks_stream()).await;
+    assert_eq!(
+        requests.len(),
+        2,
+        "the re-queue and the forced one, nothing more (no worker runs them)"
+    );
 
     // Another task, re-queued and run by an earlier release under
     // `<id>-r<dead-letter sequence>` (its completion is what says so).
@@ -891,6 +912,43 @@ async fn a_task_dead_lettered_twice_is_requeued_once() {
     assert_eq!(lines[0]["action"], "skipped", "{lines:#?}");
     let reason = lines[0]["reason"].as_str().unwrap();
     assert!(reason.contains(&legacy), "{reason}");
+}
+
+/// A sync-mode task's dead letter is re-queued only when asked: its caller
+/// had the failure as its result, and a re-run's would reach nobody.
+#[tokio::test]
+async fn a_sync_tasks_dead_letter_is_requeued_only_with_include_sync() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "dlq.task.1");
+    bus.js
+        .publish_with_headers(
+            bus.subjects.dead_letter_task("default"),
+            headers,
+            r#"{"version":1,"delegation_id":"sync1","goal":"nobody waits"}"#.into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let skipped = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
+        .await
+        .ok_json();
+    assert_eq!(skipped[0]["action"], "skipped", "{skipped:#?}");
+    let reason = skipped[0]["reason"].as_str().unwrap();
+    assert!(reason.starts_with("sync mode: "), "{reason}");
+    let asked = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "tasks", "--dry-run", "--include-sync"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(asked[0]["action"], "would_replay", "{asked:#?}");
+    assert_eq!(asked[0]["new_delegation_id"], "sync1-rt0");
 }
 
 #[tokio::test]
@@ -1421,6 +1479,46 @@ async fn replay_copy_republishes_history_under_another_prefix_with_headers_and_a
     .await;
     assert_eq!(under.code(), Some(1));
     assert!(under.stderr().contains("own prefix"), "{}", under.stderr());
+    // Nor under a prefix nested in it, whose copies its task queue stores.
+    let nested = format!("{prefix}.task");
+    let nested = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "copy", "--to-prefix", &nested],
+    )
+    .await;
+    assert_eq!(nested.code(), Some(1));
+    assert!(
+        nested.stderr().contains("own prefix"),
+        "{}",
+        nested.stderr()
+    );
+    // Copied again within the target's duplicate window, every copy is
+    // dropped there as a duplicate, and said to be.
+    let args = [
+        "replay",
+        "copy",
+        "--to-prefix",
+        target.subjects.prefix(),
+        "--session",
+        "s.copy *>",
+    ];
+    let again = wakebus(&nats.url(), &prefix, &args).await.ok_json();
+    let summary = &again.last().unwrap()["summary"];
+    assert_eq!(summary["replayed"], 0, "{again:#?}");
+    assert_eq!(summary["skipped"], 2, "{again:#?}");
+    let reason = again[0]["reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with("not stored: ")
+            && reason.contains("already holds a message with its Nats-Msg-Id"),
+        "{reason}"
+    );
+    assert_eq!(
+        all_messages(&target, &target.subjects.events_stream())
+            .await
+            .len(),
+        2
+    );
     let nowhere = wakebus(
         &nats.url(),
         &prefix,

@@ -85,6 +85,10 @@ pub(crate) struct TasksArgs {
     /// those whose cancel records cannot be read (`--force` does not).
     #[arg(long)]
     pub(crate) include_cancelled: bool,
+    /// Re-queue sync-mode requests (no origin session) too: their caller
+    /// had the failure, and the re-run's result wakes nobody.
+    #[arg(long)]
+    pub(crate) include_sync: bool,
     /// The size limits a request must meet to be re-queued: give the
     /// workers' (the same variables set them).
     #[command(flatten)]
@@ -115,7 +119,7 @@ const UNCHECKED: u8 = 3;
 
 pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<ExitCode> {
     let mut limits = wakebus::protocol::Limits::default();
-    let (kind, common, force, include_cancelled) = match args.what {
+    let (kind, common, force, include_cancelled, include_sync) = match args.what {
         ReplayCommand::Wakes(a) => (
             if a.dead_letters {
                 ReplayKind::WakeDeadLetters
@@ -125,10 +129,17 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
             a.common,
             a.force,
             false,
+            false,
         ),
         ReplayCommand::Tasks(a) => {
             limits = a.limits.limits();
-            (ReplayKind::Tasks, a.common, a.force, a.include_cancelled)
+            (
+                ReplayKind::Tasks,
+                a.common,
+                a.force,
+                a.include_cancelled,
+                a.include_sync,
+            )
         }
         ReplayCommand::Copy(a) => {
             let target = match (a.to_prefix, a.to_subject) {
@@ -149,7 +160,13 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
             let source = a
                 .dead_letters
                 .map_or(wakebus::history::Source::Events, DeadLetterArg::source);
-            (ReplayKind::Copy { source, target }, a.common, false, false)
+            (
+                ReplayKind::Copy { source, target },
+                a.common,
+                false,
+                false,
+                false,
+            )
         }
     };
     let plan = ReplayPlan {
@@ -157,6 +174,7 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
         selection: common.filters.selection()?,
         force,
         include_cancelled,
+        include_sync,
         dry_run: common.dry_run,
     };
     let bus = super::commands::connect_within(global, "wakebus-replay", std::time::Duration::ZERO)

@@ -54,7 +54,9 @@ pub use wakes::{HEADER_FORCED_REPLAY, forced_idempotency_key, is_forced_key_of};
 use std::collections::HashSet;
 
 use async_nats::HeaderMap;
+use async_nats::jetstream::publish::PublishAck;
 use serde::Serialize;
+use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
 use crate::bus::{Bus, PublishError};
@@ -105,6 +107,9 @@ pub struct ReplayPlan {
     /// Re-queue tasks whose delegation or session was cancelled too (tasks
     /// only; `force` does not).
     pub include_cancelled: bool,
+    /// Re-queue sync-mode tasks too, whose caller had the failure and
+    /// whose re-run's result reaches nobody (tasks only).
+    pub include_sync: bool,
     /// Only report what would be done.
     pub dry_run: bool,
 }
@@ -316,12 +321,13 @@ pub struct Replayer {
     /// of a record older than that, no trace of an earlier run proves
     /// there was none. Zero: kept for ever.
     kept: std::time::Duration,
-    /// Wakes already handled in this run, by ledger key and the session
-    /// the completion names: the history holds earlier replay copies of
+    /// What this run already handled: wakes by ledger key and the session
+    /// the completion names (the history holds earlier replay copies of
     /// the same completion, and one wake per task is enough; a completion
-    /// naming another session (a forged one) is not a copy of the task's
-    /// own and must not stand in for it.
-    seen: HashSet<(String, String)>,
+    /// naming another session, a forged one, is not a copy of the task's
+    /// own and must not stand in for it), tasks by delegation id and task
+    /// index (a task given up twice has two dead letters, and runs once).
+    seen: Handled,
     /// The size limits a re-queued request must meet: the workers'.
     limits: crate::protocol::Limits,
 }
@@ -358,10 +364,12 @@ impl Replayer {
                     Err(error) => Err(format!("the cancel records cannot be read ({error})")),
                 };
             }
+            // Its own prefix, or one under it (`wakebus.task`): copies
+            // would land in its task queue or its history.
             ReplayKind::Copy {
                 target: CopyTarget::Prefix(target),
                 ..
-            } if target.prefix() == bus.subjects.prefix() => {
+            } if is_under(target.prefix(), bus.subjects.prefix()) => {
                 return Err(ReplayError::SamePrefix);
             }
             // A subject under the deployment's own prefix is one its
@@ -370,10 +378,7 @@ impl Replayer {
             ReplayKind::Copy {
                 target: CopyTarget::Subject(subject),
                 ..
-            } if subject
-                .strip_prefix(bus.subjects.prefix())
-                .is_some_and(|rest| rest.starts_with('.')) =>
-            {
+            } if is_under(subject, bus.subjects.prefix()) && subject != bus.subjects.prefix() => {
                 return Err(ReplayError::SamePrefix);
             }
             ReplayKind::Copy { .. } => {}
@@ -385,7 +390,7 @@ impl Replayer {
             events,
             kept,
             cancels,
-            seen: HashSet::new(),
+            seen: Handled::default(),
             limits: crate::protocol::Limits::default(),
         })
     }
@@ -492,8 +497,19 @@ impl Replayer {
             item.action = Action::WouldReplay;
             return Ok(item);
         }
-        self.publish(subject, copy_headers(record), record.payload.clone())
+        let ack = self
+            .publish(subject, copy_headers(record), record.payload.clone())
             .await?;
+        if ack.duplicate {
+            // Copies keep their `Nats-Msg-Id`, which two messages can share
+            // (the two dead letters of a task given up twice): the target
+            // kept the first one and dropped this one.
+            let id = record.header(HEADER_MSG_ID).unwrap_or_default();
+            return Ok(item.skipped(format!(
+                "not stored: {}:{} already holds a message with its Nats-Msg-Id {id:?}, stored within the stream's duplicate window",
+                ack.stream, ack.sequence
+            )));
+        }
         item.action = Action::Replayed;
         Ok(item)
     }
@@ -503,15 +519,53 @@ impl Replayer {
         subject: String,
         headers: HeaderMap,
         payload: bytes::Bytes,
-    ) -> Result<(), ReplayError> {
-        match self
-            .bus
+    ) -> Result<PublishAck, ReplayError> {
+        self.bus
             .publish_stored(subject.clone(), headers, payload)
             .await
-        {
-            Ok(_) => Ok(()),
-            Err(source) => Err(ReplayError::Publish { subject, source }),
+            .map_err(|source| ReplayError::Publish { subject, source })
+    }
+}
+
+/// Whether `subject` is `prefix` or a subject under it.
+fn is_under(subject: &str, prefix: &str) -> bool {
+    subject
+        .strip_prefix(prefix)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+}
+
+/// What a replay run already handled, each as a digest of what names it:
+/// a run over a week of history holds 16 bytes per task, not the session
+/// ids (up to 16 KiB each) that name them.
+#[derive(Debug, Default)]
+struct Handled(HashSet<HandledKey>);
+
+/// One entry of [`Handled`].
+type HandledKey = [u8; 16];
+
+impl Handled {
+    /// The entry for `parts` (length-prefixed, so that no two lists of
+    /// parts give the same bytes to hash).
+    fn key(parts: &[&str]) -> HandledKey {
+        let mut hash = Sha256::new();
+        for part in parts {
+            hash.update((part.len() as u64).to_be_bytes());
+            hash.update(part.as_bytes());
         }
+        let digest = hash.finalize();
+        let mut key = [0; 16];
+        key.copy_from_slice(&digest[..16]);
+        key
+    }
+
+    /// Marks `key` handled; false if it already was.
+    fn insert(&mut self, key: HandledKey) -> bool {
+        self.0.insert(key)
+    }
+
+    /// Lets `key` be handled again (what decided it could not be read).
+    fn remove(&mut self, key: &HandledKey) {
+        self.0.remove(key);
     }
 }
 

@@ -15,7 +15,7 @@ impl Replayer {
         &mut self,
         record: &Record,
     ) -> Result<ReplayItem, ReplayError> {
-        let mut item = ReplayItem::for_record(record);
+        let item = ReplayItem::for_record(record);
         let Some(pool) = record.pool().map(str::to_owned) else {
             return Ok(item.skipped("not a task dead letter"));
         };
@@ -36,7 +36,7 @@ impl Replayer {
         // as a request may still not read as JSON (a lone surrogate escape
         // in a field the request does not know, which its reading skips):
         // such a copy would lose every field but its new id.
-        let mut body = match serde_json::from_slice::<serde_json::Value>(&record.payload) {
+        let body = match serde_json::from_slice::<serde_json::Value>(&record.payload) {
             Ok(body) if body.is_object() => body,
             Ok(_) => return Ok(item.skipped("the request is not a JSON object")),
             Err(error) => {
@@ -45,11 +45,46 @@ impl Replayer {
                 )));
             }
         };
+        if request.origin_session_id.is_none() && !self.plan.include_sync {
+            return Ok(item.skipped(
+                "sync mode: its caller had the failure, and a re-run's result would reach nobody (use --include-sync to run it anyway)",
+            ));
+        }
+        // A task given up twice has two dead letters: it runs once, forced
+        // or not (a forced re-queue takes a new id each time).
+        let task = super::Handled::key(&[
+            "task",
+            &request.delegation_id,
+            &request.task_index.to_string(),
+        ]);
+        if !self.seen.insert(task) {
+            return Ok(
+                item.skipped("another dead letter of this task was already handled in this run")
+            );
+        }
+        self.requeue_request(record, item, request, body, &pool, task)
+            .await
+    }
+
+    /// The rest of [`Self::requeue_task`], for a request that may run
+    /// again and that this run has not handled yet. Where what decides it
+    /// cannot be known, `task` is let go from `seen`: a later dead letter
+    /// of the task may be decided.
+    async fn requeue_request(
+        &mut self,
+        record: &Record,
+        mut item: ReplayItem,
+        request: TaskRequest,
+        mut body: serde_json::Value,
+        pool: &str,
+        task: super::HandledKey,
+    ) -> Result<ReplayItem, ReplayError> {
         if !self.plan.include_cancelled {
             match self.cancelled(&request, record).await {
                 Ok(None) => {}
                 Ok(Some(reason)) => return Ok(item.skipped(reason)),
                 Err(error) => {
+                    self.seen.remove(&task);
                     return Ok(
                         item.unchecked(format!("cannot tell whether it was cancelled: {error} (use --include-cancelled to send it anyway)"))
                     );
@@ -74,12 +109,13 @@ impl Replayer {
             }
         };
         item.new_delegation_id = Some(new_id.clone());
-        let subject = self.bus.subjects.task(&pool);
+        let subject = self.bus.subjects.task(pool);
         item.target_subject = Some(subject.clone());
         if matches!(earlier, Requeued::No)
             && !self.plan.force
             && let Some(reason) = self.outlived_its_traces(record, "a re-queue's events")
         {
+            self.seen.remove(&task);
             return Ok(item.skipped(reason));
         }
         match earlier {
@@ -90,6 +126,7 @@ impl Replayer {
                 )));
             }
             Requeued::Unknown(error) => {
+                self.seen.remove(&task);
                 return Ok(item.unchecked(format!(
                     "cannot tell whether delegation {new_id} is queued: {error}"
                 )));
@@ -125,7 +162,7 @@ impl Replayer {
         // it is written again all the same (dropped as a duplicate within
         // the window), as an earlier release wrote a member's under its
         // own index, not 0. The task goes under the same Nats-Msg-Id.
-        self.publish_submitted(&requeued, &pool, &headers).await?;
+        self.publish_submitted(&requeued, pool, &headers).await?;
         self.publish(subject, headers, payload).await?;
         item.action = Action::Replayed;
         Ok(item)
@@ -252,7 +289,7 @@ impl Replayer {
             crate::protocol::HEADER_CE_TYPE,
             crate::protocol::EventKind::Submitted.ce_type(),
         );
-        self.publish(subject, headers, payload).await
+        self.publish(subject, headers, payload).await.map(drop)
     }
 }
 

@@ -67,8 +67,8 @@ impl Replayer {
         } else {
             WakeLedger::key(&event.delegation_id, event.task_index)
         };
-        let seen = (key.clone(), session.clone());
-        if !self.seen.insert(seen.clone()) {
+        let seen = super::Handled::key(&["wake", &key, &session]);
+        if !self.seen.insert(seen) {
             return Ok(item.skipped(if batch {
                 "another completion of this batch was already handled"
             } else {
