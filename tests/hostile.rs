@@ -262,6 +262,58 @@ async fn completions_too_large_to_combine_into_one_turn_are_each_woken_alone() {
     assert_eq!(woken, [vec![ids[0].clone()], vec![ids[1].clone()]]);
 }
 
+/// A combined turn the session API refuses as too large (413: a proxy's
+/// body limit) is not dead-lettered: each of its completions, which fits,
+/// is posted alone, under its own key.
+#[tokio::test]
+async fn a_combined_turn_refused_as_too_large_is_posted_one_completion_at_a_time() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    // Each result fits in a turn of its own; two in one turn do not.
+    api.refuse_turns_over(3_000);
+    let mut services = Services::new();
+    services.worker(
+        &bus,
+        shell("head -c 2000 /dev/zero | tr '\\0' x"),
+        test_worker_config("default"),
+    );
+    services.wake(&bus, test_wake_config(&api.url()));
+    // Another instance holds the session until both are in the wake, so
+    // that they are planned together.
+    let (locks, guard) = hold_session_elsewhere(&bus, "s.split").await;
+    let mut ids = Vec::new();
+    for goal in ["one", "two"] {
+        ids.push(delegate(&bus, Delegation::new(goal).session("s.split")).await);
+    }
+    completions_waiting_in_wake(&bus, 2).await;
+    locks.release(guard).await;
+    wait_until(WAIT, "both wakes", || async { api.accepted().len() == 2 }).await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let posts = api.all_posts();
+    assert_eq!(posts.len(), 3, "the combined turn, then one each");
+    assert_eq!(posts[0].delegation_ids().len(), 2);
+    let mut woken: Vec<(Vec<String>, String)> = api
+        .accepted()
+        .iter()
+        .map(|p| (p.delegation_ids(), p.header("idempotency-key").unwrap()))
+        .collect();
+    woken.sort();
+    ids.sort();
+    let expected: Vec<_> = ids
+        .iter()
+        .map(|id| (vec![id.clone()], format!("{id}.0.done")))
+        .collect();
+    assert_eq!(woken, expected);
+    let dlq = bus.subjects.dead_letter_stream();
+    assert!(
+        all_messages(&bus, &dlq).await.is_empty(),
+        "a wake was dead-lettered"
+    );
+}
+
 /// A task program: goals containing `first` or `second` end once the file
 /// of that name appears in `gates`; anything else at once.
 fn gated_script(gates: &std::path::Path) -> String {

@@ -83,6 +83,9 @@ struct Inner {
     keys: Mutex<HashMap<String, bool>>,
     /// 409 answers given in that mode.
     conflicts: AtomicUsize,
+    /// Answer 413 to a turn whose text is longer than this (0: off), as a
+    /// proxy's body limit does.
+    max_turn_bytes: AtomicUsize,
 }
 
 #[derive(Clone)]
@@ -160,6 +163,12 @@ impl SessionApiServer {
         self.inner
             .honour_keys_ms
             .store(turn.as_millis() as u64 + 1, Ordering::SeqCst);
+    }
+
+    /// Answer 413 Payload Too Large to every turn whose text is longer
+    /// than `bytes`.
+    pub fn refuse_turns_over(&self, bytes: usize) {
+        self.inner.max_turn_bytes.store(bytes, Ordering::SeqCst);
     }
 
     /// How many 409s were answered to posts under a key whose turn ran.
@@ -330,6 +339,10 @@ fn answer(inner: &Inner, recorded: Recorded) -> Response {
         }
         response
     };
+    let max_turn = inner.max_turn_bytes.load(Ordering::SeqCst);
+    if max_turn > 0 && recorded.text().len() > max_turn {
+        return (StatusCode::PAYLOAD_TOO_LARGE, "request entity too large").into_response();
+    }
     let always = inner.always_status.load(Ordering::SeqCst);
     if always != 0 {
         return (

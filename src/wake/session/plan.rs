@@ -691,7 +691,7 @@ const COMBINED_KEY_PREFIX: &str = "wake.";
 
 /// Whether `key` is a combined turn's: the prefix and a ULID, nothing
 /// else (a delegation whose id is `wake` has single keys `wake.0.done`).
-fn is_combined_key(key: &str) -> bool {
+pub(super) fn is_combined_key(key: &str) -> bool {
     key.strip_prefix(COMBINED_KEY_PREFIX)
         .is_some_and(|id| ulid::Ulid::from_string(id).is_ok())
 }

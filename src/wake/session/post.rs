@@ -178,6 +178,18 @@ impl Router {
                         Posted::Shutdown
                     };
                 }
+                // Too large as one turn: each of its completions may not
+                // be. Nothing of it was taken (a 413 refuses the body
+                // unread), so its completions are marked for posts of
+                // their own and planned again.
+                PostResult::Rejected { status: 413, body }
+                    if super::plan::is_combined_key(&turn.key) =>
+                {
+                    warn!(body = ?body, completions = turn.reports().len(), idempotency_key = %turn.key, "Session API refused the combined turn as too large (413); posting its completions one by one.");
+                    m::wake_posted("split");
+                    self.split(turn).await;
+                    return Posted::Retry;
+                }
                 PostResult::Rejected { status, body } => {
                     error!(status, body = ?body, completions = turn.reports().len(), "Session API rejected the wake; dead-lettering it for replay.");
                     m::wake_posted("rejected");
@@ -367,6 +379,36 @@ impl Router {
             }
         }
         true
+    }
+
+    /// Marks each completion in hand of a combined turn the API refused as
+    /// too large for a post of its own, under its own key, over the
+    /// revision the turn holds: planned again, each is then re-sent alone.
+    /// A mark that fails (the entry changed since) leaves the entry to the
+    /// next plan: a combined turn no longer marked in full is never sent
+    /// again, and its completions not marked alone are planned afresh.
+    async fn split(&self, turn: &Turn) {
+        let mut marked = std::collections::BTreeSet::new();
+        for pending in &turn.messages {
+            let covered = pending.ledger_key();
+            // Once per task (a redelivery held with it is the same task).
+            let Some(&revision) = turn
+                .at
+                .get(&covered)
+                .filter(|_| marked.insert(covered.clone()))
+            else {
+                continue;
+            };
+            let key = pending.event_key();
+            if let Err(error) = self
+                .shared
+                .ledger
+                .mark_posting(&covered, &key, revision)
+                .await
+            {
+                info!(%error, ledger_key = %covered, "Could not mark a completion of the refused combined turn for a post of its own; it is planned afresh.");
+            }
+        }
     }
 
     /// Waits until `until` keeping the session: what `hold` has and the
