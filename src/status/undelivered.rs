@@ -155,6 +155,20 @@ pub(super) async fn undelivered(
     Ok((list, scan))
 }
 
+/// How many completions are read ahead of their ledger lookups, which are
+/// made together: one round trip for as many, not one each.
+const LOOKAHEAD: usize = 64;
+
+/// A completion the wake would act on, with what judging it needs.
+struct Admitted {
+    /// What is listed if it waits.
+    candidate: Candidate,
+    /// Its batch's task count.
+    task_count: u32,
+    /// Its ledger key (its batch's, for a batch member).
+    key: String,
+}
+
 /// Reads the completions from the floor on (at most `scan_limit`), and
 /// keeps those the ledger does not show delivered and that wait for no
 /// other task, counting the others in `scan`.
@@ -166,49 +180,84 @@ async fn candidates(
 ) -> Result<Vec<Candidate>, StatusError> {
     let mut candidates = Vec::new();
     scan.complete = true;
-    while let Some(record) = reader.next().await {
-        let record = record.map_err(|e| read_error("completions", e))?;
-        if scan.scanned >= options.scan_limit {
-            scan.complete = false;
-            break;
-        }
-        scan.scanned += 1;
-        let Some(token) = record.session_token() else {
-            continue;
-        };
-        if token == SYNC_SESSION_TOKEN {
-            continue;
-        }
-        let (event, session) = match check_completion(&record.payload, record.origin_session()) {
-            Ok(admitted) => admitted,
-            // Sync mode, a silent cancel: nothing to wake.
-            Err(Admission::NothingToWake) => continue,
-            Err(Admission::Poison(_)) => {
-                scan.unusable += 1;
-                continue;
+    let mut more = true;
+    while more {
+        let mut ahead = Vec::with_capacity(LOOKAHEAD);
+        while ahead.len() < LOOKAHEAD {
+            let Some(record) = reader.next().await else {
+                more = false;
+                break;
+            };
+            let record = record.map_err(|e| read_error("completions", e))?;
+            if scan.scanned >= options.scan_limit {
+                scan.complete = false;
+                more = false;
+                break;
             }
-        };
-        let batch = event.task_count > 1 && event.wake_mode == WakeMode::Batch;
-        let key = if batch {
-            WakeLedger::batch_key(&event.delegation_id)
-        } else {
-            WakeLedger::key(&event.delegation_id, event.task_index)
-        };
-        match lookups.state(&key).await? {
-            Entry::Read(Some(LedgerState::Delivered { .. })) => continue,
-            Entry::Read(None) if batch => {
-                let done = lookups
-                    .tasks_ended(&event.delegation_id, token, event.task_count)
-                    .await?;
-                if done < event.task_count {
-                    scan.batch_waiting += 1;
-                    continue;
+            scan.scanned += 1;
+            if let Some(admitted) = admit(&record, scan) {
+                ahead.push(admitted);
+            }
+        }
+        lookups
+            .read_ahead(ahead.iter().map(|a| a.key.as_str()))
+            .await?;
+        for Admitted {
+            candidate,
+            task_count,
+            key,
+        } in ahead
+        {
+            match lookups.state(&key).await? {
+                Entry::Read(Some(LedgerState::Delivered { .. })) => continue,
+                Entry::Read(None) if candidate.batch => {
+                    let done = lookups
+                        .tasks_ended(
+                            &candidate.delegation_id,
+                            &candidate.session_token,
+                            task_count,
+                        )
+                        .await?;
+                    if done < task_count {
+                        scan.batch_waiting += 1;
+                        continue;
+                    }
                 }
+                Entry::Read(_) => {}
+                Entry::Corrupt => scan.unreadable_entries += 1,
             }
-            Entry::Read(_) => {}
-            Entry::Corrupt => scan.unreadable_entries += 1,
+            candidates.push(candidate);
         }
-        candidates.push(Candidate {
+    }
+    Ok(candidates)
+}
+
+/// `record`, if the wake would act on it: a completion for a session that
+/// it would not dead-letter (counted in `scan` if it would).
+fn admit(record: &Record, scan: &mut ScanInfo) -> Option<Admitted> {
+    let token = record.session_token()?;
+    if token == SYNC_SESSION_TOKEN {
+        return None;
+    }
+    let (event, session) = match check_completion(&record.payload, record.origin_session()) {
+        Ok(admitted) => admitted,
+        // Sync mode, a silent cancel: nothing to wake.
+        Err(Admission::NothingToWake) => return None,
+        Err(Admission::Poison(_)) => {
+            scan.unusable += 1;
+            return None;
+        }
+    };
+    let batch = event.task_count > 1 && event.wake_mode == WakeMode::Batch;
+    let key = if batch {
+        WakeLedger::batch_key(&event.delegation_id)
+    } else {
+        WakeLedger::key(&event.delegation_id, event.task_index)
+    };
+    Some(Admitted {
+        task_count: event.task_count,
+        key,
+        candidate: Candidate {
             sequence: record.sequence,
             published: record.published,
             session,
@@ -216,9 +265,8 @@ async fn candidates(
             delegation_id: event.delegation_id,
             task_index: event.task_index,
             batch,
-        });
-    }
-    Ok(candidates)
+        },
+    })
 }
 
 /// A ledger entry as status can use it.
@@ -246,6 +294,26 @@ struct Lookups<'a> {
 }
 
 impl Lookups<'_> {
+    /// Reads the ledger entries under `keys` not read yet, all at once.
+    async fn read_ahead(&mut self, keys: impl Iterator<Item = &str>) -> Result<(), StatusError> {
+        let Some(ledger) = &self.ledger else {
+            return Ok(());
+        };
+        let mut missing: Vec<&str> = keys.filter(|key| !self.states.contains_key(*key)).collect();
+        missing.sort_unstable();
+        missing.dedup();
+        let read = futures::future::join_all(missing.iter().map(|key| ledger.get(key))).await;
+        for (key, result) in missing.into_iter().zip(read) {
+            let entry = match result {
+                Ok(state) => Entry::Read(state),
+                Err(LedgerError::Corrupt { .. }) => Entry::Corrupt,
+                Err(error) => return Err(read_error("the wake ledger", error)),
+            };
+            self.states.insert(key.to_owned(), entry);
+        }
+        Ok(())
+    }
+
     /// The ledger entry under `key`.
     async fn state(&mut self, key: &str) -> Result<Entry, StatusError> {
         let Some(ledger) = &self.ledger else {
