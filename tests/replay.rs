@@ -914,6 +914,79 @@ async fn a_task_dead_lettered_twice_is_requeued_once() {
     assert!(reason.contains(&legacy), "{reason}");
 }
 
+/// A re-queued copy that JetStream refuses for a moment (a leader
+/// election, a stream at a limit) is published again, and the replay goes
+/// on, rather than stopping at the first refusal.
+#[tokio::test]
+async fn a_copy_refused_for_a_moment_is_published_again() {
+    use tokio::io::AsyncBufReadExt as _;
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "dlq.task.1");
+    headers.insert("Wakebus-Origin-Session", "s.moment");
+    bus.js
+        .publish_with_headers(
+            bus.subjects.dead_letter_task("default"),
+            headers,
+            r#"{"version":1,"delegation_id":"m1","goal":"g","origin_session_id":"s.moment"}"#
+                .into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // The task queue takes nothing until the replay has been refused.
+    let mut tasks = bus
+        .js
+        .get_stream(bus.subjects.tasks_stream())
+        .await
+        .unwrap();
+    let config = tasks.info().await.unwrap().config.clone();
+    let mut full = config.clone();
+    full.max_bytes = 1;
+    bus.js.update_stream(&full).await.unwrap();
+    let mut replay = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .args(common::cli::tool_args(
+            &nats.url(),
+            &prefix,
+            &["replay", "tasks", "--json"],
+        ))
+        .env("RUST_LOG", "wakebus=warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stderr = tokio::io::BufReader::new(replay.stderr.take().unwrap()).lines();
+    tokio::time::timeout(WAIT, async {
+        while let Some(line) = stderr.next_line().await.unwrap() {
+            if line.contains("Could not store the copy; trying again.") {
+                return;
+            }
+        }
+        panic!("the replay ended without trying again");
+    })
+    .await
+    .expect("a refused copy to be tried again");
+    bus.js.update_stream(&config).await.unwrap();
+    let output = tokio::time::timeout(WAIT, replay.wait_with_output())
+        .await
+        .expect("the replay to end")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["action"], "replayed", "{lines:#?}");
+    let queued = all_messages(&bus, &bus.subjects.tasks_stream()).await;
+    assert_eq!(queued.len(), 1, "the copy is stored once");
+}
+
 /// A sync-mode task's dead letter is re-queued only when asked: its caller
 /// had the failure as its result, and a re-run's would reach nobody.
 #[tokio::test]

@@ -514,18 +514,53 @@ impl Replayer {
         Ok(item)
     }
 
+    /// Publishes a copy until JetStream confirms it stored, trying again
+    /// for a few seconds (a replay runs after an outage, when leader
+    /// elections are common); every try has the same `Nats-Msg-Id`, so
+    /// the copy is stored once.
     async fn publish(
         &self,
         subject: String,
         headers: HeaderMap,
         payload: bytes::Bytes,
     ) -> Result<PublishAck, ReplayError> {
-        self.bus
-            .publish_stored(subject.clone(), headers, payload)
-            .await
-            .map_err(|source| ReplayError::Publish { subject, source })
+        use backon::BackoffBuilder;
+        let mut waits = backon::ExponentialBuilder::default()
+            .with_min_delay(PUBLISH_RETRY_MIN)
+            .with_max_delay(PUBLISH_RETRY_MAX)
+            .with_max_times(PUBLISH_RETRIES)
+            .build();
+        loop {
+            let stored = self
+                .bus
+                .publish_stored(subject.clone(), headers.clone(), payload.clone())
+                .await;
+            match stored {
+                Ok(ack) => return Ok(ack),
+                Err(source @ PublishError::Encode(_)) => {
+                    return Err(ReplayError::Publish { subject, source });
+                }
+                Err(source) => match waits.next() {
+                    Some(wait) => {
+                        tracing::warn!(%subject, error = %source, retry_in = ?wait, "Could not store the copy; trying again.");
+                        tokio::time::sleep(wait).await;
+                    }
+                    None => return Err(ReplayError::Publish { subject, source }),
+                },
+            }
+        }
     }
 }
+
+/// The first wait before a copy JetStream did not store is published again.
+const PUBLISH_RETRY_MIN: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// The longest wait between two tries of a copy.
+const PUBLISH_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(4);
+
+/// How many times a copy is published again: with the waits above, for
+/// about 8 s, longer than a stream's leader election takes.
+const PUBLISH_RETRIES: usize = 5;
 
 /// Whether `subject` is `prefix` or a subject under it.
 fn is_under(subject: &str, prefix: &str) -> bool {
