@@ -56,6 +56,7 @@ pub struct DevConfig {
 
 /// Why dev mode failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DevError {
     /// The prefix is invalid.
     #[error(transparent)]
@@ -120,24 +121,34 @@ pub async fn run(
     config: DevConfig,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), DevError> {
+    // Awaited from the start, so that its signal handlers are in place
+    // while the server starts: a Ctrl-C then, which no longer reaches the
+    // server, would otherwise end this process and leave the server running.
+    tokio::pin!(shutdown);
     let subjects = Subjects::new(&config.prefix)?;
-    let (client, mut server) = connect_or_start(&config).await?;
-    let bus = Bus::new(client, subjects);
-
-    let sink = SessionSink::bind(config.session_addr, true)
-        .await
-        .map_err(|source| DevError::Listen {
-            addr: config.session_addr,
-            source,
-        })?;
+    let settings = BusSettings::default();
+    let setup = async {
+        let (client, server) = connect_or_start(&config).await?;
+        let bus = Bus::new(client, subjects);
+        let sink = SessionSink::bind(config.session_addr, true)
+            .await
+            .map_err(|source| DevError::Listen {
+                addr: config.session_addr,
+                source,
+            })?;
+        // Everything exists before anything uses it: the worker provisions
+        // only what a worker needs, and the demo's first delegation must
+        // not race the wake service creating the events stream.
+        bus.provision(&settings).await?;
+        Ok::<_, DevError>((bus, server, sink))
+    };
+    let (bus, mut server, sink) = tokio::select! {
+        setup = setup => setup?,
+        // A server started is killed with the setup (`kill_on_drop`).
+        () = &mut shutdown => return Ok(()),
+    };
     let api_url = format!("http://{}", sink.local_addr());
     info!(url = %api_url, "Built-in session endpoint listening; continuation turns are printed below.");
-
-    // Everything exists before anything uses it: the worker provisions only
-    // what a worker needs, and the demo's first delegation must not race
-    // the wake service creating the events stream.
-    let settings = BusSettings::default();
-    bus.provision(&settings).await?;
     let stop = CancellationToken::new();
     let mut services = JoinSet::new();
     let worker = worker::run(
@@ -170,10 +181,10 @@ pub async fn run(
         if config.demo {
             tokio::select! {
                 outcome = demo(&bus, &sink) => outcome,
-                () = shutdown => Err(DevError::DemoInterrupted),
+                () = &mut shutdown => Err(DevError::DemoInterrupted),
             }
         } else {
-            shutdown.await;
+            (&mut shutdown).await;
             Ok(())
         }
     };
