@@ -141,7 +141,7 @@ async fn session_kept_while_a_delivery_record_is_refused(lock_refused: bool) {
     // A lock TTL shorter than the refusal: only refreshes keep it. (Longer
     // when a refresh is refused: room for the refusal and a retry after it.)
     let settings = BusSettings {
-        session_lock_ttl: Duration::from_secs(if lock_refused { 6 } else { 4 }),
+        session_lock_ttl: Duration::from_secs(if lock_refused { 9 } else { 4 }),
         ..Default::default()
     };
     let config = test_wake_config(&api.url());

@@ -106,6 +106,9 @@ struct Turn {
     /// Trace context: the completion's until [`Turn::span`] makes the
     /// turn its own hop, then the post's.
     traceparent: Option<String>,
+    /// Planned anew in this plan, never marked for a post before: no
+    /// earlier post of it can have been taken.
+    first_send: bool,
 }
 
 impl Turn {

@@ -115,6 +115,7 @@ impl Router {
                             .collect(),
                     ),
                     messages: group,
+                    first_send: false,
                 });
                 continue;
             }
@@ -166,6 +167,7 @@ impl Router {
                         reports: Some(vec![pending.ledger_key()]),
                         key: early_key,
                         messages: vec![pending],
+                        first_send: false,
                     });
                 }
             }
@@ -311,6 +313,7 @@ impl Router {
                     reports: None,
                     key,
                     messages: vec![pending],
+                    first_send: false,
                 });
                 return Ok(());
             }
@@ -395,6 +398,7 @@ impl Router {
                             reports: None,
                             covers: intent.covers,
                             messages: vec![pending],
+                            first_send: false,
                         });
                     } else if is_combined_key(&idempotency_key) {
                         // Marked for a combined turn that was never
@@ -420,6 +424,7 @@ impl Router {
                             reports: None,
                             key: idempotency_key,
                             messages: vec![pending],
+                            first_send: false,
                         });
                     }
                 }
@@ -562,6 +567,7 @@ impl Router {
                     reports: None,
                     covers,
                     messages,
+                    first_send: true,
                 });
                 Ok(())
             }

@@ -179,11 +179,16 @@ impl Router {
                     };
                 }
                 // Too large as one turn: each of its completions may not
-                // be. Nothing of it was taken (a 413 refuses the body
-                // unread), so its completions are marked for posts of
-                // their own and planned again.
+                // be. A 413 refuses the body unread, so on the turn's very
+                // first send nothing of it was taken: its completions are
+                // marked for posts of their own and planned again. A turn
+                // sent before (re-sent after a crash, or tried again after
+                // a post in doubt) may have been taken then, under a limit
+                // lowered since: it is dead-lettered as below.
                 PostResult::Rejected { status: 413, body }
-                    if super::plan::is_combined_key(&turn.key) =>
+                    if super::plan::is_combined_key(&turn.key)
+                        && turn.first_send
+                        && attempt == 1 =>
                 {
                     warn!(body = ?body, completions = turn.reports().len(), idempotency_key = %turn.key, "Session API refused the combined turn as too large (413); posting its completions one by one.");
                     m::wake_posted("split");
@@ -441,7 +446,12 @@ impl Router {
                 return true;
             }
             let was_lost = posting.guard.is_lost();
-            match posting.refresh_lock_if_due(&self.shared.locks).await {
+            // What is in hand is kept alive meanwhile too: a refresh waits
+            // up to the JetStream timeout for its answer.
+            let refreshed = hold
+                .during(posting.refresh_lock_if_due(&self.shared.locks), in_hand)
+                .await;
+            match refreshed {
                 Err(error) if !was_lost => {
                     warn!(%error, "Could not refresh the session lock; trying again every second. If it expires meanwhile, another instance may take the session.");
                 }
