@@ -472,11 +472,15 @@ const SERVER_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the client pings a server that has sent nothing meanwhile.
 /// A connection whose server stopped answering without closing it (a host
 /// that lost power, a partition, a frozen VM) is given up at the third
-/// ping in a row without an answer, two intervals after the server last
-/// sent anything: 10 s with this, inside the default AckWait (30 s), so
-/// that a worker reconnects elsewhere and keeps its tasks before they are
-/// redelivered. The client's own default, 60 s, took two minutes.
-pub const PING_INTERVAL: Duration = Duration::from_secs(5);
+/// ping in a row without an answer: at most three intervals after the
+/// server last sent anything, 9 s with this. With a reconnect that first
+/// tries the dead node (its connect timeout, 5 s), that is still well
+/// inside the default AckWait (30 s, counted from a keep-alive sent up to
+/// a third of it earlier), so a worker keeps the tasks it runs. The
+/// client's own default, 60 s, took up to three minutes. (A message that
+/// takes longer than that to arrive, 8 MB over a link under 7 Mbit/s,
+/// would be taken for a dead connection.)
+pub const PING_INTERVAL: Duration = Duration::from_secs(3);
 
 /// How long a stopping service waits for NATS: to take what it still has
 /// to send, then to close the connection. While the server is unreachable
