@@ -1552,7 +1552,8 @@ async fn replay_copy_republishes_history_under_another_prefix_with_headers_and_a
     .await;
     assert_eq!(under.code(), Some(1));
     assert!(under.stderr().contains("own prefix"), "{}", under.stderr());
-    // Nor under a prefix nested in it, whose copies its task queue stores.
+    // Nor under a prefix its task queue captures. (Another deployment's
+    // prefix nested in it, such as `<prefix>.staging`, is not refused.)
     let nested = format!("{prefix}.task");
     let nested = wakebus(
         &nats.url(),

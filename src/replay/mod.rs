@@ -364,12 +364,13 @@ impl Replayer {
                     Err(error) => Err(format!("the cancel records cannot be read ({error})")),
                 };
             }
-            // Its own prefix, or one under it (`wakebus.task`): copies
-            // would land in its task queue or its history.
+            // Its own prefix, or one its streams capture (`wakebus.task`,
+            // `wakebus.evt.x`): copies would land in its task queue or its
+            // history. (`wakebus.staging` is another deployment's.)
             ReplayKind::Copy {
                 target: CopyTarget::Prefix(target),
                 ..
-            } if is_under(target.prefix(), bus.subjects.prefix()) => {
+            } if captured_by(target.prefix(), bus.subjects.prefix()) => {
                 return Err(ReplayError::SamePrefix);
             }
             // A subject under the deployment's own prefix is one its
@@ -497,9 +498,19 @@ impl Replayer {
             item.action = Action::WouldReplay;
             return Ok(item);
         }
-        let ack = self
+        let (ack, tried_again) = self
             .publish(subject, copy_headers(record), record.payload.clone())
             .await?;
+        if ack.duplicate && tried_again {
+            // Most likely this copy's own earlier try, stored with its
+            // answer lost.
+            item.action = Action::Replayed;
+            item.reason = Some(format!(
+                "stored at {}:{} (by an earlier try whose answer was lost, or an earlier copy with the same Nats-Msg-Id)",
+                ack.stream, ack.sequence
+            ));
+            return Ok(item);
+        }
         if ack.duplicate {
             // Copies keep their `Nats-Msg-Id`, which two messages can share
             // (the two dead letters of a task given up twice): the target
@@ -517,26 +528,28 @@ impl Replayer {
     /// Publishes a copy until JetStream confirms it stored, trying again
     /// for a few seconds (a replay runs after an outage, when leader
     /// elections are common); every try has the same `Nats-Msg-Id`, so
-    /// the copy is stored once.
+    /// the copy is stored once. Returns the ack, and whether it took more
+    /// than one try.
     async fn publish(
         &self,
         subject: String,
         headers: HeaderMap,
         payload: bytes::Bytes,
-    ) -> Result<PublishAck, ReplayError> {
+    ) -> Result<(PublishAck, bool), ReplayError> {
         use backon::BackoffBuilder;
         let mut waits = backon::ExponentialBuilder::default()
             .with_min_delay(PUBLISH_RETRY_MIN)
             .with_max_delay(PUBLISH_RETRY_MAX)
             .with_max_times(PUBLISH_RETRIES)
             .build();
+        let mut tried_again = false;
         loop {
             let stored = self
                 .bus
                 .publish_stored(subject.clone(), headers.clone(), payload.clone())
                 .await;
             match stored {
-                Ok(ack) => return Ok(ack),
+                Ok(ack) => return Ok((ack, tried_again)),
                 Err(source @ PublishError::Encode(_)) => {
                     return Err(ReplayError::Publish { subject, source });
                 }
@@ -544,6 +557,7 @@ impl Replayer {
                     Some(wait) => {
                         tracing::warn!(%subject, error = %source, retry_in = ?wait, "Could not store the copy; trying again.");
                         tokio::time::sleep(wait).await;
+                        tried_again = true;
                     }
                     None => return Err(ReplayError::Publish { subject, source }),
                 },
@@ -558,8 +572,9 @@ const PUBLISH_RETRY_MIN: std::time::Duration = std::time::Duration::from_millis(
 /// The longest wait between two tries of a copy.
 const PUBLISH_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(4);
 
-/// How many times a copy is published again: with the waits above, for
-/// about 8 s, longer than a stream's leader election takes.
+/// How many times a copy is published again: with the waits above, about
+/// 8 s of waiting (plus each try's own wait for an answer, up to 5 s),
+/// longer than a stream's leader election takes.
 const PUBLISH_RETRIES: usize = 5;
 
 /// Whether `subject` is `prefix` or a subject under it.
@@ -567,6 +582,21 @@ fn is_under(subject: &str, prefix: &str) -> bool {
     subject
         .strip_prefix(prefix)
         .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+}
+
+/// Whether the copies made under the prefix `target` would be taken by the
+/// deployment of prefix `own`: `target` is `own`, or lies under one of the
+/// subject roots of its streams and broadcasts (`<own>.task`, `.evt`,
+/// `.dlq`, `.ctl`).
+fn captured_by(target: &str, own: &str) -> bool {
+    match target.strip_prefix(own) {
+        Some("") => true,
+        Some(rest) => rest.strip_prefix('.').is_some_and(|rest| {
+            let root = rest.split('.').next().unwrap_or_default();
+            matches!(root, "task" | "evt" | "dlq" | "ctl")
+        }),
+        None => false,
+    }
 }
 
 /// What a replay run already handled, each as a digest of what names it:
@@ -751,5 +781,32 @@ pub async fn run(
     match result {
         Ok(()) => Ok(summary),
         Err(error) => Err(ReplayFailed { summary, error }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_under_a_prefix_the_deployment_captures_are_refused_and_another_deployments_are_not() {
+        for taken in [
+            "wakebus",
+            "wakebus.task",
+            "wakebus.evt.x",
+            "wakebus.dlq",
+            "wakebus.ctl",
+        ] {
+            assert!(captured_by(taken, "wakebus"), "{taken}");
+        }
+        for other in [
+            "wakebus.staging",
+            "wakebus2",
+            "staging",
+            "wakebus.tasks",
+            "acme.wakebus",
+        ] {
+            assert!(!captured_by(other, "wakebus"), "{other}");
+        }
     }
 }
