@@ -914,6 +914,32 @@ async fn a_task_dead_lettered_twice_is_requeued_once() {
     assert!(reason.contains(&legacy), "{reason}");
 }
 
+/// Stores a dead letter of task 0 of `delegation_id` in pool `default`, as
+/// a worker that gave it up would, for `session` (`None`: sync mode).
+async fn publish_task_dead_letter(
+    bus: &wakebus::bus::Bus,
+    delegation_id: &str,
+    session: Option<&str>,
+) {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", format!("dlq.task.{delegation_id}").as_str());
+    let mut body = serde_json::json!({"version": 1, "delegation_id": delegation_id, "goal": "g"});
+    if let Some(session) = session {
+        headers.insert("Wakebus-Origin-Session", session);
+        body["origin_session_id"] = session.into();
+    }
+    bus.js
+        .publish_with_headers(
+            bus.subjects.dead_letter_task("default"),
+            headers,
+            serde_json::to_vec(&body).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
 /// A re-queued copy that JetStream refuses for a moment (a leader
 /// election, a stream at a limit) is published again, and the replay goes
 /// on, rather than stopping at the first refusal.
@@ -924,20 +950,7 @@ async fn a_copy_refused_for_a_moment_is_published_again() {
     let nats = NatsServer::start().await;
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert("Nats-Msg-Id", "dlq.task.1");
-    headers.insert("Wakebus-Origin-Session", "s.moment");
-    bus.js
-        .publish_with_headers(
-            bus.subjects.dead_letter_task("default"),
-            headers,
-            r#"{"version":1,"delegation_id":"m1","goal":"g","origin_session_id":"s.moment"}"#
-                .into(),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    publish_task_dead_letter(&bus, "m1", Some("s.moment")).await;
     // The task queue takes nothing until the replay has been refused.
     let mut tasks = bus
         .js
@@ -995,18 +1008,7 @@ async fn a_sync_tasks_dead_letter_is_requeued_only_with_include_sync() {
     let nats = NatsServer::start().await;
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert("Nats-Msg-Id", "dlq.task.1");
-    bus.js
-        .publish_with_headers(
-            bus.subjects.dead_letter_task("default"),
-            headers,
-            r#"{"version":1,"delegation_id":"sync1","goal":"nobody waits"}"#.into(),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    publish_task_dead_letter(&bus, "sync1", None).await;
     let skipped = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--dry-run"])
         .await
         .ok_json();
