@@ -145,7 +145,13 @@ pub async fn run(
     let (bus, mut server, sink) = tokio::select! {
         setup = setup => setup?,
         // A server started is killed with the setup (`kill_on_drop`).
-        () = &mut shutdown => return Ok(()),
+        () = &mut shutdown => {
+            return if config.demo {
+                Err(DevError::DemoInterrupted)
+            } else {
+                Ok(())
+            };
+        }
     };
     let api_url = format!("http://{}", sink.local_addr());
     info!(url = %api_url, "Built-in session endpoint listening; continuation turns are printed below.");
