@@ -360,6 +360,30 @@ async fn a_bounded_read_whose_last_pending_messages_are_deleted_ends_instead_of_
     assert!(read < total, "read {read}");
 }
 
+/// `events --follow --until T`, T `seconds` from now, its output dropped.
+fn follow_until(
+    nats_url: &str,
+    prefix: &str,
+    seconds: i64,
+    stderr: std::process::Stdio,
+) -> tokio::process::Child {
+    let until = time::OffsetDateTime::now_utc() + time::Duration::seconds(seconds);
+    let until = until
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap();
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .args(common::cli::tool_args(
+            nats_url,
+            prefix,
+            &["events", "--follow", "--until", &until],
+        ))
+        .stdout(std::process::Stdio::null())
+        .stderr(stderr)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn")
+}
+
 /// `events --follow --until T` ends once T has passed, even when nothing
 /// arrives after it to show that it has.
 #[tokio::test]
@@ -368,20 +392,7 @@ async fn events_follow_until_a_time_ends_after_it_with_nothing_arriving() {
     let nats = NatsServer::start().await;
     let prefix = unique_prefix();
     bus(&nats.url(), &prefix).await;
-    let until = time::OffsetDateTime::now_utc() + time::Duration::seconds(1);
-    let until = until
-        .format(&time::format_description::well_known::Rfc3339)
-        .unwrap();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
-        .args(common::cli::tool_args(
-            &nats.url(),
-            &prefix,
-            &["events", "--follow", "--until", &until],
-        ))
-        .stdout(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn");
+    let mut child = follow_until(&nats.url(), &prefix, 1, std::process::Stdio::null());
     let status = tokio::time::timeout(WAIT, child.wait())
         .await
         .expect("the follow to end after --until")
@@ -397,21 +408,7 @@ async fn events_follow_until_a_time_ends_after_it_while_its_stream_is_gone() {
     let nats = NatsServer::start().await;
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
-    let until = time::OffsetDateTime::now_utc() + time::Duration::seconds(2);
-    let until = until
-        .format(&time::format_description::well_known::Rfc3339)
-        .unwrap();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
-        .args(common::cli::tool_args(
-            &nats.url(),
-            &prefix,
-            &["events", "--follow", "--until", &until],
-        ))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn");
+    let mut child = follow_until(&nats.url(), &prefix, 2, std::process::Stdio::piped());
     let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
     wait_until(WAIT, "the follow to open its read", || async {
         consumers_on_events(&bus).await == 1

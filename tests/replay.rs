@@ -1535,40 +1535,21 @@ async fn replay_copy_republishes_history_under_another_prefix_with_headers_and_a
     );
     assert!(done_copy.subject.contains(&req.delegation_id));
 
-    let same = wakebus(
-        &nats.url(),
-        &prefix,
-        &["replay", "copy", "--to-prefix", &prefix],
-    )
-    .await;
-    assert_eq!(same.code(), Some(1));
-    assert!(same.stderr().contains("own prefix"), "{}", same.stderr());
-    // Nor onto one subject under it, where the workers take copies for
-    // tasks (a mistyped --to-subject).
+    // Refused: the deployment's own prefix; one subject under it, where
+    // the workers take copies for tasks (a mistyped --to-subject); and a
+    // prefix its task queue captures. (Another deployment's prefix nested
+    // in it, such as `<prefix>.staging`, is not refused.)
     let task_queue = format!("{prefix}.task.default");
-    let under = wakebus(
-        &nats.url(),
-        &prefix,
-        &["replay", "copy", "--to-subject", &task_queue],
-    )
-    .await;
-    assert_eq!(under.code(), Some(1));
-    assert!(under.stderr().contains("own prefix"), "{}", under.stderr());
-    // Nor under a prefix its task queue captures. (Another deployment's
-    // prefix nested in it, such as `<prefix>.staging`, is not refused.)
     let nested = format!("{prefix}.task");
-    let nested = wakebus(
-        &nats.url(),
-        &prefix,
-        &["replay", "copy", "--to-prefix", &nested],
-    )
-    .await;
-    assert_eq!(nested.code(), Some(1));
-    assert!(
-        nested.stderr().contains("own prefix"),
-        "{}",
-        nested.stderr()
-    );
+    for (flag, refused) in [
+        ("--to-prefix", prefix.as_str()),
+        ("--to-subject", task_queue.as_str()),
+        ("--to-prefix", nested.as_str()),
+    ] {
+        let run = wakebus(&nats.url(), &prefix, &["replay", "copy", flag, refused]).await;
+        assert_eq!(run.code(), Some(1), "{flag} {refused}");
+        assert!(run.stderr().contains("own prefix"), "{}", run.stderr());
+    }
     // Copied again within the target's duplicate window, every copy is
     // dropped there as a duplicate, and said to be.
     let args = [
