@@ -1446,6 +1446,71 @@ async fn a_worker_keeps_asking_whether_a_task_already_ran_while_no_stream_answer
     assert_eq!(ran(), 1, "the task ran a second time");
 }
 
+/// A task still being checked when its worker is told to stop (here: asked
+/// whether it already ran, while no stream answers) is handed back at once,
+/// not started within the shutdown grace: the grace is for tasks already
+/// running, and one started in it and cut short at its end would run again
+/// elsewhere from the start.
+#[tokio::test]
+async fn a_task_still_being_checked_when_its_worker_stops_is_handed_back_unstarted() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let runs = tempfile::tempdir().unwrap();
+    let log = runs.path().join("runs");
+    let worker = |services: &mut Services| {
+        let mut config = test_worker_config("default");
+        config.shutdown_grace = Duration::from_secs(120);
+        services.worker(
+            &bus,
+            shell(&format!(
+                "cat > /dev/null; echo run >> '{}'; echo ok",
+                log.display()
+            )),
+            config,
+        );
+    };
+    let ran = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
+    let mut first = Services::new();
+    worker(&mut first);
+    // Undated, so that the worker asks whether it already ran; no stream
+    // answers, so it keeps asking (and, left to itself, runs it after some
+    // fifteen seconds).
+    let events = events_stream_unanswered(&bus).await;
+    let mut raw = request("s.stopping", "unstarted");
+    raw.created_at = None;
+    publish_until_stored(&bus, &raw).await;
+    let consumer = bus.subjects.worker_consumer("default");
+    let tasks = bus.subjects.tasks_stream();
+    // (Its consumer is made by the worker as it starts.)
+    wait_until(WAIT, "the worker holding the task", || async {
+        let consumer = bus.js.get_consumer_from_stream(&consumer, &tasks).await;
+        let consumer: Option<async_nats::jetstream::consumer::PullConsumer> = consumer.ok();
+        consumer.is_some_and(|c| c.cached_info().num_ack_pending == 1)
+    })
+    .await;
+    tokio::time::timeout(Duration::from_secs(60), first.stop())
+        .await
+        .expect("the worker waited out its grace for a task that had not started");
+    assert_eq!(ran(), 0, "the task started after the stop signal");
+
+    // Handed back: the next worker runs it, once.
+    bus.js.update_stream(&events).await.unwrap();
+    let mut second = Services::new();
+    worker(&mut second);
+    wait_until(WAIT, "the task's completion", || async {
+        done_events(&bus).await.len() == 1
+    })
+    .await;
+    second.stop().await;
+    assert_eq!(ran(), 1);
+}
+
 #[tokio::test]
 async fn a_delegation_id_given_by_the_caller_must_be_a_valid_id() {
     let nats = NatsServer::start().await;

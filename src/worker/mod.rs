@@ -220,6 +220,7 @@ pub async fn run(
     );
     let running = tracker.clone();
     let registered = register(&bus.client, registration, move || running.len()).await;
+    let stop_runs = CancellationToken::new();
     let handler = Arc::new(TaskHandler::new(
         bus.clone(),
         duplicate_window,
@@ -229,9 +230,8 @@ pub async fn run(
         cancels,
         keep_alive,
     ));
+    let stopping = handler.stopping().clone();
     let slots = Arc::new(Semaphore::new(concurrency));
-    let stop_runs = CancellationToken::new();
-    let stopping = CancellationToken::new();
 
     let mut reconnects = ReconnectWatch::new(&bus.client);
     let mut pulls = PullRetry::new("tasks");
@@ -347,6 +347,9 @@ pub async fn run(
         }
     }
 
+    // Tasks in hand but not started yet are handed back (whichever wait
+    // above saw the signal first).
+    stopping.cancel();
     // Stopping: a consumer deleted from now on (retiring the pool, say)
     // stays deleted.
     drop(stop_keeping);

@@ -26,10 +26,10 @@ use async_nats::jetstream::{self};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, error, info, info_span, warn};
 
-use super::WorkerConfig;
 use super::cancel::{CancelRegistry, StopReason};
 use super::claims::{Claim, Claims};
 use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
+use super::{REFUSED_REDELIVERY_DELAY, WorkerConfig};
 use crate::bus::{Bus, KeepAliveClock, KeepAliveEvery, PublishError};
 use crate::cancel::CancelRecord;
 use crate::ops::metrics as m;
@@ -63,6 +63,12 @@ pub(crate) struct TaskHandler {
     claims: Claims,
     /// How often a task in hand gets an in-progress ack.
     keep_alive: KeepAliveEvery,
+    /// Cancelled at the worker's shutdown signal. The grace period is for
+    /// tasks already running: one still being checked then (the "already
+    /// done?" question, its cancel records) is handed back instead of
+    /// started, since a run cut short at the grace's end would run again
+    /// elsewhere from the start.
+    stopping: CancellationToken,
 }
 
 impl TaskHandler {
@@ -87,14 +93,22 @@ impl TaskHandler {
             cancels,
             claims: Claims::default(),
             keep_alive,
+            stopping: CancellationToken::new(),
         }
+    }
+
+    /// Cancelled at the worker's shutdown signal (by the worker): tasks in
+    /// hand but not started yet are then handed back.
+    pub(crate) fn stopping(&self) -> &CancellationToken {
+        &self.stopping
     }
 
     /// Handles one delivery of a request and sends its outcome to the server
     /// while the task is still claimed, so a redelivery arriving between the
     /// run's end and its ack is left alone too. `stop` is cancelled when the
     /// worker shuts down and its grace period is over: the run is then
-    /// stopped and the request handed back.
+    /// stopped and the request handed back (a task not started by the
+    /// shutdown signal is handed back then: see `stopping`).
     pub(crate) async fn settle(&self, message: &jetstream::Message, stop: &CancellationToken) {
         // One keep-alive for the whole handling, on one clock: separate
         // ones per step (asking, holding, running, publishing) would each
@@ -190,21 +204,22 @@ impl TaskHandler {
             stored_at,
             self.duplicate_window,
         );
+        let stopping = &self.stopping;
         if late {
-            if self.already_done(&request, stop).await {
+            if self.already_done(&request, stopping).await {
                 info!(
                     "Completion already published by an earlier attempt or copy; acking this delivery."
                 );
                 m::task_already_done(&self.config.pool);
                 return Outcome::Ack;
             }
-            // The grace period ended before the answer came: not known to
-            // be undone, so neither refused, given up nor run here.
-            if stop.is_cancelled() {
+            // The worker began to stop before the answer came: not known
+            // to be undone, so neither refused, given up nor run here.
+            if stopping.is_cancelled() {
                 info!(
                     "The worker is stopping before it learned whether the task was done; handing it back."
                 );
-                return Outcome::HandBack;
+                return Outcome::HandBackAfter(REFUSED_REDELIVERY_DELAY);
             }
         }
         // A cancelled task ends as cancelled, whatever else would refuse
@@ -213,13 +228,13 @@ impl TaskHandler {
         let session_token = token_for(request.origin_session_id.as_deref());
         let stored_at = stored_at.unwrap_or_else(OffsetDateTime::now_utc);
         if !self
-            .cancels_known(&request.delegation_id, &session_token, stop)
+            .cancels_known(&request.delegation_id, &session_token, stopping)
             .await
         {
             info!(
                 "The worker is stopping; handing the task back before its cancel records could be read."
             );
-            return Outcome::HandBack;
+            return Outcome::HandBackAfter(REFUSED_REDELIVERY_DELAY);
         }
         if let Some(record) =
             self.cancels
@@ -262,12 +277,13 @@ impl TaskHandler {
                 .await;
         }
 
-        // The grace period ended while it was being checked (the "already
-        // done?" question can take a while): not started now, only to be
-        // stopped at once, but handed back for another worker.
-        if stop.is_cancelled() {
+        // The worker began to stop while the task was being checked (the
+        // "already done?" question can take a while): not started within
+        // the grace, where it could be cut short and run again elsewhere,
+        // but handed back for another worker now.
+        if stopping.is_cancelled() {
             info!("The worker is stopping; handing the task back instead of starting it.");
-            return Outcome::HandBack;
+            return Outcome::HandBackAfter(REFUSED_REDELIVERY_DELAY);
         }
 
         // Register before looking for a cancel record: a cancel either is
