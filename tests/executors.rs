@@ -688,6 +688,55 @@ async fn a_program_that_exits_leaving_a_process_on_its_output_completes_and_that
     .await;
 }
 
+/// A program that ended in time is not reported as timed out because its
+/// time limit passed while a process it left behind held its output: the
+/// limit ends that wait, and the program's result stands.
+#[tokio::test]
+async fn a_time_limit_passing_while_a_finished_programs_helper_holds_its_output_does_not_time_it_out()
+ {
+    init_logs();
+    let script = "sleep 600 & echo $!";
+    let mut config = CommandConfig::new("sh", vec!["-c".into(), script.into()]);
+    // The wait for the helper to let go of the output outlasts the limit.
+    config.kill_grace = Duration::from_secs(20);
+    let mut delegation = Delegation::new("finish, then leave a helper past the limit");
+    delegation.timeout_seconds = Some(1);
+    let (done, _bus, _nats) =
+        run_one(Executor::Command(CommandExecutor::new(config)), delegation).await;
+    assert_eq!(done.status, Status::Completed, "{done:?}");
+    let helper = printed_pid(&done);
+    wait_until(WAIT, "the helper to be stopped", || async {
+        !running(helper)
+    })
+    .await;
+}
+
+/// A program that does not read its input is fine, even when the input
+/// fills the pipe and a process it leaves behind keeps that pipe open: the
+/// unread input is given up when the program exits, and its whole output is
+/// its result, not one cut short.
+#[tokio::test]
+async fn input_left_unread_by_a_program_whose_helper_holds_its_stdin_does_not_cut_its_result() {
+    init_logs();
+    // The helper's stdin is the task's (fd 3, as a background job's own
+    // stdin is /dev/null); its stdout is not.
+    let script = "exec 3<&0; sleep 600 <&3 >/dev/null 2>&1 & echo $!";
+    let mut config = CommandConfig::new("sh", vec!["-c".into(), script.into()]);
+    config.kill_grace = Duration::from_secs(20);
+    // Far more than a pipe holds.
+    let delegation = Delegation::new("leave the input unread").context("x".repeat(256 * 1024));
+    let (done, _bus, _nats) =
+        run_one(Executor::Command(CommandExecutor::new(config)), delegation).await;
+    assert_eq!(done.status, Status::Completed, "{done:?}");
+    assert!(!done.truncated, "{done:?}");
+    let helper = printed_pid(&done);
+    assert_eq!(done.summary, Some(helper.to_string()), "{done:?}");
+    wait_until(WAIT, "the helper to be stopped", || async {
+        !running(helper)
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_timed_out_program_whose_helper_ignores_sigterm_is_killed_with_its_whole_group() {
     init_logs();

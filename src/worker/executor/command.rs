@@ -250,13 +250,16 @@ impl CommandExecutor {
 
         let input = serde_json::to_vec(request).unwrap_or_default();
         let mut stdin = child.stdin.take();
-        let feed = async move {
+        // Fed beside the reading, not as part of it: a program that does
+        // not read its input is fine, and once it exits, what it did not
+        // read is given up (closing the pipe), even if a process it left
+        // behind holds its stdin.
+        let mut feed = Some(Box::pin(async move {
             if let Some(stdin) = stdin.as_mut() {
-                // A program that does not read its input is fine.
                 let _ = stdin.write_all(&input).await;
                 let _ = stdin.shutdown().await;
             }
-        };
+        }));
         // The output is kept here, outside the reading: a read given up
         // (below) loses only what was still to come, not what was read.
         let mut out = Output::new(cfg.max_output_bytes);
@@ -265,7 +268,6 @@ impl CommandExecutor {
         let (out_kept, err_kept) = (&mut out, &mut err);
         let mut io = Box::pin(async move {
             tokio::join!(
-                feed,
                 read_stdout(stdout, out_kept, progress),
                 read_tail(stderr, err_kept, STDERR_TAIL_BYTES),
             )
@@ -288,18 +290,31 @@ impl CommandExecutor {
             }
             tokio::select! {
                 _ = &mut io, if !read => read = true,
+                () = async { if let Some(feed) = feed.as_mut() { feed.await } }, if feed.is_some() => {
+                    feed = None;
+                }
                 exited = child.wait(), if exit.is_none() => {
                     exit = Some(exited);
+                    feed = None;
                     drain_until = Some(tokio::time::Instant::now() + cfg.kill_grace);
                 }
-                () = sleep_until_some(drain_until), if !read => {
+                // The drain ends after `kill_grace`, or sooner at a stop (a
+                // timeout, a cancel, the grace's end) that comes once the
+                // program has exited: it finished in time, and its result
+                // stands.
+                () = async {
+                    tokio::select! {
+                        () = sleep_until_some(drain_until) => {}
+                        () = stop.cancelled() => {}
+                    }
+                }, if !read && exit.is_some() => {
                     warn!(?pid, "The task's program exited, but a process it started still holds its output; stopping its process group.");
                     stop_group(pid, cfg.kill_grace, &mut child).await;
                     lost = !read_rest(io.as_mut(), cfg.kill_grace).await;
                     read = true;
                     cut = true;
                 }
-                () = stop.cancelled() => {
+                () = stop.cancelled(), if exit.is_none() => {
                     stop_group(pid, cfg.kill_grace, &mut child).await;
                     if !read {
                         lost = !read_rest(io.as_mut(), cfg.kill_grace).await;
