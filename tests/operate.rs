@@ -2465,6 +2465,70 @@ async fn status_does_not_list_a_woken_batch_or_a_silent_completion_as_undelivere
     assert_eq!(sessions, ["s.waiting"], "{report:#}");
 }
 
+/// Without the wake consumer there is no acknowledgement floor, and a scan
+/// from the start of the history can stop at `--scan-limit` among
+/// completions the wake is done with. `status` must not then say that
+/// nothing waits, the very case an operator reads it for before making
+/// the consumer again: it says the scan stopped short, and `--strict`
+/// calls the snapshot partial.
+#[tokio::test]
+async fn status_does_not_say_nothing_waits_when_its_scan_stopped_at_the_limit() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let init = wakebus(&nats.url(), &prefix, &["init"]).await;
+    assert!(init.success(), "{}", init.stderr());
+    forget_the_wake_floor(&bus).await;
+    // Two completions that wake nobody, then one that waits.
+    let silent = serde_json::json!({"suppress_wake": true});
+    publish_completion(
+        &bus,
+        "s.silent",
+        "01JV3N4Y8K6D2Q7R9T1W5X0SI1",
+        0,
+        silent.clone(),
+    )
+    .await;
+    publish_completion(&bus, "s.silent", "01JV3N4Y8K6D2Q7R9T1W5X0SI2", 0, silent).await;
+    let waiting = serde_json::json!({});
+    publish_completion(&bus, "s.waiting", "01JV3N4Y8K6D2Q7R9T1W5X0WAI", 0, waiting).await;
+    let url = nats.url();
+    let status = |args: &'static [&'static str]| wakebus(&url, &prefix, args);
+
+    let cut = status(&["status", "--json", "--strict", "--scan-limit", "2"]).await;
+    assert_eq!(cut.code(), Some(3), "{}", cut.stderr());
+    assert!(
+        cut.stderr().contains("the completions beyond --scan-limit"),
+        "{}",
+        cut.stderr()
+    );
+    let report: Value = serde_json::from_str(&cut.stdout()).unwrap();
+    let scan = &report["undelivered_scan"];
+    assert_eq!(scan["complete"], false, "{report:#}");
+    assert_eq!(scan["no_wake_consumer"], true, "{report:#}");
+    let text = status(&["status", "--scan-limit", "2"]).await;
+    assert!(text.success(), "{}", text.stderr());
+    let out = text.stdout();
+    assert!(
+        out.contains("none in the 2 completions scanned, but the scan stopped at its limit"),
+        "{out}"
+    );
+    assert!(out.contains("has no wake consumer"), "{out}");
+    assert!(!out.contains("\nnone\n"), "{out}");
+
+    // Scanned to the end, it finds the waiting one, and the snapshot is
+    // whole.
+    let whole = status(&["status", "--json", "--strict"]).await;
+    assert!(whole.success(), "{}", whole.stderr());
+    let report: Value = serde_json::from_str(&whole.stdout()).unwrap();
+    assert_eq!(
+        report["oldest_undelivered"][0]["session"], "s.waiting",
+        "{report:#}"
+    );
+    assert_eq!(report["undelivered_scan"]["complete"], true, "{report:#}");
+}
+
 /// Stores a completion of task `index` of delegation `id` for `session`,
 /// as a publisher could: the body (with `extra` fields), the origin header.
 async fn publish_completion(bus: &Bus, session: &str, id: &str, index: u32, extra: Value) {

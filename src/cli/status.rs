@@ -62,8 +62,19 @@ pub(crate) async fn run(global: &Global, args: StatusArgs) -> anyhow::Result<Exi
     if let Some(error) = &report.queued.error {
         warn!(%error, "Could not count the queued tasks; the rest of the snapshot stands.");
     }
-    if let Some(error) = &report.undelivered_scan.error {
+    let scan = &report.undelivered_scan;
+    if let Some(error) = &scan.error {
         warn!(%error, "Could not look for undelivered wakes; the rest of the snapshot stands.");
+    }
+    if let Some(error) = &scan.refused_error {
+        warn!(%error, "Could not read the wake dead letters; completions the wake refused are listed as waiting.");
+    }
+    if scan.inconclusive() {
+        warn!(
+            scanned = scan.scanned,
+            from_seq = scan.from_seq,
+            "The undelivered scan reached --scan-limit without finding a waiting completion: whether any waits beyond it is not known."
+        );
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -259,6 +270,9 @@ fn render(report: &StatusReport) -> String {
         scan.from_seq,
         if scan.complete { "" } else { ", limit reached" }
     ));
+    if scan.no_wake_consumer {
+        out.push_str("The events stream has no wake consumer, so no acknowledgement floor: the scan started at the beginning of the history.\n");
+    }
     // What the scan met that does not wait for a wake, and what it could
     // not judge.
     let mut notes = Vec::new();
@@ -294,12 +308,19 @@ fn render(report: &StatusReport) -> String {
             "The wake dead letters were not read ({error}): completions the wake refused are listed as waiting.\n"
         ));
     }
-    if report.oldest_undelivered.is_empty() {
+    if scan.inconclusive() {
+        out.push_str(&format!(
+            "none in the {} completions scanned, but the scan stopped at its limit: completions after them may wait (raise --scan-limit).\n",
+            scan.scanned
+        ));
+    } else if report.oldest_undelivered.is_empty() {
         out.push_str("none\n");
     } else {
-        if scan.sessions > report.oldest_undelivered.len() as u64 {
+        // Beyond the limit, more sessions and completions may wait.
+        let at_least = if scan.complete { "" } else { "at least " };
+        if scan.sessions > report.oldest_undelivered.len() as u64 || !scan.complete {
             out.push_str(&format!(
-                "Showing the oldest {} of {} sessions ({} completions waiting in all).\n",
+                "Showing the oldest {} of {at_least}{} sessions ({at_least}{} completions waiting in all).\n",
                 report.oldest_undelivered.len(),
                 scan.sessions,
                 scan.completions

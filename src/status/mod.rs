@@ -102,11 +102,16 @@ impl StatusReport {
             .refused_error
             .as_ref()
             .map(|_| Unread::RefusedWakes);
+        let beyond = self
+            .undelivered_scan
+            .inconclusive()
+            .then_some(Unread::BeyondScanLimit);
         streams
             .chain(dead_letters)
             .chain(queued)
             .chain(scan)
             .chain(refused)
+            .chain(beyond)
             .collect()
     }
 }
@@ -129,6 +134,9 @@ pub enum Unread {
     /// The wake dead letters the scan reads to tell refused completions
     /// from waiting ones: refused ones are listed as waiting.
     RefusedWakes,
+    /// The completions beyond the scan's limit, when the scan found none
+    /// waiting before it: whether any waits is not known.
+    BeyondScanLimit,
 }
 
 impl std::fmt::Display for Unread {
@@ -140,6 +148,7 @@ impl std::fmt::Display for Unread {
             Self::QueuedTasks => f.write_str("the queued tasks"),
             Self::UndeliveredScan => f.write_str("the undelivered scan"),
             Self::RefusedWakes => f.write_str("the wake dead letters of the undelivered scan"),
+            Self::BeyondScanLimit => f.write_str("the completions beyond --scan-limit"),
         }
     }
 }
@@ -334,6 +343,20 @@ pub struct ScanInfo {
     /// refused completions are then listed as waiting.
     #[serde(default)]
     pub refused_error: Option<String>,
+    /// The events stream has no wake consumer (deleted, or no wake ever
+    /// started), so there is no acknowledgement floor: the scan started at
+    /// the beginning of the history, where completions are mostly long
+    /// delivered, and a limited scan may not reach the waiting ones.
+    #[serde(default)]
+    pub no_wake_consumer: bool,
+}
+
+impl ScanInfo {
+    /// Whether the scan stopped at its limit without finding a waiting
+    /// completion: it cannot tell whether any waits.
+    pub fn inconclusive(&self) -> bool {
+        self.error.is_none() && !self.complete && self.sessions == 0
+    }
 }
 
 /// Why the snapshot could not be taken.
@@ -444,7 +467,11 @@ pub async fn collect(bus: &Bus, options: &StatusOptions) -> Result<StatusReport,
         None => undelivered(bus, from_seq, options).await,
     };
     let (oldest_undelivered, undelivered_scan) = match scanned {
-        Ok(found) => found,
+        Ok((list, mut scan)) => {
+            scan.no_wake_consumer =
+                wake_floor.is_none() && events.is_some_and(|e| e.present == Some(true));
+            (list, scan)
+        }
         Err(error) => {
             let scan = ScanInfo {
                 from_seq,
