@@ -154,6 +154,51 @@ struct MsgGet {
     message: Option<StoredMessage>,
 }
 
+/// The `error` of a JetStream API answer that refused a request.
+#[derive(Deserialize)]
+struct Refusal {
+    error: Option<ApiError>,
+}
+
+#[derive(Deserialize)]
+struct ApiError {
+    #[serde(default)]
+    code: u16,
+    #[serde(default)]
+    err_code: u32,
+    #[serde(default)]
+    description: String,
+}
+
+/// JetStream's `err_code` for "no message found": a read past the last
+/// message the filter takes, or of a deleted sequence.
+const NO_MESSAGE_FOUND: u32 = 10037;
+
+/// Whether `error` is JetStream saying there is no such message (the end
+/// of what a consumer takes, or a gap), not that it could not answer.
+fn no_message(error: &SweepError) -> bool {
+    matches!(error, SweepError::Api { err_code, .. } if *err_code == NO_MESSAGE_FOUND)
+}
+
+/// Reads a JetStream API answer: the `T` it carries, or the refusal it is.
+fn answer<T: for<'de> Deserialize<'de>>(subject: &str, payload: &[u8]) -> Result<T, SweepError> {
+    let refused = serde_json::from_slice::<Refusal>(payload)
+        .ok()
+        .and_then(|refusal| refusal.error);
+    if let Some(error) = refused {
+        return Err(SweepError::Api {
+            subject: subject.to_owned(),
+            code: error.code,
+            err_code: error.err_code,
+            description: error.description,
+        });
+    }
+    serde_json::from_slice(payload).map_err(|e| SweepError::Request {
+        subject: subject.to_owned(),
+        reason: e.to_string(),
+    })
+}
+
 #[derive(Deserialize)]
 struct StoredMessage {
     #[serde(default)]
@@ -255,6 +300,21 @@ pub enum SweepError {
         /// What happened.
         reason: String,
     },
+    /// JetStream answered a request with an error (a leader election
+    /// under way, a stream or consumer that does not exist).
+    #[error(
+        "JetStream API request {subject} was refused: {description} (code {code}, err_code {err_code})"
+    )]
+    Api {
+        /// The API subject.
+        subject: String,
+        /// The HTTP-like status code (503: temporarily unavailable).
+        code: u16,
+        /// JetStream's own error code.
+        err_code: u32,
+        /// JetStream's description of the error.
+        description: String,
+    },
     /// The messages after the ack floor could not be read (a user that may
     /// not read them, as a least-privileged worker): one of them may be
     /// the culprit, for an operator to find.
@@ -294,7 +354,7 @@ impl Bus {
             ))
         })?
         .map_err(|e| failed(e.to_string()))?;
-        serde_json::from_slice(&reply.payload).map_err(|e| failed(e.to_string()))
+        answer(&subject, &reply.payload)
     }
 }
 
@@ -411,19 +471,28 @@ impl Scan<'_> {
                 Some(filter) => serde_json::json!({"seq": seq, "next_by_subj": filter}),
                 None => serde_json::json!({"seq": seq}),
             };
-            let got: MsgGet = bus
+            let got: Result<MsgGet, _> = bus
                 .api(
                     format!("$JS.API.STREAM.MSG.GET.{stream}"),
                     request.to_string(),
                 )
-                .await
-                .map_err(|source| SweepError::Unread {
-                    stream: stream.to_owned(),
-                    from: seq,
-                    to: last,
-                    source: Box::new(source),
-                })?;
-            let Some(message) = got.message else {
+                .await;
+            // Only "no message found" ends the window (or skips a gap):
+            // any other refusal (an election under way) leaves the rest
+            // unchecked, which the sweep must say.
+            let got = match got {
+                Ok(got) => got.message,
+                Err(error) if no_message(&error) => None,
+                Err(source) => {
+                    return Err(SweepError::Unread {
+                        stream: stream.to_owned(),
+                        from: seq,
+                        to: last,
+                        source: Box::new(source),
+                    });
+                }
+            };
+            let Some(message) = got else {
                 if filter.is_some() {
                     // Nothing more this consumer takes.
                     seq = last + 1;
@@ -530,7 +599,7 @@ async fn quarantine(
                 Err(error) => error.to_string(),
                 Ok(_) => "the server refused".to_owned(),
             };
-            error!(stream, seq, %why, "A message the NATS client cannot read blocks this consumer and could not be deleted by this NATS user; an operator must remove it: nats stream rmm {stream} {seq}");
+            error!(stream, seq, %why, "A message the NATS client cannot read blocks this consumer and could not be deleted (this NATS user may not, the stream denies deletes, or no leader answered); an operator must remove it: nats stream rmm {stream} {seq}");
             Ok(false)
         }
     }
@@ -539,6 +608,37 @@ async fn quarantine(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_no_message_found_ends_a_read_and_other_refusals_are_errors() {
+        let subject = "$JS.API.STREAM.MSG.GET.S";
+        let end = answer::<MsgGet>(
+            subject,
+            br#"{"type":"io.nats.jetstream.api.v1.stream_msg_get_response","error":{"code":404,"err_code":10037,"description":"no message found"}}"#,
+        )
+        .err()
+        .expect("a refusal");
+        assert!(no_message(&end), "{end}");
+        let election = answer::<MsgGet>(
+            subject,
+            br#"{"error":{"code":503,"err_code":10039,"description":"JetStream system temporarily unavailable"}}"#,
+        )
+        .err()
+        .expect("a refusal");
+        assert!(!no_message(&election), "{election}");
+        assert!(
+            election.to_string().contains("temporarily unavailable"),
+            "{election}"
+        );
+        let found = answer::<MsgGet>(subject, br#"{"message":{"subject":"a.b","seq":7}}"#)
+            .expect("a message");
+        assert_eq!(found.message.map(|m| m.seq), Some(7));
+        let refused_delete = answer::<Deleted>(
+            "$JS.API.STREAM.MSG.DELETE.S",
+            br#"{"error":{"code":500,"err_code":10057,"description":"message delete failed"}}"#,
+        );
+        assert!(refused_delete.is_err(), "a refused delete is no success");
+    }
 
     #[test]
     fn subjects_match_filters_token_by_token() {
