@@ -547,6 +547,7 @@ impl TaskHandler {
         let mut backoff = crate::bus::until_stored_backoff();
         let client = self.bus.client.clone();
         let mut attempt = 1u32;
+        let since = Instant::now();
         loop {
             let error = match publish().await {
                 Ok(()) => return Ok(()),
@@ -555,13 +556,25 @@ impl TaskHandler {
             if stop.is_cancelled() {
                 return Err(error);
             }
+            // A refusal that lasts (a permission taken away, a stream that
+            // no longer takes the subject, a full store) holds this task,
+            // and likely every other, until an operator acts.
+            let lasting = since.elapsed() >= STORE_FAILING_ERROR_AFTER;
             match record {
                 Record::Completion => {
-                    warn!(%error, attempt, "Could not publish the completion; keeping the result and trying again.");
+                    if lasting {
+                        error!(%error, attempt, failing_for = ?since.elapsed(), "Could not publish the completion for a minute or more; keeping the result and trying again. Check the events stream and this worker's permissions.");
+                    } else {
+                        warn!(%error, attempt, "Could not publish the completion; keeping the result and trying again.");
+                    }
                     m::completion_publish_retried(&self.config.pool);
                 }
                 Record::DeadLetter => {
-                    warn!(%error, attempt, "Could not dead-letter the request; keeping it and trying again.");
+                    if lasting {
+                        error!(%error, attempt, failing_for = ?since.elapsed(), "Could not dead-letter the request for a minute or more; keeping it and trying again. Check the dead-letter stream and this worker's permissions.");
+                    } else {
+                        warn!(%error, attempt, "Could not dead-letter the request; keeping it and trying again.");
+                    }
                     m::dead_letter_publish_retried(&self.config.pool);
                 }
             }
@@ -754,6 +767,10 @@ const CANCEL_READ_RETRY_MAX: Duration = Duration::from_secs(5);
 /// When the worker last said that tasks wait for their cancel records.
 static CANNOT_READ_CANCELS_SAID: std::sync::atomic::AtomicU64 =
     std::sync::atomic::AtomicU64::new(0);
+
+/// How long storing a completion or dead letter may keep failing before
+/// each new failure is logged at ERROR rather than WARN.
+const STORE_FAILING_ERROR_AFTER: Duration = Duration::from_secs(60);
 
 /// The longest an executor's `Retry-After` delays a task's retry: a
 /// cancelled task waiting for it ends only when it comes back.
