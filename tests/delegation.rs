@@ -1511,6 +1511,70 @@ async fn a_task_still_being_checked_when_its_worker_stops_is_handed_back_unstart
     assert_eq!(ran(), 1);
 }
 
+/// The error completion of a request nested too deep is kept and
+/// published again until stored, like any completion, while the request
+/// stays with its worker: it was handed back on the first failure, to be
+/// delivered, decoded and refused again.
+#[tokio::test]
+async fn a_depth_limit_completion_not_stored_at_once_is_published_again_by_the_same_delivery() {
+    init_logs();
+    // The process's recorder: under nextest (one process per test) it
+    // counts this test's worker only.
+    let metrics = wakebus::ops::metrics::recorder().unwrap();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    let mut config = test_worker_config("default");
+    config.max_depth = 1;
+    services.worker(&bus, shell("cat > /dev/null; echo ran"), config);
+    let events = events_stream_unanswered(&bus).await;
+    let mut deep = request("s.deep", "nested too deep");
+    deep.depth = 2;
+    publish_until_stored(&bus, &deep).await;
+    let retried = format!(
+        "{}{{pool=\"default\"}} ",
+        wakebus::ops::metrics::COMPLETION_PUBLISH_RETRIES
+    );
+    wait_until(WAIT, "the refusal's publish to fail", || async {
+        metrics
+            .render()
+            .lines()
+            .any(|line| line.starts_with(&retried))
+    })
+    .await;
+    bus.js.update_stream(&events).await.unwrap();
+    wait_until(WAIT, "the refusal stored", || async {
+        done_events(&bus).await.len() == 1
+    })
+    .await;
+    let done = &done_events(&bus).await[0];
+    assert_eq!(done.status, Status::Error, "{done:?}");
+    assert_eq!(done.exit_reason, "depth_limit", "{done:?}");
+    let consumer = bus.subjects.worker_consumer("default");
+    let tasks = bus.subjects.tasks_stream();
+    wait_until(WAIT, "the request acknowledged", || async {
+        let consumer: async_nats::jetstream::consumer::PullConsumer = bus
+            .js
+            .get_consumer_from_stream(&consumer, &tasks)
+            .await
+            .unwrap();
+        let info = consumer.cached_info();
+        info.num_ack_pending == 0 && info.ack_floor.stream_sequence == 1
+    })
+    .await;
+    let consumer: async_nats::jetstream::consumer::PullConsumer = bus
+        .js
+        .get_consumer_from_stream(&consumer, &tasks)
+        .await
+        .unwrap();
+    assert_eq!(
+        consumer.cached_info().num_redelivered,
+        0,
+        "the request was handed back and delivered again"
+    );
+    services.stop().await;
+}
+
 #[tokio::test]
 async fn a_delegation_id_given_by_the_caller_must_be_a_valid_id() {
     let nats = NatsServer::start().await;

@@ -255,17 +255,10 @@ impl TaskHandler {
                 max = self.config.max_depth,
                 "Refusing a request nested too deep."
             );
-            fit_to_payload(&mut done, self.bus.max_payload());
-            return match self.publish(&request, EventKind::Done, trace, &done).await {
-                Ok(()) => {
-                    m::task_completed(&self.config.pool, Status::Error, Duration::ZERO);
-                    Outcome::Ack
-                }
-                Err(error) => {
-                    warn!(%error, "Could not publish the error completion; will retry.");
-                    Outcome::retry_later(message)
-                }
-            };
+            // Kept and published again until stored, as any completion.
+            return self
+                .finish(&request, trace, done, Ending::Refused, stop)
+                .await;
         }
         if attempt > self.config.max_deliver {
             let reason = format!(
@@ -454,6 +447,10 @@ impl TaskHandler {
             }
             Err(error) if matches!(ending, Ending::GivenUp) => {
                 warn!(%error, "Could not publish the failed completion and the worker is stopping; handing the task back, its next delivery will be given up again.");
+                Outcome::HandBack
+            }
+            Err(error) if matches!(ending, Ending::Refused) => {
+                warn!(%error, "Could not publish the refusal and the worker is stopping; handing the task back, its next delivery will be refused again.");
                 Outcome::HandBack
             }
             Err(error) if matches!(ending, Ending::Cancelled) => {
@@ -840,6 +837,9 @@ enum Ending {
     /// It was cancelled before this delivery started it: a stop before
     /// the completion is stored hands it back to end cancelled again.
     Cancelled,
+    /// It was refused before it ran (nested too deep): a stop before the
+    /// completion is stored hands it back to be refused again.
+    Refused,
 }
 
 /// What a worker stores for a task it holds, kept until stored.
