@@ -314,6 +314,57 @@ async fn a_combined_turn_refused_as_too_large_is_posted_one_completion_at_a_time
     );
 }
 
+/// A batch's results longer together than the server's max payload are
+/// cut to fit one turn, at one length that spares the short ones: the
+/// turn is bounded (it is held in memory, and posted as one message), the
+/// long results share what the short one leaves, and the turn says where
+/// each is whole.
+#[tokio::test]
+async fn a_batch_whose_results_exceed_one_turn_is_woken_with_the_long_ones_cut_evenly() {
+    init_logs();
+    let confs = tempfile::tempdir().unwrap();
+    let conf = confs.path().join("small.conf");
+    std::fs::write(&conf, "max_payload: 65536\n").unwrap();
+    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.worker(
+        &bus,
+        shell(
+            r#"input=$(cat); case "$input" in *long*) head -c 40000 /dev/zero | tr '\0' x;; *) echo short result;; esac"#,
+        ),
+        test_worker_config("default"),
+    );
+    services.wake(&bus, test_wake_config(&api.url()));
+    let goals = ["long one", "short", "long two"].map(String::from);
+    let id = delegate(&bus, Delegation::batch(goals).session("s.cut")).await;
+    wait_until(WAIT, "the batch's wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    services.stop().await;
+    let text = api.accepted()[0].text();
+    assert!(text.len() < 65536 + 1024, "a turn of {} bytes", text.len());
+    let sections: Vec<&str> = text.split("\nTask ").skip(1).collect();
+    assert_eq!(sections.len(), 3, "{text}");
+    for long in [sections[0], sections[2]] {
+        let kept = long.matches('x').count();
+        // An even third of the budget would be under 22,000.
+        assert!((30_000..40_000).contains(&kept), "{kept} kept: {long:.200}");
+        assert!(long.contains("bytes cut]"), "{long:.200}");
+    }
+    assert!(
+        sections[1].contains("Result:\nshort result") && !sections[1].contains("bytes cut"),
+        "{}",
+        sections[1]
+    );
+    assert!(
+        text.contains(&format!("`wakebus events --delegation {id}`")),
+        "{text:.300}"
+    );
+}
+
 /// A task program: goals containing `first` or `second` end once the file
 /// of that name appears in `gates`; anything else at once.
 fn gated_script(gates: &std::path::Path) -> String {

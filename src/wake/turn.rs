@@ -28,8 +28,9 @@ pub fn render(completions: &[&CompletionEvent]) -> String {
 }
 
 /// Renders the one turn that reports a whole batch, `completions` ordered
-/// by task index.
-pub fn render_batch(delegation_id: &str, completions: &[CompletionEvent]) -> String {
+/// by task index; `cut` when some of their results were cut to fit (see
+/// [`result_share`]), which the turn then says.
+pub fn render_batch(delegation_id: &str, completions: &[CompletionEvent], cut: bool) -> String {
     let mut text = String::new();
     let _ = writeln!(text, "[ASYNC DELEGATION BATCH COMPLETE — {delegation_id}]");
     let completed = completions
@@ -52,7 +53,31 @@ pub fn render_batch(delegation_id: &str, completions: &[CompletionEvent]) -> Str
             let _ = writeln!(text, "Error: {error}");
         }
     }
+    if cut {
+        let _ = writeln!(
+            text,
+            "\nResults marked \"bytes cut\" were shortened to fit one turn; each is whole in the history: `wakebus events --delegation {delegation_id}`."
+        );
+    }
     text
+}
+
+/// The length at which results of `lengths` bytes are cut so that they
+/// fit in `budget` bytes together: the longest at which they do, so that
+/// none shorter is cut and the longer ones share what the shorter leave.
+/// `None` when they fit whole.
+pub fn result_share(lengths: &[usize], budget: usize) -> Option<usize> {
+    let mut sorted = lengths.to_vec();
+    sorted.sort_unstable();
+    let mut left = budget;
+    for (i, &length) in sorted.iter().enumerate() {
+        let others = sorted.len() - i;
+        if length.saturating_mul(others) > left {
+            return Some(left / others);
+        }
+        left -= length;
+    }
+    None
 }
 
 /// Renders the early notice for a batch task that failed while its
@@ -132,5 +157,23 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("COMPLETE — d1]") && text.contains("COMPLETE — d2]"));
+    }
+
+    #[test]
+    fn results_are_cut_at_one_length_that_spares_the_short_ones_and_fills_the_budget() {
+        assert_eq!(result_share(&[10, 20], 30), None, "they fit");
+        assert_eq!(result_share(&[], 0), None);
+        // The short one whole; the long ones share the 900 it leaves.
+        assert_eq!(result_share(&[600, 100, 600], 1000), Some(450));
+        assert_eq!(result_share(&[5, 5, 5], 3), Some(1));
+        assert_eq!(result_share(&[usize::MAX, 1], 10), Some(9));
+    }
+
+    #[test]
+    fn a_batch_turn_with_cut_results_says_where_they_are_whole() {
+        let c = completion("d1", Status::Completed);
+        assert!(!render_batch("d1", std::slice::from_ref(&c), false).contains("bytes cut"));
+        let text = render_batch("d1", &[c], true);
+        assert!(text.contains("`wakebus events --delegation d1`"), "{text}");
     }
 }

@@ -175,7 +175,11 @@ fn documented_batch_turn_texts_are_what_the_wake_service_renders() {
     let second = documented_completion("completion-batch-1");
     assert_eq!(first.delegation_id, second.delegation_id);
     assert_eq!(
-        turn::render_batch(&first.delegation_id, &[first.clone(), second.clone()]),
+        turn::render_batch(
+            &first.delegation_id,
+            &[first.clone(), second.clone()],
+            false
+        ),
         example("turn-batch").content
     );
     assert_eq!(

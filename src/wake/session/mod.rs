@@ -13,6 +13,7 @@
 //! - [`post`]: posting one turn, retrying, recording and acking it.
 
 mod actors;
+mod batch;
 mod hold;
 mod plan;
 mod post;

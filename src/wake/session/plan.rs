@@ -11,13 +11,9 @@ use tracing::{info, warn};
 
 use super::{Pending, Router, Turn};
 use crate::outcome::Outcome;
-use crate::protocol::{
-    CompletionEvent, EventKind, HEADER_ORIGIN_SESSION, Status, WakeMode, session_token,
-};
+use crate::protocol::{CompletionEvent, Status, WakeMode};
 use crate::wake::ledger::{Intent, LedgerEntry, LedgerError, LedgerState, WakeLedger};
 use crate::wake::turn;
-use async_nats::jetstream::message::StreamMessage;
-use async_nats::jetstream::stream::LastRawMessageErrorKind;
 
 /// Why turns could not be planned; the actor retries shortly.
 #[derive(Debug, thiserror::Error)]
@@ -94,8 +90,8 @@ impl Router {
                 continue;
             }
             let members: Vec<&Pending> = held.iter().filter(|p| of_batch(p)).collect();
-            if let Some(all) = self.batch_completions(&members).await? {
-                info!(delegation_id = %delegation_id, tasks = all.len(), "Every task of the batch has ended; waking once.");
+            if let Some(batch) = self.batch_turn(&members).await? {
+                info!(delegation_id = %delegation_id, tasks = batch.tasks, "Every task of the batch has ended; waking once.");
                 let group = take_where(held, of_batch);
                 // A post recorded in doubt (a forced replay's) is repeated
                 // under its key.
@@ -106,11 +102,11 @@ impl Router {
                 turns.push(Turn {
                     traceparent: group[0].traceparent.clone(),
                     key: forced.or(in_doubt).unwrap_or_else(|| batch_key.clone()),
-                    text: turn::render_batch(&delegation_id, &all),
+                    text: batch.text,
                     at: BTreeMap::from([(batch_key.clone(), recorded.revision)]),
                     covers: vec![batch_key],
                     reports: Some(
-                        (0..all.len() as u32)
+                        (0..batch.tasks)
                             .map(|index| WakeLedger::key(&delegation_id, index))
                             .collect(),
                     ),
@@ -173,119 +169,6 @@ impl Router {
             }
         }
         Ok(())
-    }
-
-    /// Every completion of a batch, by task index, if all exist: those of
-    /// `members` (the batch's completions in hand) as they are, the others
-    /// from the history. Read from the last task down: tasks mostly end in
-    /// the order they were queued, so a batch not complete yet usually
-    /// shows it at the first read (up from the first, each member's check
-    /// read all the tasks before it: N²/2 reads for a batch of N).
-    async fn batch_completions(
-        &self,
-        members: &[&Pending],
-    ) -> Result<Option<Vec<CompletionEvent>>, PlanError> {
-        let member = members[0];
-        let subjects = &self.shared.bus.subjects;
-        let token = session_token(&member.session);
-        let mut all = vec![None; member.event.task_count as usize];
-        for index in (0..member.event.task_count).rev() {
-            let slot = &mut all[index as usize];
-            if let Some(held) = members.iter().find(|p| p.event.task_index == index) {
-                *slot = Some(held.event.clone());
-                continue;
-            }
-            let subject =
-                subjects.event(&token, &member.event.delegation_id, index, EventKind::Done);
-            match self
-                .shared
-                .events
-                .get_last_raw_message_by_subject(&subject)
-                .await
-            {
-                Ok(message) => match sibling(&message, member, index) {
-                    Ok(done) => *slot = Some(done),
-                    Err(error) => {
-                        // Garbage on the task's subject, or a completion the
-                        // wake would not admit for this task (dead-lettered
-                        // when the wake met it): the newest usable
-                        // completion stored before it counts. With none, the
-                        // task has not ended as far as the batch can tell,
-                        // and its real completion, stored later, ends the
-                        // batch.
-                        match self
-                            .usable_before(&subject, message.sequence, member, index)
-                            .await?
-                        {
-                            Some(done) => *slot = Some(done),
-                            None => {
-                                warn!(delegation_id = %member.event.delegation_id, task_index = index, %error, "A batch task's last stored completion cannot be used; the batch waits for a usable one.");
-                                return Ok(None);
-                            }
-                        }
-                    }
-                },
-                Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
-                    if self.older_than_history(&member.event) {
-                        warn!(delegation_id = %member.event.delegation_id, task_index = index, "A batch task's completion is not in the history, and the batch was dispatched longer ago than the history keeps: if that task ended and its completion expired, this batch never wakes its session. See its completions with `wakebus events --delegation`.");
-                    }
-                    return Ok(None);
-                }
-                Err(error) => return Err(PlanError::History(error.to_string())),
-            }
-        }
-        Ok(all.into_iter().collect())
-    }
-
-    /// Whether `event`'s delegation was dispatched longer ago than the
-    /// events stream keeps messages (so completions of it may have expired).
-    fn older_than_history(&self, event: &CompletionEvent) -> bool {
-        let max_age = self.shared.events.cached_info().config.max_age;
-        match event.dispatched_at {
-            Some(at) if !max_age.is_zero() => at < time::OffsetDateTime::now_utc() - max_age,
-            _ => false,
-        }
-    }
-
-    /// The newest completion of task `index` of `member`'s batch on
-    /// `subject` stored before `sequence` that can be used ([`sibling`]),
-    /// walking the subject's messages from its first (usually one or two: a
-    /// completion, a duplicate, garbage), at most [`WALK_LIMIT`] of them.
-    async fn usable_before(
-        &self,
-        subject: &str,
-        sequence: u64,
-        member: &Pending,
-        index: u32,
-    ) -> Result<Option<CompletionEvent>, PlanError> {
-        let mut newest = None;
-        let mut from = 1;
-        for _ in 0..WALK_LIMIT {
-            if from >= sequence {
-                break;
-            }
-            let message = match self
-                .shared
-                .events
-                .raw_message_builder()
-                .sequence(from)
-                .next_by_subject(subject)
-                .send()
-                .await
-            {
-                Ok(message) => message,
-                Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => break,
-                Err(error) => return Err(PlanError::History(error.to_string())),
-            };
-            if message.sequence >= sequence {
-                break;
-            }
-            if let Ok(done) = sibling(&message, member, index) {
-                newest = Some(done);
-            }
-            from = from.max(message.sequence) + 1;
-        }
-        Ok(newest)
     }
 
     /// Completions woken one by one (single tasks, tasks of `independent`
@@ -702,10 +585,6 @@ pub(super) fn is_combined_key(key: &str) -> bool {
         .is_some_and(|id| ulid::Ulid::from_string(id).is_ok())
 }
 
-/// Most messages [`Router::readable_before`] reads on one subject: a task's
-/// `done` subject holds one or two, unless someone floods it.
-const WALK_LIMIT: usize = 64;
-
 /// Room left in a ledger entry for the KV layer beyond the intent's JSON.
 const INTENT_MARGIN: usize = 1024;
 
@@ -718,41 +597,6 @@ fn combined_intent_size(tasks: &[Vec<Pending>]) -> usize {
         covers: tasks.iter().map(|group| group[0].ledger_key()).collect(),
     };
     serde_json::to_vec(&intent).map_or(usize::MAX, |json| json.len())
-}
-
-/// A stored completion of task `index` of `member`'s batch, if it is one
-/// the wake would admit as that task's: a readable body whose ids, task
-/// count and origin session (body and header) are the batch's. Anything
-/// else stored on the task's subject (a forged or mistaken publish, which
-/// the wake dead-lettered when it met it) does not end the batch: counted,
-/// it would wake the session before the task's real completion, whose
-/// text would then never be posted.
-fn sibling(
-    message: &StreamMessage,
-    member: &Pending,
-    index: u32,
-) -> Result<CompletionEvent, String> {
-    let done = CompletionEvent::decode(&message.payload).map_err(|error| error.to_string())?;
-    let batch = &member.event;
-    if done.delegation_id != batch.delegation_id
-        || done.task_index != index
-        || done.task_count != batch.task_count
-    {
-        return Err("its delegation id, task index or task count is not this task's".to_owned());
-    }
-    let session = Some(member.session.as_str());
-    let header = message
-        .headers
-        .get(HEADER_ORIGIN_SESSION)
-        .map(|value| value.as_str());
-    if done.origin_session_id.as_deref() != session || header != session {
-        return Err("it names another origin session, in its body or its header".to_owned());
-    }
-    let event_id = CompletionEvent::id_for(&done.delegation_id, index);
-    if !done.event_id.is_empty() && done.event_id != event_id {
-        return Err(format!("its event_id is not {event_id:?}"));
-    }
-    Ok(done)
 }
 
 fn is_batch_member(pending: &Pending) -> bool {
