@@ -108,7 +108,11 @@ pub(crate) enum LogFormat {
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
-    /// Create or update the streams, buckets and consumers (idempotent; never deletes).
+    /// Create or update the streams, buckets and consumers (idempotent).
+    ///
+    /// Deletes nothing, except that a --history or --session-lock-ttl
+    /// shorter than the deployment's (WAKEBUS_HISTORY and config files
+    /// count) shortens it, dropping what is older at once.
     Init(InitArgs),
     /// Delegate a task. With --session it returns at once and the session is
     /// woken later; without, it runs synchronously and prints the result.

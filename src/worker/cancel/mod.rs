@@ -70,6 +70,7 @@ struct Running {
     reason: Arc<OnceLock<StopReason>>,
 }
 
+/// What the registry's lock guards.
 #[derive(Debug, Default)]
 struct Inner {
     /// Every cancel record known, younger than `keep`, and where it came

@@ -21,7 +21,10 @@ use crate::protocol::{Status, TaskRequest};
 static RUNNING_GROUPS: Mutex<BTreeSet<i32>> = Mutex::new(BTreeSet::new());
 
 /// Keeps a task program's process group in [`RUNNING_GROUPS`] while it runs.
-struct RunningGroup(i32);
+struct RunningGroup(
+    /// The process group's id (the program's pid, which leads it).
+    i32,
+);
 
 impl RunningGroup {
     fn register(pid: u32) -> Option<Self> {

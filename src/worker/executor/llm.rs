@@ -85,6 +85,7 @@ struct ChatResponse {
     usage: Option<Usage>,
 }
 
+/// One answer of a chat-completions response.
 #[derive(Debug, Deserialize)]
 struct Choice {
     /// The answer.
@@ -95,6 +96,7 @@ struct Choice {
     finish_reason: Option<String>,
 }
 
+/// The assistant message of an answer.
 #[derive(Debug, Deserialize)]
 struct ChatMessage {
     /// Its text; `null` when the model declined or called a tool.
