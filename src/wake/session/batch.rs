@@ -4,14 +4,19 @@
 //! A batch may have up to 1,000 tasks, each with a result near the max
 //! payload: read whole, its turn could be a gigabyte, held in memory and
 //! posted as one user message. So the results share at most the server's
-//! max payload between them, less what the goals and errors take: each
+//! max payload between them, less what the rest of the turn takes: each
 //! is cut at the same length, the longest at which they all fit, so a
 //! short result is never cut to make room and long ones get what the short
-//! ones leave. Goals are cut to [`GOAL_MAX`] (the session wrote them) and
-//! errors to [`ERROR_MAX`]. The results are read in two passes, to keep
-//! memory near the turn's size: the first keeps of each result its even
-//! share of the budget and its length, the second reads again only those
-//! allowed more than that.
+//! ones leave. A goal or an error is cut only beyond the greater of an
+//! even share of the budget and [`GOAL_MIN`] or [`ERROR_MIN`] (a command's
+//! error never is), so that the turn is bounded whatever they are. The
+//! text depends on the completions and the max payload alone, as a turn
+//! re-sent under its key must. The results are read in two passes, so that memory stays
+//! within a few times the budget: the first keeps of each completion only
+//! what the turn shows, its result cut to its even share, and the
+//! result's length; the second reads again, one at a time, those allowed
+//! more than that. A read that fails fails the plan (tried again), rather
+//! than give a turn that a re-send would give otherwise.
 
 use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
@@ -22,16 +27,20 @@ use super::{Pending, Router};
 use crate::protocol::{CompletionEvent, EventKind, HEADER_ORIGIN_SESSION, bounded, session_token};
 use crate::wake::turn;
 
-/// The most of a goal a batch turn repeats.
-const GOAL_MAX: usize = 1024;
+/// A goal is cut only beyond this and the task's even share of the budget.
+const GOAL_MIN: usize = 1024;
 
-/// The most of an error a batch turn gives (a command's stderr tail, which
-/// errors quote, is 4 KiB).
-const ERROR_MAX: usize = 4096;
+/// An error is cut only beyond this and the task's even share of the
+/// budget: a command's error (its exit and a 4 KiB stderr tail) never is.
+const ERROR_MIN: usize = 8192;
 
 /// What one task's lines take in a batch turn besides its goal, error and
-/// result.
-const TASK_LINES: usize = 64;
+/// result (its header, labels, cut markers), at most.
+const TASK_LINES: usize = 128;
+
+/// What a batch turn takes besides its tasks (its header, the closing note
+/// on cut results), at most.
+const TURN_LINES: usize = 512;
 
 /// Most messages [`Router::usable_before`] reads on one subject: a task's
 /// `done` subject holds one or two, unless someone floods it.
@@ -47,8 +56,9 @@ pub(super) struct BatchTurn {
 
 /// One task's completion as the first pass keeps it.
 struct Kept {
-    /// The completion: its goal and error cut, its result to at most the
-    /// first pass's share.
+    /// The completion as the turn shows it: no context, its goal and error
+    /// cut, its result to at most the first pass's share (each in an
+    /// allocation of that size, not the decoded one's).
     event: CompletionEvent,
     /// The result's whole length in bytes.
     whole: usize,
@@ -57,14 +67,17 @@ struct Kept {
 }
 
 impl Kept {
-    /// Keeps `event`, whose result is cut to `share` bytes for now.
+    /// Keeps what the turn shows of `event`, whose result is cut to
+    /// `share` bytes, the task's even share of the budget, for now.
     fn new(mut event: CompletionEvent, sequence: Option<u64>, share: usize) -> Self {
-        event.goal = bounded(&event.goal, GOAL_MAX);
-        event.error = event.error.map(|error| bounded(&error, ERROR_MAX));
+        // Not shown, and up to the max payload each.
+        event.context = String::new();
+        event.goal = bounded(&event.goal, share.max(GOAL_MIN));
+        event.error = event
+            .error
+            .map(|error| bounded(&error, share.max(ERROR_MIN)));
         let whole = event.summary.as_ref().map_or(0, String::len);
-        if let Some(summary) = event.summary.as_mut() {
-            summary.truncate(floor_boundary(summary, share));
-        }
+        event.summary = event.summary.map(|summary| prefix(&summary, share));
         Self {
             event,
             whole,
@@ -88,7 +101,7 @@ impl Router {
     ) -> Result<Option<BatchTurn>, PlanError> {
         let member = members[0];
         let tasks = member.event.task_count;
-        let budget = self.shared.bus.max_payload();
+        let budget = self.shared.bus.max_payload().saturating_sub(TURN_LINES);
         let first = budget / tasks.max(1) as usize;
         let Some(kept) = self.batch_completions(members, first).await? else {
             return Ok(None);
@@ -102,16 +115,17 @@ impl Router {
             let allowed = share.map_or(k.whole, |share| share.min(k.whole));
             let mut event = k.event;
             let have = event.summary.as_ref().map_or(0, String::len);
-            if allowed > have
-                && let Some(whole) = self.read_again(members, k.sequence, event.task_index).await
-            {
-                event.summary = whole.summary;
+            if allowed > have {
+                let whole = self
+                    .read_again(members, k.sequence, event.task_index)
+                    .await?;
+                event.summary = whole.summary.map(|summary| prefix(&summary, allowed));
             }
             if let Some(summary) = event.summary.as_mut()
-                && k.whole > allowed
+                && summary.len() < k.whole
             {
-                summary.truncate(floor_boundary(summary, allowed));
-                summary.push_str(&format!("… [{} bytes cut]", k.whole - summary.len()));
+                let cut_off = k.whole - summary.len();
+                summary.push_str(&format!("… [{cut_off} bytes cut]"));
                 cut += 1;
             }
             events.push(event);
@@ -126,36 +140,39 @@ impl Router {
     }
 
     /// Task `index`'s completion read again whole (see [`Kept`]): from
-    /// `members` when in hand, else at `sequence`. `None` if it cannot be:
-    /// the turn then gives what the first pass kept.
+    /// `members` when in hand, else at `sequence`. An error fails the plan,
+    /// tried again later: a turn given with this result cut further would
+    /// differ from the same turn re-sent after a crash.
     async fn read_again(
         &self,
         members: &[&Pending],
         sequence: Option<u64>,
         index: u32,
-    ) -> Option<CompletionEvent> {
+    ) -> Result<CompletionEvent, PlanError> {
         let Some(sequence) = sequence else {
-            let held = members.iter().find(|p| p.event.task_index == index)?;
-            return Some(held.event.clone());
+            return members
+                .iter()
+                .find(|p| p.event.task_index == index)
+                .map(|held| held.event.clone())
+                .ok_or_else(|| PlanError::History(format!("task {index} is no longer in hand")));
         };
-        let read = self
+        let message = self
             .shared
             .events
             .raw_message_builder()
             .sequence(sequence)
             .send()
-            .await;
-        match read.map(|message| sibling(&message, members[0], index)) {
-            Ok(Ok(done)) => Some(done),
-            Ok(Err(error)) => {
-                warn!(task_index = index, sequence, %error, "A batch task's completion read again cannot be used; its turn gives it cut.");
-                None
-            }
-            Err(error) => {
-                warn!(task_index = index, sequence, %error, "A batch task's completion could not be read again; its turn gives it cut.");
-                None
-            }
-        }
+            .await
+            .map_err(|error| {
+                PlanError::History(format!(
+                    "cannot read task {index}'s completion again at sequence {sequence}: {error}"
+                ))
+            })?;
+        sibling(&message, members[0], index).map_err(|error| {
+            PlanError::History(format!(
+                "task {index}'s completion read again at sequence {sequence} cannot be used: {error}"
+            ))
+        })
     }
 
     /// Every completion of a batch, by task index, if all exist, kept with
@@ -277,14 +294,14 @@ impl Router {
     }
 }
 
-/// The largest length up to `max` at which `text` can be cut: on a
-/// character boundary.
-fn floor_boundary(text: &str, max: usize) -> usize {
+/// At most the first `max` bytes of `text` (cut on a character
+/// boundary), in an allocation of their own size.
+fn prefix(text: &str, max: usize) -> String {
     let mut cut = max.min(text.len());
     while !text.is_char_boundary(cut) {
         cut -= 1;
     }
-    cut
+    text[..cut].to_owned()
 }
 
 /// A stored completion of task `index` of `member`'s batch, if it is one
