@@ -233,6 +233,67 @@ async fn a_running_task_is_interrupted_with_its_partial_output() {
     );
 }
 
+/// A silent cancel that comes once the task's program has finished, while
+/// a process it left behind still holds its output, leaves the result as
+/// it is (the program finished in time) but keeps the session from
+/// hearing of the task, as it asked.
+#[tokio::test]
+async fn a_silent_cancel_after_the_program_finished_keeps_its_result_and_wakes_nobody() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("pid");
+    let script = format!(
+        "sleep 600 & echo $$ > '{}'; echo finished",
+        pid_file.display()
+    );
+    let mut command = CommandConfig::new("sh", vec!["-c".into(), script]);
+    // The helper holds the output for this long before it is stopped.
+    command.kill_grace = Duration::from_secs(60);
+    let mut services = Services::new();
+    services.worker(
+        &bus,
+        Executor::Command(CommandExecutor::new(command)),
+        test_worker_config("default"),
+    );
+    let id = delegate(&bus, Delegation::new("finish first").session("s.drain")).await;
+    let program = eventually(WAIT, "the program to exit", || async {
+        let pid = std::fs::read_to_string(&pid_file).ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid.trim()));
+        // Gone, or a zombie (its state follows the parenthesised name).
+        let exited = stat.map_or(true, |stat| {
+            stat.rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+        });
+        exited.then_some(pid)
+    })
+    .await;
+    assert!(
+        done_events(&bus).await.is_empty(),
+        "ended before the cancel"
+    );
+    let report = Canceller::new(bus.clone())
+        .cancel_delegation(&id, true)
+        .await
+        .unwrap();
+    assert_eq!(report.status, "cancelled", "program {program}");
+    wait_until(WAIT, "the completion", || async {
+        done_events(&bus).await.len() == 1
+    })
+    .await;
+    services.stop().await;
+    let done = &done_events(&bus).await[0];
+    assert_eq!(done.status, Status::Completed, "{done:?}");
+    assert!(
+        done.summary
+            .as_deref()
+            .is_some_and(|s| s.starts_with("finished")),
+        "{done:?}"
+    );
+    assert!(done.suppress_wake, "{done:?}");
+}
+
 #[tokio::test]
 async fn a_task_cancelled_before_its_started_event_is_written_is_still_interrupted() {
     init_logs();

@@ -388,6 +388,10 @@ impl TaskHandler {
             }
         };
 
+        // A silent cancel that came once the program had finished (while
+        // what it left behind still held its output) leaves its result as
+        // it is, but the session asked not to hear of the task.
+        suppress_wake |= matches!(reason.get(), Some(StopReason::Cancelled { silent: true }));
         let mut done = CompletionEvent::for_request(&request, output.status, &output.exit_reason);
         done.summary = output.summary;
         done.error = output.error;
