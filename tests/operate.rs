@@ -1098,8 +1098,50 @@ async fn bad_arguments_are_reported_before_connecting() {
             "is not a W3C traceparent",
         ),
         (vec!["events", "--since", "soon"], "--since"),
+        (vec!["delegate", "--goal", " "], "goal"),
+        (vec!["delegate", "--goal", "g", "--pool", "gpu a"], "pool"),
+        (
+            vec!["delegate", "--goal", "g", "--delegation-id", "a.b"],
+            "delegation id",
+        ),
+        (vec!["cancel", "a.b"], "delegation id \"a.b\""),
+        (vec!["cancel", "--session", " s"], "--session \" s\""),
     ])
     .await;
+}
+
+/// Inside a task (its worker sets `WAKEBUS_DEPTH`), a parent depth that is
+/// not a number is reported with its value; one set to nothing counts as
+/// unset, as every option's variable does.
+#[tokio::test]
+async fn a_parent_depth_that_is_not_a_number_is_named_and_an_empty_one_is_unset() {
+    let run = |depth: &'static str| async move {
+        let args = common::cli::tool_args(
+            "nats://127.0.0.1:1",
+            "wakebus",
+            &["delegate", "--goal", "g", "--connect-timeout", "0s"],
+        );
+        let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+            .args(args)
+            .env("WAKEBUS_DEPTH", depth)
+            .stdin(std::process::Stdio::null())
+            .output();
+        let output = tokio::time::timeout(Duration::from_secs(60), output)
+            .await
+            .expect("wakebus did not finish within 60s")
+            .expect("run wakebus");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    let word = run("one").await;
+    assert!(
+        word.contains("WAKEBUS_DEPTH \"one\" is not a number"),
+        "{word}"
+    );
+    let empty = run("").await;
+    assert!(
+        empty.contains("cannot connect") && !empty.contains("WAKEBUS_DEPTH"),
+        "{empty}"
+    );
 }
 
 /// Runs each command line of `cases` against a URL where nothing listens

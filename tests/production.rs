@@ -340,6 +340,16 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
             "{config:?}: {stderr}"
         );
     }
+    // `dev` too, which would otherwise start or use a server on port 4222.
+    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .env_clear()
+        .env("NATS_URL", "")
+        .arg("dev")
+        .output_within(WAIT)
+        .await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("no NATS server URL given"), "{stderr}");
     let bad = write(dir.path(), "bad.conf", "nats-ur1 = x\n");
     let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
         .env_clear()
@@ -350,6 +360,20 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
     assert!(!output.status.success());
     assert!(
         stderr.contains("line 1: unknown option \"nats-ur1\""),
+        "{stderr}"
+    );
+    // A value an option does not take: the values it does.
+    let bad = write(dir.path(), "bad-value.conf", "log-format = jsn\n");
+    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .env_clear()
+        .args(["--config", bad.to_str().unwrap(), "init"])
+        .output_within(WAIT)
+        .await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("line 1: option \"log-format\"")
+            && stderr.contains("[possible values: text, json]"),
         "{stderr}"
     );
 

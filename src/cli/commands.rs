@@ -8,7 +8,7 @@ use wakebus::bus::{AgeChange, Bus, BusSettings};
 use wakebus::connect::NatsConfig;
 use wakebus::delegate::{DelegateError, Delegation, Delegator};
 use wakebus::ops::http::Probe;
-use wakebus::protocol::Subjects;
+use wakebus::protocol::{Subjects, bounded};
 use wakebus::wake::session_api::{HttpSecurity, PostShape, SessionApiConfig};
 use wakebus::wake::webhook::WebhookSecret;
 use wakebus::wake::{self, WakeConfig};
@@ -99,16 +99,19 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 None => None,
             };
             inherit_from_parent_task(&mut delegation)?;
-            // Connected only once the arguments are read: with NATS away,
-            // a mistake in them is reported at once, not as `cannot
-            // connect` after the connect timeout.
+            // Connected only once the arguments are checked: with NATS
+            // away, a mistake in them is reported at once, not as `cannot
+            // connect` after the connect timeout (a gateway would retry
+            // what can never work).
+            let limits = args.limits.limits();
+            wakebus::delegate::check(&delegation, args.max_batch, args.max_depth, &limits)?;
             let patience = args.patience.connect_timeout;
             let bus = connect_within(&global, "wakebus-delegate", patience).await?;
             let delegator = Delegator::new(bus)
                 .with_wait_timeout(args.wait_timeout)
                 .with_max_depth(args.max_depth)
                 .with_max_batch(args.max_batch)
-                .with_limits(args.limits.limits());
+                .with_limits(limits);
             let result = match delegator.delegate(delegation).await {
                 Ok(result) => result,
                 // Stored, wholly or in part: a caller that delegates again
@@ -126,6 +129,15 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{}", serde_json::to_string(&result)?);
         }
         Command::Cancel(args) => {
+            // Checked before connecting, as `delegate`'s arguments are.
+            if let Some(id) = &args.delegation_id {
+                wakebus::protocol::validate_delegation_id(id)
+                    .with_context(|| format!("delegation id {:?}", bounded(id, 100)))?;
+            }
+            if let Some(session) = &args.session {
+                wakebus::protocol::validate_session_id(session)
+                    .with_context(|| format!("--session {:?}", bounded(session, 100)))?;
+            }
             let patience = args.patience.connect_timeout;
             let bus = connect_within(&global, "wakebus-cancel", patience).await?;
             let canceller = wakebus::cancel::Canceller::new(bus);
@@ -164,7 +176,8 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 ExecutorKind::Llm => Executor::Llm(llm_executor(&args)?),
             };
-            wakebus::protocol::validate_pool(&args.pool)?;
+            wakebus::protocol::validate_pool(&args.pool)
+                .with_context(|| format!("--pool {:?}", args.pool))?;
             let bus = connect(&global, "wakebus-worker").await?;
             let mut config = WorkerConfig::new(&args.pool);
             let probe = Probe::worker(&bus, &args.pool, config.started.clone());
@@ -467,8 +480,13 @@ fn webhook_secrets(files: &[std::path::PathBuf]) -> anyhow::Result<Vec<WebhookSe
 /// Inside a `command` executor (WAKEBUS_DEPTH is set), a delegation nests
 /// one level below its parent task and records the parent's session.
 fn inherit_from_parent_task(delegation: &mut Delegation) -> anyhow::Result<()> {
-    if let Ok(depth) = std::env::var("WAKEBUS_DEPTH") {
-        let parent: u32 = depth.parse().context("WAKEBUS_DEPTH is not a number")?;
+    // Set to nothing counts as unset, as for every option's variable.
+    if let Ok(depth) = std::env::var("WAKEBUS_DEPTH").map(|depth| depth.trim().to_owned())
+        && !depth.is_empty()
+    {
+        let parent: u32 = depth
+            .parse()
+            .with_context(|| format!("WAKEBUS_DEPTH {depth:?} is not a number"))?;
         delegation.depth = parent
             .checked_add(1)
             .context("WAKEBUS_DEPTH is at the largest depth there is")?;

@@ -120,13 +120,19 @@ pub(crate) fn with_config_file(
             .arg((*arg).clone().global(false).env(None));
         if let Err(error) = alone.try_get_matches_from([format!("--{name}={value}")]) {
             let error = error.to_string();
-            let reason = error
-                .lines()
+            let mut lines = error.lines();
+            let reason = lines
                 .next()
                 .unwrap_or_default()
                 .trim_start_matches("error: ");
+            // An option of a few values says which, on the next line.
+            let values = lines
+                .map(str::trim)
+                .find(|line| line.starts_with("[possible values:"))
+                .map(|values| format!(" {values}"))
+                .unwrap_or_default();
             bail!(
-                "{} line {}: option {name:?}: {reason}",
+                "{} line {}: option {name:?}: {reason}{values}",
                 path.display(),
                 number + 1
             );

@@ -416,53 +416,14 @@ impl Delegator {
         })
     }
 
-    /// Validates the delegation and builds one request per task.
+    /// Checks the delegation ([`check`]) and builds one request per task.
     fn requests(&self, delegation: &Delegation) -> Result<Vec<TaskRequest>, DelegateError> {
+        check(delegation, self.max_batch, self.max_depth, &self.limits)?;
         let count = delegation.tasks.len();
-        if count == 0 {
-            return Err(DelegateError::NoTasks);
-        }
-        // A raised limit still stops at the protocol's.
-        let max = self.max_batch.min(crate::protocol::MAX_TASK_COUNT as usize);
-        if count > max {
-            return Err(DelegateError::BatchTooLarge { size: count, max });
-        }
-        if let Some(index) = delegation
-            .tasks
-            .iter()
-            .position(|t| t.goal.trim().is_empty())
-        {
-            return Err(DelegateError::EmptyGoal(index));
-        }
-        for task in &delegation.tasks {
-            self.limits.check_fields(&task.goal, &task.context)?;
-        }
-        validate_pool(&delegation.pool)?;
-        if let Some(schema) = &delegation.output_schema {
-            crate::protocol::check_output_schema(schema).map_err(DelegateError::OutputSchema)?;
-        }
-        if let Some(session) = &delegation.origin_session_id {
-            validate_session_id(session)?;
-        }
-        if delegation.timeout_seconds == Some(0) {
-            return Err(DelegateError::ZeroTimeout);
-        }
-        if delegation.depth == 0 {
-            return Err(DelegateError::ZeroDepth);
-        }
-        if delegation.depth > self.max_depth {
-            return Err(DelegateError::DepthLimit {
-                depth: delegation.depth,
-                max: self.max_depth,
-            });
-        }
-        let delegation_id = match &delegation.delegation_id {
-            Some(id) => {
-                validate_delegation_id(id)?;
-                id.clone()
-            }
-            None => new_delegation_id(),
-        };
+        let delegation_id = delegation
+            .delegation_id
+            .clone()
+            .unwrap_or_else(new_delegation_id);
         let created_at = Some(OffsetDateTime::now_utc());
         Ok(delegation
             .tasks
@@ -580,4 +541,59 @@ impl Delegator {
         });
         futures::future::join_all(finished).await
     }
+}
+
+/// Refuses a delegation that [`Delegator::delegate`] would refuse before it
+/// sends anything, under these limits (those a [`Delegator`] is given with
+/// `with_max_batch`, `with_max_depth` and `with_limits`), without a
+/// connection: `wakebus delegate` checks its arguments with it before it
+/// connects, so that a mistake is not reported as an outage.
+pub fn check(
+    delegation: &Delegation,
+    max_batch: usize,
+    max_depth: u32,
+    limits: &Limits,
+) -> Result<(), DelegateError> {
+    let count = delegation.tasks.len();
+    if count == 0 {
+        return Err(DelegateError::NoTasks);
+    }
+    // A raised limit still stops at the protocol's.
+    let max = max_batch.min(crate::protocol::MAX_TASK_COUNT as usize);
+    if count > max {
+        return Err(DelegateError::BatchTooLarge { size: count, max });
+    }
+    if let Some(index) = delegation
+        .tasks
+        .iter()
+        .position(|t| t.goal.trim().is_empty())
+    {
+        return Err(DelegateError::EmptyGoal(index));
+    }
+    for task in &delegation.tasks {
+        limits.check_fields(&task.goal, &task.context)?;
+    }
+    validate_pool(&delegation.pool)?;
+    if let Some(schema) = &delegation.output_schema {
+        crate::protocol::check_output_schema(schema).map_err(DelegateError::OutputSchema)?;
+    }
+    if let Some(session) = &delegation.origin_session_id {
+        validate_session_id(session)?;
+    }
+    if delegation.timeout_seconds == Some(0) {
+        return Err(DelegateError::ZeroTimeout);
+    }
+    if delegation.depth == 0 {
+        return Err(DelegateError::ZeroDepth);
+    }
+    if delegation.depth > max_depth {
+        return Err(DelegateError::DepthLimit {
+            depth: delegation.depth,
+            max: max_depth,
+        });
+    }
+    if let Some(id) = &delegation.delegation_id {
+        validate_delegation_id(id)?;
+    }
+    Ok(())
 }
