@@ -1098,6 +1098,9 @@ async fn bad_arguments_are_reported_before_connecting() {
             "is not a W3C traceparent",
         ),
         (vec!["events", "--since", "soon"], "--since"),
+        (vec!["events", "--from-seq", "0"], "--from-seq"),
+        (vec!["events", "--pool", "gpu"], "--pool"),
+        (vec!["replay", "tasks", "--from-seq", "0"], "--from-seq"),
         (vec!["delegate", "--goal", " "], "goal"),
         (vec!["delegate", "--goal", "g", "--pool", "gpu a"], "pool"),
         (

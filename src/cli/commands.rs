@@ -21,8 +21,8 @@ use super::service_shutdown;
 /// `delegate`'s exit status when the delegation was stored, wholly or in
 /// part, and the call failed after that (not every request confirmed, or
 /// the wait for its completions): it runs. Delegating it again is safe
-/// only with the same `--delegation-id`. Any other failure (1) stored
-/// nothing.
+/// only with the same `--delegation-id`. Any other failure (1, or 2 for
+/// a command line refused as it was parsed) stored nothing.
 const STORED: u8 = 4;
 
 pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {

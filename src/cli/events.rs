@@ -34,6 +34,7 @@ pub(crate) async fn run(global: &Global, args: EventsArgs) -> anyhow::Result<Exi
         .map_or(Source::Events, DeadLetterArg::source);
     // Before connecting: a bad filter is reported at once, NATS away or not.
     let selection = args.filters.selection()?;
+    selection.validate(source)?;
     let bus = super::commands::connect_within(global, "wakebus-events", std::time::Duration::ZERO)
         .await?;
     let mut reader = HistoryReader::open(&bus, source, selection, args.follow).await?;

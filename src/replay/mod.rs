@@ -125,6 +125,12 @@ impl ReplayPlan {
         }
     }
 
+    /// Refuses a selection [`Replayer::new`] would refuse, without a
+    /// connection: a caller can report a mistake before it connects.
+    pub fn check(&self) -> Result<(), HistoryError> {
+        self.effective_selection().validate(self.source())
+    }
+
     /// The selection as read: wakes only ever read completions.
     fn effective_selection(&self) -> Selection {
         let mut selection = self.selection.clone();
@@ -335,7 +341,7 @@ pub struct Replayer {
 impl Replayer {
     /// Prepares a replay of `plan` on `bus`.
     pub async fn new(bus: Bus, plan: ReplayPlan) -> Result<Self, ReplayError> {
-        plan.effective_selection().validate(plan.source())?;
+        plan.check()?;
         let mut ledger = None;
         let mut events = None;
         let mut kept = std::time::Duration::ZERO;
