@@ -41,7 +41,8 @@ pub const TASKS_IN_FLIGHT: &str = "wakebus_tasks_in_flight";
 /// Messages dead-lettered, by `kind` (`task`, `wake`, `poison`, `origin`,
 /// `unreadable`).
 pub const DEAD_LETTERS: &str = "wakebus_dead_letters_total";
-/// Wake posts to the session API, by `result` (`delivered`, `retry`, `rejected`).
+/// Wake posts to the session API, by `result` (`delivered`, `retry`,
+/// `rejected`, `split`: a combined turn refused as too large).
 pub const WAKE_POSTS: &str = "wakebus_wake_posts_total";
 /// Rounds of writing a delivered turn's `delivered` ledger records that
 /// JetStream did not store all of, so the wake writes them again (the turn
@@ -214,13 +215,14 @@ pub fn task_completed(pool: &str, status: Status, duration: Duration) {
     metrics::histogram!(TASK_DURATION, &labels).record(duration.as_secs_f64());
 }
 
-/// A message was dead-lettered: `task`, `wake`, `poison` or `origin` (a
-/// completion whose origin the wake could not verify).
+/// A message was dead-lettered: `task`, `wake`, `poison`, `origin` (a
+/// completion whose origin the wake could not verify) or `unreadable` (a
+/// message no client can read, moved by a sweep).
 pub fn dead_lettered(kind: &'static str) {
     metrics::counter!(DEAD_LETTERS, "kind" => kind).increment(1);
 }
 
-/// A wake post ended: `delivered`, `retry` or `rejected`.
+/// A wake post ended: `delivered`, `retry`, `rejected` or `split`.
 pub fn wake_posted(result: &'static str) {
     metrics::counter!(WAKE_POSTS, "result" => result).increment(1);
 }
