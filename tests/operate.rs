@@ -1118,33 +1118,52 @@ async fn bad_arguments_are_reported_before_connecting() {
 /// unset, as every option's variable does.
 #[tokio::test]
 async fn a_parent_depth_that_is_not_a_number_is_named_and_an_empty_one_is_unset() {
-    let run = |depth: &'static str| async move {
-        let args = common::cli::tool_args(
-            "nats://127.0.0.1:1",
-            "wakebus",
-            &["delegate", "--goal", "g", "--connect-timeout", "0s"],
-        );
-        let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
-            .args(args)
-            .env("WAKEBUS_DEPTH", depth)
-            .stdin(std::process::Stdio::null())
-            .output();
-        let output = tokio::time::timeout(Duration::from_secs(60), output)
-            .await
-            .expect("wakebus did not finish within 60s")
-            .expect("run wakebus");
-        String::from_utf8_lossy(&output.stderr).into_owned()
-    };
-    let word = run("one").await;
+    let word = delegate_offline("WAKEBUS_DEPTH", "one").await;
     assert!(
         word.contains("WAKEBUS_DEPTH \"one\" is not a number"),
         "{word}"
     );
-    let empty = run("").await;
+    let empty = delegate_offline("WAKEBUS_DEPTH", "").await;
     assert!(
         empty.contains("cannot connect") && !empty.contains("WAKEBUS_DEPTH"),
         "{empty}"
     );
+}
+
+/// A `TRACEPARENT` inherited from the environment that is not a W3C
+/// traceparent starts a new trace, with a warning, as one in a message
+/// header does: it does not refuse every delegation of the process that
+/// inherited it, nor blame a `--traceparent` nobody typed. Typed, it is
+/// refused (`bad_arguments_are_reported_before_connecting`).
+#[tokio::test]
+async fn an_inherited_traceparent_that_is_not_one_starts_a_new_trace() {
+    let stderr = delegate_offline("TRACEPARENT", "nonsense").await;
+    assert!(
+        stderr.contains("TRACEPARENT is not a W3C traceparent; starting a new trace")
+            && stderr.contains("cannot connect")
+            && !stderr.contains("--traceparent"),
+        "{stderr}"
+    );
+}
+
+/// Runs `wakebus delegate --goal g` with `name=value` in its environment
+/// against a URL where nothing listens; returns its stderr.
+async fn delegate_offline(name: &str, value: &str) -> String {
+    let args = common::cli::tool_args(
+        "nats://127.0.0.1:1",
+        "wakebus",
+        &["delegate", "--goal", "g", "--connect-timeout", "0s"],
+    );
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+        .args(args)
+        .env(name, value)
+        .stdin(std::process::Stdio::null())
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(60), output)
+        .await
+        .expect("wakebus did not finish within 60s")
+        .expect("run wakebus");
+    String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
 /// Runs each command line of `cases` against a URL where nothing listens

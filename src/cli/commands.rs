@@ -93,9 +93,16 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             delegation.wait = args.wait;
             delegation.delegation_id = args.delegation_id;
             delegation.traceparent = match args.traceparent.as_deref() {
-                Some(value) => Some(wakebus::protocol::TraceParent::parse(value).with_context(
-                    || format!("--traceparent {value:?} is not a W3C traceparent"),
-                )?),
+                Some(value) => match wakebus::protocol::TraceParent::parse(value) {
+                    Some(parent) => Some(parent),
+                    // Inherited, not typed: like one in a message header,
+                    // it starts a new trace rather than refuse the work.
+                    None if std::env::var("TRACEPARENT").is_ok_and(|env| env == value) => {
+                        tracing::warn!(traceparent = %bounded(value, 100), "TRACEPARENT is not a W3C traceparent; starting a new trace.");
+                        None
+                    }
+                    None => bail!("--traceparent {value:?} is not a W3C traceparent"),
+                },
                 None => None,
             };
             inherit_from_parent_task(&mut delegation)?;
