@@ -8,15 +8,17 @@
 //! is cut at the same length, the longest at which they all fit, so a
 //! short result is never cut to make room and long ones get what the short
 //! ones leave. A goal or an error is cut only beyond the greater of an
-//! even share of the budget and [`GOAL_MIN`] or [`ERROR_MIN`] (a command's
-//! error never is), so that the turn is bounded whatever they are. The
-//! text depends on the completions and the max payload alone, as a turn
-//! re-sent under its key must. The results are read in two passes, so that memory stays
-//! within a few times the budget: the first keeps of each completion only
-//! what the turn shows, its result cut to its even share, and the
-//! result's length; the second reads again, one at a time, those allowed
-//! more than that. A read that fails fails the plan (tried again), rather
-//! than give a turn that a re-send would give otherwise.
+//! even share of the budget and [`GOAL_MIN`] or [`ERROR_MIN`], so the turn
+//! is the budget, or at most about 9 KiB a task when goals and errors are
+//! long. The text depends on the completions stored and the max payload
+//! alone, as a turn re-sent under its key must.
+//!
+//! The results are read in two passes, so that memory stays near the
+//! turn's bound: the first keeps of each completion only what the turn
+//! shows, its result cut to its even share, and the result's length; the
+//! second reads again, one at a time, those allowed more than that. A read
+//! that fails fails the plan (tried again), rather than give a turn that a
+//! re-send would give otherwise.
 
 use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
@@ -31,7 +33,7 @@ use crate::wake::turn;
 const GOAL_MIN: usize = 1024;
 
 /// An error is cut only beyond this and the task's even share of the
-/// budget: a command's error (its exit and a 4 KiB stderr tail) never is.
+/// budget: a command's error (its exit and a 4 KiB stderr tail) seldom is.
 const ERROR_MIN: usize = 8192;
 
 /// What one task's lines take in a batch turn besides its goal, error and
@@ -120,6 +122,10 @@ impl Router {
                     .read_again(members, k.sequence, event.task_index)
                     .await?;
                 event.summary = whole.summary.map(|summary| prefix(&summary, allowed));
+            } else if allowed < have {
+                // What the goals and errors take can leave less than the
+                // first pass's even share.
+                event.summary = event.summary.map(|summary| prefix(&summary, allowed));
             }
             if let Some(summary) = event.summary.as_mut()
                 && summary.len() < k.whole
@@ -223,7 +229,7 @@ impl Router {
                                 *slot = Some(Kept::new(done, Some(sequence), share));
                             }
                             None => {
-                                warn!(delegation_id = %member.event.delegation_id, task_index = index, %error, "A batch task's last stored completion cannot be used; the batch waits for a usable one.");
+                                warn!(delegation_id = %member.event.delegation_id, task_index = index, error = %bounded(&error, 300), "A batch task's last stored completion cannot be used; the batch waits for a usable one.");
                                 return Ok(None);
                             }
                         }
