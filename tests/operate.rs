@@ -1157,6 +1157,8 @@ async fn delegate_offline(name: &str, value: &str) -> String {
     let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
         .args(args)
         .env(name, value)
+        // Its warnings are what some cases look for.
+        .env("RUST_LOG", "info")
         .stdin(std::process::Stdio::null())
         .output();
     let output = tokio::time::timeout(Duration::from_secs(60), output)

@@ -184,7 +184,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 ExecutorKind::Llm => Executor::Llm(llm_executor(&args)?),
             };
             wakebus::protocol::validate_pool(&args.pool)
-                .with_context(|| format!("--pool {:?}", args.pool))?;
+                .with_context(|| format!("--pool {:?}", bounded(&args.pool, 100)))?;
             let bus = connect(&global, "wakebus-worker").await?;
             let mut config = WorkerConfig::new(&args.pool);
             let probe = Probe::worker(&bus, &args.pool, config.started.clone());
@@ -493,7 +493,7 @@ fn inherit_from_parent_task(delegation: &mut Delegation) -> anyhow::Result<()> {
     {
         let parent: u32 = depth
             .parse()
-            .with_context(|| format!("WAKEBUS_DEPTH {depth:?} is not a number"))?;
+            .with_context(|| format!("WAKEBUS_DEPTH {:?} is not a number", bounded(&depth, 100)))?;
         delegation.depth = parent
             .checked_add(1)
             .context("WAKEBUS_DEPTH is at the largest depth there is")?;
