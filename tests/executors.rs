@@ -672,20 +672,33 @@ async fn a_program_that_exits_leaving_a_process_on_its_output_completes_and_that
  {
     init_logs();
     // The helper inherits stdout, so the output never ends by itself.
-    let script = "sleep 600 & echo $!";
-    let mut config = CommandConfig::new("sh", vec!["-c".into(), script.into()]);
-    config.kill_grace = Duration::from_millis(500);
-    let (done, _bus, _nats) = run_one(
-        Executor::Command(CommandExecutor::new(config)),
+    let done = run_leaving_a_helper(
+        "sleep 600 & echo $!",
+        Duration::from_millis(500),
         Delegation::new("leave a helper behind"),
     )
     .await;
     assert_eq!(done.status, Status::Completed, "{done:?}");
+}
+
+/// Runs `script`, which prints the pid of a helper it leaves behind, as
+/// the task of `delegation` with `kill_grace`; returns its completion once
+/// that helper is stopped too.
+async fn run_leaving_a_helper(
+    script: &str,
+    kill_grace: Duration,
+    delegation: Delegation,
+) -> CompletionEvent {
+    let mut config = CommandConfig::new("sh", vec!["-c".into(), script.into()]);
+    config.kill_grace = kill_grace;
+    let (done, _bus, _nats) =
+        run_one(Executor::Command(CommandExecutor::new(config)), delegation).await;
     let helper = printed_pid(&done);
     wait_until(WAIT, "the helper to be stopped", || async {
         !running(helper)
     })
     .await;
+    done
 }
 
 /// A program that ended in time is not reported as timed out because its
@@ -695,20 +708,12 @@ async fn a_program_that_exits_leaving_a_process_on_its_output_completes_and_that
 async fn a_time_limit_passing_while_a_finished_programs_helper_holds_its_output_does_not_time_it_out()
  {
     init_logs();
-    let script = "sleep 600 & echo $!";
-    let mut config = CommandConfig::new("sh", vec!["-c".into(), script.into()]);
-    // The wait for the helper to let go of the output outlasts the limit.
-    config.kill_grace = Duration::from_secs(20);
     let mut delegation = Delegation::new("finish, then leave a helper past the limit");
     delegation.timeout_seconds = Some(1);
-    let (done, _bus, _nats) =
-        run_one(Executor::Command(CommandExecutor::new(config)), delegation).await;
+    // The wait for the helper to let go of the output outlasts the limit.
+    let done =
+        run_leaving_a_helper("sleep 600 & echo $!", Duration::from_secs(20), delegation).await;
     assert_eq!(done.status, Status::Completed, "{done:?}");
-    let helper = printed_pid(&done);
-    wait_until(WAIT, "the helper to be stopped", || async {
-        !running(helper)
-    })
-    .await;
 }
 
 /// A program that does not read its input is fine, even when the input
@@ -721,20 +726,13 @@ async fn input_left_unread_by_a_program_whose_helper_holds_its_stdin_does_not_cu
     // The helper's stdin is the task's (fd 3, as a background job's own
     // stdin is /dev/null); its stdout is not.
     let script = "exec 3<&0; sleep 600 <&3 >/dev/null 2>&1 & echo $!";
-    let mut config = CommandConfig::new("sh", vec!["-c".into(), script.into()]);
-    config.kill_grace = Duration::from_secs(20);
     // Far more than a pipe holds.
     let delegation = Delegation::new("leave the input unread").context("x".repeat(256 * 1024));
-    let (done, _bus, _nats) =
-        run_one(Executor::Command(CommandExecutor::new(config)), delegation).await;
+    let done = run_leaving_a_helper(script, Duration::from_secs(20), delegation).await;
     assert_eq!(done.status, Status::Completed, "{done:?}");
     assert!(!done.truncated, "{done:?}");
     let helper = printed_pid(&done);
     assert_eq!(done.summary, Some(helper.to_string()), "{done:?}");
-    wait_until(WAIT, "the helper to be stopped", || async {
-        !running(helper)
-    })
-    .await;
 }
 
 #[tokio::test]
@@ -743,18 +741,10 @@ async fn a_timed_out_program_whose_helper_ignores_sigterm_is_killed_with_its_who
     // The program dies on SIGTERM; the helper it started ignores it and
     // holds the output open.
     let script = "(trap '' TERM; exec sleep 600) & echo $!; wait";
-    let mut config = CommandConfig::new("sh", vec!["-c".into(), script.into()]);
-    config.kill_grace = Duration::from_millis(500);
     let mut delegation = Delegation::new("time out with a stubborn helper");
     delegation.timeout_seconds = Some(1);
-    let (done, _bus, _nats) =
-        run_one(Executor::Command(CommandExecutor::new(config)), delegation).await;
+    let done = run_leaving_a_helper(script, Duration::from_millis(500), delegation).await;
     assert_eq!(done.status, Status::Timeout, "{done:?}");
-    let helper = printed_pid(&done);
-    wait_until(WAIT, "the helper to be killed", || async {
-        !running(helper)
-    })
-    .await;
 }
 
 #[tokio::test]

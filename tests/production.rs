@@ -350,32 +350,36 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
     assert!(stderr.contains("no NATS server URL given"), "{stderr}");
-    let bad = write(dir.path(), "bad.conf", "nats-ur1 = x\n");
-    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
-        .env_clear()
-        .args(["--config", bad.to_str().unwrap(), "init"])
-        .output_within(WAIT)
-        .await;
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success());
-    assert!(
-        stderr.contains("line 1: unknown option \"nats-ur1\""),
-        "{stderr}"
-    );
-    // A value an option does not take: the values it does.
-    let bad = write(dir.path(), "bad-value.conf", "log-format = jsn\n");
-    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
-        .env_clear()
-        .args(["--config", bad.to_str().unwrap(), "init"])
-        .output_within(WAIT)
-        .await;
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success());
-    assert!(
-        stderr.contains("line 1: option \"log-format\"")
-            && stderr.contains("[possible values: text, json]"),
-        "{stderr}"
-    );
+    // An unknown name, or a value its option does not take (with the values
+    // it does): the file and line named.
+    let cases: [(&str, &str, &[&str]); 2] = [
+        (
+            "bad.conf",
+            "nats-ur1 = x\n",
+            &["line 1: unknown option \"nats-ur1\""],
+        ),
+        (
+            "bad-value.conf",
+            "log-format = jsn\n",
+            &[
+                "line 1: option \"log-format\": invalid value 'jsn'",
+                "[possible values: text, json]",
+            ],
+        ),
+    ];
+    for (name, content, expected) in cases {
+        let bad = write(dir.path(), name, content);
+        let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+            .env_clear()
+            .args(["--config", bad.to_str().unwrap(), "init"])
+            .output_within(WAIT)
+            .await;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{name}");
+        for part in expected {
+            assert!(stderr.contains(part), "{name}: {stderr}");
+        }
+    }
 
     // A missing secret file is a clear error naming the file.
     let output = init(&["--token-file", "/nonexistent/token"])
