@@ -9,6 +9,11 @@ use super::Bus;
 /// the queue it assumes the answer is yes.
 const QUEUE_SCAN_LIMIT: u64 = 10_000;
 
+/// How long [`Bus::is_queued`] reads at most (one round trip a request, so
+/// a slow or distant server could make the scan take minutes): then too it
+/// assumes the answer is yes.
+const QUEUE_SCAN_BUDGET: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// Just a request's delegation id, read without decoding the rest.
 #[derive(serde::Deserialize)]
 struct DelegationIdOnly<'a> {
@@ -44,7 +49,8 @@ impl Bus {
     }
 
     /// Whether a request of `delegation_id` is in the task queue, or `None`
-    /// when the queue is longer than the scan limit and it cannot tell.
+    /// when the queue is longer than the scan limit, or the scan takes
+    /// longer than its budget, and it cannot tell.
     pub(crate) async fn find_queued(
         &self,
         delegation_id: &str,
@@ -58,7 +64,11 @@ impl Bus {
         }
         let all = self.subjects.tasks_all();
         let mut from = state.first_sequence.max(1);
+        let deadline = tokio::time::Instant::now() + QUEUE_SCAN_BUDGET;
         for _ in 0..state.messages {
+            if tokio::time::Instant::now() >= deadline {
+                return Ok(None);
+            }
             let next = tasks
                 .raw_message_builder()
                 .sequence(from)

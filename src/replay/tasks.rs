@@ -255,7 +255,7 @@ impl Replayer {
                 Ok(Some(true)) => Ok(Requeued::Yes),
                 Ok(Some(false)) => Ok(Requeued::RecordOnly),
                 Ok(None) => Err(
-                    "the task queue is longer than this check reads; try again when it is shorter"
+                    "the task queue is longer than this check reads in its time; try again when it is shorter"
                         .to_owned(),
                 ),
                 Err(error) => Err(error.to_string()),
