@@ -157,15 +157,20 @@ struct MsgGet {
 /// The `error` of a JetStream API answer that refused a request.
 #[derive(Deserialize)]
 struct Refusal {
+    /// Present only when the request was refused.
     error: Option<ApiError>,
 }
 
+/// What JetStream says of a request it refused.
 #[derive(Deserialize)]
 struct ApiError {
+    /// An HTTP-like status (404, 503).
     #[serde(default)]
     code: u16,
+    /// JetStream's own code ([`NO_MESSAGE_FOUND`], ...).
     #[serde(default)]
     err_code: u32,
+    /// In words.
     #[serde(default)]
     description: String,
 }
