@@ -1101,6 +1101,10 @@ async fn bad_arguments_are_reported_before_connecting() {
         (vec!["events", "--from-seq", "0"], "--from-seq"),
         (vec!["events", "--pool", "gpu"], "--pool"),
         (vec!["replay", "tasks", "--from-seq", "0"], "--from-seq"),
+        (
+            vec!["replay", "copy", "--to-prefix", "wakebus.task"],
+            "under this deployment's own prefix",
+        ),
         (vec!["delegate", "--goal", " "], "goal"),
         (vec!["delegate", "--goal", "g", "--pool", "gpu a"], "pool"),
         (

@@ -341,15 +341,20 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
         );
     }
     // `dev` too, which would otherwise start or use a server on port 4222.
-    let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
-        .env_clear()
-        .env("NATS_URL", "")
-        .arg("dev")
-        .output_within(WAIT)
-        .await;
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success());
-    assert!(stderr.contains("no NATS server URL given"), "{stderr}");
+    for url in ["", ","] {
+        let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+            .env_clear()
+            .env("NATS_URL", url)
+            .arg("dev")
+            .output_within(WAIT)
+            .await;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{url:?}");
+        assert!(
+            stderr.contains("no NATS server URL given"),
+            "{url:?}: {stderr}"
+        );
+    }
     // An unknown name, or a value its option does not take (with the values
     // it does): the file and line named.
     let cases: [(&str, &str, &[&str]); 2] = [

@@ -178,7 +178,7 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
         dry_run: common.dry_run,
     };
     // Before connecting: a bad filter is reported at once, NATS away or not.
-    plan.check()?;
+    plan.check(&Subjects::new(&global.prefix)?)?;
     let bus = super::commands::connect_within(global, "wakebus-replay", std::time::Duration::ZERO)
         .await?;
     let replayer = Replayer::new(bus, plan).await?.with_limits(limits);

@@ -262,11 +262,9 @@ async fn stop_server(child: &mut Child) {
 async fn connect_or_start(
     config: &DevConfig,
 ) -> Result<(async_nats::Client, Option<Child>), DevError> {
-    // Set to nothing is an error, never the default server (as for every
-    // other command): it would start, or use, one on port 4222.
-    if config.nats_url.trim().is_empty() {
-        return Err(ConnectError::NoUrl.into());
-    }
+    // Read as every other command reads it: set to nothing (or to only
+    // commas) is an error, never the default server on port 4222.
+    NatsConfig::new(config.nats_url.as_str()).servers()?;
     let probe = async_nats::ConnectOptions::new()
         .connection_timeout(Duration::from_secs(1))
         .connect(config.nats_url.as_str())

@@ -125,10 +125,31 @@ impl ReplayPlan {
         }
     }
 
-    /// Refuses a selection [`Replayer::new`] would refuse, without a
-    /// connection: a caller can report a mistake before it connects.
-    pub fn check(&self) -> Result<(), HistoryError> {
-        self.effective_selection().validate(self.source())
+    /// Refuses a plan [`Replayer::new`] would refuse for the deployment of
+    /// `own`, without a connection, so that a caller can report a mistake
+    /// before it connects: a bad selection, or a copy target the
+    /// deployment's own streams or services would take.
+    pub fn check(&self, own: &Subjects) -> Result<(), ReplayError> {
+        self.effective_selection().validate(self.source())?;
+        match &self.kind {
+            // Its own prefix, or one its streams capture (`wakebus.task`,
+            // `wakebus.evt.x`): copies would land in its task queue or its
+            // history. (`wakebus.staging` is another deployment's.)
+            ReplayKind::Copy {
+                target: CopyTarget::Prefix(target),
+                ..
+            } if captured_by(target.prefix(), own.prefix()) => Err(ReplayError::SamePrefix),
+            // A subject under the deployment's own prefix is one its
+            // workers or wake read: copies there would run as tasks or
+            // wake sessions.
+            ReplayKind::Copy {
+                target: CopyTarget::Subject(subject),
+                ..
+            } if is_under(subject, own.prefix()) && subject != own.prefix() => {
+                Err(ReplayError::SamePrefix)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The selection as read: wakes only ever read completions.
@@ -341,7 +362,7 @@ pub struct Replayer {
 impl Replayer {
     /// Prepares a replay of `plan` on `bus`.
     pub async fn new(bus: Bus, plan: ReplayPlan) -> Result<Self, ReplayError> {
-        plan.check()?;
+        plan.check(&bus.subjects)?;
         let mut ledger = None;
         let mut events = None;
         let mut kept = std::time::Duration::ZERO;
@@ -369,24 +390,6 @@ impl Replayer {
                     Err(error) if crate::bus::is_bucket_missing(&error) => Ok(None),
                     Err(error) => Err(format!("the cancel records cannot be read ({error})")),
                 };
-            }
-            // Its own prefix, or one its streams capture (`wakebus.task`,
-            // `wakebus.evt.x`): copies would land in its task queue or its
-            // history. (`wakebus.staging` is another deployment's.)
-            ReplayKind::Copy {
-                target: CopyTarget::Prefix(target),
-                ..
-            } if captured_by(target.prefix(), bus.subjects.prefix()) => {
-                return Err(ReplayError::SamePrefix);
-            }
-            // A subject under the deployment's own prefix is one its
-            // workers or wake read: copies there would run as tasks or
-            // wake sessions.
-            ReplayKind::Copy {
-                target: CopyTarget::Subject(subject),
-                ..
-            } if is_under(subject, bus.subjects.prefix()) && subject != bus.subjects.prefix() => {
-                return Err(ReplayError::SamePrefix);
             }
             ReplayKind::Copy { .. } => {}
         }
