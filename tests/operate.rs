@@ -1102,6 +1102,10 @@ async fn bad_arguments_are_reported_before_connecting() {
         (vec!["events", "--pool", "gpu"], "--pool"),
         (vec!["replay", "tasks", "--from-seq", "0"], "--from-seq"),
         (
+            vec!["replay", "wakes", "--kind", "started", "--force"],
+            "completions only (--kind done), not started",
+        ),
+        (
             vec!["replay", "copy", "--to-prefix", "wakebus.task"],
             "under this deployment's own prefix",
         ),

@@ -305,8 +305,7 @@ async fn replay_as_operator(
         kind,
         selection,
         force,
-        include_cancelled: false,
-        include_sync: false,
+        tasks: Default::default(),
         dry_run: false,
     };
     let replayer = Replayer::new(server.bus("operator").await, plan)

@@ -774,6 +774,21 @@ async fn replay_with_force_of_a_refused_wake_posts_it_under_the_key_it_prints() 
     assert_eq!(api.accepted()[0].header("idempotency-key"), Some(key));
 }
 
+/// A worker of the default pool that cannot start its program and gives
+/// every task up at once, dead-lettering it.
+fn broken_worker(bus: &wakebus::bus::Bus) -> Services {
+    let mut broken = Services::new();
+    let mut config = test_worker_config("default");
+    config.max_deliver = 1;
+    let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
+    broken.worker(
+        bus,
+        Executor::Command(CommandExecutor::new(missing)),
+        config,
+    );
+    broken
+}
+
 /// Delegates one task for `session` to a worker that cannot start its
 /// program and gives up at once; returns the delegation id once the
 /// failure has woken the session (a wake service must be running) and the
@@ -796,15 +811,7 @@ async fn dead_letter_delegation(
     api: &SessionApiServer,
     delegation: Delegation,
 ) -> String {
-    let mut broken = Services::new();
-    let mut config = test_worker_config("default");
-    config.max_deliver = 1;
-    let missing = CommandConfig::new("/nonexistent/subagent", Vec::new());
-    broken.worker(
-        bus,
-        Executor::Command(CommandExecutor::new(missing)),
-        config,
-    );
+    let broken = broken_worker(bus);
     let id = delegate(bus, delegation).await;
     // The turn names the delegation (a batch's lists no task ids).
     let of_it = |post: &common::session_api::Recorded| post.text().contains(&id);
@@ -1124,6 +1131,70 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
     );
     assert_eq!(api.accepted().len(), 2, "the re-queued task ran once");
     assert_eq!(api.all_posts().len(), 2);
+}
+
+/// A task that keeps failing: its re-queue fails too, and is dead-lettered
+/// with the request's mark of the dead letter it came from. Running the
+/// same replay again re-queues neither (the first is re-queued already, the
+/// second is a re-queue that failed again), forced or not, unless told to
+/// run the re-queue once more: a cron job replaying the last hours does not
+/// run a failing task again at every run.
+#[tokio::test]
+async fn running_a_task_replay_again_does_not_requeue_a_requeue_that_failed_again() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    let id = dead_letter_a_task(&bus, &api, "s.keeps.failing").await;
+    let replay = |args: &'static [&'static str]| {
+        let (url, prefix) = (nats.url(), prefix.clone());
+        async move { wakebus(&url, &prefix, args).await.ok_json() }
+    };
+    let first = replay(&["replay", "tasks"]).await;
+    assert_eq!(first[0]["action"], "replayed", "{first:#?}");
+    let derived = first[0]["new_delegation_id"].as_str().unwrap().to_owned();
+    let broken = broken_worker(&bus);
+    wait_until(WAIT, "the re-queue's failure wake", || async {
+        api.accepted()
+            .iter()
+            .any(|post| post.delegation_ids() == [derived.as_str()])
+    })
+    .await;
+    wait_until(WAIT, "the re-queue's dead letter", || async {
+        all_messages(&bus, &bus.subjects.dead_letter_stream())
+            .await
+            .len()
+            == 2
+    })
+    .await;
+    broken.stop().await;
+
+    for args in [
+        &["replay", "tasks"][..],
+        &["replay", "tasks", "--force", "--dry-run"],
+    ] {
+        let lines = replay(args).await;
+        assert_eq!(lines.len(), 3, "{lines:#?}");
+        assert_eq!(lines[1]["action"], "skipped", "{args:?}: {lines:#?}");
+        assert_eq!(lines[1]["delegation_id"], derived.as_str());
+        let reason = lines[1]["reason"].as_str().unwrap();
+        assert!(
+            reason.contains("failed again") && reason.contains("--include-requeued"),
+            "{reason}"
+        );
+    }
+    let included = replay(&["replay", "tasks", "--include-requeued", "--dry-run"]).await;
+    assert_eq!(included[0]["action"], "skipped", "{included:#?}");
+    assert_eq!(included[1]["action"], "would_replay", "{included:#?}");
+    assert_eq!(
+        included[1]["new_delegation_id"],
+        format!("{derived}-rt0").as_str()
+    );
+    services.stop().await;
+    assert!(id != derived);
 }
 
 /// `replay tasks` checked requests against the default size limits, not
@@ -2054,6 +2125,42 @@ async fn replay_does_not_redrive_a_dead_lettered_completion_the_wake_service_can
     assert!(reason.contains("invalid delegation id"), "{reason}");
     assert!(replay_copies(&bus).await.is_empty());
     assert!(api.all_posts().is_empty());
+}
+
+/// A completion near the max payload is dead-lettered without its body:
+/// the replay names where it is whole (the history) instead of calling it
+/// one the wake service cannot use.
+#[tokio::test]
+async fn a_wake_dead_letter_without_its_body_is_sent_to_the_history_not_called_unusable() {
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let init = wakebus(&nats.url(), &prefix, &["init"]).await;
+    assert!(init.success(), "{}", init.stderr());
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(
+        "Wakebus-Dead-Letter-Reason",
+        "(body of 1048000 bytes left out: too large to store again) the session API answered 400",
+    );
+    headers.insert("Wakebus-Delegation-Id", "d-large");
+    headers.insert("Wakebus-Origin-Session", "s.large");
+    let subject = bus.subjects.dead_letter_wake(&session_token("s.large"));
+    let ack = bus
+        .js
+        .publish_with_headers(subject, headers, Vec::new().into());
+    ack.await.unwrap().await.unwrap();
+
+    let lines = wakebus(&nats.url(), &prefix, &["replay", "wakes", "--dead-letters"])
+        .await
+        .ok_json();
+    assert_eq!(lines[0]["action"], "skipped", "{lines:#?}");
+    let reason = lines[0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("whole in the history")
+            && reason.contains("wakebus replay wakes --delegation d-large"),
+        "{reason}"
+    );
+    assert!(replay_copies(&bus).await.is_empty());
 }
 
 /// The wake's ledger entry deleted (`nats kv del`, or by a forced replay

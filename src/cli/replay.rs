@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use wakebus::protocol::Subjects;
 use wakebus::replay::{
     self, Action, CopyTarget, Progress, ReplayItem, ReplayKind, ReplayPlan, Replayer, Summary,
+    TaskOptions,
 };
 
 use super::args::Global;
@@ -89,6 +90,12 @@ pub(crate) struct TasksArgs {
     /// had the failure, and the re-run's result wakes nobody.
     #[arg(long)]
     pub(crate) include_sync: bool,
+    /// Re-queue once more the requests that an earlier replay re-queued
+    /// and that failed again (without it, running the same replay again
+    /// leaves them alone, so that a task that keeps failing is not run
+    /// once more at every run; `--force` does not re-queue them).
+    #[arg(long)]
+    pub(crate) include_requeued: bool,
     /// The size limits a request must meet to be re-queued: give the
     /// workers' (the same variables set them).
     #[command(flatten)]
@@ -119,7 +126,7 @@ const UNCHECKED: u8 = 3;
 
 pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<ExitCode> {
     let mut limits = wakebus::protocol::Limits::default();
-    let (kind, common, force, include_cancelled, include_sync) = match args.what {
+    let (kind, common, force, tasks) = match args.what {
         ReplayCommand::Wakes(a) => (
             if a.dead_letters {
                 ReplayKind::WakeDeadLetters
@@ -128,18 +135,16 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
             },
             a.common,
             a.force,
-            false,
-            false,
+            TaskOptions::default(),
         ),
         ReplayCommand::Tasks(a) => {
             limits = a.limits.limits();
-            (
-                ReplayKind::Tasks,
-                a.common,
-                a.force,
-                a.include_cancelled,
-                a.include_sync,
-            )
+            let tasks = TaskOptions {
+                include_cancelled: a.include_cancelled,
+                include_sync: a.include_sync,
+                include_requeued: a.include_requeued,
+            };
+            (ReplayKind::Tasks, a.common, a.force, tasks)
         }
         ReplayCommand::Copy(a) => {
             let target = match (a.to_prefix, a.to_subject) {
@@ -164,8 +169,7 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
                 ReplayKind::Copy { source, target },
                 a.common,
                 false,
-                false,
-                false,
+                TaskOptions::default(),
             )
         }
     };
@@ -173,8 +177,7 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
         kind,
         selection: common.filters.selection()?,
         force,
-        include_cancelled,
-        include_sync,
+        tasks,
         dry_run: common.dry_run,
     };
     // Before connecting: a bad filter is reported at once, NATS away or not.

@@ -104,14 +104,26 @@ pub struct ReplayPlan {
     /// Replay even what was already delivered or re-queued, or what is
     /// older than the traces of an earlier replay.
     pub force: bool,
-    /// Re-queue tasks whose delegation or session was cancelled too (tasks
-    /// only; `force` does not).
-    pub include_cancelled: bool,
-    /// Re-queue sync-mode tasks too, whose caller had the failure and
-    /// whose re-run's result reaches nobody (tasks only).
-    pub include_sync: bool,
+    /// What `replay tasks` re-queues besides the usual (other replays
+    /// ignore it).
+    pub tasks: TaskOptions,
     /// Only report what would be done.
     pub dry_run: bool,
+}
+
+/// Dead-lettered tasks `replay tasks` leaves alone unless told otherwise
+/// (`force` does not re-queue them).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TaskOptions {
+    /// Re-queue tasks whose delegation or session was cancelled too.
+    pub include_cancelled: bool,
+    /// Re-queue sync-mode tasks too, whose caller had the failure and
+    /// whose re-run's result reaches nobody.
+    pub include_sync: bool,
+    /// Re-queue once more a task that was itself re-queued by a replay and
+    /// failed again: without it, running the same replay again does not
+    /// start another generation of re-runs of a task that keeps failing.
+    pub include_requeued: bool,
 }
 
 impl ReplayPlan {
@@ -130,6 +142,17 @@ impl ReplayPlan {
     /// before it connects: a bad selection, or a copy target the
     /// deployment's own streams or services would take.
     pub fn check(&self, own: &Subjects) -> Result<(), ReplayError> {
+        // Wakes re-drive completions only: any other kind asked for would
+        // be read as `done` and, with `--force`, wake every completion of
+        // the selection.
+        if matches!(self.kind, ReplayKind::Wakes)
+            && let Some(kind) = self.selection.kind.filter(|kind| *kind != EventKind::Done)
+        {
+            return Err(ReplayError::History(HistoryError::Selection(format!(
+                "replay wakes re-drives completions only (--kind done), not {} events",
+                kind.as_str()
+            ))));
+        }
         self.effective_selection().validate(self.source())?;
         match &self.kind {
             // Its own prefix, or one its streams capture (`wakebus.task`,

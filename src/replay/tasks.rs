@@ -45,10 +45,24 @@ impl Replayer {
                 )));
             }
         };
-        if request.origin_session_id.is_none() && !self.plan.include_sync {
+        if request.origin_session_id.is_none() && !self.plan.tasks.include_sync {
             return Ok(item.skipped(
                 "sync mode: its caller had the failure, and a re-run's result would reach nobody (use --include-sync to run it anyway)",
             ));
+        }
+        // A re-queue that failed again: its request names the dead letter
+        // it was re-queued from, which a run of the same replay skips as
+        // re-queued. Re-queued again, a task that keeps failing would run
+        // once more at every run (and a forced run would re-queue both).
+        let own_dead_letters = format!("{}:", self.bus.subjects.dead_letter_stream());
+        if let Some(from) = record
+            .replay_of()
+            .filter(|from| from.starts_with(&own_dead_letters))
+            && !self.plan.tasks.include_requeued
+        {
+            return Ok(item.skipped(format!(
+                "a re-queue (of {from}) that failed again (use --include-requeued to run it once more)"
+            )));
         }
         // A task given up twice has two dead letters: it runs once, forced
         // or not (a forced re-queue takes a new id each time).
@@ -79,7 +93,7 @@ impl Replayer {
         pool: &str,
         task: super::HandledKey,
     ) -> Result<ReplayItem, ReplayError> {
-        if !self.plan.include_cancelled {
+        if !self.plan.tasks.include_cancelled {
             match self.cancelled(&request, record).await {
                 Ok(None) => {}
                 Ok(Some(reason)) => return Ok(item.skipped(reason)),

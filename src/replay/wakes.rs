@@ -39,6 +39,21 @@ impl Replayer {
         if !matches!(record.kind(), RecordKind::Done | RecordKind::WakeDeadLetter) {
             return Ok(item.skipped("not a completion"));
         }
+        // A completion too large to be stored again with its reason was
+        // dead-lettered without its body: it is whole in the history.
+        if record.payload.is_empty()
+            && record
+                .dead_letter_reason()
+                .is_some_and(|reason| reason.starts_with("(body of "))
+        {
+            let how = record.delegation_id().map_or_else(
+                || "`wakebus replay wakes` with a selection of it".to_owned(),
+                |id| format!("`wakebus replay wakes --delegation {id}`"),
+            );
+            return Ok(item.skipped(format!(
+                "its body was too large to keep in the dead letter; the completion is whole in the history: replay it from there with {how}"
+            )));
+        }
         // The wake service's own admission rules: a copy it would only
         // dead-letter again (a wake dead letter of `dlq.wake.poison` is
         // exactly such a completion) is not published.
