@@ -1514,3 +1514,43 @@ async fn a_connection_that_goes_silent_is_given_up_and_made_again_within_half_a_
         .expect("a flush over the new connection is answered")
         .unwrap();
 }
+
+/// A plan that keeps failing (here the wake ledger deleted under the wake,
+/// as a lost permission or a removed bucket would) is tried again ever
+/// more slowly and warned of once a minute, not every second for every
+/// session in hand.
+#[tokio::test]
+async fn a_plan_that_keeps_failing_is_retried_ever_more_slowly_and_warned_of_once() {
+    let rig = Rig::start().await;
+    let _worker = rig.worker("worker", "echo done", &[]);
+    let log = rig.logs.path().join("wake.log");
+    let _wake = Service::spawn_with_env(
+        wake_args(&rig.nats.url(), &rig.prefix, &rig.api.url()),
+        log.clone(),
+        vec![("RUST_LOG".to_owned(), "wakebus=debug".to_owned())],
+    );
+    let _logs = LogsOnPanic(vec![log.clone()]);
+    wait_until(Duration::from_secs(30), "the wake to start", || async {
+        std::fs::read_to_string(&log).is_ok_and(|log| log.contains("Wake service started."))
+    })
+    .await;
+    let ledger = rig.bus.subjects.wake_ledger_bucket();
+    rig.bus.js.delete_key_value(&ledger).await.unwrap();
+    publish_until_stored(&rig.bus, &request("s.unplanned", "no ledger")).await;
+    let failed = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .filter(|line| line.contains("Could not plan the session's turns"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    wait_until(Duration::from_secs(60), "four failed plans", || async {
+        failed().len() >= 4
+    })
+    .await;
+    let failed = failed();
+    let warned = failed.iter().filter(|line| line.contains("WARN")).count();
+    assert_eq!(warned, 1, "{failed:#?}");
+    assert!(rig.api.all_posts().is_empty());
+}

@@ -120,7 +120,8 @@ pub const DEFAULT_CONFLICT_PATIENCE: Duration = Duration::from_secs(600);
 
 /// Completions held unacknowledged at once by default, across all wake
 /// instances: enough to keep every session busy, small enough that a large
-/// backlog stays in JetStream rather than in the wake service's memory.
+/// backlog stays in JetStream rather than in the wake service's memory
+/// (which holds up to this many completions, each up to the max payload).
 pub const DEFAULT_MAX_IN_FLIGHT: i64 = 1_000;
 
 /// How often NATS confirms the completion consumer's pull request while no

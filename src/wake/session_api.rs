@@ -91,6 +91,9 @@ pub enum PostResult {
         status: u16,
         /// The response body (truncated).
         body: String,
+        /// The server's `Retry-After`, if it sent one: a 409 the wake
+        /// waits out (`--conflict-patience`) is tried again after it.
+        after: Option<Duration>,
     },
 }
 
@@ -325,6 +328,7 @@ impl SessionApi {
                 return PostResult::Rejected {
                     status: 0,
                     body: reason.to_owned(),
+                    after: None,
                 };
             }
         };
@@ -357,6 +361,7 @@ impl SessionApi {
         PostResult::Rejected {
             status: status.as_u16(),
             body,
+            after,
         }
     }
 }
@@ -705,7 +710,7 @@ mod tests {
         .await
         .expect("the answer is not read to its (missing) end");
         match result {
-            PostResult::Rejected { status, body } => {
+            PostResult::Rejected { status, body, .. } => {
                 assert_eq!(status, 400);
                 assert_eq!(body.len(), MAX_ERROR_BODY);
             }

@@ -16,12 +16,21 @@
 //! The results are read in two passes, so that memory stays near the
 //! turn's bound: the first keeps of each completion only what the turn
 //! shows, its result cut to its even share, and the result's length; the
-//! second reads again, one at a time, those allowed more than that. A read
-//! that fails fails the plan (tried again), rather than give a turn that a
-//! re-send would give otherwise.
+//! second reads again those allowed more than that. A read that fails
+//! fails the plan (tried again), rather than give a turn that a re-send
+//! would give otherwise.
+//!
+//! Each pass has up to [`read_ahead`] reads in flight: one at a time, a
+//! batch of 1,000 tasks took as many round trips in a row, which on a
+//! cluster can outlast the session lock the turn is planned under (it is
+//! refreshed only around the post), and the turn was then planned again,
+//! as slowly, for ever. The first read (of the last task) goes alone: a
+//! batch not complete yet mostly shows it there, and each of its members
+//! is checked as it arrives.
 
 use async_nats::jetstream::message::StreamMessage;
-use async_nats::jetstream::stream::LastRawMessageErrorKind;
+use async_nats::jetstream::stream::{LastRawMessageError, LastRawMessageErrorKind};
+use futures::StreamExt as _;
 use tracing::{info, warn};
 
 use super::plan::PlanError;
@@ -48,12 +57,30 @@ const TURN_LINES: usize = 512;
 /// `done` subject holds one or two, unless someone floods it.
 const WALK_LIMIT: usize = 64;
 
+/// Most completions read whole at once, besides what the passes keep.
+const READ_AHEAD_BYTES: usize = 32 << 20;
+
+/// How many completions a pass reads at once: 16, fewer when that many
+/// could together exceed [`READ_AHEAD_BYTES`] at the server's max payload
+/// (4 at 8 MiB), and at least one.
+fn read_ahead(max_payload: usize) -> usize {
+    (READ_AHEAD_BYTES / max_payload.max(1)).clamp(1, 16)
+}
+
 /// A batch's turn, once every task has a usable completion.
 pub(super) struct BatchTurn {
     /// The turn's text.
     pub(super) text: String,
     /// How many tasks it reports.
     pub(super) tasks: u32,
+}
+
+/// Where the first pass finds a task's completion.
+enum Found<'a> {
+    /// In hand.
+    Held(&'a Pending),
+    /// Read from the history, on its subject.
+    Stored(String, Result<StreamMessage, LastRawMessageError>),
 }
 
 /// One task's completion as the first pass keeps it.
@@ -113,14 +140,27 @@ impl Router {
         let share = turn::result_share(&lengths, budget.saturating_sub(lines));
         let mut cut = 0;
         let mut events = Vec::with_capacity(kept.len());
-        for k in kept {
-            let allowed = share.map_or(k.whole, |share| share.min(k.whole));
+        // The second pass: each result allowed more than the first kept,
+        // read again whole, in order, a few at a time.
+        let ahead = read_ahead(self.shared.bus.max_payload());
+        let mut second = futures::stream::iter(kept)
+            .map(|k| async move {
+                let allowed = share.map_or(k.whole, |share| share.min(k.whole));
+                let have = k.event.summary.as_ref().map_or(0, String::len);
+                let whole = if allowed > have {
+                    let index = k.event.task_index;
+                    Some(self.read_again(members, k.sequence, index).await?)
+                } else {
+                    None
+                };
+                Ok::<_, PlanError>((k, allowed, whole))
+            })
+            .buffered(ahead);
+        while let Some(read) = second.next().await {
+            let (k, allowed, whole) = read?;
             let mut event = k.event;
             let have = event.summary.as_ref().map_or(0, String::len);
-            if allowed > have {
-                let whole = self
-                    .read_again(members, k.sequence, event.task_index)
-                    .await?;
+            if let Some(whole) = whole {
                 event.summary = whole.summary.map(|summary| prefix(&summary, allowed));
             } else if allowed < have {
                 // What the goals and errors take can leave less than the
@@ -197,54 +237,81 @@ impl Router {
         let token = session_token(&member.session);
         let mut all: Vec<Option<Kept>> = Vec::new();
         all.resize_with(member.event.task_count as usize, || None);
-        for index in (0..member.event.task_count).rev() {
-            let slot = &mut all[index as usize];
-            if let Some(held) = members.iter().find(|p| p.event.task_index == index) {
-                *slot = Some(Kept::new(held.event.clone(), None, share));
-                continue;
-            }
-            let subject =
-                subjects.event(&token, &member.event.delegation_id, index, EventKind::Done);
-            match self
-                .shared
-                .events
-                .get_last_raw_message_by_subject(&subject)
-                .await
-            {
-                Ok(message) => match sibling(&message, member, index) {
-                    Ok(done) => *slot = Some(Kept::new(done, Some(message.sequence), share)),
-                    Err(error) => {
-                        // Garbage on the task's subject, or a completion the
-                        // wake would not admit for this task (dead-lettered
-                        // when the wake met it): the newest usable
-                        // completion stored before it counts. With none, the
-                        // task has not ended as far as the batch can tell,
-                        // and its real completion, stored later, ends the
-                        // batch.
-                        match self
-                            .usable_before(&subject, message.sequence, member, index)
+        // The last task alone, then the others a few at a time.
+        let order: Vec<u32> = (0..member.event.task_count).rev().collect();
+        let (last, others) = order.split_at(order.len().min(1));
+        let ahead = read_ahead(self.shared.bus.max_payload());
+        let token = token.as_str();
+        for (indices, ahead) in [(last, 1), (others, ahead)] {
+            let mut reads = futures::stream::iter(indices.iter().copied())
+                .map(|index| async move {
+                    if let Some(held) = members.iter().find(|p| p.event.task_index == index) {
+                        return (index, Found::Held(held));
+                    }
+                    let subject =
+                        subjects.event(token, &member.event.delegation_id, index, EventKind::Done);
+                    let read = self
+                        .shared
+                        .events
+                        .get_last_raw_message_by_subject(&subject)
+                        .await;
+                    (index, Found::Stored(subject, read))
+                })
+                .buffered(ahead);
+            while let Some((index, found)) = reads.next().await {
+                let kept = match found {
+                    Found::Held(held) => Some(Kept::new(held.event.clone(), None, share)),
+                    Found::Stored(subject, read) => {
+                        self.kept_sibling(&subject, read, member, index, share)
                             .await?
-                        {
-                            Some((sequence, done)) => {
-                                *slot = Some(Kept::new(done, Some(sequence), share));
-                            }
-                            None => {
-                                warn!(delegation_id = %member.event.delegation_id, task_index = index, error = %bounded(&error, 300), "A batch task's last stored completion cannot be used; the batch waits for a usable one.");
-                                return Ok(None);
-                            }
-                        }
                     }
-                },
-                Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
-                    if self.older_than_history(&member.event) {
-                        warn!(delegation_id = %member.event.delegation_id, task_index = index, "A batch task's completion is not in the history, and the batch was dispatched longer ago than the history keeps: if that task ended and its completion expired, this batch never wakes its session. See its completions with `wakebus events --delegation`.");
-                    }
+                };
+                if kept.is_none() {
                     return Ok(None);
                 }
-                Err(error) => return Err(PlanError::History(error.to_string())),
+                all[index as usize] = kept;
             }
         }
         Ok(all.into_iter().collect())
+    }
+
+    /// Task `index`'s completion as kept, from what the read of the
+    /// history on its `subject` found (or the newest usable one stored
+    /// before that); `None` while the task has no usable completion.
+    async fn kept_sibling(
+        &self,
+        subject: &str,
+        read: Result<StreamMessage, LastRawMessageError>,
+        member: &Pending,
+        index: u32,
+        share: usize,
+    ) -> Result<Option<Kept>, PlanError> {
+        let message = match read {
+            Ok(message) => message,
+            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                if self.older_than_history(&member.event) {
+                    warn!(delegation_id = %member.event.delegation_id, task_index = index, "A batch task's completion is not in the history, and the batch was dispatched longer ago than the history keeps: if that task ended and its completion expired, this batch never wakes its session. See its completions with `wakebus events --delegation`.");
+                }
+                return Ok(None);
+            }
+            Err(error) => return Err(PlanError::History(error.to_string())),
+        };
+        let error = match sibling(&message, member, index) {
+            Ok(done) => return Ok(Some(Kept::new(done, Some(message.sequence), share))),
+            Err(error) => error,
+        };
+        // Garbage on the task's subject, or a completion the wake would
+        // not admit for this task (dead-lettered when the wake met it): the
+        // newest usable completion stored before it counts. With none, the
+        // task has not ended as far as the batch can tell, and its real
+        // completion, stored later, ends the batch.
+        let before = self
+            .usable_before(subject, message.sequence, member, index)
+            .await?;
+        if before.is_none() {
+            warn!(delegation_id = %member.event.delegation_id, task_index = index, error = %bounded(&error, 300), "A batch task's last stored completion cannot be used; the batch waits for a usable one.");
+        }
+        Ok(before.map(|(sequence, done)| Kept::new(done, Some(sequence), share)))
     }
 
     /// Whether `event`'s delegation was dispatched longer ago than the

@@ -28,7 +28,7 @@ use tokio::sync::mpsc::error::TryRecvError;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{Instrument, error, info, info_span, warn};
+use tracing::{Instrument, debug, error, info, info_span, warn};
 
 use self::hold::Hold;
 use super::Shared;
@@ -42,6 +42,66 @@ use crate::protocol::{CompletionEvent, session_token};
 /// once would do, but a writer that keeps changing an entry (an operator's
 /// loop) must not make a busy loop of it.
 const REPLAN_AFTER_CHANGE: Duration = Duration::from_millis(100);
+
+/// The longest wait between two plans that failed.
+const PLAN_RETRY_MAX: Duration = Duration::from_secs(16);
+
+/// How often a streak of failed plans is warned of, after its first.
+const PLAN_FAILURE_WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// A session's streak of plans that failed (the ledger or the history
+/// could not be read or written): each is tried again after 1 s, doubling
+/// up to [`PLAN_RETRY_MAX`] with jitter, and the streak is warned of at its
+/// start and then once a minute. A failure that lasts (a permission taken
+/// away, a deleted bucket) then neither floods the log nor multiplies the
+/// load by the sessions in hand.
+#[derive(Debug, Default)]
+struct PlanFailures {
+    /// The streak's waits; `None` while plans succeed.
+    delays: Option<backon::ExponentialBackoff>,
+    /// When the streak was last warned of.
+    warned_at: Option<Instant>,
+    /// Plans failed in the streak.
+    count: u32,
+}
+
+impl PlanFailures {
+    /// Counts a failed plan; returns the wait before the next.
+    fn failed(&mut self, error: &plan::PlanError) -> Duration {
+        use backon::BackoffBuilder as _;
+        self.count += 1;
+        let now = Instant::now();
+        if self
+            .warned_at
+            .is_none_or(|at| now.duration_since(at) >= PLAN_FAILURE_WARN_EVERY)
+        {
+            self.warned_at = Some(now);
+            warn!(%error, failures = self.count, "Could not plan the session's turns; will retry.");
+        } else {
+            debug!(%error, failures = self.count, "Could not plan the session's turns; will retry.");
+        }
+        let delays = self.delays.get_or_insert_with(|| {
+            backon::ExponentialBuilder::default()
+                .with_min_delay(Duration::from_secs(1))
+                .with_max_delay(PLAN_RETRY_MAX)
+                .with_jitter()
+                .without_max_times()
+                .build()
+        });
+        delays.next().unwrap_or(PLAN_RETRY_MAX)
+    }
+
+    /// Ends the streak, if any, saying so if it was warned of.
+    fn succeeded(&mut self) {
+        if self.warned_at.is_some() {
+            info!(
+                failures = self.count,
+                "The session's turns could be planned again."
+            );
+        }
+        *self = Self::default();
+    }
+}
 
 /// A completion waiting to be woken, with the message that carries it.
 #[derive(Debug)]
@@ -254,6 +314,7 @@ impl Router {
         // The last round planned or posted nothing, and is tried again
         // under the lock it kept: not a new turn for the lock metric.
         let mut again = false;
+        let mut failures = PlanFailures::default();
         loop {
             if hold.held.is_empty() && lock.is_none() {
                 // Nothing in hand and no lock to keep: the actor ends (a
@@ -320,7 +381,10 @@ impl Router {
                     None => return self.hand_back(&session, hold).await,
                 },
             };
-            match self.deliver(&session, &mut hold, &mut guard).await {
+            match self
+                .deliver(&session, &mut hold, &mut guard, &mut failures)
+                .await
+            {
                 Round::Done => again = false,
                 Round::Again => again = true,
                 Round::Stopped => {
@@ -382,8 +446,18 @@ impl Router {
 
     /// Delivers everything held. If shutdown interrupted it, `hold` keeps
     /// what is left to hand back.
-    async fn deliver(&self, session: &str, hold: &mut Hold, guard: &mut LockGuard) -> Round {
-        let mut turns = match self.plan(&mut hold.held).await {
+    async fn deliver(
+        &self,
+        session: &str,
+        hold: &mut Hold,
+        guard: &mut LockGuard,
+        failures: &mut PlanFailures,
+    ) -> Round {
+        let planned = self.plan(&mut hold.held).await;
+        if planned.is_ok() {
+            failures.succeeded();
+        }
+        let mut turns = match planned {
             Ok(turns) => turns,
             // An entry that is not ledger JSON (edited by hand, or written
             // by a newer wakebus) will not read differently in a second:
@@ -408,8 +482,8 @@ impl Router {
                 return self.again_after(hold, REPLAN_AFTER_CHANGE).await;
             }
             Err(error) => {
-                warn!(%error, "Could not plan the session's turns; will retry.");
-                return self.again_after(hold, Duration::from_secs(1)).await;
+                let delay = failures.failed(&error);
+                return self.again_after(hold, delay).await;
             }
         };
         let mut refresh_at = guard.written_at() + self.shared.locks.refresh_interval();

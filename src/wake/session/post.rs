@@ -133,7 +133,10 @@ impl Router {
             };
             let mut result = hold.during(post, &in_hand).await;
             drop(posting_gauge);
-            if let PostResult::Rejected { status: 409, .. } = result {
+            if let PostResult::Rejected {
+                status: 409, after, ..
+            } = result
+            {
                 // An API enforcing Idempotency-Key answers 409 while a post
                 // under the same key is still being processed: most often
                 // this wake's own, given up after `--request-timeout` while
@@ -143,7 +146,7 @@ impl Router {
                 if first_conflict.get_or_insert_with(Instant::now).elapsed() < conflict_patience {
                     result = PostResult::Retry {
                         reason: "session API answered 409 Conflict (a post under this Idempotency-Key may still be in progress)".to_owned(),
-                        after: None,
+                        after,
                     };
                 }
             } else {
@@ -162,7 +165,9 @@ impl Router {
                         Posted::DoneThenShutdown
                     };
                 }
-                PostResult::Rejected { status: 409, body } => {
+                PostResult::Rejected {
+                    status: 409, body, ..
+                } => {
                     // The post in progress may still deliver the turn: a
                     // replay under the same key is answered from the API's
                     // store, a forced one (a new key) would be a second turn.
@@ -185,17 +190,15 @@ impl Router {
                 // sent before (re-sent after a crash, or tried again after
                 // a post in doubt) may have been taken then, under a limit
                 // lowered since: it is dead-lettered as below.
-                PostResult::Rejected { status: 413, body }
-                    if super::plan::is_combined_key(&turn.key)
-                        && turn.first_send
-                        && attempt == 1 =>
-                {
+                PostResult::Rejected {
+                    status: 413, body, ..
+                } if super::plan::is_combined_key(&turn.key) && turn.first_send && attempt == 1 => {
                     warn!(body = ?body, completions = turn.reports().len(), idempotency_key = %turn.key, "Session API refused the combined turn as too large (413); posting its completions one by one.");
                     m::wake_posted("split");
                     self.split(turn).await;
                     return Posted::Retry;
                 }
-                PostResult::Rejected { status, body } => {
+                PostResult::Rejected { status, body, .. } => {
                     error!(status, body = ?body, completions = turn.reports().len(), "Session API rejected the wake; dead-lettering it for replay.");
                     m::wake_posted("rejected");
                     let reason = format!("session API answered {status}: {body}");
