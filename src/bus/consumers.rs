@@ -7,6 +7,7 @@ use async_nats::jetstream::{self, consumer};
 use backon::Retryable;
 use tracing::{info, warn};
 
+use super::keeper::CONFIRM_AFTER;
 use super::provision::{may_pass, setup_backoff};
 use super::{Bus, ProvisionError};
 use crate::protocol::Subjects;
@@ -167,12 +168,12 @@ impl Bus {
                         source,
                     })?;
             let mut made_anew = false;
-            match handle.consumer_info(&name).await {
-                Ok(_) if existing == Existing::Keep => {
+            match self.find_consumer(&handle, &name).await {
+                Ok(Some(_)) if existing == Existing::Keep => {
                     info!(consumer = %name, stream, "Consumer exists; its settings are kept.");
                     return Ok(None);
                 }
-                Ok(current) => {
+                Ok(Some(current)) => {
                     let (theirs, ours) = (current.config.ack_wait, config.ack_wait);
                     if ours < theirs && current.num_ack_pending > 0 {
                         // The server would measure the work other instances
@@ -185,9 +186,7 @@ impl Bus {
                     }
                     config.deliver_policy = current.config.deliver_policy;
                 }
-                Err(error)
-                    if error.kind() != jetstream::context::ConsumerInfoErrorKind::NotFound =>
-                {
+                Err(error) => {
                     // Not knowing whether it exists, do not overwrite it: a
                     // create with the default start would be refused by one
                     // the keeper made again from a later sequence (or undo a
@@ -198,20 +197,36 @@ impl Bus {
                         source: error,
                     });
                 }
-                Err(_) => made_anew = true,
+                Ok(None) => made_anew = true,
             }
-            let consumer = handle.create_consumer(config).await.map_err(|source| {
-                ProvisionError::Consumer {
-                    name: name.clone(),
-                    stream: stream.to_owned(),
-                    source,
-                }
-            })?;
+            // Believed missing, it is created strictly: nats-server 2.10
+            // and later refuse the create if it exists after all (with
+            // other settings), and the next attempt reads it.
+            let consumer = if made_anew {
+                handle.create_consumer_strict(config).await.map_err(|source| {
+                    ProvisionError::CreateConsumer {
+                        name: name.clone(),
+                        stream: stream.to_owned(),
+                        source,
+                    }
+                })?
+            } else {
+                handle.create_consumer(config).await.map_err(|source| {
+                    ProvisionError::Consumer {
+                        name: name.clone(),
+                        stream: stream.to_owned(),
+                        source,
+                    }
+                })?
+            };
             // Made anew, the wake's reads the whole history again: a
             // completion its ledger does not record delivered (one the
             // session API refused, dead-lettered) is posted again. The
             // running wake's keeper starts it after the floor it saw; a
             // start or `init` knows of none.
+            // One that existed after all (the same settings, which the
+            // strict create takes) has delivered something.
+            let made_anew = made_anew && consumer.cached_info().delivered.stream_sequence == 0;
             let completions = consumer.cached_info().num_pending;
             if made_anew && matches!(wanted, ServiceConsumer::Wake { .. }) && completions > 0 {
                 warn!(consumer = %name, stream, completions, "The wake consumer was missing and is made anew from the start of the history: every completion in it is read again, and one the wake ledger does not record delivered (a wake the session API refused) is posted again. If it was deleted by mistake, see OPERATIONS.md, \"Consumers deleted under running services\".");
@@ -226,5 +241,35 @@ impl Bus {
                 warn!(error = %err, retry_in = ?delay, "Consumer setup failed; will retry.");
             })
             .await
+    }
+
+    /// The consumer's info, or `None` when JetStream says it does not
+    /// exist. A node that has just restarted or become leader can say so of
+    /// a consumer that exists (see `keeper.rs`): nats-server 2.10 and later
+    /// then refuse the strict create that follows, but 2.9 ignores its
+    /// action and would update the consumer (shortening the AckWait of work
+    /// other instances hold, or undoing `init`'s keeping), so there a
+    /// stream that has consumers is asked again after [`CONFIRM_AFTER`].
+    async fn find_consumer(
+        &self,
+        handle: &jetstream::stream::Stream,
+        name: &str,
+    ) -> Result<Option<consumer::Info>, jetstream::context::ConsumerInfoError> {
+        use jetstream::context::ConsumerInfoErrorKind::NotFound;
+        match handle.consumer_info(name).await {
+            Ok(info) => return Ok(Some(info)),
+            Err(error) if error.kind() != NotFound => return Err(error),
+            Err(_) => {}
+        }
+        let has_consumers = handle.cached_info().state.consumer_count > 0;
+        if self.honours_create_action() || !has_consumers {
+            return Ok(None);
+        }
+        tokio::time::sleep(CONFIRM_AFTER).await;
+        match handle.consumer_info(name).await {
+            Ok(info) => Ok(Some(info)),
+            Err(error) if error.kind() == NotFound => Ok(None),
+            Err(error) => Err(error),
+        }
     }
 }

@@ -45,7 +45,7 @@ use super::{Bus, ServiceConsumer};
 
 /// How long after a first "not found" the keeper asks again before it
 /// believes it.
-const CONFIRM_AFTER: Duration = Duration::from_secs(2);
+pub(super) const CONFIRM_AFTER: Duration = Duration::from_secs(2);
 
 /// The waits between checks: `every` plus up to as much again at random.
 fn check_delays(every: Duration) -> backon::ConstantBackoff {

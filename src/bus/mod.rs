@@ -155,6 +155,16 @@ pub enum ProvisionError {
         /// The JetStream error.
         source: jetstream::stream::ConsumerError,
     },
+    /// A consumer believed missing could not be created.
+    #[error("cannot create consumer {name} on {stream}: {source}")]
+    CreateConsumer {
+        /// The consumer.
+        name: String,
+        /// Its stream.
+        stream: String,
+        /// The JetStream error (`AlreadyExists`: it exists after all).
+        source: jetstream::stream::ConsumerCreateStrictError,
+    },
     /// Whether a consumer exists could not be read.
     #[error("cannot read consumer {name} on {stream}: {source}")]
     ConsumerInfo {
@@ -263,6 +273,25 @@ impl Bus {
             known => known,
         }
     }
+
+    /// Whether the server honours a consumer create's action (2.10 and
+    /// later): a strict create is then refused for a consumer that exists
+    /// with other settings, where 2.9 updates it. Judged by the version of
+    /// the server connected to (unknown: taken as not).
+    pub(crate) fn honours_create_action(&self) -> bool {
+        at_least_2_10(&self.client.server_info().version)
+    }
+}
+
+/// Whether a nats-server version (`2.10.4`, `2.11.0-RC.1`) is 2.10 or later.
+fn at_least_2_10(version: &str) -> bool {
+    let mut numbers = version
+        .split(['.', '-'])
+        .map(|part| part.parse::<u64>().ok());
+    match (numbers.next().flatten(), numbers.next().flatten()) {
+        (Some(major), Some(minor)) => (major, minor) >= (2, 10),
+        _ => false,
+    }
 }
 
 /// How a write whose result is already in hand (a worker's completion, a
@@ -288,13 +317,28 @@ pub enum PublishError {
     /// The publish was not acknowledged (server down, timeout, no stream...).
     #[error("publish was not acknowledged by JetStream: {0}")]
     Publish(#[from] jetstream::context::PublishError),
-    /// JetStream dropped it as a duplicate of a message it never stored
-    /// (see [`confirm_stored`]).
+    /// JetStream dropped it as a duplicate of a copy not stored yet (see
+    /// [`confirm_stored`]): that copy may still be stored, or never be.
     #[error(
-        "{stream} acknowledged the message as a duplicate without storing anything (nats-server before 2.10.25 does so for a retry after a leader election); it is not stored: publish it again, which succeeds once the duplicate window has passed"
+        "{stream} acknowledged the message as a duplicate of a copy it has not stored yet (one still being stored, or, with nats-server before 2.10.25, one lost in a leader election); it may not be stored: publish it again with the same message id, which is stored once, at the latest once the duplicate window has passed"
     )]
     DuplicateOfUnstored {
         /// The stream that answered.
         stream: String,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::at_least_2_10;
+
+    #[test]
+    fn servers_from_2_10_on_are_told_from_older_ones_by_their_version() {
+        for newer in ["2.10.0", "2.10.25", "2.11.0-RC.1", "2.15.1", "3.0.0"] {
+            assert!(at_least_2_10(newer), "{newer}");
+        }
+        for older in ["2.9.10", "2.9.25", "2.2.0", "1.12.0", "", "v2.10.0", "2.x"] {
+            assert!(!at_least_2_10(older), "{older}");
+        }
+    }
 }

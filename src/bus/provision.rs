@@ -697,6 +697,12 @@ pub(crate) fn may_pass(err: &ProvisionError) -> bool {
         ProvisionError::Stream { source, .. } => is_transient(source),
         ProvisionError::Bucket { source, .. } => is_transient(source),
         ProvisionError::Consumer { source, .. } => is_transient(source),
+        // Refused as existing after all (a node that said it did not had
+        // not caught up): the next attempt reads it.
+        ProvisionError::CreateConsumer { source, .. } => {
+            source.kind() == jetstream::stream::ConsumerCreateStrictErrorKind::AlreadyExists
+                || is_transient(source)
+        }
         // A stream not there (yet): one another instance is creating on a
         // cluster shows a moment later, and one nobody may create here
         // waits for an operator's `init`.

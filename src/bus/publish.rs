@@ -26,15 +26,16 @@ impl Bus {
 
 /// The ack, if it confirms that the message is stored.
 ///
-/// An ack flagged `duplicate` with sequence 0 does not. nats-server before
-/// 2.10.25 answers so to a retry of a message whose first publish was
-/// dropped in a leader election: the first publish left its `Nats-Msg-Id`
-/// staged, with no sequence, and every retry within the duplicate window
-/// is dropped as its duplicate although nothing was stored
+/// An ack flagged `duplicate` with sequence 0 does not: the first copy's
+/// `Nats-Msg-Id` is staged, with no sequence yet. A clustered stream's
+/// leader answers so to a retry that comes while the first copy is still
+/// being stored, and that copy may then land; nats-server before 2.10.25
+/// also answers so to every retry within the duplicate window of a first
+/// publish dropped in a leader election, although nothing is stored
 /// (nats-io/nats-server#6415). Taken as stored, a completion or a request
-/// would be lost. Newer servers answer such a retry with an error. Either
-/// way the caller retries, and the message is stored once the window (2
-/// minutes by default) has passed.
+/// could be lost. Newer servers answer the second case with an error.
+/// Either way the caller retries under the same id: the message is stored
+/// once, at the latest once the window (2 minutes by default) has passed.
 pub(crate) fn confirm_stored(ack: PublishAck) -> Result<PublishAck, PublishError> {
     if ack.duplicate && ack.sequence == 0 {
         return Err(PublishError::DuplicateOfUnstored { stream: ack.stream });

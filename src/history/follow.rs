@@ -142,7 +142,14 @@ impl HistoryReader {
                 },
                 None => self.selection.deliver_policy(),
             };
-            match read(&self.handle, &self.stream, &self.filter_subject, policy).await {
+            let opened = read(
+                &self.handle,
+                &self.stream,
+                &self.filter_subject,
+                policy,
+                self.batch,
+            );
+            match opened.await {
                 Ok((messages, name, _, start_floor)) => {
                     self.close().await;
                     self.messages = messages;

@@ -41,12 +41,25 @@ use crate::protocol::{
     validate_session_id,
 };
 
-/// The most messages a read's pull asks for at a time: a bound on what it
-/// holds (about one and a half times this many messages) that still reads
-/// a long history in few round trips. It is a count, not bytes (the
-/// client's ordered pulls take no byte limit): about 100 MB of dead letters
-/// at the default 1 MB max payload, eight times that at 8 MB.
-const READ_BATCH: i64 = 64;
+/// The most messages a read's pull asks for at a time, at most: a bound on
+/// what it holds (about one and a half times this many messages) that
+/// still reads a long history in few round trips.
+const MAX_READ_BATCH: i64 = 64;
+
+/// What a read's pull may bring at once at the server's max payload, in
+/// bytes: the client's ordered pulls take no byte limit, so the count is
+/// cut for a server whose messages may be large (dead letters of large
+/// requests are exactly those).
+const READ_BATCH_BYTES: usize = 64 << 20;
+
+/// How many messages a read's pull asks for at a time with messages of up
+/// to `max_payload` bytes: [`MAX_READ_BATCH`], fewer when they could
+/// together exceed [`READ_BATCH_BYTES`] (8 at an 8 MB max payload), and at
+/// least 4. A read then holds about 100 MB at most.
+fn read_batch(max_payload: usize) -> i64 {
+    let fits = READ_BATCH_BYTES / max_payload.max(1);
+    i64::try_from(fits).map_or(MAX_READ_BATCH, |fits| fits.clamp(4, MAX_READ_BATCH))
+}
 
 /// How long a bounded read waits for the next message it knows is pending
 /// before it reports the read as stalled.
@@ -344,6 +357,9 @@ pub struct HistoryReader {
     /// started at: a read from a time starts past older messages, which
     /// are none of what it has still to deliver.
     start_floor: u64,
+    /// How many messages a pull asks for ([`read_batch`]), kept for a
+    /// follow opened again.
+    batch: i64,
 }
 
 impl std::fmt::Debug for HistoryReader {
@@ -384,11 +400,13 @@ impl HistoryReader {
             .await
             .map_or(looked_up, |info| info.state.last_sequence);
         let filter_subject = selection.filter_subject(&bus.subjects, source);
+        let batch = read_batch(bus.max_payload());
         let (messages, consumer_name, total, start_floor) = read(
             &stream,
             &stream_name,
             &filter_subject,
             selection.deliver_policy(),
+            batch,
         )
         .await?;
         let end = if follow {
@@ -416,6 +434,7 @@ impl HistoryReader {
             total,
             cleanup: Some(consumer_name),
             start_floor,
+            batch,
         })
     }
 
@@ -596,12 +615,14 @@ async fn until_passed(until: Option<OffsetDateTime>) {
 
 /// Opens an ordered read of `filter_subject` on `stream`: its messages, the
 /// consumer's name, how many messages it has pending, and the stream
-/// sequence before the one it starts at.
+/// sequence before the one it starts at. Its pulls ask for `batch`
+/// messages at a time.
 async fn read(
     stream: &async_nats::jetstream::stream::Stream,
     stream_name: &str,
     filter_subject: &str,
     deliver_policy: DeliverPolicy,
+    batch: i64,
 ) -> Result<(Ordered, String, u64, u64), HistoryError> {
     let consumer = stream
         .create_consumer(OrderedConfig {
@@ -610,7 +631,7 @@ async fn read(
             description: Some("wakebus history reader".to_owned()),
             // The client asks for 500 at a time, and holds up to half as
             // many more: with dead letters of large requests, gigabytes.
-            max_batch: READ_BATCH,
+            max_batch: batch,
             ..Default::default()
         })
         .await
