@@ -1764,7 +1764,7 @@ async fn a_delegation_whose_record_is_acked_as_a_duplicate_of_nothing_stored_is_
     assert!(
         error
             .to_string()
-            .contains("as a duplicate without storing anything"),
+            .contains("as a duplicate of a copy it has not stored yet"),
         "{error}"
     );
     // Records first: with the record not stored, the task was never sent.

@@ -1552,5 +1552,17 @@ async fn a_plan_that_keeps_failing_is_retried_ever_more_slowly_and_warned_of_onc
     let failed = failed();
     let warned = failed.iter().filter(|line| line.contains("WARN")).count();
     assert_eq!(warned, 1, "{failed:#?}");
+    // Waits of at least 1, 2 and 4 s between the four, by the log's own
+    // timestamps (a line starts with one).
+    let at = |line: &str| {
+        let stamp = line.split_whitespace().next().unwrap_or_default();
+        let format = time::format_description::well_known::Rfc3339;
+        time::OffsetDateTime::parse(stamp, &format).unwrap_or_else(|_| panic!("{line}"))
+    };
+    let spread = at(&failed[3]) - at(&failed[0]);
+    assert!(
+        spread >= time::Duration::seconds(7),
+        "{spread}: {failed:#?}"
+    );
     assert!(rig.api.all_posts().is_empty());
 }

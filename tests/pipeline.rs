@@ -417,8 +417,10 @@ async fn a_409_conflict_is_retried_for_the_conflict_patience_before_the_wake_is_
     assert_eq!(api.all_posts().len(), 3);
     assert!(all_messages(&bus, &dlq).await.is_empty());
 
-    // A conflict that lasts.
+    // A conflict that lasts, each answer asking for an hour's wait: the
+    // wait is cut to the patience left, not taken whole.
     api.fail_always(409);
+    api.set_retry_after(3600);
     Delegator::new(bus.clone())
         .delegate(Delegation::new("conflicts").session("s.conflicts"))
         .await

@@ -203,21 +203,23 @@ impl Bus {
             // and later refuse the create if it exists after all (with
             // other settings), and the next attempt reads it.
             let consumer = if made_anew {
-                handle.create_consumer_strict(config).await.map_err(|source| {
-                    ProvisionError::CreateConsumer {
+                handle
+                    .create_consumer_strict(config)
+                    .await
+                    .map_err(|source| ProvisionError::CreateConsumer {
                         name: name.clone(),
                         stream: stream.to_owned(),
                         source,
-                    }
-                })?
+                    })?
             } else {
-                handle.create_consumer(config).await.map_err(|source| {
-                    ProvisionError::Consumer {
+                handle
+                    .create_consumer(config)
+                    .await
+                    .map_err(|source| ProvisionError::Consumer {
                         name: name.clone(),
                         stream: stream.to_owned(),
                         source,
-                    }
-                })?
+                    })?
             };
             // Made anew, the wake's reads the whole history again: a
             // completion its ledger does not record delivered (one the
@@ -246,10 +248,13 @@ impl Bus {
     /// The consumer's info, or `None` when JetStream says it does not
     /// exist. A node that has just restarted or become leader can say so of
     /// a consumer that exists (see `keeper.rs`): nats-server 2.10 and later
-    /// then refuse the strict create that follows, but 2.9 ignores its
-    /// action and would update the consumer (shortening the AckWait of work
-    /// other instances hold, or undoing `init`'s keeping), so there a
-    /// stream that has consumers is asked again after [`CONFIRM_AFTER`].
+    /// then refuse the strict create that follows if its settings differ,
+    /// but 2.9 ignores its action and would update the consumer (shortening
+    /// the AckWait of work other instances hold, or undoing `init`'s
+    /// keeping). A cluster being upgraded may have its meta leader, which
+    /// handles the create, on 2.9 whatever the node this client talks to
+    /// runs, so on a stream that has consumers a "not found" is asked again
+    /// after [`CONFIRM_AFTER`] whatever the version.
     async fn find_consumer(
         &self,
         handle: &jetstream::stream::Stream,
@@ -261,8 +266,7 @@ impl Bus {
             Err(error) if error.kind() != NotFound => return Err(error),
             Err(_) => {}
         }
-        let has_consumers = handle.cached_info().state.consumer_count > 0;
-        if self.honours_create_action() || !has_consumers {
+        if handle.cached_info().state.consumer_count == 0 {
             return Ok(None);
         }
         tokio::time::sleep(CONFIRM_AFTER).await;

@@ -273,25 +273,6 @@ impl Bus {
             known => known,
         }
     }
-
-    /// Whether the server honours a consumer create's action (2.10 and
-    /// later): a strict create is then refused for a consumer that exists
-    /// with other settings, where 2.9 updates it. Judged by the version of
-    /// the server connected to (unknown: taken as not).
-    pub(crate) fn honours_create_action(&self) -> bool {
-        at_least_2_10(&self.client.server_info().version)
-    }
-}
-
-/// Whether a nats-server version (`2.10.4`, `2.11.0-RC.1`) is 2.10 or later.
-fn at_least_2_10(version: &str) -> bool {
-    let mut numbers = version
-        .split(['.', '-'])
-        .map(|part| part.parse::<u64>().ok());
-    match (numbers.next().flatten(), numbers.next().flatten()) {
-        (Some(major), Some(minor)) => (major, minor) >= (2, 10),
-        _ => false,
-    }
 }
 
 /// How a write whose result is already in hand (a worker's completion, a
@@ -326,19 +307,4 @@ pub enum PublishError {
         /// The stream that answered.
         stream: String,
     },
-}
-
-#[cfg(test)]
-mod tests {
-    use super::at_least_2_10;
-
-    #[test]
-    fn servers_from_2_10_on_are_told_from_older_ones_by_their_version() {
-        for newer in ["2.10.0", "2.10.25", "2.11.0-RC.1", "2.15.1", "3.0.0"] {
-            assert!(at_least_2_10(newer), "{newer}");
-        }
-        for older in ["2.9.10", "2.9.25", "2.2.0", "1.12.0", "", "v2.10.0", "2.x"] {
-            assert!(!at_least_2_10(older), "{older}");
-        }
-    }
 }

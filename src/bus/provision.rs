@@ -700,8 +700,12 @@ pub(crate) fn may_pass(err: &ProvisionError) -> bool {
         // Refused as existing after all (a node that said it did not had
         // not caught up): the next attempt reads it.
         ProvisionError::CreateConsumer { source, .. } => {
-            source.kind() == jetstream::stream::ConsumerCreateStrictErrorKind::AlreadyExists
-                || is_transient(source)
+            use jetstream::stream::ConsumerCreateStrictErrorKind as Create;
+            match source.kind() {
+                Create::AlreadyExists | Create::TimedOut | Create::Request => true,
+                Create::JetStream(error) => is_transient(&error),
+                _ => false,
+            }
         }
         // A stream not there (yet): one another instance is creating on a
         // cluster shows a moment later, and one nobody may create here

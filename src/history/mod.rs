@@ -55,10 +55,10 @@ const READ_BATCH_BYTES: usize = 64 << 20;
 /// How many messages a read's pull asks for at a time with messages of up
 /// to `max_payload` bytes: [`MAX_READ_BATCH`], fewer when they could
 /// together exceed [`READ_BATCH_BYTES`] (8 at an 8 MB max payload), and at
-/// least 4. A read then holds about 100 MB at most.
+/// least one. A read then holds about 100 MB at most.
 fn read_batch(max_payload: usize) -> i64 {
     let fits = READ_BATCH_BYTES / max_payload.max(1);
-    i64::try_from(fits).map_or(MAX_READ_BATCH, |fits| fits.clamp(4, MAX_READ_BATCH))
+    i64::try_from(fits).map_or(MAX_READ_BATCH, |fits| fits.clamp(1, MAX_READ_BATCH))
 }
 
 /// How long a bounded read waits for the next message it knows is pending

@@ -163,6 +163,14 @@ pub(crate) struct Shared {
     pub(crate) posting: std::sync::atomic::AtomicUsize,
     /// How often held completions get an in-progress ack.
     pub(crate) keep_alive: KeepAliveEvery,
+    /// Completions read whole for batch turns at once, across every
+    /// session: what batch planning holds is bounded per service, not per
+    /// session planning a batch.
+    pub(crate) batch_reads: Arc<tokio::sync::Semaphore>,
+    /// When a failed plan was last warned of, by any session: a cause
+    /// they share (a lost permission, a deleted bucket) is warned of once
+    /// a minute, not once per session.
+    pub(crate) plan_warned: std::sync::Mutex<Option<tokio::time::Instant>>,
 }
 
 /// Runs the wake service until `shutdown` completes; held completions are
@@ -221,6 +229,10 @@ pub async fn run(
         config,
         posting: Default::default(),
         keep_alive,
+        batch_reads: Arc::new(tokio::sync::Semaphore::new(session::batch_read_permits(
+            bus.max_payload(),
+        ))),
+        plan_warned: std::sync::Mutex::new(None),
     });
     let registration = Registration::wake(bus.subjects.prefix(), &shared.config.instance);
     let reporting = shared.clone();

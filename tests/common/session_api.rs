@@ -345,11 +345,7 @@ fn answer(inner: &Inner, recorded: Recorded) -> Response {
     }
     let always = inner.always_status.load(Ordering::SeqCst);
     if always != 0 {
-        return (
-            StatusCode::from_u16(always).unwrap(),
-            "session API unavailable",
-        )
-            .into_response();
+        return refuse(always);
     }
     if inner
         .fail_remaining

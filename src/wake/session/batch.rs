@@ -20,13 +20,17 @@
 //! fails the plan (tried again), rather than give a turn that a re-send
 //! would give otherwise.
 //!
-//! Each pass has up to [`read_ahead`] reads in flight: one at a time, a
-//! batch of 1,000 tasks took as many round trips in a row, which on a
+//! Each pass has up to [`READS_IN_FLIGHT`] reads in flight: one at a time,
+//! a batch of 1,000 tasks took as many round trips in a row, which on a
 //! cluster can outlast the session lock the turn is planned under (it is
 //! refreshed only around the post), and the turn was then planned again,
-//! as slowly, for ever. The first read (of the last task) goes alone: a
-//! batch not complete yet mostly shows it there, and each of its members
-//! is checked as it arrives.
+//! as slowly, for ever. Each read holds one of the service's
+//! [`batch_read_permits`] until it has cut what it read to what the pass
+//! keeps, so what batch planning holds whole at once is bounded per
+//! service, and what waits in a pass for its turn is only what it keeps.
+//! The first read (of the last task) goes alone: a batch not complete yet
+//! mostly shows it there, and each of its members is checked as it
+//! arrives.
 
 use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::stream::{LastRawMessageError, LastRawMessageErrorKind};
@@ -57,14 +61,19 @@ const TURN_LINES: usize = 512;
 /// `done` subject holds one or two, unless someone floods it.
 const WALK_LIMIT: usize = 64;
 
-/// Most completions read whole at once, besides what the passes keep.
-const READ_AHEAD_BYTES: usize = 32 << 20;
+/// Most reads one pass has in flight.
+const READS_IN_FLIGHT: usize = 16;
 
-/// How many completions a pass reads at once: 16, fewer when that many
-/// could together exceed [`READ_AHEAD_BYTES`] at the server's max payload
-/// (4 at 8 MiB), and at least one.
-fn read_ahead(max_payload: usize) -> usize {
-    (READ_AHEAD_BYTES / max_payload.max(1)).clamp(1, 16)
+/// Most bytes of completions read whole at once for batch turns, across
+/// the service, besides what the passes keep.
+const READ_PERMIT_BYTES: usize = 32 << 20;
+
+/// How many completions the service reads whole at once for batch turns
+/// with messages of up to `max_payload` bytes: 16, fewer when that many
+/// could together exceed [`READ_PERMIT_BYTES`] (4 at 8 MiB), and at least
+/// one.
+pub(crate) fn batch_read_permits(max_payload: usize) -> usize {
+    (READ_PERMIT_BYTES / max_payload.max(1)).clamp(1, READS_IN_FLIGHT)
 }
 
 /// A batch's turn, once every task has a usable completion.
@@ -73,14 +82,6 @@ pub(super) struct BatchTurn {
     pub(super) text: String,
     /// How many tasks it reports.
     pub(super) tasks: u32,
-}
-
-/// Where the first pass finds a task's completion.
-enum Found<'a> {
-    /// In hand.
-    Held(&'a Pending),
-    /// Read from the history, on its subject.
-    Stored(String, Result<StreamMessage, LastRawMessageError>),
 }
 
 /// One task's completion as the first pass keeps it.
@@ -142,35 +143,36 @@ impl Router {
         let mut events = Vec::with_capacity(kept.len());
         // The second pass: each result allowed more than the first kept,
         // read again whole, in order, a few at a time.
-        let ahead = read_ahead(self.shared.bus.max_payload());
-        let mut second = futures::stream::iter(kept)
-            .map(|k| async move {
-                let allowed = share.map_or(k.whole, |share| share.min(k.whole));
-                let have = k.event.summary.as_ref().map_or(0, String::len);
-                let whole = if allowed > have {
-                    let index = k.event.task_index;
-                    Some(self.read_again(members, k.sequence, index).await?)
-                } else {
-                    None
-                };
-                Ok::<_, PlanError>((k, allowed, whole))
-            })
-            .buffered(ahead);
+        let mut second = std::pin::pin!(
+            futures::stream::iter(kept)
+                .map(|kept| async move {
+                    let Kept {
+                        mut event,
+                        whole,
+                        sequence,
+                    } = kept;
+                    let allowed = share.map_or(whole, |share| share.min(whole));
+                    let have = event.summary.as_ref().map_or(0, String::len);
+                    if allowed > have {
+                        let _permit = self.shared.batch_reads.acquire().await;
+                        let again = self.read_again(members, sequence, event.task_index);
+                        let summary = again.await?.summary;
+                        event.summary = summary.map(|summary| prefix(&summary, allowed));
+                    } else if allowed < have {
+                        // What the goals and errors take can leave less
+                        // than the first pass's even share.
+                        event.summary = event.summary.map(|summary| prefix(&summary, allowed));
+                    }
+                    Ok::<_, PlanError>((event, whole))
+                })
+                .buffered(READS_IN_FLIGHT)
+        );
         while let Some(read) = second.next().await {
-            let (k, allowed, whole) = read?;
-            let mut event = k.event;
-            let have = event.summary.as_ref().map_or(0, String::len);
-            if let Some(whole) = whole {
-                event.summary = whole.summary.map(|summary| prefix(&summary, allowed));
-            } else if allowed < have {
-                // What the goals and errors take can leave less than the
-                // first pass's even share.
-                event.summary = event.summary.map(|summary| prefix(&summary, allowed));
-            }
+            let (mut event, whole) = read?;
             if let Some(summary) = event.summary.as_mut()
-                && summary.len() < k.whole
+                && summary.len() < whole
             {
-                let cut_off = k.whole - summary.len();
+                let cut_off = whole - summary.len();
                 summary.push_str(&format!("… [{cut_off} bytes cut]"));
                 cut += 1;
             }
@@ -240,32 +242,34 @@ impl Router {
         // The last task alone, then the others a few at a time.
         let order: Vec<u32> = (0..member.event.task_count).rev().collect();
         let (last, others) = order.split_at(order.len().min(1));
-        let ahead = read_ahead(self.shared.bus.max_payload());
         let token = token.as_str();
-        for (indices, ahead) in [(last, 1), (others, ahead)] {
-            let mut reads = futures::stream::iter(indices.iter().copied())
-                .map(|index| async move {
-                    if let Some(held) = members.iter().find(|p| p.event.task_index == index) {
-                        return (index, Found::Held(held));
-                    }
-                    let subject =
-                        subjects.event(token, &member.event.delegation_id, index, EventKind::Done);
-                    let read = self
-                        .shared
-                        .events
-                        .get_last_raw_message_by_subject(&subject)
-                        .await;
-                    (index, Found::Stored(subject, read))
-                })
-                .buffered(ahead);
-            while let Some((index, found)) = reads.next().await {
-                let kept = match found {
-                    Found::Held(held) => Some(Kept::new(held.event.clone(), None, share)),
-                    Found::Stored(subject, read) => {
-                        self.kept_sibling(&subject, read, member, index, share)
-                            .await?
-                    }
-                };
+        for (indices, ahead) in [(last, 1), (others, READS_IN_FLIGHT)] {
+            let mut reads = std::pin::pin!(
+                futures::stream::iter(indices.iter().copied())
+                    .map(|index| async move {
+                        if let Some(held) = members.iter().find(|p| p.event.task_index == index) {
+                            let kept = Kept::new(held.event.clone(), None, share);
+                            return (index, Ok(Some(kept)));
+                        }
+                        let _permit = self.shared.batch_reads.acquire().await;
+                        let subject = subjects.event(
+                            token,
+                            &member.event.delegation_id,
+                            index,
+                            EventKind::Done,
+                        );
+                        let read = self
+                            .shared
+                            .events
+                            .get_last_raw_message_by_subject(&subject)
+                            .await;
+                        let kept = self.kept_sibling(&subject, read, member, index, share);
+                        (index, kept.await)
+                    })
+                    .buffered(ahead)
+            );
+            while let Some((index, kept)) = reads.next().await {
+                let kept = kept?;
                 if kept.is_none() {
                     return Ok(None);
                 }

@@ -14,6 +14,8 @@
 
 mod actors;
 mod batch;
+
+pub(crate) use batch::batch_read_permits;
 mod hold;
 mod plan;
 mod post;
@@ -43,40 +45,53 @@ use crate::protocol::{CompletionEvent, session_token};
 /// loop) must not make a busy loop of it.
 const REPLAN_AFTER_CHANGE: Duration = Duration::from_millis(100);
 
-/// The longest wait between two plans that failed.
-const PLAN_RETRY_MAX: Duration = Duration::from_secs(16);
+/// The longest wait between two plans that failed, before jitter (which
+/// adds up to as much again): the waits stay below the session lock's
+/// default TTL (30 s), which is not refreshed while the actor waits.
+const PLAN_RETRY_MAX: Duration = Duration::from_secs(8);
 
-/// How often a streak of failed plans is warned of, after its first.
+/// How often failed plans are warned of, across the service.
 const PLAN_FAILURE_WARN_EVERY: Duration = Duration::from_secs(60);
 
 /// A session's streak of plans that failed (the ledger or the history
 /// could not be read or written): each is tried again after 1 s, doubling
-/// up to [`PLAN_RETRY_MAX`] with jitter, and the streak is warned of at its
-/// start and then once a minute. A failure that lasts (a permission taken
-/// away, a deleted bucket) then neither floods the log nor multiplies the
-/// load by the sessions in hand.
+/// up to [`PLAN_RETRY_MAX`], each wait plus up to as much again in jitter;
+/// the failures are warned of once a minute across the service (the rest
+/// at DEBUG). A failure that lasts (a permission taken away, a deleted
+/// bucket), which every session in hand meets, then neither floods the
+/// log nor keeps the ledger busy with a retry a second per session.
 #[derive(Debug, Default)]
 struct PlanFailures {
     /// The streak's waits; `None` while plans succeed.
     delays: Option<backon::ExponentialBackoff>,
-    /// When the streak was last warned of.
+    /// When this streak was last warned of.
     warned_at: Option<Instant>,
     /// Plans failed in the streak.
     count: u32,
 }
 
 impl PlanFailures {
-    /// Counts a failed plan; returns the wait before the next.
-    fn failed(&mut self, error: &plan::PlanError) -> Duration {
+    /// Counts a failed plan; returns the wait before the next. `warned`
+    /// is when the service last warned of one.
+    fn failed(
+        &mut self,
+        error: &plan::PlanError,
+        warned: &std::sync::Mutex<Option<Instant>>,
+    ) -> Duration {
         use backon::BackoffBuilder as _;
         self.count += 1;
         let now = Instant::now();
-        if self
-            .warned_at
-            .is_none_or(|at| now.duration_since(at) >= PLAN_FAILURE_WARN_EVERY)
-        {
+        let due = {
+            let mut warned = warned.lock().expect("plan warning gate");
+            let due = warned.is_none_or(|at| now.duration_since(at) >= PLAN_FAILURE_WARN_EVERY);
+            if due {
+                *warned = Some(now);
+            }
+            due
+        };
+        if due {
             self.warned_at = Some(now);
-            warn!(%error, failures = self.count, "Could not plan the session's turns; will retry.");
+            warn!(%error, failures = self.count, "Could not plan the session's turns; will retry (further failures are logged at DEBUG for a minute).");
         } else {
             debug!(%error, failures = self.count, "Could not plan the session's turns; will retry.");
         }
@@ -482,7 +497,7 @@ impl Router {
                 return self.again_after(hold, REPLAN_AFTER_CHANGE).await;
             }
             Err(error) => {
-                let delay = failures.failed(&error);
+                let delay = failures.failed(&error, &self.shared.plan_warned);
                 return self.again_after(hold, delay).await;
             }
         };

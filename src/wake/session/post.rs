@@ -137,16 +137,19 @@ impl Router {
                 status: 409, after, ..
             } = result
             {
+                let since = first_conflict.get_or_insert_with(Instant::now).elapsed();
                 // An API enforcing Idempotency-Key answers 409 while a post
                 // under the same key is still being processed: most often
                 // this wake's own, given up after `--request-timeout` while
                 // the agent's turn runs on (minutes, with tool calls), or a
                 // dead instance's. It settles; only a conflict that lasts
                 // past `--conflict-patience` is taken as a refusal.
-                if first_conflict.get_or_insert_with(Instant::now).elapsed() < conflict_patience {
+                if since < conflict_patience {
+                    // Its Retry-After, but not past the patience left.
+                    let left = conflict_patience - since;
                     result = PostResult::Retry {
                         reason: "session API answered 409 Conflict (a post under this Idempotency-Key may still be in progress)".to_owned(),
-                        after,
+                        after: after.map(|after| after.min(left)),
                     };
                 }
             } else {
