@@ -621,11 +621,13 @@ async fn dev_demo_runs_the_whole_loop_on_a_running_server_and_exits_zero() {
     init_logs();
     let nats = NatsServer::start().await;
     // `dev` uses the server that answers at --nats-url; the demo exits
-    // non-zero unless every demo delegation's wake arrives.
+    // non-zero unless every demo delegation's wake arrives. Its endpoint
+    // bound to every address, its wake posts to it on loopback (plain http
+    // to `0.0.0.0` would be refused).
     let run = common::cli::wakebus(
         &nats.url(),
         &unique_prefix(),
-        &["dev", "--demo", "--session-addr", "127.0.0.1:0"],
+        &["dev", "--demo", "--session-addr", "0.0.0.0:0"],
     )
     .await;
     assert!(
@@ -638,6 +640,44 @@ async fn dev_demo_runs_the_whole_loop_on_a_running_server_and_exits_zero() {
     let stdout = run.stdout();
     assert_eq!(stdout.matches("delegate (session").count(), 3, "{stdout}");
     assert!(stdout.contains("delegate (no session)"), "{stdout}");
+}
+
+/// On a server it did not start, dev would join a deployment running
+/// under its prefix: its echo worker would take that deployment's tasks,
+/// and its wake would answer its sessions' wakes into dev's own endpoint.
+#[tokio::test]
+async fn dev_refuses_a_prefix_whose_services_run_on_the_server_it_found() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    wait_until(WAIT, "the worker to answer discovery", || async {
+        let options = wakebus::status::StatusOptions::default();
+        wakebus::status::collect(&bus, &options)
+            .await
+            .is_ok_and(|report| report.services.iter().any(|s| s.snapshot.kind == "worker"))
+    })
+    .await;
+    let run = common::cli::wakebus(
+        &nats.url(),
+        &prefix,
+        &["dev", "--demo", "--session-addr", "127.0.0.1:0"],
+    )
+    .await;
+    let stderr = run.stderr();
+    assert_eq!(run.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("instance(s) of prefix") && stderr.contains("--prefix wakebus-dev"),
+        "{stderr}"
+    );
+    assert!(
+        !run.stdout().contains("delegate (session"),
+        "{}",
+        run.stdout()
+    );
+    services.stop().await;
 }
 
 #[tokio::test]

@@ -28,7 +28,7 @@ pub use session_sink::{ReceivedTurn, SessionSink};
 
 use crate::bus::{Bus, BusSettings};
 use crate::connect::{ConnectError, NatsConfig};
-use crate::delegate::{DelegateError, Delegation, Delegator};
+use crate::delegate::{DelegateError, DelegateResult, Delegation, Delegator};
 use crate::protocol::{PrefixError, Subjects};
 use crate::wake::session_api::SessionApiConfig;
 use crate::wake::{self, WakeConfig};
@@ -82,6 +82,22 @@ pub enum DevError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// Workers or wake services of a deployment under dev's prefix run on
+    /// the server dev found.
+    #[error(
+        "{live} wakebus worker or wake instance(s) of prefix {prefix:?} answer on {url}: dev mode would take that deployment's tasks and answer its sessions' wakes itself; give dev a prefix of its own (--prefix wakebus-dev) or another --nats-url"
+    )]
+    DeploymentRunning {
+        /// The server.
+        url: String,
+        /// The prefix.
+        prefix: String,
+        /// How many instances answered.
+        live: usize,
+    },
+    /// Whether a deployment runs under dev's prefix could not be told.
+    #[error("cannot tell whether a deployment runs under dev's prefix: {0}")]
+    Discovery(String),
     /// Streams, buckets or consumers could not be set up.
     #[error(transparent)]
     Provision(#[from] crate::bus::ProvisionError),
@@ -109,6 +125,10 @@ pub enum DevError {
     },
 }
 
+/// How long dev waits for the services of a deployment already running
+/// under its prefix to answer, on a server it did not start.
+const DISCOVERY_WINDOW: Duration = Duration::from_secs(1);
+
 /// How long the services get to stop before the server is stopped anyway.
 const SERVICES_STOP_GRACE: Duration = Duration::from_secs(20);
 
@@ -130,6 +150,22 @@ pub async fn run(
     let setup = async {
         let (client, server) = connect_or_start(&config).await?;
         let bus = Bus::new(client, subjects);
+        if server.is_none() {
+            // A server dev did not start may carry a deployment under the
+            // same prefix: dev's echo worker would take its tasks, and its
+            // wake would answer its sessions' wakes into dev's endpoint,
+            // recorded as delivered.
+            let live = crate::status::live_instances(&bus, DISCOVERY_WINDOW)
+                .await
+                .map_err(|error| DevError::Discovery(error.to_string()))?;
+            if live > 0 {
+                return Err(DevError::DeploymentRunning {
+                    url: config.nats_url.clone(),
+                    prefix: config.prefix.clone(),
+                    live,
+                });
+            }
+        }
         let sink = SessionSink::bind(config.session_addr, true)
             .await
             .map_err(|source| DevError::Listen {
@@ -153,7 +189,16 @@ pub async fn run(
             };
         }
     };
-    let api_url = format!("http://{}", sink.local_addr());
+    // Bound to every address (`0.0.0.0`, to be reached from elsewhere),
+    // it is posted to on loopback: plain http goes to loopback only.
+    let mut own = sink.local_addr();
+    if own.ip().is_unspecified() {
+        own.set_ip(match own {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    let api_url = format!("http://{own}");
     info!(url = %api_url, "Built-in session endpoint listening; continuation turns are printed below.");
     let stop = CancellationToken::new();
     let mut services = JoinSet::new();
@@ -339,10 +384,14 @@ async fn demo(bus: &Bus, sink: &SessionSink) -> Result<(), DevError> {
         ("demo-session-alice", "List open questions"),
         ("demo-session.bob *>", "Check the release notes"),
     ];
+    let mut ids = Vec::with_capacity(background.len());
     for (session, goal) in background {
         let result = delegator
             .delegate(Delegation::new(goal).session(session).context("demo"))
             .await?;
+        if let DelegateResult::Dispatched { delegation_id, .. } = &result {
+            ids.push(delegation_id.clone());
+        }
         println!(
             "delegate (session {session:?}): {}",
             serde_json::to_string(&result).unwrap_or_default()
@@ -356,8 +405,9 @@ async fn demo(bus: &Bus, sink: &SessionSink) -> Result<(), DevError> {
 
     let timeout = Duration::from_secs(30);
     let expected = background.len();
-    // Bursts for one session may be combined into one turn; count completions.
-    let received = sink.wait_for_completions(expected, timeout).await;
+    // Bursts for one session may be combined into one turn: counted by the
+    // delegations the turns name.
+    let received = sink.wait_for_delegations(&ids, timeout).await;
     if received < expected {
         return Err(DevError::DemoIncomplete {
             received,

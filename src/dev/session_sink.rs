@@ -1,6 +1,7 @@
 //! A tiny session API that records and prints the continuation turns it
 //! receives: a stand-in for Hermes in `wakebus dev`.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,21 +24,25 @@ pub struct ReceivedTurn {
     pub text: String,
 }
 
+/// How many of the last turns a sink keeps: `wakebus dev` runs for as
+/// long as a developer likes, and each turn may be up to the max payload.
+const KEPT_TURNS: usize = 100;
+
 /// A running sink.
 #[derive(Debug, Clone)]
 pub struct SessionSink {
     /// Where it listens.
     addr: SocketAddr,
-    /// Everything received.
-    turns: Arc<Mutex<Vec<ReceivedTurn>>>,
-    /// Completions received so far (a combined turn counts each).
-    completions: watch::Receiver<usize>,
+    /// The last [`KEPT_TURNS`] turns received.
+    turns: Arc<Mutex<VecDeque<ReceivedTurn>>>,
+    /// Turns received so far, for waiters to look at the new ones.
+    received: watch::Receiver<usize>,
 }
 
 #[derive(Clone)]
 struct AppState {
-    turns: Arc<Mutex<Vec<ReceivedTurn>>>,
-    completions: Arc<watch::Sender<usize>>,
+    turns: Arc<Mutex<VecDeque<ReceivedTurn>>>,
+    received: Arc<watch::Sender<usize>>,
     print: bool,
 }
 
@@ -46,11 +51,11 @@ impl SessionSink {
     pub async fn bind(addr: SocketAddr, print: bool) -> std::io::Result<Self> {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
-        let turns = Arc::new(Mutex::new(Vec::new()));
+        let turns = Arc::new(Mutex::new(VecDeque::new()));
         let (tx, rx) = watch::channel(0usize);
         let state = AppState {
             turns: turns.clone(),
-            completions: Arc::new(tx),
+            received: Arc::new(tx),
             print,
         };
         let app = Router::new()
@@ -62,7 +67,7 @@ impl SessionSink {
         Ok(Self {
             addr,
             turns,
-            completions: rx,
+            received: rx,
         })
     }
 
@@ -71,23 +76,43 @@ impl SessionSink {
         self.addr
     }
 
-    /// Turns received so far.
+    /// The last turns received (at most 100).
     pub fn turns(&self) -> Vec<ReceivedTurn> {
-        self.turns.lock().expect("sink lock").clone()
+        self.turns
+            .lock()
+            .expect("sink lock")
+            .iter()
+            .cloned()
+            .collect()
     }
 
-    /// Waits until `n` completions have been received or `timeout` passes;
-    /// returns how many arrived.
-    pub async fn wait_for_completions(&self, n: usize, timeout: Duration) -> usize {
-        let mut rx = self.completions.clone();
-        let _ = tokio::time::timeout(timeout, rx.wait_for(|count| *count >= n)).await;
-        *rx.borrow()
+    /// Waits until a turn kept names each of `delegation_ids`, or `timeout`
+    /// passes; returns how many were named. Counted by id, not by turn: a
+    /// post sent again, or a turn left over from an earlier run on the same
+    /// server, is not taken for one of them.
+    pub async fn wait_for_delegations(
+        &self,
+        delegation_ids: &[String],
+        timeout: Duration,
+    ) -> usize {
+        let named = || {
+            let turns = self.turns.lock().expect("sink lock");
+            delegation_ids
+                .iter()
+                .filter(|id| turns.iter().any(|turn| turn.text.contains(id.as_str())))
+                .count()
+        };
+        let mut rx = self.received.clone();
+        let all = async {
+            while named() < delegation_ids.len() {
+                if rx.changed().await.is_err() {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(timeout, all).await;
+        named()
     }
-}
-
-/// How many completions a turn reports.
-fn completions_in(text: &str) -> usize {
-    text.matches("[ASYNC DELEGATION COMPLETE — ").count().max(1)
 }
 
 async fn receive(
@@ -116,9 +141,14 @@ async fn receive(
             turn.session, turn.text
         );
     }
-    let n = completions_in(&turn.text);
-    state.turns.lock().expect("sink lock").push(turn);
-    state.completions.send_modify(|count| *count += n);
+    {
+        let mut turns = state.turns.lock().expect("sink lock");
+        if turns.len() == KEPT_TURNS {
+            turns.pop_front();
+        }
+        turns.push_back(turn);
+    }
+    state.received.send_modify(|count| *count += 1);
     Json(json!({
         "id": "chatcmpl-wakebus-dev",
         "object": "chat.completion",

@@ -712,6 +712,16 @@ struct EndpointStats {
 /// request may take.
 const FLUSH_PATIENCE: Duration = Duration::from_secs(5);
 
+/// How many workers and wake services of `bus`'s deployment answer within
+/// `timeout`.
+pub(crate) async fn live_instances(bus: &Bus, timeout: Duration) -> Result<usize, StatusError> {
+    let (workers, wakes) = tokio::join!(
+        discover(bus, WORKER_SERVICE, timeout),
+        discover(bus, WAKE_SERVICE, timeout),
+    );
+    Ok(workers?.len() + wakes?.len())
+}
+
 /// Asks every instance of `service` for its stats; keeps this deployment's.
 async fn discover(
     bus: &Bus,
