@@ -111,9 +111,19 @@ pub enum CancelError {
     /// The cancel bucket is unavailable.
     #[error("cannot reach the cancel records: {0}")]
     Bucket(#[from] async_nats::jetstream::context::KeyValueError),
-    /// The record could not be written.
-    #[error("cannot record the cancel: {0}")]
-    Put(#[from] kv::PutError),
+    /// The record's write was not confirmed: refused, or stored with its
+    /// answer lost (a timeout, a leader election).
+    #[error(
+        "the cancel record {key} was not confirmed stored ({source}): it may be stored or not; check with `nats kv get {bucket} {key}` before sending the cancel again (a session cancel sent again applies up to its own, later time)"
+    )]
+    Put {
+        /// The cancel bucket.
+        bucket: String,
+        /// The record's key.
+        key: String,
+        /// The KV error.
+        source: kv::PutError,
+    },
     /// The broadcast could not be sent; the record was stored, and workers
     /// apply it from there.
     #[error(
@@ -249,7 +259,14 @@ impl Canceller {
             .js
             .get_key_value(self.bus.subjects.cancel_bucket())
             .await?;
-        let revision = bucket.put(target.key(), body.into()).await?;
+        let revision = bucket
+            .put(target.key(), body.into())
+            .await
+            .map_err(|source| CancelError::Put {
+                bucket: self.bus.subjects.cancel_bucket(),
+                key: target.key(),
+                source,
+            })?;
         // Workers compare `at` with the server's stored time of each request,
         // so broadcast the server's time of the record, not this machine's:
         // read back from any replica, which may not have it yet (asked

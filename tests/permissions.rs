@@ -1040,3 +1040,27 @@ async fn consumer_info(operator: &Bus, stream: &str) -> async_nats::jetstream::c
     let stream = operator.js.get_stream(stream).await.unwrap();
     stream.consumer_info("forger").await.unwrap()
 }
+
+/// A cancel whose record's write is not confirmed (refused here: the wake
+/// may read the cancel bucket, not write it; a lost answer looks the same)
+/// says the record may be stored and how to check it, rather than that it
+/// was not: a session cancel sent again applies up to a later time.
+#[tokio::test]
+async fn a_cancel_whose_record_is_not_confirmed_says_how_to_check_before_sending_it_again() {
+    init_logs();
+    let server = RoleServer::start().await;
+    init(&server).await;
+    let error = Canceller::new(server.bus("wake").await)
+        .cancel_session("s.unconfirmed", false)
+        .await
+        .expect_err("the wake may not write cancel records");
+    let said = error.to_string();
+    assert!(
+        said.contains("was not confirmed stored")
+            && said.contains(&format!(
+                "nats kv get WAKEBUS_CANCELS ses.{}",
+                session_token("s.unconfirmed")
+            )),
+        "{said}"
+    );
+}

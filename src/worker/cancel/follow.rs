@@ -184,8 +184,13 @@ impl Follower {
                 entry = next_entry(&mut self.watch) => self.watched(entry),
                 Some(message) = broadcasts.next() => {
                     let key = message.subject.strip_prefix(self.prefix.as_str()).unwrap_or_default();
-                    if let Some((target, record)) = decode(key, &message.payload) {
-                        self.registry.apply(target, record, From::Broadcast);
+                    if let Some((target, record)) = decode(key, &message.payload)
+                        && self.registry.apply(target, record, From::Broadcast)
+                    {
+                        // Tasks read their records by key until the watch
+                        // has delivered this cancel's (a check within a
+                        // second tells).
+                        self.fell_behind();
                     }
                 }
             }

@@ -226,8 +226,13 @@ impl CancelRegistry {
         }
     }
 
-    /// Records a cancel and stops every matching run.
-    pub(crate) fn apply(&self, target: CancelTarget, record: CancelRecord, from: From) {
+    /// Records a cancel and stops every matching run. Returns whether it is
+    /// a broadcast later than the stored record kept for its target: most
+    /// often a second cancel whose record the watch has not delivered yet,
+    /// which the stored record keeps out, so the caller must not take the
+    /// watch for current until it has (a task checked meanwhile would be
+    /// judged by the first cancel alone).
+    pub(crate) fn apply(&self, target: CancelTarget, record: CancelRecord, from: From) -> bool {
         let mut inner = self.inner.lock().expect("cancel registry");
         for run in inner.running.values() {
             if matches(
@@ -251,8 +256,11 @@ impl CancelRegistry {
         // a key's older write after a read by key brought its latest, and
         // broadcasts may bring a session's two cancels in either order; an
         // older one kept would let requests stored between the two start.
+        let mut ahead_of_watch = false;
         match (inner.records.get(&target), from) {
-            (Some((_, From::Stored { .. })), From::Broadcast) => {}
+            (Some((kept, From::Stored { .. })), From::Broadcast) => {
+                ahead_of_watch = record.at > kept.at;
+            }
             (Some((kept, From::Broadcast)), From::Broadcast) if kept.at > record.at => {}
             (Some((kept, From::Stored { revision: theirs })), From::Stored { revision })
                 if inner.written_before((record.at, revision), (kept.at, *theirs)) => {}
@@ -268,6 +276,7 @@ impl CancelRegistry {
             let cutoff = OffsetDateTime::now_utc() - inner.keep;
             inner.records.retain(|_, (record, _)| record.at >= cutoff);
         }
+        ahead_of_watch
     }
 
     /// Records when the cancel bucket was created (at start, and once it
@@ -479,6 +488,26 @@ mod tests {
             !refused(&registry, "d2", "tok", 30),
             "replaced by the broadcast"
         );
+    }
+
+    /// A session cancelled again: its second broadcast, come before the
+    /// watch delivers the second record, is kept out by the first, stored,
+    /// record; so the registry says it is ahead of the watch, for tasks to
+    /// read their records by key meanwhile, rather than start a request
+    /// stored between the two cancels. The first cancel's own broadcast,
+    /// timed as its record, is not.
+    #[test]
+    fn a_later_broadcast_than_the_stored_record_says_the_watch_is_behind() {
+        let registry = Arc::new(CancelRegistry::new(Duration::from_secs(3600)));
+        let session = || CancelTarget::Session("tok".to_owned());
+        let first = record(Duration::from_secs(60));
+        let stored = From::Stored { revision: 1 };
+        assert!(!registry.apply(session(), first.clone(), stored));
+        assert!(!registry.apply(session(), first, From::Broadcast));
+        assert!(registry.apply(session(), record(Duration::ZERO), From::Broadcast));
+        // Still judged by the stored record until the watch brings the
+        // second: a request stored 30 s ago is not refused by the registry.
+        assert!(!refused(&registry, "d1", "tok", 30));
     }
 
     /// A session cancel stored `ago` seconds ago, as revision `revision`.
