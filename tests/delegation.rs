@@ -1683,6 +1683,56 @@ async fn waiting_for_a_delegation_reads_past_garbage_and_strangers_on_its_subjec
     assert_eq!(results[0].status, Status::Completed);
 }
 
+/// A batch task run twice (a stall) has two completions: the wait keeps
+/// the first, as PROTOCOL 11.5 tells other clients to; and a completion on
+/// the delegation's subject that names another delegation is not taken for
+/// one of its tasks.
+#[tokio::test]
+async fn waiting_for_a_batch_keeps_each_tasks_first_completion_and_ignores_other_delegations() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let id = wakebus::protocol::new_delegation_id();
+    let token = wakebus::protocol::session_token("s.first");
+    let subject = bus.subjects.event(&token, &id, 0, EventKind::Done);
+    let publish = |delegation_id: &str, summary: &str| {
+        let mut request = TaskRequest::new(delegation_id.to_owned(), "a");
+        request.task_count = 2;
+        let mut event = CompletionEvent::for_request(&request, Status::Failed, "failed");
+        event.summary = Some(summary.to_owned());
+        let body = serde_json::to_vec(&event).unwrap();
+        let (bus, subject) = (bus.clone(), subject.clone());
+        async move {
+            let stored = bus.js.publish(subject, body.into()).await.unwrap();
+            stored.await.unwrap();
+        }
+    };
+    publish("another-delegation", "not this one").await;
+    publish(&id, "the first run").await;
+    publish(&id, "the second run").await;
+
+    let mut delegation = Delegation::batch(["a".to_owned(), "b".to_owned()]).session("s.first");
+    delegation.delegation_id = Some(id.clone());
+    delegation.wait = true;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    let result = tokio::time::timeout(WAIT, Delegator::new(bus.clone()).delegate(delegation))
+        .await
+        .expect("the wait ends")
+        .unwrap();
+    services.stop().await;
+    let DelegateResult::Dispatched { results, .. } = result else {
+        panic!("{result:?}");
+    };
+    assert_eq!(results.len(), 2);
+    assert_eq!(
+        results[0].summary.as_deref(),
+        Some("the first run"),
+        "{results:#?}"
+    );
+    assert_eq!(results[1].status, Status::Completed);
+}
+
 /// Each publish's wait for its acknowledgement starts when it is awaited:
 /// awaited one after the other, a round of a batch's writes that nobody
 /// answers lasted 5 s per task (76 s for five tasks, hours for the largest

@@ -661,6 +661,9 @@ async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
         "{text}"
     );
     assert!(sample(&text, r#"wakebus_task_retries_total{pool="default"}"#).is_none());
+    // The refused request never ran: counted, but no run time of 0 s.
+    let refused_run = r#"wakebus_task_duration_seconds_count{pool="default",status="error"}"#;
+    assert!(sample(&text, refused_run).is_none(), "{text}");
 
     // A request the NATS client cannot read (headers not UTF-8) is removed
     // by a sweep, not by a handler, and counted all the same.

@@ -57,8 +57,13 @@ impl Delegator {
                     // Garbage on the subject (anyone may publish there)
                     // neither ends the wait early nor fails it.
                     Some(Ok(message)) => match CompletionEvent::decode(&message.payload) {
+                        Ok(event) if event.delegation_id != first.delegation_id => {
+                            tracing::warn!(subject = %message.subject, delegation_id = %event.delegation_id, "A completion on this delegation's subject names another delegation; ignoring it.");
+                        }
+                        // The first of a task's completions: one run twice
+                        // (a stall) has two, stored in the order they ended.
                         Ok(event) if (event.task_index as usize) < tasks => {
-                            done.insert(event.task_index, event);
+                            done.entry(event.task_index).or_insert(event);
                         }
                         Ok(event) => {
                             tracing::warn!(subject = %message.subject, task_index = event.task_index, tasks, "A completion names a task this delegation does not have; ignoring it.");

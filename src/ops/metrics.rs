@@ -19,7 +19,7 @@ use crate::protocol::Status;
 pub const TASKS_STARTED: &str = "wakebus_tasks_started_total";
 /// Tasks that ended with a completion, by `pool` and `status`.
 pub const TASKS_COMPLETED: &str = "wakebus_tasks_completed_total";
-/// Run time of tasks, by `pool` and `status`.
+/// Run time of tasks that ran, by `pool` and `status`.
 pub const TASK_DURATION: &str = "wakebus_task_duration_seconds";
 /// Transient executor failures handed back for a retry, by `pool`.
 pub const TASK_RETRIES: &str = "wakebus_task_retries_total";
@@ -205,14 +205,18 @@ pub fn dead_letter_publish_retried(pool: &str) {
     metrics::counter!(DEAD_LETTER_PUBLISH_RETRIES, "pool" => pool.to_owned()).increment(1);
 }
 
-/// A task of `pool` ended with a completion of `status` after running `duration`.
-pub fn task_completed(pool: &str, status: Status, duration: Duration) {
+/// A task of `pool` ended with a completion of `status`, after running
+/// `ran` if it ran (one cancelled, refused or given up before this delivery
+/// ran it adds no run time of 0 s to the histogram).
+pub fn task_completed(pool: &str, status: Status, ran: Option<Duration>) {
     let labels = [
         ("pool", pool.to_owned()),
         ("status", status.as_str().to_owned()),
     ];
     metrics::counter!(TASKS_COMPLETED, &labels).increment(1);
-    metrics::histogram!(TASK_DURATION, &labels).record(duration.as_secs_f64());
+    if let Some(ran) = ran {
+        metrics::histogram!(TASK_DURATION, &labels).record(ran.as_secs_f64());
+    }
 }
 
 /// A message was dead-lettered: `task`, `wake`, `poison`, `origin` (a

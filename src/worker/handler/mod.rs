@@ -445,7 +445,8 @@ impl TaskHandler {
         let stored = self.until_stored(Record::Completion, publish, stop).await;
         match stored {
             Ok(()) => {
-                let ran = Duration::from_secs_f64(done.duration_seconds);
+                let ran = matches!(ending, Ending::Ran)
+                    .then(|| Duration::from_secs_f64(done.duration_seconds));
                 m::task_completed(&self.config.pool, done.status, ran);
                 Outcome::Ack
             }
@@ -693,7 +694,7 @@ impl TaskHandler {
             warn!(%error, "Could not publish the error completion and the worker is stopping; handing the request back.");
             return Outcome::HandBack;
         }
-        m::task_completed(&self.config.pool, Status::Error, Duration::ZERO);
+        m::task_completed(&self.config.pool, Status::Error, None);
         Outcome::Term(rejected.reason)
     }
 }
