@@ -1645,6 +1645,28 @@ async fn a_delegation_id_given_by_the_caller_must_be_a_valid_id() {
     assert!(matches!(error, DelegateError::InvalidId(_)), "{error}");
 }
 
+/// Delegates `delegation` as `id` with `--wait`, runs it with an echo
+/// worker, and returns its results.
+async fn run_and_wait(
+    bus: &wakebus::bus::Bus,
+    id: &str,
+    mut delegation: Delegation,
+) -> Vec<CompletionEvent> {
+    delegation.delegation_id = Some(id.to_owned());
+    delegation.wait = true;
+    let mut services = Services::new();
+    services.echo_worker(bus);
+    let result = tokio::time::timeout(WAIT, Delegator::new(bus.clone()).delegate(delegation))
+        .await
+        .expect("the wait ends")
+        .unwrap();
+    services.stop().await;
+    let DelegateResult::Dispatched { results, .. } = result else {
+        panic!("{result:?}");
+    };
+    results
+}
+
 #[tokio::test]
 async fn waiting_for_a_delegation_reads_past_garbage_and_strangers_on_its_subjects() {
     init_logs();
@@ -1665,19 +1687,8 @@ async fn waiting_for_a_delegation_reads_past_garbage_and_strangers_on_its_subjec
     let stored = bus.js.publish(subject(3), body.into()).await.unwrap();
     stored.await.unwrap();
 
-    let mut delegation = Delegation::new("real work").session("s.wait");
-    delegation.delegation_id = Some(id.clone());
-    delegation.wait = true;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    let result = tokio::time::timeout(WAIT, Delegator::new(bus.clone()).delegate(delegation))
-        .await
-        .expect("the wait ends")
-        .unwrap();
-    services.stop().await;
-    let DelegateResult::Dispatched { results, .. } = result else {
-        panic!("{result:?}");
-    };
+    let delegation = Delegation::new("real work").session("s.wait");
+    let results = run_and_wait(&bus, &id, delegation).await;
     assert_eq!(results.len(), 1);
     assert_eq!(results[0].task_index, 0);
     assert_eq!(results[0].status, Status::Completed);
@@ -1685,8 +1696,8 @@ async fn waiting_for_a_delegation_reads_past_garbage_and_strangers_on_its_subjec
 
 /// A batch task run twice (a stall) has two completions: the wait keeps
 /// the first, as PROTOCOL 11.5 tells other clients to; and a completion on
-/// the delegation's subject that names another delegation is not taken for
-/// one of its tasks.
+/// the delegation's subject that names another delegation or task count is
+/// not taken for one of its tasks.
 #[tokio::test]
 async fn waiting_for_a_batch_keeps_each_tasks_first_completion_and_ignores_other_delegations() {
     init_logs();
@@ -1695,9 +1706,9 @@ async fn waiting_for_a_batch_keeps_each_tasks_first_completion_and_ignores_other
     let id = wakebus::protocol::new_delegation_id();
     let token = wakebus::protocol::session_token("s.first");
     let subject = bus.subjects.event(&token, &id, 0, EventKind::Done);
-    let publish = |delegation_id: &str, summary: &str| {
+    let publish = |delegation_id: &str, task_count: u32, summary: &str| {
         let mut request = TaskRequest::new(delegation_id.to_owned(), "a");
-        request.task_count = 2;
+        request.task_count = task_count;
         let mut event = CompletionEvent::for_request(&request, Status::Failed, "failed");
         event.summary = Some(summary.to_owned());
         let body = serde_json::to_vec(&event).unwrap();
@@ -1707,23 +1718,13 @@ async fn waiting_for_a_batch_keeps_each_tasks_first_completion_and_ignores_other
             stored.await.unwrap();
         }
     };
-    publish("another-delegation", "not this one").await;
-    publish(&id, "the first run").await;
-    publish(&id, "the second run").await;
+    publish("another-delegation", 2, "not this one").await;
+    publish(&id, 3, "another task count").await;
+    publish(&id, 2, "the first run").await;
+    publish(&id, 2, "the second run").await;
 
-    let mut delegation = Delegation::batch(["a".to_owned(), "b".to_owned()]).session("s.first");
-    delegation.delegation_id = Some(id.clone());
-    delegation.wait = true;
-    let mut services = Services::new();
-    services.echo_worker(&bus);
-    let result = tokio::time::timeout(WAIT, Delegator::new(bus.clone()).delegate(delegation))
-        .await
-        .expect("the wait ends")
-        .unwrap();
-    services.stop().await;
-    let DelegateResult::Dispatched { results, .. } = result else {
-        panic!("{result:?}");
-    };
+    let delegation = Delegation::batch(["a".to_owned(), "b".to_owned()]).session("s.first");
+    let results = run_and_wait(&bus, &id, delegation).await;
     assert_eq!(results.len(), 2);
     assert_eq!(
         results[0].summary.as_deref(),

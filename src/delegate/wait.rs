@@ -57,8 +57,19 @@ impl Delegator {
                     // Garbage on the subject (anyone may publish there)
                     // neither ends the wait early nor fails it.
                     Some(Ok(message)) => match CompletionEvent::decode(&message.payload) {
-                        Ok(event) if event.delegation_id != first.delegation_id => {
-                            tracing::warn!(subject = %message.subject, delegation_id = %event.delegation_id, "A completion on this delegation's subject names another delegation; ignoring it.");
+                        // What the wake checks of a batch's completion: its
+                        // delegation, task count and the task its subject
+                        // names (a first completion is kept for good).
+                        Ok(event)
+                            if event.delegation_id != first.delegation_id
+                                || event.task_count as usize != tasks
+                                || self
+                                    .bus
+                                    .subjects
+                                    .parse_event(&message.subject)
+                                    .is_none_or(|on| on.task_index != event.task_index) =>
+                        {
+                            tracing::warn!(subject = %message.subject, delegation_id = %event.delegation_id, task_index = event.task_index, "A completion on this delegation's subject is not one of its tasks' (another delegation, task count or task); ignoring it.");
                         }
                         // The first of a task's completions: one run twice
                         // (a stall) has two, stored in the order they ended.

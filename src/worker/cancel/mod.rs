@@ -167,6 +167,20 @@ pub(crate) struct CancelRegistry {
     /// record the bucket held; 0 before that is known (the client counts
     /// its first connect as 1).
     current_as_of: AtomicU64,
+    /// How many times the watch was found behind: a task that checked its
+    /// cancels at one count is registered only at the same count (else it
+    /// checks again), so a watch found behind in between is not missed.
+    behind_count: AtomicU64,
+}
+
+/// Why a run was not registered.
+#[derive(Debug)]
+pub(crate) enum Refusal {
+    /// A record cancels it.
+    Cancelled(CancelRecord),
+    /// The watch was found behind since the task checked its cancels: it
+    /// checks them again.
+    Behind,
 }
 
 /// The bucket a registry follows and the connection it follows it on.
@@ -260,6 +274,11 @@ impl CancelRegistry {
         match (inner.records.get(&target), from) {
             (Some((kept, From::Stored { .. })), From::Broadcast) => {
                 ahead_of_watch = record.at > kept.at;
+                if ahead_of_watch {
+                    // Under the lock registering takes: a task checked
+                    // before this is not registered on the old record.
+                    self.fell_behind();
+                }
             }
             (Some((kept, From::Broadcast)), From::Broadcast) if kept.at > record.at => {}
             (Some((kept, From::Stored { revision: theirs })), From::Stored { revision })
@@ -385,21 +404,35 @@ impl CancelRegistry {
 
     /// Marks the watch behind, whatever the connection does.
     fn fell_behind(&self) {
+        self.behind_count.fetch_add(1, Ordering::AcqRel);
         self.current_as_of.store(0, Ordering::Release);
     }
 
-    /// Registers a run about to start, or returns the record that cancels it.
+    /// How many times the watch was found behind so far: taken before a
+    /// task checks its cancels, and given to [`Self::register`].
+    pub(crate) fn behind_count(&self) -> u64 {
+        self.behind_count.load(Ordering::Acquire)
+    }
+
+    /// Registers a run about to start whose cancels were checked when the
+    /// watch had been found behind `checked_at` times ([`Self::behind_count`]),
+    /// or says why not: the record that cancels it, or that the watch was
+    /// found behind since (check again).
     pub(crate) fn register(
         self: &Arc<Self>,
         delegation_id: &str,
         session_token: &str,
         stored_at: OffsetDateTime,
-        stop: CancellationToken,
-        reason: Arc<OnceLock<StopReason>>,
-    ) -> Result<RunGuard, CancelRecord> {
+        run: (CancellationToken, Arc<OnceLock<StopReason>>),
+        checked_at: u64,
+    ) -> Result<RunGuard, Refusal> {
+        let (stop, reason) = run;
         let mut inner = self.inner.lock().expect("cancel registry");
         if let Some(record) = inner.cancelling(delegation_id, session_token, stored_at) {
-            return Err(record.clone());
+            return Err(Refusal::Cancelled(record.clone()));
+        }
+        if self.behind_count() != checked_at {
+            return Err(Refusal::Behind);
         }
         let id = inner.next_id;
         inner.next_id += 1;
@@ -437,8 +470,8 @@ mod tests {
                 delegation,
                 token,
                 OffsetDateTime::now_utc() - Duration::from_secs(stored_ago),
-                CancellationToken::new(),
-                Arc::new(OnceLock::new()),
+                (CancellationToken::new(), Arc::new(OnceLock::new())),
+                registry.behind_count(),
             )
             .is_err()
     }
@@ -504,10 +537,15 @@ mod tests {
         let stored = From::Stored { revision: 1 };
         assert!(!registry.apply(session(), first.clone(), stored));
         assert!(!registry.apply(session(), first, From::Broadcast));
+        // A task that checked its cancels before the second broadcast
+        // came is not registered on the first record alone: it checks
+        // again (reading its records by key, the watch being behind).
+        let checked_at = registry.behind_count();
         assert!(registry.apply(session(), record(Duration::ZERO), From::Broadcast));
-        // Still judged by the stored record until the watch brings the
-        // second: a request stored 30 s ago is not refused by the registry.
-        assert!(!refused(&registry, "d1", "tok", 30));
+        let run = (CancellationToken::new(), Arc::new(OnceLock::new()));
+        let stored_at = OffsetDateTime::now_utc() - Duration::from_secs(30);
+        let registered = registry.register("d1", "tok", stored_at, run, checked_at);
+        assert!(matches!(registered, Err(Refusal::Behind)));
     }
 
     /// A session cancel stored `ago` seconds ago, as revision `revision`.

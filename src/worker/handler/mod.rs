@@ -26,7 +26,7 @@ use async_nats::jetstream::{self};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, error, info, info_span, warn};
 
-use super::cancel::{CancelRegistry, StopReason};
+use super::cancel::{CancelRegistry, Refusal, StopReason};
 use super::claims::{Claim, Claims};
 use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
 use super::{REFUSED_REDELIVERY_DELAY, WorkerConfig};
@@ -227,6 +227,7 @@ impl TaskHandler {
         // give-up that wakes the session.
         let session_token = token_for(request.origin_session_id.as_deref());
         let stored_at = stored_at.unwrap_or_else(OffsetDateTime::now_utc);
+        let mut checked_at = self.cancels.behind_count();
         if !self
             .cancels_known(&request.delegation_id, &session_token, stopping)
             .await
@@ -283,18 +284,32 @@ impl TaskHandler {
         // recorded already or finds this run registered when it broadcasts.
         let run_stop = stop.child_token();
         let reason = Arc::new(OnceLock::new());
-        let _registered = match self.cancels.register(
-            &request.delegation_id,
-            &session_token,
-            stored_at,
-            run_stop.clone(),
-            reason.clone(),
-        ) {
-            Ok(guard) => guard,
-            Err(record) => {
-                return self
-                    .cancelled_before_start(&request, trace, &record, stop)
-                    .await;
+        let _registered = loop {
+            let run = (run_stop.clone(), reason.clone());
+            let registered = self.cancels.register(
+                &request.delegation_id,
+                &session_token,
+                stored_at,
+                run,
+                checked_at,
+            );
+            match registered {
+                Ok(guard) => break guard,
+                Err(Refusal::Cancelled(record)) => {
+                    return self
+                        .cancelled_before_start(&request, trace, &record, stop)
+                        .await;
+                }
+                // The watch was found behind since the check above (a
+                // second cancel's broadcast came before its record): the
+                // task's records are read again.
+                Err(Refusal::Behind) => {
+                    checked_at = self.cancels.behind_count();
+                    let id = &request.delegation_id;
+                    if !self.cancels_known(id, &session_token, stopping).await {
+                        return Outcome::HandBackAfter(REFUSED_REDELIVERY_DELAY);
+                    }
+                }
             }
         };
 
