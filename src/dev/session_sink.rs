@@ -1,7 +1,7 @@
 //! A tiny session API that records and prints the continuation turns it
 //! receives: a stand-in for Hermes in `wakebus dev`.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -28,6 +28,10 @@ pub struct ReceivedTurn {
 /// long as a developer likes, and each turn may be up to the max payload.
 const KEPT_TURNS: usize = 100;
 
+/// How many delegation ids named by turns a sink remembers before it
+/// forgets them all and starts again.
+const KEPT_IDS: usize = 100_000;
+
 /// A running sink.
 #[derive(Debug, Clone)]
 pub struct SessionSink {
@@ -35,13 +39,16 @@ pub struct SessionSink {
     addr: SocketAddr,
     /// The last [`KEPT_TURNS`] turns received.
     turns: Arc<Mutex<VecDeque<ReceivedTurn>>>,
-    /// Turns received so far, for waiters to look at the new ones.
+    /// The delegations the turns received named (up to [`KEPT_IDS`]).
+    named: Arc<Mutex<HashSet<String>>>,
+    /// Turns received so far, for waiters to look again.
     received: watch::Receiver<usize>,
 }
 
 #[derive(Clone)]
 struct AppState {
     turns: Arc<Mutex<VecDeque<ReceivedTurn>>>,
+    named: Arc<Mutex<HashSet<String>>>,
     received: Arc<watch::Sender<usize>>,
     print: bool,
 }
@@ -52,9 +59,11 @@ impl SessionSink {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let turns = Arc::new(Mutex::new(VecDeque::new()));
+        let named = Arc::new(Mutex::new(HashSet::new()));
         let (tx, rx) = watch::channel(0usize);
         let state = AppState {
             turns: turns.clone(),
+            named: named.clone(),
             received: Arc::new(tx),
             print,
         };
@@ -67,6 +76,7 @@ impl SessionSink {
         Ok(Self {
             addr,
             turns,
+            named,
             received: rx,
         })
     }
@@ -86,7 +96,7 @@ impl SessionSink {
             .collect()
     }
 
-    /// Waits until a turn kept names each of `delegation_ids`, or `timeout`
+    /// Waits until turns have named each of `delegation_ids`, or `timeout`
     /// passes; returns how many were named. Counted by id, not by turn: a
     /// post sent again, or a turn left over from an earlier run on the same
     /// server, is not taken for one of them.
@@ -96,10 +106,10 @@ impl SessionSink {
         timeout: Duration,
     ) -> usize {
         let named = || {
-            let turns = self.turns.lock().expect("sink lock");
+            let named = self.named.lock().expect("sink lock");
             delegation_ids
                 .iter()
-                .filter(|id| turns.iter().any(|turn| turn.text.contains(id.as_str())))
+                .filter(|id| named.contains(*id))
                 .count()
         };
         let mut rx = self.received.clone();
@@ -142,6 +152,13 @@ async fn receive(
         );
     }
     {
+        let mut named = state.named.lock().expect("sink lock");
+        if named.len() >= KEPT_IDS {
+            named.clear();
+        }
+        named.extend(named_delegations(&turn.text).map(str::to_owned));
+    }
+    {
         let mut turns = state.turns.lock().expect("sink lock");
         if turns.len() == KEPT_TURNS {
             turns.pop_front();
@@ -154,4 +171,15 @@ async fn receive(
         "object": "chat.completion",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
     }))
+}
+
+/// The delegations a turn reports: each completion's header names its own,
+/// a batch's names the batch.
+fn named_delegations(text: &str) -> impl Iterator<Item = &str> {
+    text.lines().filter_map(|line| {
+        let rest = line
+            .strip_prefix("[ASYNC DELEGATION COMPLETE — ")
+            .or_else(|| line.strip_prefix("[ASYNC DELEGATION BATCH COMPLETE — "))?;
+        rest.strip_suffix(']')
+    })
 }

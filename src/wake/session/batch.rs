@@ -65,15 +65,18 @@ const WALK_LIMIT: usize = 64;
 const READS_IN_FLIGHT: usize = 16;
 
 /// Most bytes of completions read whole at once for batch turns, across
-/// the service, besides what the passes keep.
-const READ_PERMIT_BYTES: usize = 32 << 20;
+/// the service, besides what the passes keep (each read holds its message
+/// and a decoded copy for a moment).
+const READ_PERMIT_BYTES: usize = 64 << 20;
 
 /// How many completions the service reads whole at once for batch turns
-/// with messages of up to `max_payload` bytes: 16, fewer when that many
-/// could together exceed [`READ_PERMIT_BYTES`] (4 at 8 MiB), and at least
-/// one.
+/// with messages of up to `max_payload` bytes: 64 (four sessions' batches
+/// read at full speed), fewer when that many could together exceed
+/// [`READ_PERMIT_BYTES`] (8 at 8 MiB), and at least 4, so that large
+/// payloads do not make batches planned one read at a time across the
+/// service.
 pub(crate) fn batch_read_permits(max_payload: usize) -> usize {
-    (READ_PERMIT_BYTES / max_payload.max(1)).clamp(1, READS_IN_FLIGHT)
+    (READ_PERMIT_BYTES / max_payload.max(1)).clamp(4, 4 * READS_IN_FLIGHT)
 }
 
 /// A batch's turn, once every task has a usable completion.
@@ -251,7 +254,7 @@ impl Router {
                             let kept = Kept::new(held.event.clone(), None, share);
                             return (index, Ok(Some(kept)));
                         }
-                        let _permit = self.shared.batch_reads.acquire().await;
+                        let permit = self.shared.batch_reads.acquire().await.ok();
                         let subject = subjects.event(
                             token,
                             &member.event.delegation_id,
@@ -263,7 +266,7 @@ impl Router {
                             .events
                             .get_last_raw_message_by_subject(&subject)
                             .await;
-                        let kept = self.kept_sibling(&subject, read, member, index, share);
+                        let kept = self.kept_sibling(&subject, read, permit, member, index, share);
                         (index, kept.await)
                     })
                     .buffered(ahead)
@@ -286,6 +289,7 @@ impl Router {
         &self,
         subject: &str,
         read: Result<StreamMessage, LastRawMessageError>,
+        permit: Option<tokio::sync::SemaphorePermit<'_>>,
         member: &Pending,
         index: u32,
         share: usize,
@@ -304,14 +308,17 @@ impl Router {
             Ok(done) => return Ok(Some(Kept::new(done, Some(message.sequence), share))),
             Err(error) => error,
         };
+        // The walk below reads one message at a time, for as long as it
+        // takes: it does not hold other sessions' batches back.
+        let sequence = message.sequence;
+        drop(message);
+        drop(permit);
         // Garbage on the task's subject, or a completion the wake would
         // not admit for this task (dead-lettered when the wake met it): the
         // newest usable completion stored before it counts. With none, the
         // task has not ended as far as the batch can tell, and its real
         // completion, stored later, ends the batch.
-        let before = self
-            .usable_before(subject, message.sequence, member, index)
-            .await?;
+        let before = self.usable_before(subject, sequence, member, index).await?;
         if before.is_none() {
             warn!(delegation_id = %member.event.delegation_id, task_index = index, error = %bounded(&error, 300), "A batch task's last stored completion cannot be used; the batch waits for a usable one.");
         }
