@@ -221,14 +221,14 @@ impl Bus {
                         source,
                     })?
             };
+            // One that existed after all (the same settings, which the
+            // strict create takes) has delivered something.
+            let made_anew = made_anew && consumer.cached_info().delivered.stream_sequence == 0;
             // Made anew, the wake's reads the whole history again: a
             // completion its ledger does not record delivered (one the
             // session API refused, dead-lettered) is posted again. The
             // running wake's keeper starts it after the floor it saw; a
             // start or `init` knows of none.
-            // One that existed after all (the same settings, which the
-            // strict create takes) has delivered something.
-            let made_anew = made_anew && consumer.cached_info().delivered.stream_sequence == 0;
             let completions = consumer.cached_info().num_pending;
             if made_anew && matches!(wanted, ServiceConsumer::Wake { .. }) && completions > 0 {
                 warn!(consumer = %name, stream, completions, "The wake consumer was missing and is made anew from the start of the history: every completion in it is read again, and one the wake ledger does not record delivered (a wake the session API refused) is posted again. If it was deleted by mistake, see OPERATIONS.md, \"Consumers deleted under running services\".");

@@ -14,11 +14,11 @@
 
 mod actors;
 mod batch;
-
-pub(crate) use batch::batch_read_permits;
 mod hold;
 mod plan;
 mod post;
+
+pub(crate) use batch::batch_read_permits;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
