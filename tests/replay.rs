@@ -833,13 +833,8 @@ async fn dead_letter_delegation(
 /// sequence.
 #[tokio::test]
 async fn a_task_dead_lettered_twice_is_requeued_once() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let mut services = Services::new();
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::wake_only().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     let id = dead_letter_a_task(&bus, &api, "s.twice").await;
     let dlq = bus.subjects.dead_letter_stream();
     let first = all_messages(&bus, &dlq).await.remove(0);
@@ -1141,13 +1136,8 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
 /// run a failing task again at every run.
 #[tokio::test]
 async fn running_a_task_replay_again_does_not_requeue_a_requeue_that_failed_again() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let mut services = Services::new();
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::wake_only().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     let id = dead_letter_a_task(&bus, &api, "s.keeps.failing").await;
     let replay = |args: &'static [&'static str]| {
         let (url, prefix) = (nats.url(), prefix.clone());
@@ -1242,13 +1232,8 @@ async fn replay_tasks_checks_requests_against_the_size_limits_it_is_given() {
 /// cancel and reported it `cancelled`.
 #[tokio::test]
 async fn a_replayed_batch_member_is_a_delegation_of_its_own_that_a_cancel_finds_finished() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let mut services = Services::new();
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::wake_only().await;
+    let (nats, api, prefix, bus, mut services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     let goals = ["first", "second"].map(String::from);
     let id =
         dead_letter_delegation(&bus, &api, Delegation::batch(goals).session("s.members")).await;
@@ -1371,13 +1356,8 @@ async fn a_member_half_requeued_by_an_earlier_release_is_sent_with_a_record_a_ve
 /// delegation stored after the cancel, would escape both records.
 #[tokio::test]
 async fn replay_does_not_requeue_a_task_whose_delegation_or_session_was_cancelled() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let mut services = Services::new();
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::wake_only().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     let stopped = dead_letter_a_task(&bus, &api, "s.stopped").await;
     let (session, other) = ("s.session", "s.other");
     let in_session = dead_letter_a_task(&bus, &api, session).await;
@@ -2087,13 +2067,8 @@ async fn replay_tasks_as_a_user_denied(
 
 #[tokio::test]
 async fn replay_does_not_redrive_a_dead_lettered_completion_the_wake_service_cannot_use() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let mut services = Services::new();
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::wake_only().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     // A delegation id with a dot: a copy on its subject would have a token
     // too many for the wake consumer's filter, and never be woken.
     let mut request = wakebus::protocol::TaskRequest::new("bad.id".to_owned(), "g");

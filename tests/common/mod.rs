@@ -145,13 +145,25 @@ pub struct Pipeline {
 impl Pipeline {
     /// Starts everything, with `test_wake_config`.
     pub async fn start() -> Self {
+        Self::started(true).await
+    }
+
+    /// Starts everything but the worker: for tests that run their own (a
+    /// broken one, one with other limits) or none.
+    pub async fn wake_only() -> Self {
+        Self::started(false).await
+    }
+
+    async fn started(echo_worker: bool) -> Self {
         init_logs();
         let nats = NatsServer::start().await;
         let api = SessionApiServer::start().await;
         let prefix = unique_prefix();
         let bus = bus(&nats.url(), &prefix).await;
         let mut services = Services::new();
-        services.echo_worker(&bus);
+        if echo_worker {
+            services.echo_worker(&bus);
+        }
         services.wake(&bus, test_wake_config(&api.url()));
         Self {
             nats,
