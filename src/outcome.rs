@@ -14,6 +14,8 @@ pub enum Outcome {
     /// Done with it: never deliver it again.
     Ack,
     /// Not done: deliver it again after the delay (at once if `None`).
+    /// Like a hand-back, not sent while the client is disconnected (see
+    /// [`Outcome::apply`]): the server delivers it again after its AckWait.
     Nak(Option<Duration>),
     /// Handed back as the service stops, to be delivered again at once
     /// elsewhere (a NAK). Not sent while the client is disconnected: it
@@ -52,13 +54,19 @@ impl Outcome {
     pub async fn apply(&self, message: &jetstream::Message) {
         let kind = match self {
             Self::Ack => AckKind::Ack,
-            Self::Nak(delay) => AckKind::Nak(*delay),
-            Self::Term(_) => AckKind::Term,
-            Self::HandBack | Self::HandBackAfter(_)
+            // A NAK queued while disconnected would reach the server after
+            // the reconnect, maybe once the AckWait has run out and the
+            // message gone to another consumer, whose delivery it would then
+            // settle (the server checks the stream sequence, not whose
+            // delivery it is): a task running elsewhere sent on to a third.
+            // Unsent, the message is delivered again after the AckWait.
+            Self::Nak(_) | Self::HandBack | Self::HandBackAfter(_)
                 if !crate::connect::is_connected(&message.context.client()) =>
             {
                 return;
             }
+            Self::Nak(delay) => AckKind::Nak(*delay),
+            Self::Term(_) => AckKind::Term,
             Self::HandBack => AckKind::Nak(None),
             Self::HandBackAfter(delay) => AckKind::Nak(Some(*delay)),
             Self::Leave => return,

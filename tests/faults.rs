@@ -1566,3 +1566,158 @@ async fn a_plan_that_keeps_failing_is_retried_ever_more_slowly_and_warned_of_onc
     );
     assert!(rig.api.all_posts().is_empty());
 }
+
+/// A model endpoint whose calls each wait until the test lets one
+/// through, then answer 503 (a failure the `llm` executor retries later).
+struct HeldModel {
+    /// Its base URL (`…/v1`).
+    url: String,
+    /// Calls received so far.
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// One permit per call let through.
+    through: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+impl HeldModel {
+    async fn start() -> Self {
+        use axum::extract::State;
+        type Shared = (
+            std::sync::Arc<std::sync::atomic::AtomicUsize>,
+            std::sync::Arc<tokio::sync::Semaphore>,
+        );
+        async fn held(State((calls, through)): State<Shared>) -> axum::http::StatusCode {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            through.acquire().await.expect("open").forget();
+            axum::http::StatusCode::SERVICE_UNAVAILABLE
+        }
+        let calls = std::sync::Arc::default();
+        let through = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1", listener.local_addr().unwrap());
+        let app = axum::Router::new()
+            .route("/v1/chat/completions", axum::routing::post(held))
+            .with_state((
+                std::sync::Arc::clone(&calls),
+                std::sync::Arc::clone(&through),
+            ));
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Self {
+            url,
+            calls,
+            through,
+        }
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn executor(&self) -> wakebus::worker::executor::Executor {
+        use wakebus::worker::executor::{Executor, LlmConfig, LlmExecutor};
+        Executor::Llm(
+            LlmExecutor::new(&LlmConfig {
+                base_url: self.url.clone(),
+                model: "test-model".into(),
+                api_key: None,
+                request_timeout: Duration::from_secs(120),
+            })
+            .unwrap(),
+        )
+    }
+}
+
+/// A task whose model call fails for a moment (a 503) while its worker is
+/// cut off from NATS is not NAKed when that worker reconnects: by then its
+/// AckWait has run out and another worker runs the task, and a NAK for the
+/// old delivery would settle that worker's (nats-server checks only the
+/// stream sequence), sending the task to a third run beside the second.
+#[tokio::test]
+async fn a_task_failing_while_its_worker_is_cut_off_is_not_nakked_away_from_the_worker_running_it_now()
+ {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let model = HeldModel::start().await;
+    let proxy = common::proxy::Proxy::start(nats.port).await;
+    let cut_bus = proxy.bus(&bus).await;
+    let mut config = test_worker_config("default");
+    config.ack_wait = Duration::from_secs(2);
+    config.concurrency = 1;
+    let mut services = Services::new();
+    services.worker(&cut_bus, model.executor(), config.clone());
+    // Every ack, keep-alive and NAK of a task as the server receives it.
+    let mut acks = bus
+        .client
+        .subscribe(format!("$JS.ACK.{}.>", bus.subjects.tasks_stream()))
+        .await
+        .unwrap();
+    bus.client.flush().await.unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let seeing = seen.clone();
+    let collector = tokio::spawn(async move {
+        while let Some(ack) = acks.next().await {
+            let ack = String::from_utf8_lossy(&ack.payload).into_owned();
+            seeing.lock().unwrap().push(ack);
+        }
+    });
+    delegate(&bus, Delegation::new("flaky").session("s.flaky")).await;
+    wait_until(
+        Duration::from_secs(30),
+        "the first worker's model call",
+        || async { model.calls() == 1 },
+    )
+    .await;
+
+    proxy.cut();
+    wait_until(
+        Duration::from_secs(30),
+        "the first worker to notice the cut",
+        || async { cut_bus.client.connection_state() != async_nats::connection::State::Connected },
+    )
+    .await;
+    // Its call fails while it is cut off; a second worker takes the task
+    // once the AckWait has run out, and its call is held.
+    model.through.add_permits(1);
+    services.worker(&bus, model.executor(), config);
+    wait_until(
+        Duration::from_secs(30),
+        "the second worker's model call",
+        || async { model.calls() == 2 },
+    )
+    .await;
+    proxy.restore();
+    wait_until(
+        Duration::from_secs(30),
+        "the first worker to reconnect",
+        || async { cut_bus.client.connection_state() == async_nats::connection::State::Connected },
+    )
+    .await;
+    // What the first worker had queued has reached the server once a
+    // round trip on its connection returns, and the server's copies of it
+    // have reached this test once a round trip on the test's returns.
+    cut_bus.client.flush().await.unwrap();
+    bus.client.flush().await.unwrap();
+    // The second worker's next keep-alive, seen after that: what is seen
+    // here is seen.
+    let before = seen.lock().unwrap().len();
+    wait_until(
+        Duration::from_secs(30),
+        "a keep-alive of the second worker",
+        || async {
+            seen.lock().unwrap()[before..]
+                .iter()
+                .any(|ack| ack == "+WPI")
+        },
+    )
+    .await;
+    collector.abort();
+    let seen = seen.lock().unwrap().clone();
+    assert!(
+        !seen.iter().any(|ack| ack.starts_with("-NAK")),
+        "the task was NAKed away from its second worker: {seen:?}"
+    );
+    assert_eq!(model.calls(), 2, "a third run");
+    drop(services);
+}

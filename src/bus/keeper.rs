@@ -103,11 +103,16 @@ impl KeepAliveEvery {
 
     /// The time from one keep-alive to the next, as of now.
     pub(crate) fn period(&self) -> Duration {
-        let ack_wait = match self.seen_nanos.load(Ordering::Relaxed) {
+        (self.ack_wait() / 3).max(Duration::from_millis(100))
+    }
+
+    /// The AckWait the work is held under, as far as this service knows:
+    /// the shorter of its own and the consumer's.
+    fn ack_wait(&self) -> Duration {
+        match self.seen_nanos.load(Ordering::Relaxed) {
             0 => self.ours,
             seen => self.ours.min(Duration::from_nanos(seen)),
-        };
-        (ack_wait / 3).max(Duration::from_millis(100))
+        }
     }
 
     /// Records the consumer's AckWait.
@@ -172,6 +177,16 @@ impl KeepAliveClock {
     fn due(&self) -> Instant {
         self.retry_at
             .unwrap_or_else(|| self.sent + self.every.period())
+    }
+
+    /// Whether the work may no longer be this service's: two thirds of
+    /// the AckWait or more since the last keep-alive went out (or the work
+    /// arrived), twice the usual gap, as after an outage or a stall. The
+    /// server may have delivered it elsewhere by now, and a NAK sent for
+    /// this delivery would settle that other one (the server checks only
+    /// the stream sequence), sending a task another worker runs to a third.
+    pub(crate) fn may_have_lapsed(&self) -> bool {
+        self.sent.elapsed() >= self.every.ack_wait() * 2 / 3
     }
 }
 
@@ -435,5 +450,35 @@ impl Keeper {
                 }
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A clock whose last keep-alive went out `ago`.
+    fn sent_ago(every: &KeepAliveEvery, ago: Duration) -> KeepAliveClock {
+        let mut clock = KeepAliveClock::new(every.clone());
+        clock.sent = Instant::now().checked_sub(ago).expect("a past instant");
+        clock
+    }
+
+    #[test]
+    fn a_delivery_may_have_lapsed_once_two_thirds_of_the_shorter_ack_wait_passed_unkept() {
+        let every = KeepAliveEvery::new(Duration::from_secs(30));
+        assert!(!KeepAliveClock::new(every.clone()).may_have_lapsed());
+        assert!(!sent_ago(&every, Duration::from_secs(15)).may_have_lapsed());
+        assert!(sent_ago(&every, Duration::from_secs(21)).may_have_lapsed());
+        // A keep-alive skipped (disconnected) does not renew it; one sent does.
+        let mut clock = sent_ago(&every, Duration::from_secs(21));
+        clock.went_out(false);
+        assert!(clock.may_have_lapsed());
+        clock.went_out(true);
+        assert!(!clock.may_have_lapsed());
+        // The consumer's shorter AckWait counts.
+        every.saw(Duration::from_secs(9));
+        assert!(sent_ago(&every, Duration::from_secs(7)).may_have_lapsed());
+        assert!(!sent_ago(&every, Duration::from_secs(5)).may_have_lapsed());
     }
 }

@@ -114,9 +114,19 @@ impl TaskHandler {
         // ones per step (asking, holding, running, publishing) would each
         // wait a full period before their first, and the gaps between steps
         // would add up towards the AckWait.
-        let (outcome, claim) = self
+        let ((outcome, claim), lapsed) = self
             .keeping_alive(message, self.handle(message, stop))
             .await;
+        let outcome = match outcome {
+            Outcome::Nak(_) | Outcome::HandBack | Outcome::HandBackAfter(_) if lapsed => {
+                warn!(
+                    ?outcome,
+                    "The task's delivery may have lapsed (no keep-alive went out for most of the AckWait: NATS unreachable, or this worker stalled) and may be another worker's now; not handing it back, which would take it from that worker too. NATS delivers it again after the AckWait."
+                );
+                Outcome::Leave
+            }
+            outcome => outcome,
+        };
         outcome.apply(message).await;
         // Given up only now that the ack (or NAK) is on its way.
         drop(claim);
@@ -523,14 +533,16 @@ impl TaskHandler {
     }
 
     /// Runs `work` while in-progress acks, every keep-alive period, keep
-    /// `message` from being delivered to another worker.
+    /// `message` from being delivered to another worker; says with its
+    /// result whether the delivery may have lapsed meanwhile
+    /// ([`KeepAliveClock::may_have_lapsed`]).
     async fn keeping_alive<T>(
         &self,
         message: &jetstream::Message,
         work: impl Future<Output = T>,
-    ) -> T {
+    ) -> (T, bool) {
+        let mut clock = KeepAliveClock::new(self.keep_alive.clone());
         let keeping = async {
-            let mut clock = KeepAliveClock::new(self.keep_alive.clone());
             loop {
                 tokio::time::sleep_until(clock.look_at()).await;
                 if clock.is_due() {
@@ -538,10 +550,11 @@ impl TaskHandler {
                 }
             }
         };
-        tokio::select! {
+        let done = tokio::select! {
             done = work => done,
             () = keeping => unreachable!("keeps the request alive until the work ends"),
-        }
+        };
+        (done, clock.may_have_lapsed())
     }
 
     /// Calls `publish` until JetStream stores what it publishes (the same
