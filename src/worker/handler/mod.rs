@@ -316,7 +316,12 @@ impl TaskHandler {
                 Err(Refusal::Behind) => {
                     checked_at = self.cancels.behind_count();
                     let id = &request.delegation_id;
-                    if !self.cancels_known(id, &session_token, stopping).await {
+                    // Known at once when the watch is current again: the
+                    // stop is looked at here too, or a task refused just
+                    // before the signal would start within the grace.
+                    if !self.cancels_known(id, &session_token, stopping).await
+                        || stopping.is_cancelled()
+                    {
                         return Outcome::HandBackAfter(REFUSED_REDELIVERY_DELAY);
                     }
                 }
