@@ -594,7 +594,7 @@ impl TaskHandler {
             // A refusal that lasts (a permission taken away, a stream that
             // no longer takes the subject, a full store) holds this task,
             // and likely every other, until an operator acts.
-            let lasting = since.elapsed() >= STORE_FAILING_ERROR_AFTER;
+            let lasting = since.elapsed() >= error_after(&error, self.duplicate_window);
             match record {
                 Record::Completion => {
                     if lasting {
@@ -807,6 +807,17 @@ static CANNOT_READ_CANCELS_SAID: std::sync::atomic::AtomicU64 =
 /// each new failure is logged at ERROR rather than WARN.
 const STORE_FAILING_ERROR_AFTER: Duration = Duration::from_secs(60);
 
+/// How long storing may keep failing with `error` before an operator
+/// should hear of it: [`STORE_FAILING_ERROR_AFTER`], but a duplicate of a
+/// copy never stored ends by itself once the duplicate window has passed
+/// (`confirm_stored`), so that one only that much later.
+fn error_after(error: &PublishError, duplicate_window: Duration) -> Duration {
+    match error {
+        PublishError::DuplicateOfUnstored { .. } => duplicate_window + STORE_FAILING_ERROR_AFTER,
+        _ => STORE_FAILING_ERROR_AFTER,
+    }
+}
+
 /// The longest an executor's `Retry-After` delays a task's retry: a
 /// cancelled task waiting for it ends only when it comes back.
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(300);
@@ -892,6 +903,17 @@ enum Record {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_duplicate_of_an_unstored_copy_is_an_error_only_once_the_duplicate_window_has_passed() {
+        let window = Duration::from_secs(120);
+        let unstored = PublishError::DuplicateOfUnstored {
+            stream: "EVENTS".to_owned(),
+        };
+        assert_eq!(error_after(&unstored, window), Duration::from_secs(180));
+        let encode = PublishError::Encode(serde_json::from_str::<u8>("x").unwrap_err());
+        assert_eq!(error_after(&encode, window), STORE_FAILING_ERROR_AFTER);
+    }
 
     #[test]
     fn a_run_failing_as_it_is_stopped_ends_as_stopped_not_as_a_failure_to_retry() {
