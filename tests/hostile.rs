@@ -1375,3 +1375,103 @@ async fn a_sweep_that_may_not_read_messages_names_the_range_to_inspect() {
         "{said}"
     );
 }
+
+/// Publishes task `index` of a batch of three of delegation `id` as a
+/// publisher in another language would, with `body` as its body.
+async fn publish_member(bus: &Bus, session: Option<&str>, id: &str, index: u32, body: Vec<u8>) {
+    let mut headers = HeaderMap::new();
+    if let Some(session) = session {
+        headers.insert("Wakebus-Origin-Session", session);
+    }
+    headers.insert("Wakebus-Delegation-Id", id);
+    headers.insert("Wakebus-Task-Index", index.to_string().as_str());
+    headers.insert("Nats-Msg-Id", format!("{id}.{index}").as_str());
+    bus.js
+        .publish_with_headers(bus.subjects.task("default"), headers, body.into())
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+}
+
+/// The batch of three whose task 1 has a body no worker can read.
+async fn publish_batch_with_unreadable_member(bus: &Bus, session: Option<&str>, id: &str) {
+    for index in 0..3 {
+        let body = if index == 1 {
+            b"not JSON at all".to_vec()
+        } else {
+            serde_json::to_vec(&serde_json::json!({
+                "version": 1, "delegation_id": id, "goal": format!("member {index}"),
+                "task_index": index, "task_count": 3, "wake_mode": "batch",
+                "origin_session_id": session,
+            }))
+            .unwrap()
+        };
+        publish_member(bus, session, id, index, body).await;
+    }
+}
+
+/// A batch member whose body cannot be read gets an `error` completion
+/// that cannot name its batch (`task_count: index + 1`, `wake_mode:
+/// independent`). It wakes its session on its own, and it still ends its
+/// task: the batch's turn comes with the other two results, and a sync
+/// caller waiting for the batch gets it as that task's result instead of
+/// waiting for ever.
+#[tokio::test]
+async fn a_batch_member_whose_body_cannot_be_read_still_ends_its_batch() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+
+    let id = wakebus::protocol::new_delegation_id();
+    publish_batch_with_unreadable_member(&bus, Some("s.batch"), &id).await;
+    let batch_header = format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]");
+    let texts = || api.accepted().iter().map(|p| p.text()).collect::<String>();
+    wait_until(WAIT, "the batch's turn", || async {
+        texts().contains(&batch_header)
+    })
+    .await;
+    wait_until(WAIT, "the unreadable member's own wake", || async {
+        texts().contains(&format!("[ASYNC DELEGATION COMPLETE — {id}]\nTask: 1\n"))
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    let all = texts();
+    assert_eq!(all.matches(&batch_header).count(), 1, "{all}");
+    let batch = &all[all.find(&batch_header).unwrap()..];
+    assert!(batch.contains("2 completed, 1 not completed"), "{batch}");
+    assert!(
+        batch.contains("member 0") && batch.contains("member 2"),
+        "{batch}"
+    );
+
+    // In sync mode: the same batch, waited for under its id (everything
+    // has ended, so nothing is sent again).
+    let sync = wakebus::protocol::new_delegation_id();
+    publish_batch_with_unreadable_member(&bus, None, &sync).await;
+    let mut again = Delegation::batch((0..3).map(|index| format!("member {index}")));
+    again.delegation_id = Some(sync.clone());
+    let result = Delegator::new(bus.clone())
+        .with_wait_timeout(Some(WAIT))
+        .delegate(again)
+        .await
+        .expect("the batch's results");
+    services.stop().await;
+    let wakebus::delegate::DelegateResult::Completed {
+        status, results, ..
+    } = result
+    else {
+        panic!("not a sync result: {result:?}");
+    };
+    assert_eq!(status, "partial");
+    let statuses: Vec<Status> = results.iter().map(|done| done.status).collect();
+    assert_eq!(
+        statuses,
+        [Status::Completed, Status::Error, Status::Completed]
+    );
+    assert_eq!(results[1].exit_reason, "invalid_request");
+}

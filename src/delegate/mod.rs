@@ -527,9 +527,11 @@ impl Delegator {
                     // is no completion of it: the task is sent.
                     Ok(done) => crate::protocol::CompletionEvent::decode(&done.payload)
                         .is_ok_and(|done| {
-                            done.delegation_id == request.delegation_id
-                                && done.task_index == request.task_index
-                                && done.task_count == request.task_count
+                            done.is_task_of(
+                                &request.delegation_id,
+                                request.task_index,
+                                request.task_count,
+                            )
                         }),
                     Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => false,
                     Err(error) => {

@@ -59,25 +59,26 @@ impl Delegator {
                     Some(Ok(message)) => match CompletionEvent::decode(&message.payload) {
                         // What the wake checks of a batch's completion: its
                         // delegation, task count and the task its subject
-                        // names (a first completion is kept for good).
+                        // names (a first completion is kept for good). The
+                        // error of an unreadable request, which could not
+                        // name its batch, counts as its task's too.
                         Ok(event)
-                            if event.delegation_id != first.delegation_id
-                                || event.task_count as usize != tasks
-                                || self
-                                    .bus
-                                    .subjects
-                                    .parse_event(&message.subject)
-                                    .is_none_or(|on| on.task_index != event.task_index) =>
+                            if !event.is_task_of(
+                                &first.delegation_id,
+                                event.task_index,
+                                u32::try_from(tasks).unwrap_or(u32::MAX),
+                            ) || self
+                                .bus
+                                .subjects
+                                .parse_event(&message.subject)
+                                .is_none_or(|on| on.task_index != event.task_index) =>
                         {
-                            tracing::warn!(subject = %message.subject, delegation_id = %event.delegation_id, task_index = event.task_index, "A completion on this delegation's subject is not one of its tasks' (another delegation, task count or task); ignoring it.");
+                            tracing::warn!(subject = %message.subject, delegation_id = %event.delegation_id, task_index = event.task_index, "A completion on this delegation's subject is not one of its tasks' (another delegation, task count or task, or an index beyond its tasks); ignoring it.");
                         }
                         // The first of a task's completions: one run twice
                         // (a stall) has two, stored in the order they ended.
-                        Ok(event) if (event.task_index as usize) < tasks => {
-                            done.entry(event.task_index).or_insert(event);
-                        }
                         Ok(event) => {
-                            tracing::warn!(subject = %message.subject, task_index = event.task_index, tasks, "A completion names a task this delegation does not have; ignoring it.");
+                            done.entry(event.task_index).or_insert(event);
                         }
                         Err(error) => {
                             tracing::warn!(subject = %message.subject, %error, "A completion cannot be read; ignoring it.");

@@ -387,6 +387,24 @@ impl CompletionEvent {
         format!("{delegation_id}.{task_index}.done")
     }
 
+    /// Whether this is a completion of task `task_index` of delegation
+    /// `delegation_id` of `task_count` tasks: its ids are that task's, and
+    /// it names the same task count, or it is the `error` completion of a
+    /// request whose batch could not be read. A worker writes that one
+    /// (`invalid_request`) as a batch of its own (`task_count: index + 1`,
+    /// `wake_mode: independent`), since it cannot tell the real count; it
+    /// still ends its task, so a batch waiting for that task counts it.
+    pub fn is_task_of(&self, delegation_id: &str, task_index: u32, task_count: u32) -> bool {
+        let unreadable_batch = self.status == Status::Error
+            && self.exit_reason == "invalid_request"
+            && self.wake_mode == WakeMode::Independent
+            && self.task_count == task_index.saturating_add(1);
+        self.delegation_id == delegation_id
+            && self.task_index == task_index
+            && task_index < task_count
+            && (self.task_count == task_count || unreadable_batch)
+    }
+
     /// A completion for `request`, with everything but the outcome filled in.
     pub fn for_request(request: &TaskRequest, status: Status, exit_reason: &str) -> Self {
         Self {
@@ -429,6 +447,46 @@ impl CompletionEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_task_is_ended_by_its_own_completion_or_by_the_error_of_its_unreadable_request() {
+        let mut request = TaskRequest::new("d1".to_owned(), "g");
+        request.task_index = 1;
+        request.task_count = 3;
+        request.wake_mode = WakeMode::Batch;
+        let done = CompletionEvent::for_request(&request, Status::Completed, "completed");
+        assert!(done.is_task_of("d1", 1, 3));
+        assert!(!done.is_task_of("d2", 1, 3), "another delegation");
+        assert!(!done.is_task_of("d1", 2, 3), "another task");
+        assert!(!done.is_task_of("d1", 1, 4), "another batch");
+        // What a worker writes for a request whose batch it could not read.
+        request.task_count = 2;
+        request.wake_mode = WakeMode::Independent;
+        let unreadable = CompletionEvent::for_request(&request, Status::Error, "invalid_request");
+        assert!(unreadable.is_task_of("d1", 1, 3));
+        assert!(unreadable.is_task_of("d1", 1, 2));
+        assert!(
+            !unreadable.is_task_of("d1", 1, 1),
+            "not a task of that batch"
+        );
+        // Any other completion naming another count is not the task's.
+        for (status, reason) in [
+            (Status::Completed, "completed"),
+            (Status::Error, "nonzero_exit"),
+        ] {
+            let other = CompletionEvent::for_request(&request, status, reason);
+            assert!(!other.is_task_of("d1", 1, 3), "{reason}");
+        }
+        let mut batch = unreadable.clone();
+        batch.wake_mode = WakeMode::Batch;
+        assert!(!batch.is_task_of("d1", 1, 3), "a batch of its own");
+        let mut counted = unreadable;
+        counted.task_count = 5;
+        assert!(
+            !counted.is_task_of("d1", 1, 3),
+            "a count other than index + 1"
+        );
+    }
 
     #[test]
     fn completion_keeps_hermes_field_names() {

@@ -390,7 +390,9 @@ fn prefix(text: &str, max: usize) -> String {
 
 /// A stored completion of task `index` of `member`'s batch, if it is one
 /// the wake would admit as that task's: a readable body whose ids, task
-/// count and origin session (body and header) are the batch's. Anything
+/// count and origin session (body and header) are the batch's (or the
+/// `error` completion of the task's unreadable request, which could not
+/// name the batch: `CompletionEvent::is_task_of`). Anything
 /// else stored on the task's subject (a forged or mistaken publish, which
 /// the wake dead-lettered when it met it) does not end the batch: counted,
 /// it would wake the session before the task's real completion, whose
@@ -402,10 +404,7 @@ fn sibling(
 ) -> Result<CompletionEvent, String> {
     let done = CompletionEvent::decode(&message.payload).map_err(|error| error.to_string())?;
     let batch = &member.event;
-    if done.delegation_id != batch.delegation_id
-        || done.task_index != index
-        || done.task_count != batch.task_count
-    {
+    if !done.is_task_of(&batch.delegation_id, index, batch.task_count) {
         return Err("its delegation id, task index or task count is not this task's".to_owned());
     }
     let session = Some(member.session.as_str());
