@@ -656,6 +656,8 @@ async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
     );
     expect(&format!("wakebus_consumer_pending{consumer}"), 0.0);
     expect(&format!("wakebus_consumer_ack_pending{consumer}"), 0.0);
+    expect("wakebus_nats_connected", 1.0);
+    assert!(sample(&text, "wakebus_nats_disconnects_total").is_none());
     assert!(
         text.contains("# TYPE wakebus_task_duration_seconds histogram"),
         "{text}"
@@ -682,7 +684,11 @@ async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
     })
     .await;
 
-    // Without NATS the process is alive but not ready.
+    // Without NATS the process is alive but not ready, and says so in its
+    // metrics too (where the backlog gauges stay as they were). The
+    // unreadable request above cost the client one connection already.
+    let disconnects = |text: &str| sample(text, "wakebus_nats_disconnects_total").unwrap_or(0.0);
+    let before = disconnects(&http_get(&format!("{base}/metrics")).await.unwrap().1);
     nats.kill();
     wait_until(WAIT, "/readyz to fail without NATS", || async {
         http_get(&format!("{base}/readyz"))
@@ -690,6 +696,17 @@ async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
             .is_some_and(|(s, body)| s == 503 && body.contains("not ready"))
     })
     .await;
+    let text = eventually(WAIT, "the scrape to say NATS is away", || async {
+        let text = http_get(&format!("{base}/metrics")).await?.1;
+        (sample(&text, "wakebus_nats_connected") == Some(0.0)).then_some(text)
+    })
+    .await;
+    assert_eq!(disconnects(&text), before + 1.0, "{text}");
+    assert_eq!(
+        sample(&text, &format!("wakebus_consumer_pending{consumer}")),
+        Some(0.0),
+        "{text}"
+    );
     assert_eq!(
         http_get(&format!("{base}/healthz")).await.map(|r| r.0),
         Some(200)

@@ -16,7 +16,9 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::metrics::{CONSUMER_ACK_PENDING, CONSUMER_PENDING, CONSUMER_REDELIVERED};
+use super::metrics::{
+    CONSUMER_ACK_PENDING, CONSUMER_PENDING, CONSUMER_REDELIVERED, NATS_CONNECTED,
+};
 use crate::bus::Bus;
 
 /// How long a readiness or lag check may take before it counts as failed.
@@ -145,8 +147,15 @@ impl Probe {
         Ok(())
     }
 
-    /// Sets the consumer lag gauges from the server's consumer info.
-    async fn refresh_lag(&self) {
+    /// Sets the connection gauge, and the consumer lag gauges from the
+    /// server's consumer info (left as they were when it cannot be read).
+    async fn refresh(&self) {
+        let connected = crate::connect::is_connected(&self.bus.client);
+        metrics::gauge!(NATS_CONNECTED).set(if connected { 1.0 } else { 0.0 });
+        if !connected {
+            // Each read would wait out its timeout in a scrape.
+            return;
+        }
         for (stream, consumer) in &self.consumers {
             let info = async {
                 let handle = self.bus.js.get_stream(stream).await.ok()?;
@@ -213,7 +222,7 @@ pub async fn serve(
 }
 
 async fn metrics_text(State(ops): State<Arc<Ops>>) -> Response {
-    ops.probe.refresh_lag().await;
+    ops.probe.refresh().await;
     ops.metrics.run_upkeep();
     (
         [(

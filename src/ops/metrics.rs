@@ -74,6 +74,13 @@ pub const CONSUMER_PENDING: &str = "wakebus_consumer_pending";
 pub const CONSUMER_ACK_PENDING: &str = "wakebus_consumer_ack_pending";
 /// Messages delivered more than once and not yet acknowledged, by `stream` and `consumer`.
 pub const CONSUMER_REDELIVERED: &str = "wakebus_consumer_redelivered";
+/// 1 while the service's NATS client is connected, 0 otherwise, as of the
+/// scrape. While it is 0 the `wakebus_consumer_*` gauges keep their last
+/// value, and the counters do not move: alert on this, not on a flat line.
+pub const NATS_CONNECTED: &str = "wakebus_nats_connected";
+/// Times the service's NATS client lost its connection (and set out to
+/// make another).
+pub const NATS_DISCONNECTS: &str = "wakebus_nats_disconnects_total";
 
 /// Task duration buckets, in seconds: sub-second echoes to hour-long runs.
 const DURATION_BUCKETS: &[f64] = &[
@@ -160,6 +167,19 @@ fn describe() {
         CONSUMER_REDELIVERED,
         "Messages redelivered and not yet acknowledged."
     );
+    describe_gauge!(
+        NATS_CONNECTED,
+        "1 while connected to NATS, 0 otherwise (the consumer gauges are then stale)."
+    );
+    describe_counter!(
+        NATS_DISCONNECTS,
+        "Times the NATS connection was lost (each followed by reconnect attempts)."
+    );
+}
+
+/// The NATS client lost its connection.
+pub fn nats_disconnected() {
+    metrics::counter!(NATS_DISCONNECTS).increment(1);
 }
 
 /// The wake service started following a session (an actor and its router
