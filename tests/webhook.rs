@@ -445,25 +445,27 @@ async fn the_wake_command_refuses_plain_http_to_another_host_and_bad_secrets_wit
     let bad = dir.path().join("bad");
     let leaked = "whsec_this is not base64 and must not be printed";
     std::fs::write(&bad, leaked).unwrap();
-    let wake = |url: &str, secrets: &std::path::Path, extra: &[&str]| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+    let blank = dir.path().join("blank");
+    std::fs::write(&blank, "\n  \n").unwrap();
+    let prefix = unique_prefix();
+    let wake = async |url: &str, secrets: &std::path::Path, extra: &[&str]| {
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"));
+        command
             .env_clear()
             // Nothing listens there: the command must fail before using NATS.
-            .args([
-                "--nats-url",
-                "nats://127.0.0.1:1",
-                "wake",
-                "--webhook-url",
-                url,
-            ])
+            .args(["--nats-url", "nats://127.0.0.1:1", "--prefix", &prefix])
+            .args(["wake", "--webhook-url", url])
             .arg("--webhook-secret-file")
             .arg(secrets)
             .args(extra)
-            .output()
+            .kill_on_drop(true);
+        tokio::time::timeout(Duration::from_secs(30), command.output())
+            .await
+            .expect("the wake command stops within the wait")
             .unwrap()
     };
 
-    let output = wake("http://10.255.255.1:9000/hook", &good, &[]);
+    let output = wake("http://10.255.255.1:9000/hook", &good, &[]).await;
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
     assert!(stderr.contains("plain http://"), "{stderr}");
@@ -472,12 +474,31 @@ async fn the_wake_command_refuses_plain_http_to_another_host_and_bad_secrets_wit
         "{stderr}"
     );
 
-    let output = wake("https://hooks.example.com/x", &bad, &[]);
+    let output = wake("https://hooks.example.com/x", &bad, &[]).await;
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
     assert!(stderr.contains("line 1"), "{stderr}");
     assert!(stderr.contains("not base64"), "{stderr}");
     assert!(!stderr.contains("must not be printed"), "{stderr}");
+
+    // A file with no secret in it would sign nothing a receiver accepts.
+    let output = wake("https://hooks.example.com/x", &blank, &[]).await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("--webhook-url needs at least one secret"),
+        "{stderr}"
+    );
+
+    // A CA file that cannot be read, or holds no certificate, is named.
+    let not_pem = dir.path().join("not-pem");
+    std::fs::write(&not_pem, "not a certificate").unwrap();
+    for ca in ["/nonexistent/ca.pem", not_pem.to_str().unwrap()] {
+        let output = wake("https://hooks.example.com/x", &good, &["--api-ca", ca]).await;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{ca}");
+        assert!(stderr.contains(ca), "{ca}: {stderr}");
+    }
 }
 
 /// A server on 127.0.0.1 that answers every request with `answer` and

@@ -278,8 +278,17 @@ impl SessionApi {
                 reason,
             };
             let pem = std::fs::read(path).map_err(|e| ca_error(e.to_string()))?;
-            let ca = reqwest::Certificate::from_pem(&pem).map_err(|e| ca_error(e.to_string()))?;
-            builder = builder.tls_certs_merge([ca]);
+            // Parsed here: `Certificate::from_pem` defers it, and a file
+            // with no certificate in it (a key, a DER file) would be taken
+            // silently, then every post refused as untrusted.
+            let cas =
+                reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| ca_error(e.to_string()))?;
+            if cas.is_empty() {
+                return Err(ca_error(
+                    "no PEM certificate (-----BEGIN CERTIFICATE-----) in it".to_owned(),
+                ));
+            }
+            builder = builder.tls_certs_merge(cas);
         }
         // A 301, 302 or 303 comes back as a rejection naming it; a
         // followed redirect must meet the same rule as the URL itself.
