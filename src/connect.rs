@@ -55,7 +55,10 @@ pub enum ConnectError {
         source: std::io::Error,
     },
     /// `user` was given without a password file, or the other way round.
-    #[error("user/password authentication needs both a user and a password file")]
+    #[error(
+        "user/password authentication needs both --user (NATS_USER) and --password-file \
+         (NATS_PASSWORD_FILE), and only one is set: check the environment and --config"
+    )]
     IncompleteUserPassword,
     /// `tls_cert` was given without `tls_key`, or the other way round.
     #[error("a TLS client certificate needs both --tls-cert and --tls-key")]

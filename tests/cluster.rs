@@ -71,7 +71,8 @@ async fn replicas(bus: &Bus, stream: &str) -> usize {
 }
 
 #[tokio::test]
-async fn streams_and_buckets_get_three_replicas_on_a_three_node_cluster_by_default() {
+async fn streams_and_buckets_get_three_replicas_on_a_three_node_cluster_by_default_and_more_are_refused_as_such()
+ {
     init_logs();
     let cluster = NatsCluster::start(3).await;
     let api = SessionApiServer::start().await;
@@ -113,6 +114,25 @@ async fn streams_and_buckets_get_three_replicas_on_a_three_node_cluster_by_defau
         .await
         .expect("provision");
     assert_eq!(replicas(&other, &other.subjects.events_stream()).await, 1);
+
+    // Five replicas cannot be placed on three nodes: retried, and said to
+    // be about the servers there are, not about reaching NATS.
+    let run = wakebus(
+        &cluster.urls(),
+        &unique_prefix(),
+        &["init", "--replicas", "5", "--timeout", "10s"],
+    )
+    .await;
+    assert!(!run.success(), "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains("fewer JetStream servers are up than the replicas asked for")
+            && run
+                .stderr()
+                .contains("has fewer JetStream servers up than --replicas asks for"),
+        "{}",
+        run.stderr()
+    );
 }
 
 /// Delegations through a pipeline on a cluster: two workers and a wake

@@ -1137,6 +1137,15 @@ async fn bad_arguments_are_reported_before_connecting() {
         ),
         (vec!["cancel", "a.b"], "delegation id \"a.b\""),
         (vec!["cancel", "--session", " s"], "--session \" s\""),
+        // Half of a user/password pair (often a variable inherited alone).
+        (
+            vec!["--user", "u", "status"],
+            "needs both --user (NATS_USER) and --password-file",
+        ),
+        (
+            vec!["--password-file", "/nonexistent", "status"],
+            "needs both --user (NATS_USER) and --password-file",
+        ),
     ])
     .await;
 }

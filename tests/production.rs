@@ -410,11 +410,16 @@ async fn a_build_without_otel_refuses_an_otlp_endpoint_instead_of_dropping_the_t
         "shared.conf",
         "otlp-endpoint = http://127.0.0.1:4318\n",
     );
+    // Nowhere to connect to and a prefix of its own, should the refusal
+    // ever regress into a run against the default server.
+    let prefix = unique_prefix();
+    let elsewhere = ["--nats-url", "nats://127.0.0.1:1", "--prefix", &prefix];
     let flag = ["--otlp-endpoint", "http://127.0.0.1:4318", "status"];
     let file = ["--config", shared.to_str().unwrap(), "status"];
     for args in [&flag, &file] {
         let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
             .env_clear()
+            .args(elsewhere)
             .args(args)
             .output_within(WAIT)
             .await;
@@ -423,6 +428,30 @@ async fn a_build_without_otel_refuses_an_otlp_endpoint_instead_of_dropping_the_t
         assert!(
             stderr.contains("built without OpenTelemetry export"),
             "{args:?}: {stderr}"
+        );
+    }
+    // The standard variables, often set for a whole host, are not refused,
+    // but the command says that no spans will come.
+    for name in [
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
+            .env_clear()
+            .env(name, "http://127.0.0.1:4318")
+            .args(["--nats-url", "nats://127.0.0.1:1", "--prefix", &prefix])
+            .arg("status")
+            .output_within(WAIT)
+            .await;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("built without OpenTelemetry export, so no spans are sent")
+                && stderr.contains(name),
+            "{name}: {stderr}"
+        );
+        assert!(
+            stderr.contains("cannot connect to NATS"),
+            "{name}: {stderr}"
         );
     }
 }

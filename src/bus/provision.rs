@@ -128,7 +128,11 @@ impl Bus {
             .retry(setup_backoff())
             .when(may_pass)
             .notify(|err, delay| {
-                warn!(error = %err, retry_in = ?delay, "Provisioning failed: NATS may not be up yet, or this NATS user may not create what is missing (run `wakebus init` as operator); will retry.");
+                if too_few_servers(err) {
+                    warn!(error = %err, retry_in = ?delay, "Provisioning failed: fewer JetStream servers are up than the replicas asked for (--replicas, WAKEBUS_REPLICAS); start the missing servers or ask for fewer replicas; will retry.");
+                } else {
+                    warn!(error = %err, retry_in = ?delay, "Provisioning failed: NATS may not be up yet, or this NATS user may not create what is missing (run `wakebus init` as operator); will retry.");
+                }
             })
             .await
     }
@@ -738,6 +742,16 @@ pub(crate) fn is_transient(err: &(impl std::fmt::Display + ?Sized)) -> bool {
     ]
     .iter()
     .any(|needle| lower.contains(needle))
+}
+
+/// A stream or bucket asked for more replicas than there are JetStream
+/// servers up to place them on ("no suitable peers for placement", or
+/// "insufficient resources" from older servers): passing once a node
+/// returns, but the usual "not up yet, or not allowed" advice would send
+/// an operator the wrong way.
+fn too_few_servers(err: &ProvisionError) -> bool {
+    let text = err.to_string().to_ascii_lowercase();
+    text.contains("insufficient resources") || text.contains("no suitable peers")
 }
 
 #[cfg(test)]

@@ -58,7 +58,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let Ok(done) = tokio::time::timeout(args.timeout, init(&global, &args.pools)).await
             else {
                 bail!(
-                    "init did not finish within {}: NATS is not reachable, has no JetStream leader yet, or this NATS user may not create streams, consumers and buckets (init needs the operator's permissions); the warnings above name the error that kept coming back",
+                    "init did not finish within {}: NATS is not reachable, has no JetStream leader yet, has fewer JetStream servers up than --replicas asks for, or this NATS user may not create streams, consumers and buckets (init needs the operator's permissions); the warnings above name the error that kept coming back",
                     humantime::format_duration(args.timeout)
                 );
             };

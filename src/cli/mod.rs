@@ -153,7 +153,24 @@ fn init_logging(global: &args::Global, default_level: &str) -> Telemetry {
         otlp
     }
     #[cfg(not(feature = "otel"))]
-    registry.init();
+    {
+        registry.init();
+        // Set for the whole host or pod (as collectors' auto-configuration
+        // does), these are not refused like `--otlp-endpoint`, which asks
+        // this command for traces; but nobody should wait for them in vain.
+        for name in [
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        ] {
+            if std::env::var_os(name).is_some_and(|value| !value.is_empty()) {
+                tracing::warn!(
+                    variable = name,
+                    "This wakebus was built without OpenTelemetry export, so no spans are sent; \
+                     build it with `--features otel` (an image: `--build-arg FEATURES=otel`)."
+                );
+            }
+        }
+    }
 }
 
 /// A service's graceful stop: completes on the first SIGINT, SIGTERM or
