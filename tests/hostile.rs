@@ -1182,7 +1182,15 @@ async fn a_sweep_removes_only_unreadable_messages_of_its_own_consumer() {
     publish("a").await.unwrap().await.unwrap();
     // Pool a's first request acked, its second delivered and unacked: the
     // sweep's range is pool b's message and pool a's second.
-    let mut delivered = consumer.fetch().max_messages(2).messages().await.unwrap();
+    // A batch, not a fetch: a fetch answers at once, and may come before
+    // the consumer counts the message just stored.
+    let mut delivered = consumer
+        .batch()
+        .max_messages(2)
+        .expires(WAIT)
+        .messages()
+        .await
+        .unwrap();
     let first = delivered.next().await.unwrap().unwrap();
     first.ack().await.unwrap();
     let second = delivered.next().await.unwrap().unwrap();
@@ -1338,7 +1346,15 @@ async fn a_sweep_that_may_not_read_messages_names_the_range_to_inspect() {
             .unwrap();
     }
     // The first acked, the second delivered and left unacknowledged.
-    let mut delivered = consumer.fetch().max_messages(2).messages().await.unwrap();
+    // A batch, not a fetch: a fetch answers at once, and may come before
+    // the consumer counts the message just stored.
+    let mut delivered = consumer
+        .batch()
+        .max_messages(2)
+        .expires(WAIT)
+        .messages()
+        .await
+        .unwrap();
     delivered
         .next()
         .await

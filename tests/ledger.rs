@@ -305,14 +305,34 @@ async fn a_completion_whose_ledger_entry_is_corrupt_is_held_until_the_entry_is_f
         .put(&key, "not ledger json".into())
         .await
         .unwrap();
+    // Reads of the entry, as the server receives them (direct gets name
+    // the key in their subject, others in their body).
+    let wanted = format!("$KV.{}.{key}", bus.subjects.wake_ledger_bucket());
+    let mut api_requests = bus.client.subscribe("$JS.API.>").await.unwrap();
+    bus.client.flush().await.unwrap();
+    let reads = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counting = reads.clone();
+    let counter = tokio::spawn(async move {
+        while let Some(message) = api_requests.next().await {
+            let body = String::from_utf8_lossy(&message.payload);
+            if message.subject.contains(".GET.")
+                && (message.subject.ends_with(&wanted) || body.contains(&wanted))
+            {
+                counting.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    });
     publish_until_stored(&bus, &request).await;
     completions_waiting_in_wake(&bus, 1).await;
-    // Far longer than a plan takes (the coalesce window is 20 ms): the
-    // window in which a wake ignoring the entry would have posted.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(api.all_posts().is_empty(), "posted past a corrupt entry");
+    // Planned: the wake met the entry (and tries again in 30 s).
+    wait_until(WAIT, "the wake to read the entry", || async {
+        reads.load(std::sync::atomic::Ordering::SeqCst) >= 1
+    })
+    .await;
+    counter.abort();
     let info = wake_consumer_info(&bus).await.unwrap();
     assert_eq!(info.num_ack_pending, 1, "the completion is still held");
+    let deleted_at = std::time::Instant::now();
     state.wake_ledger.delete(&key).await.unwrap();
     wait_until(
         Duration::from_secs(45),
@@ -321,6 +341,11 @@ async fn a_completion_whose_ledger_entry_is_corrupt_is_held_until_the_entry_is_f
     )
     .await;
     services.stop().await;
+    // One post, and none before the entry was gone: nothing was posted on
+    // a guess past it.
+    let posts = api.all_posts();
+    assert_eq!(posts.len(), 1);
+    assert!(posts[0].at >= deleted_at, "posted past a corrupt entry");
 }
 
 /// The wake ledger of `bus`, provisioned.

@@ -1401,13 +1401,17 @@ async fn connect_timeout_bounds_the_wait_for_a_server_that_accepts_but_never_ans
     // own 5 s connection timeout.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("nats://{}", silent.local_addr().unwrap());
+    // When each connection was accepted: the wait is timed from the
+    // attempt, not from the start of a process that may start slowly.
+    let accepted = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let accepting = accepted.clone();
     let _held = std::thread::spawn(move || {
         let mut open = Vec::new();
         for stream in silent.incoming() {
+            accepting.lock().unwrap().push(std::time::Instant::now());
             open.push(stream);
         }
     });
-    let begun = std::time::Instant::now();
     let run = wakebus(
         &url,
         &unique_prefix(),
@@ -1422,7 +1426,7 @@ async fn connect_timeout_bounds_the_wait_for_a_server_that_accepts_but_never_ans
         ],
     )
     .await;
-    let waited = begun.elapsed();
+    let ended = std::time::Instant::now();
     assert!(!run.success(), "{}", run.stderr());
     assert!(
         run.stderr()
@@ -1431,6 +1435,9 @@ async fn connect_timeout_bounds_the_wait_for_a_server_that_accepts_but_never_ans
         run.stderr()
     );
     // One attempt, cut off at 2 s (well under the client's own 5 s).
+    let accepted = accepted.lock().unwrap().clone();
+    assert_eq!(accepted.len(), 1, "one attempt");
+    let waited = ended - accepted[0];
     assert!(waited < Duration::from_millis(4500), "waited {waited:?}");
 }
 
@@ -1443,17 +1450,25 @@ async fn a_command_run_by_hand_reaches_a_healthy_server_after_one_that_never_ans
     let nats = NatsServer::start().await;
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("nats://{},{}", silent.local_addr().unwrap(), nats.url());
+    let tried = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counting = tried.clone();
     let _held = std::thread::spawn(move || {
         let mut open = Vec::new();
         for stream in silent.incoming() {
+            counting.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             open.push(stream);
         }
     });
     let prefix = unique_prefix();
     bus(&nats.url(), &prefix).await;
-    for _ in 0..6 {
+    // Until the silent one has come first in a run (each run has one
+    // chance in two; 30 runs without it, one in a billion).
+    let mut runs = 0;
+    while tried.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(runs < 30, "the silent server was never tried first");
         let run = wakebus(&url, &prefix, &["events"]).await;
         assert!(run.success(), "{}", run.stderr());
+        runs += 1;
     }
 }
 

@@ -511,20 +511,38 @@ async fn a_completion_whose_submitted_record_expired_is_refused_as_expired_not_a
     config.max_age = Duration::from_secs(1);
     config.duplicate_window = config.max_age;
     bus.js.update_stream(&config).await.unwrap();
+    // The task ends once the test has seen its record expire.
+    let gates = tempfile::tempdir().unwrap();
+    let gate = gates.path().join("open");
     let mut services = Services::new();
     services.worker(
         &bus,
-        shell("sleep 3; echo late"),
+        shell(&format!(
+            "while [ ! -e {} ]; do sleep 0.05; done; echo late",
+            gate.display()
+        )),
         test_worker_config("default"),
     );
     let mut wake_config = test_wake_config(&api.url());
     wake_config.verify_origin = true;
     services.wake(&bus, wake_config);
-    delegate(
+    let id = delegate(
         &bus,
         Delegation::new("outlives its record").session("s.long"),
     )
     .await;
+    let record = bus
+        .subjects
+        .event(&session_token("s.long"), &id, 0, EventKind::Submitted);
+    wait_until(WAIT, "the submitted record to expire", || async {
+        matches!(
+            events.get_last_raw_message_by_subject(&record).await,
+            Err(error) if error.kind()
+                == async_nats::jetstream::stream::LastRawMessageErrorKind::NoMessageFound
+        )
+    })
+    .await;
+    std::fs::write(&gate, "").unwrap();
 
     let dead_letters = bus.subjects.dead_letter_stream();
     wait_until(WAIT, "the completion refused", || async {

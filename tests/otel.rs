@@ -149,7 +149,8 @@ async fn a_delegation_exports_one_trace_under_the_callers_traceparent() {
 
     // ...and delegate through the flag, joining its caller's trace.
     let caller = TraceParent::new_root();
-    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"))
+    let mut delegate = tokio::process::Command::new(env!("CARGO_BIN_EXE_wakebus"));
+    delegate
         .args(tool_args(
             &nats.url(),
             &prefix,
@@ -169,8 +170,12 @@ async fn a_delegation_exports_one_trace_under_the_callers_traceparent() {
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .env_remove("TRACEPARENT")
         .stdin(Stdio::null())
-        .output()
+        .kill_on_drop(true);
+    // Bounded here: this file runs under plain `cargo test`, which kills
+    // no hung test.
+    let output = tokio::time::timeout(Duration::from_secs(60), delegate.output())
         .await
+        .expect("wakebus delegate did not finish within 60 s")
         .expect("run wakebus delegate");
     assert!(
         output.status.success(),

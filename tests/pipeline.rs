@@ -139,7 +139,6 @@ async fn sync_delegation_returns_the_result_inline_and_posts_nothing() {
     assert_eq!((status.as_str(), mode), ("completed", "sync"));
     assert_eq!(note, SYNC_NOTE);
     let result = result.expect("a single task's result");
-    assert!(note.contains("SYNCHRONOUSLY"));
     assert_eq!(result.summary.as_deref(), Some("echo: Add 2 and 2"));
     assert_eq!(result.origin_session_id, None);
 

@@ -323,6 +323,9 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
         "no-url.conf",
         &format!("token-file = {}\n", token_file.display()),
     );
+    // A prefix of its own, so that if the refusal ever regressed into the
+    // default server, nothing of a real deployment there would be touched.
+    let prefix = unique_prefix();
     for config in [None, Some(&no_url)] {
         let mut command = Command::new(env!("CARGO_BIN_EXE_wakebus"));
         command.env_clear().env("NATS_URL", "");
@@ -330,6 +333,7 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
             command.env("WAKEBUS_CONFIG", config);
         }
         let output = command
+            .args(["--prefix", &prefix])
             .args(["cancel", "--session", "s1", "--connect-timeout", "0s"])
             .output_within(WAIT)
             .await;
@@ -340,12 +344,16 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
             "{config:?}: {stderr}"
         );
     }
-    // `dev` too, which would otherwise start or use a server on port 4222.
+    // `dev` too, which would otherwise start or use a server on port 4222
+    // (and is given nothing it could start one with, should that regress).
+    let data_dir = tempfile::tempdir().unwrap();
     for url in ["", ","] {
         let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
             .env_clear()
             .env("NATS_URL", url)
-            .arg("dev")
+            .args(["--prefix", &prefix, "dev", "--nats-server", "/nonexistent"])
+            .arg("--data-dir")
+            .arg(data_dir.path())
             .output_within(WAIT)
             .await;
         let stderr = String::from_utf8_lossy(&output.stderr);
@@ -376,7 +384,14 @@ async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environm
         let bad = write(dir.path(), name, content);
         let output = Command::new(env!("CARGO_BIN_EXE_wakebus"))
             .env_clear()
-            .args(["--config", bad.to_str().unwrap(), "init"])
+            .args(["--config", bad.to_str().unwrap()])
+            .args([
+                "--nats-url",
+                "nats://127.0.0.1:1",
+                "--prefix",
+                &prefix,
+                "init",
+            ])
             .output_within(WAIT)
             .await;
         let stderr = String::from_utf8_lossy(&output.stderr);

@@ -1997,3 +1997,64 @@ async fn a_post_that_times_out_is_sent_again_under_the_same_idempotency_key() {
         "sent again after {gap:?}"
     );
 }
+
+/// A worker or wake service whose NATS client has ended returns an error,
+/// not a clean stop, so that its process exits non-zero and a supervisor
+/// restarts it with a new client.
+#[tokio::test]
+async fn a_worker_and_a_wake_whose_nats_client_has_ended_fail_instead_of_stopping_cleanly() {
+    use wakebus::bus::BusSettings;
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+
+    let worker_bus = bus(&nats.url(), &prefix).await;
+    let env = wakebus::worker::executor::TaskEnv {
+        nats_url: String::new(),
+        prefix: prefix.clone(),
+        pool: "default".to_owned(),
+    };
+    let worker = tokio::spawn(wakebus::worker::run(
+        worker_bus.clone(),
+        BusSettings::default(),
+        Executor::Echo(wakebus::worker::executor::EchoExecutor),
+        env,
+        test_worker_config("default"),
+        std::future::pending::<()>(),
+    ));
+    let wake_bus = bus(&nats.url(), &prefix).await;
+    let wake = tokio::spawn(wakebus::wake::run(
+        wake_bus.clone(),
+        BusSettings::default(),
+        test_wake_config(&api.url()),
+        std::future::pending::<()>(),
+    ));
+    // Both running: a delegation goes all the way through.
+    let id = delegate(&worker_bus, Delegation::new("once").session("s.ended")).await;
+    wait_until(WAIT, "the wake", || async {
+        api.accepted()
+            .iter()
+            .any(|post| post.delegation_ids() == [id.clone()])
+    })
+    .await;
+
+    worker_bus.client.drain().await.unwrap();
+    let worker = tokio::time::timeout(WAIT, worker)
+        .await
+        .expect("the worker stops once its client has ended")
+        .expect("the worker did not panic");
+    assert!(
+        matches!(worker, Err(wakebus::worker::WorkerError::ConnectionLost(_))),
+        "{worker:?}"
+    );
+    wake_bus.client.drain().await.unwrap();
+    let wake = tokio::time::timeout(WAIT, wake)
+        .await
+        .expect("the wake stops once its client has ended")
+        .expect("the wake did not panic");
+    assert!(
+        matches!(wake, Err(wakebus::wake::WakeError::ConnectionLost(_))),
+        "{wake:?}"
+    );
+}

@@ -79,6 +79,7 @@ pub async fn wakebus(nats_url: &str, prefix: &str, args: &[&str]) -> Run {
             .env_remove("NATS_URL")
             .env_remove("WAKEBUS_PREFIX")
             .stdin(Stdio::null())
+            .kill_on_drop(true)
             .output(),
     )
     .await

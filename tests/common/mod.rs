@@ -272,8 +272,16 @@ impl Services {
     /// Stops everything and waits for it.
     pub async fn stop(mut self) {
         self.stop.cancel();
-        for handle in self.handles.drain(..) {
-            handle.await.expect("service panicked");
+        // Far beyond a graceful stop's own bounds (a worker's grace period
+        // in tests, a wake's request timeout plus its last writes), so a
+        // stop that hangs fails here, naming the service, instead of at
+        // the harness's anonymous kill.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+        for (index, handle) in self.handles.drain(..).enumerate() {
+            tokio::time::timeout_at(deadline, handle)
+                .await
+                .unwrap_or_else(|_| panic!("service {index} (in start order) did not stop"))
+                .expect("service panicked");
         }
     }
 }

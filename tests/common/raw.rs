@@ -26,14 +26,19 @@ impl RawClient {
     }
 
     async fn open(port: u16, credentials: Option<(&str, &str)>) -> Result<Self, String> {
-        let stream = TcpStream::connect(("127.0.0.1", port))
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let stream = tokio::time::timeout_at(deadline, TcpStream::connect(("127.0.0.1", port)))
             .await
+            .expect("the server accepts within 10 s")
             .expect("connect");
         let mut client = Self {
             stream: BufReader::new(stream),
         };
         let mut line = String::new();
-        client.stream.read_line(&mut line).await.expect("INFO");
+        tokio::time::timeout_at(deadline, client.stream.read_line(&mut line))
+            .await
+            .expect("the server sends its INFO within 10 s")
+            .expect("INFO");
         assert!(line.starts_with("INFO "), "{line}");
         let mut connect = serde_json::json!({
             "verbose": false, "pedantic": false, "headers": true,
