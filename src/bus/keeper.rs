@@ -135,6 +135,10 @@ pub(crate) struct KeepAliveClock {
     /// Set when the last one was skipped (the client disconnected): when
     /// to try again, sooner than a period.
     retry_at: Option<Instant>,
+    /// Whether a gap between keep-alives was ever long enough for the
+    /// delivery to have lapsed ([`Self::may_have_lapsed`]): once it went
+    /// elsewhere, a keep-alive sent after that does not bring it back.
+    lapsed: bool,
 }
 
 /// How often a keep-alive clock looks at the period again while it waits.
@@ -147,6 +151,7 @@ impl KeepAliveClock {
             every,
             sent: Instant::now(),
             retry_at: None,
+            lapsed: false,
         }
     }
 
@@ -167,6 +172,7 @@ impl KeepAliveClock {
     /// first after a reconnect is not a period late.
     pub(crate) fn went_out(&mut self, sent: bool) {
         if sent {
+            self.lapsed |= self.gap_too_long();
             self.sent = Instant::now();
             self.retry_at = None;
         } else {
@@ -180,12 +186,19 @@ impl KeepAliveClock {
     }
 
     /// Whether the work may no longer be this service's: two thirds of
-    /// the AckWait or more since the last keep-alive went out (or the work
-    /// arrived), twice the usual gap, as after an outage or a stall. The
-    /// server may have delivered it elsewhere by now, and a NAK sent for
-    /// this delivery would settle that other one (the server checks only
-    /// the stream sequence), sending a task another worker runs to a third.
+    /// the AckWait or more went by without a keep-alive (or since the work
+    /// arrived), now or at any time before, twice the usual gap, as in an
+    /// outage or a stall. The server may have delivered it elsewhere, and
+    /// a NAK sent for this delivery would settle that other one (the
+    /// server checks only the stream sequence), sending a task another
+    /// worker runs to a third.
     pub(crate) fn may_have_lapsed(&self) -> bool {
+        self.lapsed || self.gap_too_long()
+    }
+
+    /// Whether the time since the last keep-alive is long enough for the
+    /// delivery to have lapsed.
+    fn gap_too_long(&self) -> bool {
         self.sent.elapsed() >= self.every.ack_wait() * 2 / 3
     }
 }
@@ -470,10 +483,15 @@ mod tests {
         assert!(!KeepAliveClock::new(every.clone()).may_have_lapsed());
         assert!(!sent_ago(&every, Duration::from_secs(15)).may_have_lapsed());
         assert!(sent_ago(&every, Duration::from_secs(21)).may_have_lapsed());
-        // A keep-alive skipped (disconnected) does not renew it; one sent does.
+        // A keep-alive skipped (disconnected) does not renew it, nor does
+        // one sent after the gap: the delivery may be elsewhere by then.
         let mut clock = sent_ago(&every, Duration::from_secs(21));
         clock.went_out(false);
         assert!(clock.may_have_lapsed());
+        clock.went_out(true);
+        assert!(clock.may_have_lapsed());
+        // Keep-alives in time keep it.
+        let mut clock = sent_ago(&every, Duration::from_secs(10));
         clock.went_out(true);
         assert!(!clock.may_have_lapsed());
         // The consumer's shorter AckWait counts.
