@@ -1410,14 +1410,23 @@ async fn publish_member(bus: &Bus, session: Option<&str>, id: &str, index: u32, 
         .expect("stored");
 }
 
-/// The batch of three whose task 1 has a body no worker can read.
-async fn publish_batch_with_unreadable_member(bus: &Bus, session: Option<&str>, id: &str) {
-    for index in 0..3 {
-        let body = if index == 1 {
+/// Tasks `indexes` of a batch of three of delegation `id`, whose task
+/// `unreadable` has a body no worker can read; the others' goals are
+/// `<goal> <index>`.
+async fn publish_members(
+    bus: &Bus,
+    session: Option<&str>,
+    id: &str,
+    unreadable: u32,
+    goal: &str,
+    indexes: impl IntoIterator<Item = u32>,
+) {
+    for index in indexes {
+        let body = if index == unreadable {
             b"not JSON at all".to_vec()
         } else {
             serde_json::to_vec(&serde_json::json!({
-                "version": 1, "delegation_id": id, "goal": format!("member {index}"),
+                "version": 1, "delegation_id": id, "goal": format!("{goal} {index}"),
                 "task_index": index, "task_count": 3, "wake_mode": "batch",
                 "origin_session_id": session,
             }))
@@ -1427,48 +1436,107 @@ async fn publish_batch_with_unreadable_member(bus: &Bus, session: Option<&str>, 
     }
 }
 
+/// The texts of every turn posted so far, one after the other.
+fn all_texts(api: &SessionApiServer) -> String {
+    api.accepted().iter().map(|post| post.text()).collect()
+}
+
+/// Waits for the turn of batch `id` of three tasks, one of them
+/// unreadable, and checks that it is the only one of the batch and
+/// reports the other two.
+async fn unreadable_batch_woken(api: &SessionApiServer, id: &str, goal: &str) {
+    let header = format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]");
+    wait_until(WAIT, "the batch's turn", || async {
+        all_texts(api).contains(&header)
+    })
+    .await;
+    let all = all_texts(api);
+    assert_eq!(all.matches(&header).count(), 1, "{all}");
+    let batch = &all[all.find(&header).unwrap()..];
+    assert!(batch.contains("2 completed, 1 not completed"), "{batch}");
+    assert_eq!(
+        ["0", "1", "2"]
+            .iter()
+            .filter(|index| batch.contains(&format!("Goal: {goal} {index}")))
+            .count(),
+        2,
+        "{batch}"
+    );
+}
+
 /// A batch member whose body cannot be read gets an `error` completion
-/// that cannot name its batch (`task_count: index + 1`, `wake_mode:
-/// independent`). It wakes its session on its own, and it still ends its
-/// task: the batch's turn comes with the other two results, and a sync
-/// caller waiting for the batch gets it as that task's result instead of
-/// waiting for ever.
+/// that cannot name its batch (`task_count: index + 1`). It still ends its
+/// task: whether it is stored before the batch's other tasks end (they
+/// find it), or after (the wake reads another task's completion and takes
+/// it into their batch), and whatever its index, the batch's turn comes
+/// once with the other two results; and a sync caller waiting for the
+/// batch gets it as that task's result instead of waiting for ever.
 #[tokio::test]
 async fn a_batch_member_whose_body_cannot_be_read_still_ends_its_batch() {
     init_logs();
     let nats = NatsServer::start().await;
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
+    let gates = tempfile::tempdir().unwrap();
+    let gate = gates.path().join("open");
     let mut services = Services::new();
-    services.echo_worker(&bus);
+    // Tasks whose goal says `held` end once the test opens the gate.
+    services.worker(
+        &bus,
+        shell(&format!(
+            r#"input=$(cat); case "$input" in *held*) while [ ! -e {} ]; do sleep 0.05; done;; esac; echo ran"#,
+            gate.display()
+        )),
+        test_worker_config("default"),
+    );
     services.wake(&bus, test_wake_config(&api.url()));
+    let stored = |id: String, index: u32| {
+        let bus = bus.clone();
+        async move {
+            done_events(&bus)
+                .await
+                .iter()
+                .any(|done| done.delegation_id == id && done.task_index == index)
+        }
+    };
 
-    let id = wakebus::protocol::new_delegation_id();
-    publish_batch_with_unreadable_member(&bus, Some("s.batch"), &id).await;
-    let batch_header = format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]");
-    let texts = || api.accepted().iter().map(|p| p.text()).collect::<String>();
-    wait_until(WAIT, "the batch's turn", || async {
-        texts().contains(&batch_header)
+    // The unreadable task's error first, its siblings' completions after:
+    // it also wakes its session on its own.
+    let first = wakebus::protocol::new_delegation_id();
+    publish_members(&bus, Some("s.first"), &first, 1, "held", 0..3).await;
+    wait_until(WAIT, "the unreadable task's error", || {
+        stored(first.clone(), 1)
     })
     .await;
-    wait_until(WAIT, "the unreadable member's own wake", || async {
-        texts().contains(&format!("[ASYNC DELEGATION COMPLETE — {id}]\nTask: 1\n"))
-    })
-    .await;
-    wake_consumer_settled(&bus).await;
-    let all = texts();
-    assert_eq!(all.matches(&batch_header).count(), 1, "{all}");
-    let batch = &all[all.find(&batch_header).unwrap()..];
-    assert!(batch.contains("2 completed, 1 not completed"), "{batch}");
+    std::fs::write(&gate, "").unwrap();
+    unreadable_batch_woken(&api, &first, "held").await;
     assert!(
-        batch.contains("member 0") && batch.contains("member 2"),
-        "{batch}"
+        all_texts(&api).contains(&format!("[ASYNC DELEGATION COMPLETE — {first}]\nTask: 1\n")),
+        "{}",
+        all_texts(&api)
+    );
+
+    // Task 0's error last, once the other two have ended: taken into their
+    // batch, it ends it, and is not posted on its own.
+    let last = wakebus::protocol::new_delegation_id();
+    publish_members(&bus, Some("s.last"), &last, 0, "member", 1..3).await;
+    wait_until(WAIT, "the other tasks' completions", || async {
+        stored(last.clone(), 1).await && stored(last.clone(), 2).await
+    })
+    .await;
+    publish_members(&bus, Some("s.last"), &last, 0, "member", [0]).await;
+    unreadable_batch_woken(&api, &last, "member").await;
+    wake_consumer_settled(&bus).await;
+    assert!(
+        !all_texts(&api).contains(&format!("[ASYNC DELEGATION COMPLETE — {last}]")),
+        "{}",
+        all_texts(&api)
     );
 
     // In sync mode: the same batch, waited for under its id (everything
     // has ended, so nothing is sent again).
     let sync = wakebus::protocol::new_delegation_id();
-    publish_batch_with_unreadable_member(&bus, None, &sync).await;
+    publish_members(&bus, None, &sync, 1, "member", 0..3).await;
     let mut again = Delegation::batch((0..3).map(|index| format!("member {index}")));
     again.delegation_id = Some(sync.clone());
     let result = Delegator::new(bus.clone())

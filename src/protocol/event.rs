@@ -390,19 +390,26 @@ impl CompletionEvent {
     /// Whether this is a completion of task `task_index` of delegation
     /// `delegation_id` of `task_count` tasks: its ids are that task's, and
     /// it names the same task count, or it is the `error` completion of a
-    /// request whose batch could not be read. A worker writes that one
-    /// (`invalid_request`) as a batch of its own (`task_count: index + 1`,
-    /// `wake_mode: independent`), since it cannot tell the real count; it
-    /// still ends its task, so a batch waiting for that task counts it.
+    /// request whose batch could not be read
+    /// ([`Self::is_of_an_unreadable_batch`]). A worker writes that one as a
+    /// batch of its own, since it cannot tell the real count; it still ends
+    /// its task, so a batch waiting for that task counts it.
     pub fn is_task_of(&self, delegation_id: &str, task_index: u32, task_count: u32) -> bool {
-        let unreadable_batch = self.status == Status::Error
-            && self.exit_reason == "invalid_request"
-            && self.wake_mode == WakeMode::Independent
-            && self.task_count == task_index.saturating_add(1);
         self.delegation_id == delegation_id
             && self.task_index == task_index
             && task_index < task_count
-            && (self.task_count == task_count || unreadable_batch)
+            && (self.task_count == task_count || self.is_of_an_unreadable_batch())
+    }
+
+    /// Whether this is the `error` completion a worker writes for a request
+    /// whose batch it could not read: `invalid_request`, a batch of its own
+    /// (`task_count: index + 1`; `wake_mode: independent`, or the single
+    /// task 0 with the default mode).
+    pub fn is_of_an_unreadable_batch(&self) -> bool {
+        self.status == Status::Error
+            && self.exit_reason == "invalid_request"
+            && self.task_count == self.task_index.saturating_add(1)
+            && (self.wake_mode == WakeMode::Independent || self.task_count == 1)
     }
 
     /// A completion for `request`, with everything but the outcome filled in.
@@ -486,6 +493,12 @@ mod tests {
             !counted.is_task_of("d1", 1, 3),
             "a count other than index + 1"
         );
+        // Task 0 of an unreadable batch is written as a single task.
+        request.task_index = 0;
+        request.task_count = 1;
+        request.wake_mode = WakeMode::Batch;
+        let first = CompletionEvent::for_request(&request, Status::Error, "invalid_request");
+        assert!(first.is_task_of("d1", 0, 3));
     }
 
     #[test]

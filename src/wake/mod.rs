@@ -10,6 +10,7 @@ pub mod lock;
 mod origin;
 mod session;
 pub mod session_api;
+mod stand_in;
 pub mod turn;
 pub mod webhook;
 

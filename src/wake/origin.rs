@@ -63,13 +63,22 @@ impl OriginGate {
         })
     }
 
-    /// Hands `pending` to `router`, after checking its origin if enabled.
-    pub(crate) fn route(self: &Arc<Self>, pending: Pending, router: &Arc<Router>) {
-        if !self.enabled {
+    /// Hands `pending` to `router`, after checking its origin if enabled
+    /// (and placing an unreadable batch member's error in its batch:
+    /// [`super::stand_in`]).
+    pub(crate) fn route(self: &Arc<Self>, mut pending: Pending, router: &Arc<Router>) {
+        let stand_in = pending.event.is_of_an_unreadable_batch();
+        if !self.enabled && !stand_in {
             return router.route(pending);
         }
         let (gate, router) = (self.clone(), router.clone());
         self.tracker.spawn(async move {
+            if stand_in {
+                super::stand_in::place_in_batch(&gate.shared, &mut pending).await;
+            }
+            if !gate.enabled {
+                return router.route(pending);
+            }
             match gate.verify(&pending).await {
                 Ok(()) => router.route(pending),
                 Err(Refusal::Forged(reason)) => gate.refuse(&pending, &reason).await,
@@ -133,7 +142,12 @@ impl OriginGate {
                 "the submitted record names another origin session".to_owned(),
             ));
         }
-        if task_count != event.task_count {
+        // The error of an unreadable batch member, which could not name
+        // its batch (not placed in it: no other task had ended yet), is
+        // still its task's.
+        if task_count != event.task_count
+            && !event.is_task_of(&event.delegation_id, event.task_index, task_count)
+        {
             return Err(Refusal::Forged(format!(
                 "task_count {} differs from the submitted record's {task_count}",
                 event.task_count
