@@ -2,8 +2,7 @@
 //! patience when the server is not up yet.
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::connection::State;
@@ -192,26 +191,17 @@ impl NatsConfig {
         if wait_for_server {
             options = options.retry_on_initial_connect();
         }
-        // Whether the last connection event was a connect: the client
-        // says it is disconnected again at every failed reconnect attempt,
-        // and a lost connection is counted once.
-        let connected = Arc::new(AtomicBool::new(false));
         Ok(options
             .max_reconnects(None)
             .ping_interval(PING_INTERVAL)
             .connection_timeout(per_server)
-            .event_callback(move |event| {
-                let connected = connected.clone();
-                async move {
+            .event_callback(|event| async move {
                 match event {
-                    Event::Connected => {
-                        connected.store(true, Ordering::Relaxed);
-                        info!("Connected to NATS.");
-                    }
+                    Event::Connected => info!("Connected to NATS."),
+                    // Once per connection lost (a failed reconnect attempt
+                    // is a client error event, not another disconnect).
                     Event::Disconnected => {
-                        if connected.swap(false, Ordering::Relaxed) {
-                            crate::ops::metrics::nats_disconnected();
-                        }
+                        crate::ops::metrics::nats_disconnected();
                         warn!("Disconnected from NATS, reconnecting.");
                     }
                     // A restart or upgrade: the server closes this connection
@@ -244,7 +234,6 @@ impl NatsConfig {
                     Event::SlowConsumer(sid) if once_a_minute(&SLOW_CONSUMER_SAID) => warn!(sid, "A subscription of this client fell behind and the client dropped messages for it (said at most once a minute)."),
                     Event::SlowConsumer(_) => {}
                     other => info!(event = %other, "NATS client event."),
-                }
                 }
             }))
     }

@@ -25,6 +25,19 @@ pub(crate) fn install_crypto_provider() {
     });
 }
 
+/// An error and its causes, one after the other (`connection refused`
+/// rather than only `error sending request`).
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 /// Redirects followed for one request (reqwest's own default).
 const MAX_REDIRECTS: usize = 10;
 

@@ -657,7 +657,20 @@ async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
     expect(&format!("wakebus_consumer_pending{consumer}"), 0.0);
     expect(&format!("wakebus_consumer_ack_pending{consumer}"), 0.0);
     expect("wakebus_nats_connected", 1.0);
-    assert!(sample(&text, "wakebus_nats_disconnects_total").is_none());
+    expect("wakebus_nats_disconnects_total", 0.0);
+    // What a container health check runs: ready, asked by URL or by the
+    // address the service was given (an unspecified one asked on loopback).
+    let port = base.rsplit(':').next().unwrap();
+    let readyz = format!("{base}/readyz");
+    let unspecified = format!("0.0.0.0:{port}");
+    for args in [
+        ["ready", "--url", readyz.as_str()],
+        ["ready", "--metrics-addr", unspecified.as_str()],
+    ] {
+        let run = wakebus(&nats.url(), &prefix, &args).await;
+        assert!(run.success(), "{args:?}: {}", run.stderr());
+        assert_eq!(run.stdout().trim(), "ready", "{args:?}");
+    }
     assert!(
         text.contains("# TYPE wakebus_task_duration_seconds histogram"),
         "{text}"
@@ -696,12 +709,23 @@ async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
             .is_some_and(|(s, body)| s == 503 && body.contains("not ready"))
     })
     .await;
+    // The gauge and the counter are set apart (the counter by the
+    // client's event handler): both are waited for.
     let text = eventually(WAIT, "the scrape to say NATS is away", || async {
         let text = http_get(&format!("{base}/metrics")).await?.1;
-        (sample(&text, "wakebus_nats_connected") == Some(0.0)).then_some(text)
+        (sample(&text, "wakebus_nats_connected") == Some(0.0) && disconnects(&text) >= before + 1.0)
+            .then_some(text)
     })
     .await;
     assert_eq!(disconnects(&text), before + 1.0, "{text}");
+    let run = wakebus(&nats.url(), &prefix, &["ready", "--url", &readyz]).await;
+    assert_eq!(run.code(), Some(1), "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains("answered 503: not ready: not connected to NATS"),
+        "{}",
+        run.stderr()
+    );
     assert_eq!(
         sample(&text, &format!("wakebus_consumer_pending{consumer}")),
         Some(0.0),
@@ -1137,6 +1161,12 @@ async fn bad_arguments_are_reported_before_connecting() {
         ),
         (vec!["cancel", "a.b"], "delegation id \"a.b\""),
         (vec!["cancel", "--session", " s"], "--session \" s\""),
+        // A health check with nothing to ask, or nothing answering.
+        (vec!["ready"], "no service to ask"),
+        (
+            vec!["ready", "--url", "http://127.0.0.1:1/readyz"],
+            "cannot reach http://127.0.0.1:1/readyz",
+        ),
         // Half of a user/password pair (often a variable inherited alone).
         (
             vec!["--user", "u", "status"],

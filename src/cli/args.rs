@@ -133,6 +133,10 @@ pub(crate) enum Command {
     /// replicas on a cluster), consumers, dead letters, live instances,
     /// oldest undelivered wakes.
     Status(super::status::StatusArgs),
+    /// Ask a worker or wake service on this machine whether it is ready
+    /// (its /readyz), for a container health check: exit 0 if it is, 1 if
+    /// not or if it does not answer. Needs no NATS.
+    Ready(super::ops::ReadyArgs),
 }
 
 /// `wakebus init`.

@@ -31,6 +31,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Events(args) => return super::events::run(&global, args).await,
         Command::Replay(args) => return super::replay::run(&global, args).await,
         Command::Status(args) => return super::status::run(&global, args).await,
+        Command::Ready(args) => return super::ops::ready(args).await,
         Command::Dev(args) => {
             wakebus::dev::run(
                 wakebus::dev::DevConfig {

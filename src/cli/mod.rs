@@ -44,6 +44,7 @@ pub(crate) fn main() -> ExitCode {
             | args::Command::Status(_)
             | args::Command::Delegate(_)
             | args::Command::Cancel(_)
+            | args::Command::Ready(_)
     );
     let default_level = if tool { "warn" } else { "info,async_nats=warn" };
     #[cfg_attr(not(feature = "otel"), allow(clippy::let_unit_value))]

@@ -99,6 +99,8 @@ pub fn recorder() -> Result<PrometheusHandle, BuildError> {
         .set_buckets_for_metric(Matcher::Full(TASK_DURATION.to_owned()), DURATION_BUCKETS)?
         .install_recorder()?;
     describe();
+    // At 0 from the start, so that `increase()` sees the first disconnect.
+    metrics::counter!(NATS_DISCONNECTS).increment(0);
     Ok(HANDLE.get_or_init(|| handle).clone())
 }
 

@@ -1,10 +1,12 @@
 //! Running a service in production: Prometheus metrics ([`metrics`]),
-//! health and readiness endpoints ([`http`]), and registration as a NATS
+//! health and readiness endpoints ([`http`]) and a client that asks them
+//! ([`ready`]), and registration as a NATS
 //! micro service ([`service`]) so that `wakebus status` and the standard
 //! `nats micro` tooling can see every live worker and wake instance.
 
 pub mod http;
 pub mod metrics;
+pub mod ready;
 pub mod service;
 
 /// Whether a service has started: set once its setup is done and it takes

@@ -347,7 +347,10 @@ impl SessionApi {
                 // The error names the URL, query (a webhook's secret)
                 // included; the service logged the redacted one at start.
                 return PostResult::Retry {
-                    reason: format!("request failed: {}", error_chain(&error.without_url())),
+                    reason: format!(
+                        "request failed: {}",
+                        crate::http_client::error_chain(&error.without_url())
+                    ),
                     after: None,
                 };
             }
@@ -538,17 +541,6 @@ fn check_url(url: &str, security: &HttpSecurity) -> Result<(), SessionApiError> 
         }),
         _ => Err(bad()),
     }
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]

@@ -78,6 +78,7 @@ pub async fn wakebus(nats_url: &str, prefix: &str, args: &[&str]) -> Run {
             .args(tool_args(nats_url, prefix, args))
             .env_remove("NATS_URL")
             .env_remove("WAKEBUS_PREFIX")
+            .env_remove("WAKEBUS_METRICS_ADDR")
             .stdin(Stdio::null())
             .kill_on_drop(true)
             .output(),
