@@ -129,7 +129,7 @@ impl Bus {
             .when(may_pass)
             .notify(|err, delay| {
                 if too_few_servers(err) {
-                    warn!(error = %err, retry_in = ?delay, "Provisioning failed: fewer JetStream servers are up than the replicas asked for (--replicas, WAKEBUS_REPLICAS); start the missing servers or ask for fewer replicas; will retry.");
+                    warn!(error = %err, retry_in = ?delay, "Provisioning failed: fewer JetStream servers are up than the replicas asked for (--replicas, WAKEBUS_REPLICAS), or their JetStream API or storage is at its limit; start the missing servers or ask for fewer replicas, or see the servers' logs; will retry.");
                 } else {
                     warn!(error = %err, retry_in = ?delay, "Provisioning failed: NATS may not be up yet, or this NATS user may not create what is missing (run `wakebus init` as operator); will retry.");
                 }
@@ -746,9 +746,10 @@ pub(crate) fn is_transient(err: &(impl std::fmt::Display + ?Sized)) -> bool {
 
 /// A stream or bucket asked for more replicas than there are JetStream
 /// servers up to place them on ("no suitable peers for placement", or
-/// "insufficient resources" from older servers): passing once a node
-/// returns, but the usual "not up yet, or not allowed" advice would send
-/// an operator the wrong way.
+/// "insufficient resources" from older servers, which also say so when
+/// their JetStream API is overloaded or a stream's storage does not fit):
+/// passing once a node returns, but the usual "not up yet, or not allowed"
+/// advice would send an operator the wrong way.
 fn too_few_servers(err: &ProvisionError) -> bool {
     let text = err.to_string().to_ascii_lowercase();
     text.contains("insufficient resources") || text.contains("no suitable peers")
