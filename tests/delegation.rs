@@ -1387,16 +1387,10 @@ async fn a_task_sent_again_after_the_duplicate_window_does_not_run_again() {
     wait_until(WAIT, "both tasks done", || settled(2)).await;
     assert_eq!(done_events(&bus).await.len(), 2);
 
-    // Not a wait for a condition: the window is time itself.
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
-    // The delegator sends again only the tasks without a completion:
-    // none here.
-    Delegator::new(bus.clone())
-        .delegate(delegation())
-        .await
-        .unwrap();
     // A publisher that sends the delegation's request again as it was
-    // (its `created_at` kept), and the one without `created_at`.
+    // (its `created_at` kept), and the one without `created_at`, each
+    // until JetStream stores it rather than drop it as a duplicate: past
+    // the window.
     let first = done_events(&bus)
         .await
         .into_iter()
@@ -1405,8 +1399,14 @@ async fn a_task_sent_again_after_the_duplicate_window_does_not_run_again() {
     let mut copy = request("s.again", "once");
     copy.delegation_id = id.clone();
     copy.created_at = first.dispatched_at;
-    publish_until_stored(&bus, &copy).await;
-    publish_until_stored(&bus, &raw).await;
+    publish_until_stored_anew(&bus, &copy).await;
+    publish_until_stored_anew(&bus, &raw).await;
+    // The delegator, past the window too, sends again only the tasks
+    // without a completion: none here.
+    Delegator::new(bus.clone())
+        .delegate(delegation())
+        .await
+        .unwrap();
     // JetStream stored both copies (sequences 3 and 4: nothing from the
     // delegator), and the worker settled them.
     wait_until(WAIT, "both copies settled", || settled(4)).await;

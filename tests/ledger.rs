@@ -178,17 +178,36 @@ async fn session_kept_while_a_delivery_record_is_refused(lock_refused: bool) {
     assert_eq!(api.accepted().len(), 1);
 
     if lock_refused {
-        // Longer than a refresh interval (a third of the TTL), so that one
-        // refresh at least is refused, and short enough for a retry a
-        // second apart to hold the lock again before it expires (the
-        // scenario's length, not a condition).
-        let name = wakebus::protocol::Subjects::bucket_stream(&bus.subjects.session_lock_bucket());
+        // Every write of the session's lock, stored or refused.
+        let lock_bucket = bus.subjects.session_lock_bucket();
+        let token = wakebus::protocol::session_token("s.kept");
+        let mut writes = bus
+            .client
+            .subscribe(format!("$KV.{lock_bucket}.{token}"))
+            .await
+            .unwrap();
+        bus.client.flush().await.unwrap();
+        let name = wakebus::protocol::Subjects::bucket_stream(&lock_bucket);
         let mut stream = bus.js.get_stream(&name).await.unwrap();
         let config = stream.info().await.unwrap().config.clone();
         let mut refusing = config.clone();
         refusing.max_message_size = 16;
         bus.js.update_stream(&refusing).await.unwrap();
-        tokio::time::sleep(settings.session_lock_ttl / 3 + Duration::from_millis(500)).await;
+        // A refused refresh is tried again a second later, not at the next
+        // regular refresh (a third of the TTL, 3 s, later): two writes well
+        // under 3 s apart while the bucket refuses them.
+        tokio::time::timeout(WAIT, async {
+            let mut last: Option<std::time::Instant> = None;
+            while writes.next().await.is_some() {
+                let now = std::time::Instant::now();
+                if last.is_some_and(|last| now - last < Duration::from_millis(2200)) {
+                    return;
+                }
+                last = Some(now);
+            }
+        })
+        .await
+        .expect("a refused lock refresh tried again within 2.2 s");
         bus.js.update_stream(&config).await.unwrap();
     }
     // The refusal (its length is the scenario) lasts three AckWaits.
@@ -324,12 +343,16 @@ async fn a_completion_whose_ledger_entry_is_corrupt_is_held_until_the_entry_is_f
     });
     publish_until_stored(&bus, &request).await;
     completions_waiting_in_wake(&bus, 1).await;
-    // Planned: the wake met the entry (and tries again in 30 s).
+    // Planned: the wake met the entry (and tries again in 30 s). A wake
+    // that posted past it would do so within milliseconds of that read;
+    // nothing is posted in the second after it.
     wait_until(WAIT, "the wake to read the entry", || async {
         reads.load(std::sync::atomic::Ordering::SeqCst) >= 1
     })
     .await;
     counter.abort();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(api.all_posts().is_empty(), "posted past a corrupt entry");
     let info = wake_consumer_info(&bus).await.unwrap();
     assert_eq!(info.num_ack_pending, 1, "the completion is still held");
     let deleted_at = std::time::Instant::now();

@@ -499,6 +499,21 @@ pub async fn events_stream_unanswered(bus: &Bus) -> async_nats::jetstream::strea
 /// always with the same `Nats-Msg-Id`, so a publish whose ack was lost (a
 /// restart, a failover) is stored once.
 pub async fn publish_until_stored(bus: &Bus, request: &wakebus::protocol::TaskRequest) {
+    publish_until(bus, request, true).await;
+}
+
+/// Publishes `request` as [`publish_until_stored`] does until JetStream
+/// stores it as a new message, not as a duplicate of an earlier copy: once
+/// the duplicate window of that copy has passed.
+pub async fn publish_until_stored_anew(bus: &Bus, request: &wakebus::protocol::TaskRequest) {
+    publish_until(bus, request, false).await;
+}
+
+async fn publish_until(
+    bus: &Bus,
+    request: &wakebus::protocol::TaskRequest,
+    duplicate_will_do: bool,
+) {
     let msg_id = format!("{}.{}", request.delegation_id, request.task_index);
     let headers = wakebus::protocol::EventHeaders {
         id: &msg_id,
@@ -522,13 +537,15 @@ pub async fn publish_until_stored(bus: &Bus, request: &wakebus::protocol::TaskRe
             )
             .await;
         if let Ok(ack) = sent
-            && ack.await.is_ok()
+            && let Ok(ack) = ack.await
+            && (duplicate_will_do || !ack.duplicate)
         {
             return;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "request never stored"
+            "request never stored (anew: {})",
+            !duplicate_will_do
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
