@@ -1441,10 +1441,10 @@ fn all_texts(api: &SessionApiServer) -> String {
     api.accepted().iter().map(|post| post.text()).collect()
 }
 
-/// Waits for the turn of batch `id` of three tasks, one of them
-/// unreadable, and checks that it is the only one of the batch and
-/// reports the other two.
-async fn unreadable_batch_woken(api: &SessionApiServer, id: &str, goal: &str) {
+/// Waits for the turn of batch `id` of three tasks, `readable` of them
+/// readable, and checks that it is the only one of the batch and reports
+/// those.
+async fn unreadable_batch_woken(api: &SessionApiServer, id: &str, goal: &str, readable: usize) {
     let header = format!("[ASYNC DELEGATION BATCH COMPLETE — {id}]");
     wait_until(WAIT, "the batch's turn", || async {
         all_texts(api).contains(&header)
@@ -1453,13 +1453,14 @@ async fn unreadable_batch_woken(api: &SessionApiServer, id: &str, goal: &str) {
     let all = all_texts(api);
     assert_eq!(all.matches(&header).count(), 1, "{all}");
     let batch = &all[all.find(&header).unwrap()..];
-    assert!(batch.contains("2 completed, 1 not completed"), "{batch}");
+    let counts = format!("{readable} completed, {} not completed", 3 - readable);
+    assert!(batch.contains(&counts), "{batch}");
     assert_eq!(
         ["0", "1", "2"]
             .iter()
             .filter(|index| batch.contains(&format!("Goal: {goal} {index}")))
             .count(),
-        2,
+        readable,
         "{batch}"
     );
 }
@@ -1504,17 +1505,13 @@ async fn a_batch_member_whose_body_cannot_be_read_still_ends_its_batch() {
     // it also wakes its session on its own.
     let first = wakebus::protocol::new_delegation_id();
     publish_members(&bus, Some("s.first"), &first, 1, "held", 0..3).await;
-    wait_until(WAIT, "the unreadable task's error", || {
-        stored(first.clone(), 1)
+    let alone = format!("[ASYNC DELEGATION COMPLETE — {first}]\nTask: 1\n");
+    wait_until(WAIT, "the unreadable task's own wake", || async {
+        all_texts(&api).contains(&alone)
     })
     .await;
     std::fs::write(&gate, "").unwrap();
-    unreadable_batch_woken(&api, &first, "held").await;
-    assert!(
-        all_texts(&api).contains(&format!("[ASYNC DELEGATION COMPLETE — {first}]\nTask: 1\n")),
-        "{}",
-        all_texts(&api)
-    );
+    unreadable_batch_woken(&api, &first, "held", 2).await;
 
     // Task 0's error last, once the other two have ended: taken into their
     // batch, it ends it, and is not posted on its own.
@@ -1525,13 +1522,44 @@ async fn a_batch_member_whose_body_cannot_be_read_still_ends_its_batch() {
     })
     .await;
     publish_members(&bus, Some("s.last"), &last, 0, "member", [0]).await;
-    unreadable_batch_woken(&api, &last, "member").await;
+    unreadable_batch_woken(&api, &last, "member", 2).await;
     wake_consumer_settled(&bus).await;
     assert!(
         !all_texts(&api).contains(&format!("[ASYNC DELEGATION COMPLETE — {last}]")),
         "{}",
         all_texts(&api)
     );
+    // Replayed, it is known delivered with its batch's turn.
+    let lines = common::cli::wakebus(
+        &nats.url(),
+        bus.subjects.prefix(),
+        &["replay", "wakes", "--delegation", &last],
+    )
+    .await
+    .ok_json();
+    let error = lines
+        .iter()
+        .find(|item| item["task_index"] == 0)
+        .unwrap_or_else(|| panic!("task 0 in {lines:#?}"));
+    assert_eq!(error["action"], "skipped", "{lines:#?}");
+    assert!(
+        error["reason"]
+            .as_str()
+            .is_some_and(|reason| reason.contains("reported in its batch's turn")),
+        "{lines:#?}"
+    );
+
+    // Two unreadable tasks, the last one's error stored once the readable
+    // task has ended: it is taken into the batch by that task's completion,
+    // found past the other unreadable one's.
+    let two = wakebus::protocol::new_delegation_id();
+    publish_members(&bus, Some("s.two"), &two, 0, "two", [0, 1]).await;
+    wait_until(WAIT, "the readable task's completion", || {
+        stored(two.clone(), 1)
+    })
+    .await;
+    publish_members(&bus, Some("s.two"), &two, 2, "two", [2]).await;
+    unreadable_batch_woken(&api, &two, "two", 1).await;
 
     // In sync mode: the same batch, waited for under its id (everything
     // has ended, so nothing is sent again).

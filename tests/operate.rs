@@ -2582,12 +2582,14 @@ async fn a_wake_whose_lock_ttl_is_not_the_buckets_times_its_locks_by_the_bucket_
 /// A woken batch is recorded once, under `<delegation>.batch`, and a
 /// completion that wakes nobody is recorded nowhere: neither may show as an
 /// undelivered wake, which is what an operator reads when a session is stuck.
+/// Nor may the error of a member whose request could not be read, which
+/// the wake may take into its batch: the batch's turn reports it.
 #[tokio::test]
 async fn status_does_not_list_a_woken_batch_or_a_silent_completion_as_undelivered() {
     let p = Pipeline::start().await;
     let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     let goals = ["first", "second"].map(String::from);
-    delegate(&bus, Delegation::batch(goals).session("s.batch.woken")).await;
+    let batch = delegate(&bus, Delegation::batch(goals).session("s.batch.woken")).await;
     wait_until(WAIT, "the batch's one wake", || async {
         api.accepted().len() == 1
     })
@@ -2608,6 +2610,11 @@ async fn status_does_not_list_a_woken_batch_or_a_silent_completion_as_undelivere
         serde_json::json!({}),
     )
     .await;
+    let unreadable = serde_json::json!({
+        "status": "error", "exit_reason": "invalid_request",
+        "task_count": 2, "wake_mode": "independent",
+    });
+    publish_completion(&bus, "s.batch.woken", &batch, 1, unreadable).await;
 
     let (report, sessions) = status_waiting(&nats, &prefix).await;
     assert_eq!(sessions, ["s.waiting"], "{report:#}");

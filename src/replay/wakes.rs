@@ -158,6 +158,21 @@ impl Replayer {
                 "already delivered at {at} (use --force to post it again)"
             )));
         }
+        // The error of an unreadable batch member, which the wake may have
+        // taken into its batch (`wake::stand_in`): reported by that batch's
+        // turn, recorded under the batch's key only.
+        if matches!(entry, Ok(None))
+            && !force
+            && event.is_of_an_unreadable_batch()
+            && let Ok(Some(LedgerState::Delivered { at, .. })) = ledger
+                .get(&WakeLedger::batch_key(&event.delegation_id))
+                .await
+        {
+            let at = crate::history::rfc3339(at);
+            return Ok(item.skipped(format!(
+                "reported in its batch's turn, delivered at {at} (use --force to post it alone)"
+            )));
+        }
         // Forced, any entry is replaced by the forced post's record: a
         // `posting` one (a post the session API refused, or one in doubt)
         // would have the wake send the copy again under the old key, or

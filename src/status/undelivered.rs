@@ -167,6 +167,10 @@ struct Admitted {
     task_count: u32,
     /// Its ledger key (its batch's, for a batch member).
     key: String,
+    /// For the error of an unreadable batch member, which the wake may have
+    /// taken into its batch (`wake::stand_in`): that batch's key, whose
+    /// delivery reports it when its own key has no entry.
+    batch_key: Option<String>,
 }
 
 /// Reads the completions from the floor on (at most `scan_limit`), and
@@ -206,9 +210,17 @@ async fn candidates(
             candidate,
             task_count,
             key,
+            batch_key,
         } in ahead
         {
-            match lookups.state(&key).await? {
+            let mut state = lookups.state(&key).await?;
+            if let (Entry::Read(None), Some(batch_key)) = (&state, &batch_key)
+                && let delivered @ Entry::Read(Some(LedgerState::Delivered { .. })) =
+                    lookups.state(batch_key).await?
+            {
+                state = delivered;
+            }
+            match state {
                 Entry::Read(Some(LedgerState::Delivered { .. })) => continue,
                 Entry::Read(None) if candidate.batch => {
                     let done = lookups
@@ -257,6 +269,9 @@ fn admit(record: &Record, scan: &mut ScanInfo) -> Option<Admitted> {
     Some(Admitted {
         task_count: event.task_count,
         key,
+        batch_key: event
+            .is_of_an_unreadable_batch()
+            .then(|| WakeLedger::batch_key(&event.delegation_id)),
         candidate: Candidate {
             sequence: record.sequence,
             published: record.published,

@@ -73,8 +73,15 @@ impl OriginGate {
         }
         let (gate, router) = (self.clone(), router.clone());
         self.tracker.spawn(async move {
-            if stand_in {
-                super::stand_in::place_in_batch(&gate.shared, &mut pending).await;
+            if stand_in
+                && let Err(error) =
+                    super::stand_in::place_in_batch(&gate.shared, &mut pending).await
+            {
+                warn!(delegation_id = %pending.event.delegation_id, task_index = pending.event.task_index, %error, "Could not tell whether an unreadable request's error completion belongs to a batch; will retry.");
+                Outcome::retry_later(&pending.message)
+                    .apply(&pending.message)
+                    .await;
+                return;
             }
             if !gate.enabled {
                 return router.route(pending);
