@@ -1399,14 +1399,42 @@ async fn a_task_sent_again_after_the_duplicate_window_does_not_run_again() {
     let mut copy = request("s.again", "once");
     copy.delegation_id = id.clone();
     copy.created_at = first.dispatched_at;
+    // Every request published from here on, stored or dropped.
+    let mut sent = bus
+        .client
+        .subscribe(bus.subjects.task("default"))
+        .await
+        .unwrap();
+    bus.client.flush().await.unwrap();
     publish_until_stored_anew(&bus, &copy).await;
     publish_until_stored_anew(&bus, &raw).await;
-    // The delegator, past the window too, sends again only the tasks
-    // without a completion: none here.
+    // The delegator sends again only the tasks without a completion: none
+    // here. Seen by what it publishes, not by what JetStream stores (a
+    // request it sent would be dropped now, as a duplicate of the copy).
     Delegator::new(bus.clone())
         .delegate(delegation())
         .await
         .unwrap();
+    // Whatever this connection published has come back to it once a round
+    // trip returns.
+    bus.client.flush().await.unwrap();
+    let mut sources = Vec::new();
+    while let Ok(Some(message)) =
+        tokio::time::timeout(Duration::from_millis(100), sent.next()).await
+    {
+        let source = message
+            .headers
+            .and_then(|h| h.get("ce-source").map(|v| v.to_string()));
+        sources.push(source.unwrap_or_default());
+    }
+    assert!(
+        sources.iter().filter(|source| *source == "test").count() >= 2,
+        "the copies are seen: {sources:?}"
+    );
+    assert!(
+        sources.iter().all(|source| source == "test"),
+        "the delegator sent a request again: {sources:?}"
+    );
     // JetStream stored both copies (sequences 3 and 4: nothing from the
     // delegator), and the worker settled them.
     wait_until(WAIT, "both copies settled", || settled(4)).await;
