@@ -1587,3 +1587,48 @@ async fn a_batch_member_whose_body_cannot_be_read_still_ends_its_batch() {
     );
     assert_eq!(results[1].exit_reason, "invalid_request");
 }
+
+/// The error of an unreadable member whose own wake may already have been
+/// posted (its ledger entry says `posting`: a wake instance that posted it
+/// alone stopped before recording the answer) is posted again under its
+/// own key, as a post in doubt is, not taken into its batch, whose turn
+/// would report it a second time.
+#[tokio::test]
+async fn an_unreadable_members_error_whose_own_post_is_in_doubt_is_repeated_under_its_key() {
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
+    let id = wakebus::protocol::new_delegation_id();
+    publish_members(&bus, Some("s.doubt"), &id, 1, "member", [0]).await;
+    wait_until(WAIT, "task 0's completion", || async {
+        done_events(&bus)
+            .await
+            .iter()
+            .any(|done| done.delegation_id == id)
+    })
+    .await;
+    let state = bus
+        .provision_wake_state(&wakebus::bus::BusSettings::default())
+        .await
+        .unwrap();
+    let key = format!("{id}.1.done");
+    let in_doubt = wakebus::wake::ledger::LedgerState::Posting {
+        idempotency_key: key.clone(),
+    };
+    state
+        .wake_ledger
+        .put(
+            &format!("{id}.1"),
+            serde_json::to_vec(&in_doubt).unwrap().into(),
+        )
+        .await
+        .unwrap();
+
+    publish_members(&bus, Some("s.doubt"), &id, 1, "member", [1]).await;
+    wait_until(WAIT, "the error posted again under its key", || async {
+        api.accepted()
+            .iter()
+            .any(|post| post.header("Idempotency-Key").as_deref() == Some(key.as_str()))
+    })
+    .await;
+    services.stop().await;
+}

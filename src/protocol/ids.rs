@@ -7,6 +7,11 @@ use sha2::{Digest, Sha256};
 /// It cannot collide with a real session token: those are lowercase hex.
 pub const SYNC_SESSION_TOKEN: &str = "sync";
 
+/// What a worker names a request whose body and headers hold no usable
+/// delegation id (or task index) by: `invalid-<stream sequence>`, task 0 of
+/// a delegation of its own.
+pub const INVALID_ID_PREFIX: &str = "invalid-";
+
 /// Largest accepted origin session id, in bytes.
 ///
 /// Session ids travel in a NATS header and an HTTP header; both have practical

@@ -20,8 +20,8 @@ pub use headers::{
     HEADER_TRACEPARENT, TraceParent, header, header_safe, is_server_directive,
 };
 pub use ids::{
-    IdError, MAX_SESSION_ID_BYTES, SYNC_SESSION_TOKEN, new_delegation_id, session_token,
-    validate_delegation_id, validate_pool, validate_session_id,
+    INVALID_ID_PREFIX, IdError, MAX_SESSION_ID_BYTES, SYNC_SESSION_TOKEN, new_delegation_id,
+    session_token, validate_delegation_id, validate_pool, validate_session_id,
 };
 pub use limits::{
     DEFAULT_MAX_CONTEXT_BYTES, DEFAULT_MAX_GOAL_BYTES, DEFAULT_MAX_REQUEST_BYTES, Limits, TooLarge,

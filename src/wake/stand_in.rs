@@ -16,9 +16,11 @@ use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use tracing::info;
 
 use super::Shared;
-use super::ledger::WakeLedger;
+use super::ledger::{LedgerError, WakeLedger};
 use super::session::Pending;
-use crate::protocol::{CompletionEvent, EventKind, MAX_TASK_COUNT, WakeMode, session_token};
+use crate::protocol::{
+    CompletionEvent, EventKind, INVALID_ID_PREFIX, MAX_TASK_COUNT, WakeMode, session_token,
+};
 
 /// Other tasks whose completions are read at most, from task 0 on: enough
 /// for every batch `wakebus delegate` sends (`--max-batch`, 10 by default)
@@ -35,31 +37,46 @@ const OTHERS_READ: u32 = 16;
 /// be decided again, rather than post it alone while its batch may wait.
 pub(crate) async fn place_in_batch(shared: &Shared, pending: &mut Pending) -> Result<(), String> {
     let event = &pending.event;
-    if !event.is_of_an_unreadable_batch() || pending.is_forced_copy() {
+    // A request with no usable id is written under one of its own, which
+    // has no other tasks.
+    if !event.is_of_an_unreadable_batch()
+        || pending.is_forced_copy()
+        || event.delegation_id.starts_with(INVALID_ID_PREFIX)
+    {
         return Ok(());
     }
     let own = WakeLedger::key(&event.delegation_id, event.task_index);
-    let recorded = shared
-        .ledger
-        .read(&own)
-        .await
-        .map_err(|error| error.to_string())?;
-    if recorded.state.is_some() {
-        return Ok(());
+    match shared.ledger.read(&own).await {
+        Ok(recorded) if recorded.state.is_none() => {}
+        // A post of it alone may be in doubt: repeated under its key. A
+        // corrupt entry is the single path's to report (an ERROR, the
+        // completion held).
+        Ok(_) | Err(LedgerError::Corrupt { .. }) => return Ok(()),
+        Err(error) => return Err(error.to_string()),
     }
     let token = session_token(&pending.session);
-    let others = (0..=OTHERS_READ).filter(|&index| index != event.task_index);
-    for other in others.take(OTHERS_READ as usize) {
+    let others: Vec<u32> = (0..=OTHERS_READ)
+        .filter(|&index| index != event.task_index)
+        .take(OTHERS_READ as usize)
+        .collect();
+    // Read at once, taken in index order: the same decision whatever
+    // answers first.
+    let reads = others.iter().map(|&other| {
         let subject =
             shared
                 .bus
                 .subjects
                 .event(&token, &event.delegation_id, other, EventKind::Done);
-        let stored = match shared
-            .events
-            .get_last_raw_message_by_subject(&subject)
-            .await
-        {
+        async move {
+            shared
+                .events
+                .get_last_raw_message_by_subject(&subject)
+                .await
+        }
+    });
+    let stored = futures::future::join_all(reads).await;
+    for (&other, stored) in others.iter().zip(stored) {
+        let stored = match stored {
             Ok(stored) => stored,
             Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => continue,
             Err(error) => return Err(error.to_string()),

@@ -35,8 +35,8 @@ use crate::cancel::CancelRecord;
 use crate::ops::metrics as m;
 use crate::outcome::{Outcome, keep_alive};
 use crate::protocol::{
-    CompletionEvent, EventKind, HEADER_TRACEPARENT, StartedEvent, Status, TaskRequest, TraceParent,
-    header,
+    CompletionEvent, EventKind, HEADER_TRACEPARENT, INVALID_ID_PREFIX, StartedEvent, Status,
+    TaskRequest, TraceParent, header,
 };
 
 /// Everything needed to run one task; shared by all of a worker's tasks.
@@ -699,7 +699,7 @@ impl TaskHandler {
         let delegation_id = rejected
             .delegation_id
             .clone()
-            .unwrap_or_else(|| format!("invalid-{seq}"));
+            .unwrap_or_else(|| format!("{INVALID_ID_PREFIX}{seq}"));
         warn!(
             delegation_id = %delegation_id,
             stream_sequence = seq,
@@ -770,7 +770,7 @@ fn stand_in(delegation_id: String, seq: u64, rejected: &Rejected) -> (TaskReques
             // The reason says what is wrong with the id.
             None => format!("task_index {index}: {}", rejected.reason),
         };
-        (format!("invalid-{seq}"), reason)
+        (format!("{INVALID_ID_PREFIX}{seq}"), reason)
     };
     let mut stand_in = TaskRequest::new(id, String::new());
     stand_in
