@@ -160,18 +160,22 @@ impl Replayer {
         }
         // The error of an unreadable batch member, which the wake may have
         // taken into its batch (`wake::stand_in`): reported by that batch's
-        // turn, recorded under the batch's key only.
+        // turn, recorded under the batch's key only. Forced too, it is left
+        // to that turn (forcing a member of the batch posts it again), not
+        // posted a second time on its own.
         if matches!(entry, Ok(None))
-            && !force
             && event.is_of_an_unreadable_batch()
-            && let Ok(Some(LedgerState::Delivered { at, .. })) = ledger
+            && let Ok(Some(state)) = ledger
                 .get(&WakeLedger::batch_key(&event.delegation_id))
                 .await
         {
-            let at = crate::history::rfc3339(at);
-            return Ok(item.skipped(format!(
-                "reported in its batch's turn, delivered at {at} (use --force to post it alone)"
-            )));
+            return Ok(item.skipped(match state {
+                LedgerState::Delivered { at, .. } => format!(
+                    "reported in its batch's turn, delivered at {} (forcing a member of the batch posts that turn again)",
+                    crate::history::rfc3339(at)
+                ),
+                LedgerState::Posting { .. } => "reported in its batch's turn, which is being posted (forcing a member of the batch posts that turn again)".to_owned(),
+            }));
         }
         // Forced, any entry is replaced by the forced post's record: a
         // `posting` one (a post the session API refused, or one in doubt)
