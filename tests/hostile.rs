@@ -1182,15 +1182,7 @@ async fn a_sweep_removes_only_unreadable_messages_of_its_own_consumer() {
     publish("a").await.unwrap().await.unwrap();
     // Pool a's first request acked, its second delivered and unacked: the
     // sweep's range is pool b's message and pool a's second.
-    // A batch, not a fetch: a fetch answers at once, and may come before
-    // the consumer counts the message just stored.
-    let mut delivered = consumer
-        .batch()
-        .max_messages(2)
-        .expires(WAIT)
-        .messages()
-        .await
-        .unwrap();
+    let mut delivered = two_delivered(&consumer).await;
     let first = delivered.next().await.unwrap().unwrap();
     first.ack().await.unwrap();
     let second = delivered.next().await.unwrap().unwrap();
@@ -1346,15 +1338,7 @@ async fn a_sweep_that_may_not_read_messages_names_the_range_to_inspect() {
             .unwrap();
     }
     // The first acked, the second delivered and left unacknowledged.
-    // A batch, not a fetch: a fetch answers at once, and may come before
-    // the consumer counts the message just stored.
-    let mut delivered = consumer
-        .batch()
-        .max_messages(2)
-        .expires(WAIT)
-        .messages()
-        .await
-        .unwrap();
+    let mut delivered = two_delivered(&consumer).await;
     delivered
         .next()
         .await
@@ -1390,6 +1374,23 @@ async fn a_sweep_that_may_not_read_messages_names_the_range_to_inspect() {
         said.contains(&format!("nats stream rmm {tasks} <SEQ>")),
         "{said}"
     );
+}
+
+/// The next two messages of `consumer`, as they come: a batch, not a
+/// fetch, which answers at once and may come before the consumer counts a
+/// message just stored.
+async fn two_delivered(
+    consumer: &async_nats::jetstream::consumer::Consumer<
+        async_nats::jetstream::consumer::pull::Config,
+    >,
+) -> async_nats::jetstream::consumer::pull::Batch {
+    consumer
+        .batch()
+        .max_messages(2)
+        .expires(WAIT)
+        .messages()
+        .await
+        .unwrap()
 }
 
 /// Publishes task `index` of a batch of three of delegation `id` as a
@@ -1478,16 +1479,12 @@ async fn a_batch_member_whose_body_cannot_be_read_still_ends_its_batch() {
     let nats = NatsServer::start().await;
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
+    // Tasks whose goal says `first` end once the test opens that gate.
     let gates = tempfile::tempdir().unwrap();
-    let gate = gates.path().join("open");
     let mut services = Services::new();
-    // Tasks whose goal says `held` end once the test opens the gate.
     services.worker(
         &bus,
-        shell(&format!(
-            r#"input=$(cat); case "$input" in *held*) while [ ! -e {} ]; do sleep 0.05; done;; esac; echo ran"#,
-            gate.display()
-        )),
+        shell(&gated_script(gates.path())),
         test_worker_config("default"),
     );
     services.wake(&bus, test_wake_config(&api.url()));
@@ -1504,14 +1501,14 @@ async fn a_batch_member_whose_body_cannot_be_read_still_ends_its_batch() {
     // The unreadable task's error first, its siblings' completions after:
     // it also wakes its session on its own.
     let first = wakebus::protocol::new_delegation_id();
-    publish_members(&bus, Some("s.first"), &first, 1, "held", 0..3).await;
+    publish_members(&bus, Some("s.first"), &first, 1, "first", 0..3).await;
     let alone = format!("[ASYNC DELEGATION COMPLETE — {first}]\nTask: 1\n");
     wait_until(WAIT, "the unreadable task's own wake", || async {
         all_texts(&api).contains(&alone)
     })
     .await;
-    std::fs::write(&gate, "").unwrap();
-    unreadable_batch_woken(&api, &first, "held", 2).await;
+    std::fs::write(gates.path().join("first"), "").unwrap();
+    unreadable_batch_woken(&api, &first, "first", 2).await;
 
     // Task 0's error last, once the other two have ended: taken into their
     // batch, it ends it, and is not posted on its own.
