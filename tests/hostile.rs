@@ -1526,24 +1526,38 @@ async fn a_batch_member_whose_body_cannot_be_read_still_ends_its_batch() {
         "{}",
         all_texts(&api)
     );
-    // Replayed, it is known delivered with its batch's turn.
-    let lines = common::cli::wakebus(
-        &nats.url(),
-        bus.subjects.prefix(),
-        &["replay", "wakes", "--delegation", &last],
-    )
-    .await
-    .ok_json();
-    let error = lines
-        .iter()
-        .find(|item| item["task_index"] == 0)
-        .unwrap_or_else(|| panic!("task 0 in {lines:#?}"));
-    assert_eq!(error["action"], "skipped", "{lines:#?}");
+    // Replayed, it is known delivered with its batch's turn; forced, it is
+    // left to that turn, which a member of the batch posts again.
+    for force in [false, true] {
+        let mut args = vec!["replay", "wakes", "--delegation", &last];
+        if force {
+            args.push("--force");
+        }
+        let lines = common::cli::wakebus(&nats.url(), bus.subjects.prefix(), &args)
+            .await
+            .ok_json();
+        let error = lines
+            .iter()
+            .find(|item| item["task_index"] == 0)
+            .unwrap_or_else(|| panic!("task 0 in {lines:#?}"));
+        assert_eq!(error["action"], "skipped", "{lines:#?}");
+        assert!(
+            error["reason"]
+                .as_str()
+                .is_some_and(|reason| reason.contains("reported in its batch's turn")),
+            "{lines:#?}"
+        );
+    }
+    let header = format!("[ASYNC DELEGATION BATCH COMPLETE — {last}]");
+    wait_until(WAIT, "the batch's turn posted again", || async {
+        all_texts(&api).matches(&header).count() == 2
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
     assert!(
-        error["reason"]
-            .as_str()
-            .is_some_and(|reason| reason.contains("reported in its batch's turn")),
-        "{lines:#?}"
+        !all_texts(&api).contains(&format!("[ASYNC DELEGATION COMPLETE — {last}]")),
+        "the error posted alone: {}",
+        all_texts(&api)
     );
 
     // Two unreadable tasks, the last one's error stored once the readable
