@@ -5,6 +5,11 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
+use crate::http_client::Unread;
+
+/// The most of an answer kept: `/readyz` says one line.
+const MAX_ANSWER_BYTES: usize = 4096;
+
 /// Why a service did not say it was ready.
 #[derive(Debug, thiserror::Error)]
 pub enum ReadyError {
@@ -60,13 +65,13 @@ pub async fn ask(url: &str, timeout: Duration) -> Result<String, ReadyError> {
         .await
         .map_err(|error| unreachable(without_url(error)))?;
     let status = answer.status();
-    // A few lines at most (`ready`, or `not ready: <reason>`).
-    let body = answer
-        .text()
-        .await
-        .map_err(|error| unreachable(without_url(error)))?
-        .trim()
-        .to_owned();
+    // A line (`ready`, or `not ready: <reason>`); whatever else answers
+    // there is cut, not held whole.
+    let body = match crate::http_client::read_at_most(answer, MAX_ANSWER_BYTES).await {
+        Ok(body) | Err(Unread::TooLarge(body)) => body,
+        Err(Unread::BrokeOff(error)) => return Err(unreachable(without_url(error))),
+    };
+    let body = String::from_utf8_lossy(&body).trim().to_owned();
     if status.is_success() {
         Ok(body)
     } else {
