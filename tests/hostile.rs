@@ -1643,3 +1643,226 @@ async fn an_unreadable_members_error_whose_own_post_is_in_doubt_is_repeated_unde
     .await;
     services.stop().await;
 }
+
+/// Waits until both readable tasks (1 and 2) of batch `id` have ended and
+/// the wake has settled their completions: the batch then waits for task 0
+/// alone, whose error, stored after, must be taken into it.
+async fn others_ended(bus: &Bus, id: &str) {
+    let events = bus.subjects.events_stream();
+    let stored = || async {
+        all_messages(bus, &events)
+            .await
+            .into_iter()
+            .filter(|m| m.subject.ends_with(".done") && m.subject.contains(id))
+            .map(|m| m.sequence)
+            .collect::<Vec<u64>>()
+    };
+    wait_until(WAIT, "tasks 1 and 2's completions", || async {
+        stored().await.len() == 2
+    })
+    .await;
+    let last = stored().await.into_iter().max().unwrap_or_default();
+    wait_until(WAIT, "the wake to ack both", || async {
+        wake_consumer_info(bus)
+            .await
+            .is_some_and(|info| info.ack_floor.stream_sequence >= last && info.num_ack_pending == 0)
+    })
+    .await;
+}
+
+/// Checks that the error of task 0 of batch `id` was not posted on its own.
+fn not_posted_alone(api: &SessionApiServer, id: &str) {
+    let all = all_texts(api);
+    assert!(
+        !all.contains(&format!("[ASYNC DELEGATION COMPLETE — {id}]")),
+        "the error posted alone: {all}"
+    );
+}
+
+/// A wake that cannot read the other tasks' completions (a permission
+/// missing, a stream between leaders) cannot tell whether an unreadable
+/// member's error belongs to a batch: it hands the error back and asks
+/// again, rather than post it alone while its batch waits for it; once the
+/// reads work, the error ends its batch.
+#[tokio::test]
+async fn an_unreadable_members_error_is_asked_about_again_while_its_batch_cannot_be_read() {
+    init_logs();
+    let prefix = unique_prefix();
+    let subjects = || wakebus::protocol::Subjects::new(&prefix).unwrap();
+    let id = wakebus::protocol::new_delegation_id();
+    let events = subjects().events_stream();
+    let server =
+        common::nats::LimitedUserServer::start(&common::nats::message_reads_of(&events)).await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&server.nats.url(), &prefix).await;
+    // Tasks 1 and 2 end under a wake of its own connection, closed once
+    // it stops, so that no pull request of its outlives it.
+    let first = wakebus::bus::Bus::new(
+        wakebus::connect::NatsConfig::new(server.nats.url())
+            .connect()
+            .await
+            .unwrap(),
+        subjects(),
+    );
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&first, test_wake_config(&api.url()));
+    publish_members(&bus, Some("s.unread"), &id, 0, "member", 1..3).await;
+    others_ended(&bus, &id).await;
+    services.stop().await;
+    first.client.drain().await.unwrap();
+
+    // Task 0's error reaches a wake that may not read the events stream's
+    // messages: it is handed back (a NAK, as the server receives it).
+    let mut acks = bus
+        .client
+        .subscribe(format!("$JS.ACK.{events}.wake.>"))
+        .await
+        .unwrap();
+    bus.client.flush().await.unwrap();
+    let limited = Bus::new(server.limited_config().connect().await.unwrap(), subjects());
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&limited, test_wake_config(&api.url()));
+    publish_members(&bus, Some("s.unread"), &id, 0, "member", [0]).await;
+    tokio::time::timeout(WAIT, async {
+        while let Some(ack) = acks.next().await {
+            if ack.payload.starts_with(b"-NAK") {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("the error handed back within 30 s");
+    services.stop().await;
+    assert!(
+        api.all_posts().is_empty(),
+        "posted while its batch could not be read: {}",
+        all_texts(&api)
+    );
+
+    // Readable again: it ends its batch.
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    unreadable_batch_woken(&api, &id, "member", 2).await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    not_posted_alone(&api, &id);
+}
+
+/// An unreadable member's error whose own ledger entry is corrupt (edited
+/// by hand) cannot tell whether a post of it alone was made: it is held,
+/// not posted past the entry, and once an operator deletes the entry it
+/// ends its batch, whose other tasks had ended before it (posted alone
+/// then, the batch would never be woken).
+#[tokio::test]
+async fn an_unreadable_members_error_behind_a_corrupt_entry_of_its_own_ends_its_batch_once_the_entry_is_deleted()
+ {
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
+    let id = wakebus::protocol::new_delegation_id();
+    publish_members(&bus, Some("s.corrupt"), &id, 0, "member", 1..3).await;
+    others_ended(&bus, &id).await;
+    let state = bus
+        .provision_wake_state(&wakebus::bus::BusSettings::default())
+        .await
+        .unwrap();
+    let key = wakebus::wake::ledger::WakeLedger::key(&id, 0);
+    state
+        .wake_ledger
+        .put(&key, "not ledger json".into())
+        .await
+        .unwrap();
+
+    publish_members(&bus, Some("s.corrupt"), &id, 0, "member", [0]).await;
+    wait_until(WAIT, "the error held and asked about again", || async {
+        wake_consumer_info(&bus)
+            .await
+            .is_some_and(|info| info.num_redelivered > 0)
+    })
+    .await;
+    assert!(
+        api.all_posts().is_empty(),
+        "posted past a corrupt entry: {}",
+        all_texts(&api)
+    );
+    state.wake_ledger.delete(&key).await.unwrap();
+    unreadable_batch_woken(&api, &id, "member", 2).await;
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    not_posted_alone(&api, &id);
+}
+
+/// The error of an unreadable member, delivered with its batch's turn, is
+/// not posted again on its own by a forced copy: one carrying a forced
+/// replay header that no replay recorded (a publisher's own, a `replay
+/// copy` of a forced copy) makes no second turn, as for any completion; and
+/// a forced replay that cannot read the batch's ledger entry, so cannot
+/// tell whether the batch's turn reported the error, leaves it for a later
+/// run.
+#[tokio::test]
+async fn an_unreadable_members_error_delivered_with_its_batch_is_not_forced_out_on_its_own() {
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
+    let id = wakebus::protocol::new_delegation_id();
+    publish_members(&bus, Some("s.forced"), &id, 0, "member", 1..3).await;
+    others_ended(&bus, &id).await;
+    publish_members(&bus, Some("s.forced"), &id, 0, "member", [0]).await;
+    unreadable_batch_woken(&api, &id, "member", 2).await;
+    wake_consumer_settled(&bus).await;
+
+    let error = all_messages(&bus, &bus.subjects.events_stream())
+        .await
+        .into_iter()
+        .find(|m| m.subject.ends_with(&format!(".{id}.0.done")))
+        .expect("the error completion");
+    let mut forced = error.clone();
+    let replay = ulid::Ulid::new().to_string();
+    forced
+        .headers
+        .insert("Wakebus-Forced-Replay", replay.as_str());
+    publish_copy_again(&bus, &forced, "a-forced-header").await;
+    wake_consumer_settled(&bus).await;
+
+    let state = bus
+        .provision_wake_state(&wakebus::bus::BusSettings::default())
+        .await
+        .unwrap();
+    let batch = wakebus::wake::ledger::WakeLedger::batch_key(&id);
+    state
+        .wake_ledger
+        .put(&batch, "not ledger json".into())
+        .await
+        .unwrap();
+    let args = [
+        "replay",
+        "wakes",
+        "--delegation",
+        &id,
+        "--status",
+        "error",
+        "--force",
+    ];
+    let run = common::cli::wakebus(&p.nats.url(), &p.prefix, &args).await;
+    assert_eq!(run.code(), Some(3), "{}", run.stderr());
+    let lines = run.json_lines();
+    let error = lines
+        .iter()
+        .find(|item| item["task_index"] == 0)
+        .unwrap_or_else(|| panic!("task 0 in {lines:#?}"));
+    assert_eq!(error["action"], "skipped", "{lines:#?}");
+    assert!(
+        error["reason"].as_str().is_some_and(
+            |reason| reason.contains("cannot tell whether it was reported in its batch's turn")
+        ),
+        "{lines:#?}"
+    );
+    wake_consumer_settled(&bus).await;
+    services.stop().await;
+    let keys: Vec<String> = api
+        .all_posts()
+        .iter()
+        .filter_map(|post| post.header("Idempotency-Key"))
+        .collect();
+    assert_eq!(keys, [format!("{id}.batch")], "{}", all_texts(&api));
+}

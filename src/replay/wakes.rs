@@ -162,20 +162,30 @@ impl Replayer {
         // taken into its batch (`wake::stand_in`): reported by that batch's
         // turn, recorded under the batch's key only. Forced too, it is left
         // to that turn (forcing a member of the batch posts it again), not
-        // posted a second time on its own.
-        if matches!(entry, Ok(None))
-            && event.is_of_an_unreadable_batch()
-            && let Ok(Some(state)) = ledger
+        // posted a second time on its own; and when that cannot be told,
+        // it is left for a later run.
+        if !matches!(entry, Ok(Some(_))) && event.is_of_an_unreadable_batch() {
+            match ledger
                 .get(&WakeLedger::batch_key(&event.delegation_id))
                 .await
-        {
-            return Ok(item.skipped(match state {
-                LedgerState::Delivered { at, .. } => format!(
-                    "reported in its batch's turn, delivered at {} (forcing a member of the batch posts that turn again)",
-                    crate::history::rfc3339(at)
-                ),
-                LedgerState::Posting { .. } => "reported in its batch's turn, which is being posted (forcing a member of the batch posts that turn again)".to_owned(),
-            }));
+            {
+                Ok(None) => {}
+                Ok(Some(state)) => {
+                    return Ok(item.skipped(match state {
+                        LedgerState::Delivered { at, .. } => format!(
+                            "reported in its batch's turn, delivered at {} (forcing a member of the batch posts that turn again)",
+                            crate::history::rfc3339(at)
+                        ),
+                        LedgerState::Posting { .. } => "reported in its batch's turn, which is being posted (forcing a member of the batch posts that turn again)".to_owned(),
+                    }));
+                }
+                Err(error) => {
+                    self.seen.remove(&seen);
+                    return Ok(item.unchecked(format!(
+                        "cannot tell whether it was reported in its batch's turn ({error}); run the replay again once the ledger can be read (a leader election passes by itself; a refused read or a corrupt entry needs an operator)"
+                    )));
+                }
+            }
         }
         // Forced, any entry is replaced by the forced post's record: a
         // `posting` one (a post the session API refused, or one in doubt)

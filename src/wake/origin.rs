@@ -19,10 +19,11 @@ use std::sync::{Arc, Mutex};
 
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use tokio_util::task::TaskTracker;
-use tracing::warn;
+use tracing::{error, warn};
 
 use super::Shared;
 use super::session::{Pending, Router};
+use super::stand_in::PlacementError;
 use crate::outcome::Outcome;
 use crate::protocol::{EventKind, SubmittedRecord, bounded, session_token};
 
@@ -77,7 +78,15 @@ impl OriginGate {
                 && let Err(error) =
                     super::stand_in::place_in_batch(&gate.shared, &mut pending).await
             {
-                warn!(delegation_id = %pending.event.delegation_id, task_index = pending.event.task_index, %error, "Could not tell whether an unreadable request's error completion belongs to a batch; will retry.");
+                let (id, index) = (&pending.event.delegation_id, pending.event.task_index);
+                match error {
+                    PlacementError::CorruptEntry(error) => {
+                        error!(delegation_id = %id, task_index = index, %error, "An unreadable request's error completion is held until an operator fixes or deletes its wake ledger entry (docs/GUARANTEES.md, \"wake ledger entry that is not ledger JSON\"); will retry.");
+                    }
+                    PlacementError::Read(error) => {
+                        warn!(delegation_id = %id, task_index = index, %error, "Could not tell whether an unreadable request's error completion belongs to a batch; will retry.");
+                    }
+                }
                 Outcome::retry_later(&pending.message)
                     .apply(&pending.message)
                     .await;

@@ -27,32 +27,53 @@ use crate::protocol::{
 /// and for many unreadable members in a larger one.
 const OTHERS_READ: u32 = 16;
 
+/// Why an unreadable member's error could not be placed yet. Either way the
+/// caller hands the completion back, to be decided again, rather than post
+/// it alone while its batch may wait for it.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum PlacementError {
+    /// Its own ledger entry is not ledger JSON (edited by hand, or written
+    /// by a newer wakebus): whether a post of it alone was made cannot be
+    /// told, so it is held until an operator fixes or deletes the entry.
+    /// Sent down the single path instead, it would be posted alone once the
+    /// entry was deleted, and its batch, whose other tasks had ended, never
+    /// woken.
+    #[error(transparent)]
+    CorruptEntry(LedgerError),
+    /// Its ledger entry or another task's completion could not be read.
+    #[error("{0}")]
+    Read(String),
+}
+
 /// Makes `pending`, if it is an unreadable member's `error` completion, a
 /// member of its delegation's batch, as another task's stored completion
 /// describes it. Left as it is when no other task has a batch completion
-/// yet (the batch's last task then finds this one), when a post of it alone
-/// may already have been made (its own ledger entry exists: it is repeated
-/// under its own key), or for a forced replay copy (posted alone, as asked).
-/// An error is a read that failed: the caller hands the completion back, to
-/// be decided again, rather than post it alone while its batch may wait.
-pub(crate) async fn place_in_batch(shared: &Shared, pending: &mut Pending) -> Result<(), String> {
+/// yet (the batch's last task then finds this one), or when a post of it
+/// alone may already have been made (its own ledger entry exists: it is
+/// repeated under its own key). A forced replay copy is placed like any
+/// copy: `replay wakes --force` records its key under the error's own entry
+/// before publishing it, so it goes alone by that entry, and a forced
+/// header that no replay recorded makes no second turn (taken out of its
+/// delivered batch, it would be posted alone under the header's key).
+pub(crate) async fn place_in_batch(
+    shared: &Shared,
+    pending: &mut Pending,
+) -> Result<(), PlacementError> {
     let event = &pending.event;
     // A request with no usable id is written under one of its own, which
     // has no other tasks.
-    if !event.is_of_an_unreadable_batch()
-        || pending.is_forced_copy()
-        || event.delegation_id.starts_with(INVALID_ID_PREFIX)
-    {
+    if !event.is_of_an_unreadable_batch() || event.delegation_id.starts_with(INVALID_ID_PREFIX) {
         return Ok(());
     }
     let own = WakeLedger::key(&event.delegation_id, event.task_index);
     match shared.ledger.read(&own).await {
         Ok(recorded) if recorded.state.is_none() => {}
-        // A post of it alone may be in doubt: repeated under its key. A
-        // corrupt entry is the single path's to report (an ERROR, the
-        // completion held).
-        Ok(_) | Err(LedgerError::Corrupt { .. }) => return Ok(()),
-        Err(error) => return Err(error.to_string()),
+        // A post of it alone may be in doubt: repeated under its key.
+        Ok(_) => return Ok(()),
+        Err(error @ LedgerError::Corrupt { .. }) => {
+            return Err(PlacementError::CorruptEntry(error));
+        }
+        Err(error) => return Err(PlacementError::Read(error.to_string())),
     }
     let token = session_token(&pending.session);
     let others: Vec<u32> = (0..=OTHERS_READ)
@@ -79,7 +100,7 @@ pub(crate) async fn place_in_batch(shared: &Shared, pending: &mut Pending) -> Re
         let stored = match stored {
             Ok(stored) => stored,
             Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => continue,
-            Err(error) => return Err(error.to_string()),
+            Err(error) => return Err(PlacementError::Read(error.to_string())),
         };
         let Ok(batch) = CompletionEvent::decode(&stored.payload) else {
             continue;

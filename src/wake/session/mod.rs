@@ -149,11 +149,6 @@ impl Pending {
         crate::replay::forced_idempotency_key(base, self.message.headers.as_ref())
     }
 
-    /// Whether this is a `replay wakes --force` copy.
-    pub(crate) fn is_forced_copy(&self) -> bool {
-        self.forced_key("").is_some()
-    }
-
     /// The `Idempotency-Key` its wake carries unless forced: the
     /// completion's id.
     fn base_key(&self) -> String {
