@@ -774,6 +774,91 @@ async fn replay_with_force_of_a_refused_wake_posts_it_under_the_key_it_prints() 
     assert_eq!(api.accepted()[0].header("idempotency-key"), Some(key));
 }
 
+/// A turn refused (a 404), replayed once the API was fixed, then given up
+/// after 409s may have been delivered under its key. A forced replay of
+/// the wake dead letters leaves alone every dead letter of that
+/// completion, not only the 409 one: it would meet the 404's first and
+/// force it into a second turn. Another completion, only refused, is
+/// forced as asked.
+#[tokio::test]
+async fn a_forced_dead_letter_replay_leaves_alone_a_completion_later_given_up_after_409s() {
+    let p = Pipeline::start().await;
+    let (nats, api, prefix, bus, services) = (p.nats, p.api, p.prefix, p.bus, p.services);
+    api.fail_always(404);
+    let given_up = delegate(&bus, Delegation::new("refused, then 409s").session("s.409")).await;
+    let refused = delegate(&bus, Delegation::new("only refused").session("s.404")).await;
+    let dlq = bus.subjects.dead_letter_stream();
+    wait_until(WAIT, "both wake dead letters", || async {
+        all_messages(&bus, &dlq).await.len() == 2
+    })
+    .await;
+    services.stop().await;
+    // The give-up after 409s of the first one's replayed copy, as the wake
+    // records it.
+    let first = all_messages(&bus, &dlq)
+        .await
+        .into_iter()
+        .find(|m| {
+            wakebus::protocol::CompletionEvent::decode(&m.payload)
+                .is_ok_and(|event| event.delegation_id == given_up)
+        })
+        .expect("the first dead letter");
+    let mut headers = first.headers.clone();
+    headers.insert(
+        "Wakebus-Dead-Letter-Reason",
+        format!(
+            "{}; replay without --force",
+            wakebus::wake::CONFLICT_REFUSAL
+        )
+        .as_str(),
+    );
+    headers.insert(
+        "Nats-Msg-Id",
+        format!("dlq.wake.{given_up}.0.done.99").as_str(),
+    );
+    bus.js
+        .publish_with_headers(first.subject.to_string(), headers, first.payload.clone())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let forced = |extra: Vec<String>| {
+        let (url, prefix) = (nats.url(), prefix.clone());
+        async move {
+            let mut args = vec!["replay", "wakes", "--dead-letters", "--force", "--dry-run"];
+            args.extend(extra.iter().map(String::as_str));
+            wakebus(&url, &prefix, &args).await.ok_json()
+        }
+    };
+    // The whole selection; and up to the first dead letter only, the
+    // give-up stored after it still read.
+    let to_first = vec!["--to-seq".to_owned(), first.sequence.to_string()];
+    for (whole, lines) in [
+        (true, forced(Vec::new()).await),
+        (false, forced(to_first).await),
+    ] {
+        let action_of = |id: &str| {
+            lines
+                .iter()
+                .find(|line| line["delegation_id"] == id)
+                .cloned()
+        };
+        let left = action_of(&given_up).unwrap_or_else(|| panic!("{lines:#?}"));
+        assert_eq!(left["action"], "skipped", "{lines:#?}");
+        assert!(
+            left["reason"]
+                .as_str()
+                .is_some_and(|reason| reason.contains("replay it without --force")),
+            "{lines:#?}"
+        );
+        if whole {
+            let other = action_of(&refused).unwrap_or_else(|| panic!("{lines:#?}"));
+            assert_eq!(other["action"], "would_replay", "{lines:#?}");
+        }
+    }
+}
+
 /// A worker of the default pool that cannot start its program and gives
 /// every task up at once, dead-lettering it.
 fn broken_worker(bus: &wakebus::bus::Bus) -> Services {

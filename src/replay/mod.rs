@@ -39,7 +39,9 @@
 //!   downstream consumer or reproduce an incident in a test deployment).
 //!
 //! A replay stops between two records when cancelled (Ctrl-C), never in the
-//! middle of one.
+//! middle of one. A forced replay of wake dead letters reads them twice:
+//! first for the completions given up after 409s, whose every dead letter
+//! it then leaves alone.
 //!
 //! `mod.rs` (this file) holds the plan, the items and summary, the copy and
 //! the loop ([`run`]); `wakes.rs` re-drives wakes, `tasks.rs` re-queues
@@ -378,6 +380,12 @@ pub struct Replayer {
     /// own and must not stand in for it), tasks by delegation id and task
     /// index (a task given up twice has two dead letters, and runs once).
     seen: Handled,
+    /// Completions a wake dead letter says were given up after 409s (their
+    /// turn may have been delivered under its key), by the same key as
+    /// `seen`: read before a forced run over the wake dead letters
+    /// ([`Replayer::note_conflicts`]), so that it forces no other dead
+    /// letter of theirs either.
+    conflicted: Handled,
     /// The size limits a re-queued request must meet: the workers'.
     limits: crate::protocol::Limits,
 }
@@ -424,6 +432,7 @@ impl Replayer {
             kept,
             cancels,
             seen: Handled::default(),
+            conflicted: Handled::default(),
             limits: crate::protocol::Limits::default(),
         })
     }
@@ -660,6 +669,11 @@ impl Handled {
         self.0.insert(key)
     }
 
+    /// Whether `key` is in.
+    fn contains(&self, key: &HandledKey) -> bool {
+        self.0.contains(key)
+    }
+
     /// Lets `key` be handled again (what decided it could not be read).
     fn remove(&mut self, key: &HandledKey) {
         self.0.remove(key);
@@ -774,6 +788,21 @@ pub async fn run(
     cancel: CancellationToken,
     mut progress: impl FnMut(Progress<'_>),
 ) -> Result<Summary, ReplayFailed> {
+    match replayer.note_conflicts(&cancel).await {
+        Ok(true) => {}
+        Ok(false) => {
+            return Ok(Summary {
+                interrupted: true,
+                ..Summary::default()
+            });
+        }
+        Err(error) => {
+            return Err(ReplayFailed {
+                summary: Summary::default(),
+                error,
+            });
+        }
+    }
     let mut reader = match replayer.open().await {
         Ok(reader) => reader,
         Err(error) => {

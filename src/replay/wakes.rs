@@ -30,7 +30,76 @@ pub fn is_forced_key_of(base: &str, key: &str) -> bool {
         .is_some_and(|id| ulid::Ulid::from_string(id).is_ok())
 }
 
+/// The ledger key of `event`'s wake (its batch's for a batch member), and
+/// whether it is a batch's.
+fn wake_key(event: &CompletionEvent) -> (String, bool) {
+    // A batch wakes once for all its tasks: one copy of any member makes
+    // the wake service post the consolidated turn again.
+    if event.task_count > 1 && event.wake_mode == WakeMode::Batch {
+        (WakeLedger::batch_key(&event.delegation_id), true)
+    } else {
+        (
+            WakeLedger::key(&event.delegation_id, event.task_index),
+            false,
+        )
+    }
+}
+
+/// Whether `record` is a wake dead letter of a turn given up after 409s.
+fn given_up_after_conflicts(record: &Record) -> bool {
+    record
+        .dead_letter_reason()
+        .is_some_and(|reason| reason.starts_with(crate::wake::CONFLICT_REFUSAL))
+}
+
 impl Replayer {
+    /// Before a forced run over the wake dead letters, notes the
+    /// completions that one of them says were given up after 409s: such a
+    /// turn may have been delivered under its key, so no dead letter of
+    /// that completion is forced, an earlier one included (refused with a
+    /// 404, replayed plainly once the API was fixed, then given up after
+    /// 409s: forcing the 404's dead letter would make a second turn). Read
+    /// from the selection's start to the stream's end, as the 409s may have
+    /// come after the selection. Returns false if cancelled meanwhile.
+    pub(super) async fn note_conflicts(
+        &mut self,
+        cancel: &tokio_util::sync::CancellationToken,
+    ) -> Result<bool, ReplayError> {
+        if !(self.plan.force && matches!(self.plan.kind, super::ReplayKind::WakeDeadLetters)) {
+            return Ok(true);
+        }
+        let mut selection = self.plan.effective_selection();
+        selection.until = None;
+        selection.to_seq = None;
+        let mut reader =
+            crate::history::HistoryReader::open(&self.bus, self.plan.source(), selection, false)
+                .await?;
+        let read = async {
+            loop {
+                let next = tokio::select! {
+                    biased;
+                    () = cancel.cancelled() => return Ok(false),
+                    next = reader.next() => next,
+                };
+                let Some(record) = next else {
+                    return Ok(true);
+                };
+                let record = record?;
+                if given_up_after_conflicts(&record)
+                    && let Ok((event, session)) =
+                        check_completion(&record.payload, record.origin_session())
+                {
+                    let (key, _) = wake_key(&event);
+                    self.conflicted
+                        .insert(super::Handled::key(&["wake", &key, &session]));
+                }
+            }
+        }
+        .await;
+        reader.close().await;
+        read
+    }
+
     pub(super) async fn redrive_wake(
         &mut self,
         record: &Record,
@@ -74,14 +143,7 @@ impl Replayer {
                 )));
             }
         };
-        // A batch wakes once for all its tasks: one copy of any member
-        // makes the wake service post the consolidated turn again.
-        let batch = event.task_count > 1 && event.wake_mode == WakeMode::Batch;
-        let key = if batch {
-            WakeLedger::batch_key(&event.delegation_id)
-        } else {
-            WakeLedger::key(&event.delegation_id, event.task_index)
-        };
+        let (key, batch) = wake_key(&event);
         let seen = super::Handled::key(&["wake", &key, &session]);
         if !self.seen.insert(seen) {
             return Ok(item.skipped(if batch {
@@ -98,13 +160,11 @@ impl Replayer {
         // its session again, and a verifying wake would only refuse its
         // copy. It is not replayed; the genuine one, met in this run or
         // not, is handled on its own (`seen` tells them apart by session).
-        // Given up after 409s: the turn under its key may have been
-        // delivered. A plain replay re-sends it under that key, which the
-        // API answers from its store; forced, it would be a second turn.
-        if self.plan.force
-            && record
-                .dead_letter_reason()
-                .is_some_and(|reason| reason.starts_with(crate::wake::CONFLICT_REFUSAL))
+        // Given up after 409s (this dead letter, or another of the same
+        // completion): the turn under its key may have been delivered. A
+        // plain replay re-sends it under that key, which the API answers
+        // from its store; forced, it would be a second turn.
+        if self.plan.force && (given_up_after_conflicts(record) || self.conflicted.contains(&seen))
         {
             return Ok(item.skipped(
                 "not forced: the session API answered 409 for this turn, so it may have been delivered under its Idempotency-Key; replay it without --force (the API answers a repeat of the key from its store)",
