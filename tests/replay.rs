@@ -1438,7 +1438,9 @@ async fn a_member_half_requeued_by_an_earlier_release_is_sent_with_a_record_a_ve
 
 /// A task whose delegation, or whose session, was cancelled after it was
 /// given up is not run again by a replay: the re-queued copy, a new
-/// delegation stored after the cancel, would escape both records.
+/// delegation stored after the cancel, would escape both records. Nor is
+/// one whose re-run a user cancelled, by a forced replay, which would give
+/// it a new id.
 #[tokio::test]
 async fn replay_does_not_requeue_a_task_whose_delegation_or_session_was_cancelled() {
     let p = Pipeline::wake_only().await;
@@ -1447,6 +1449,7 @@ async fn replay_does_not_requeue_a_task_whose_delegation_or_session_was_cancelle
     let (session, other) = ("s.session", "s.other");
     let in_session = dead_letter_a_task(&bus, &api, session).await;
     let kept = dead_letter_a_task(&bus, &api, other).await;
+    let rerun_stopped = dead_letter_a_task(&bus, &api, "s.rerun").await;
     // The delegation was cancelled while it still ran (a batch whose other
     // tasks had not ended): its record is there. (A cancel of a finished
     // delegation records nothing.)
@@ -1459,11 +1462,15 @@ async fn replay_does_not_requeue_a_task_whose_delegation_or_session_was_cancelle
         at: time::OffsetDateTime::now_utc(),
         silent: true,
     };
-    let key = wakebus::cancel::CancelTarget::Delegation(stopped.clone()).key();
-    cancels
-        .put(key, serde_json::to_vec(&record).unwrap().into())
-        .await
-        .unwrap();
+    // So was the re-run a plain replay made of another one.
+    let rerun = wakebus::replay::derived_delegation_id(&rerun_stopped, 0);
+    for id in [&stopped, &rerun] {
+        let key = wakebus::cancel::CancelTarget::Delegation(id.clone()).key();
+        cancels
+            .put(key, serde_json::to_vec(&record).unwrap().into())
+            .await
+            .unwrap();
+    }
     wakebus::cancel::Canceller::new(bus.clone())
         .cancel_session(session, true)
         .await
@@ -1502,6 +1509,15 @@ async fn replay_does_not_requeue_a_task_whose_delegation_or_session_was_cancelle
             .contains("its session was cancelled"),
         "{by_session}"
     );
+    let by_rerun = action_of(&rerun_stopped);
+    assert_eq!(by_rerun["action"], "skipped", "{lines:#?}");
+    assert!(
+        by_rerun["reason"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("its re-run, delegation {rerun}, was cancelled")),
+        "{by_rerun}"
+    );
     assert_eq!(action_of(&kept)["action"], "would_replay", "{lines:#?}");
     let lines = wakebus(
         &nats.url(),
@@ -1515,7 +1531,7 @@ async fn replay_does_not_requeue_a_task_whose_delegation_or_session_was_cancelle
         .iter()
         .filter_map(|line| line["action"].as_str())
         .collect();
-    assert_eq!(actions, ["would_replay"; 3], "{lines:#?}");
+    assert_eq!(actions, ["would_replay"; 4], "{lines:#?}");
     let untouched = lines
         .iter()
         .find(|line| line["delegation_id"] == kept.as_str())

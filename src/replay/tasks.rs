@@ -183,10 +183,11 @@ impl Replayer {
     }
 
     /// Why the task must not run again, if it must not: its delegation was
-    /// cancelled, or its session since before the request was made (as a
-    /// worker would have judged the original; the re-queued copy, a new
-    /// delegation stored now, would escape both). A failed read is no
-    /// answer.
+    /// cancelled, or its earlier re-run (under the id a plain replay gives
+    /// it, which `--force` does not look for), or its session since before
+    /// the request was made (as a worker would have judged the original;
+    /// the re-queued copy, a new delegation stored now, would escape them
+    /// all). A failed read is no answer.
     async fn cancelled(
         &self,
         request: &TaskRequest,
@@ -215,6 +216,22 @@ impl Replayer {
                 "delegation {} was cancelled (use --include-cancelled to run it anyway)",
                 request.delegation_id
             )));
+        }
+        // A user who stopped the re-run stopped the task: a forced replay
+        // (which makes a new id) must not start it once more.
+        let reruns = [
+            derived_delegation_id(&request.delegation_id, request.task_index),
+            legacy_derived_delegation_id(&request.delegation_id, record.sequence),
+        ];
+        for rerun in reruns {
+            if read(CancelTarget::Delegation(rerun.clone()))
+                .await?
+                .is_some()
+            {
+                return Ok(Some(format!(
+                    "its re-run, delegation {rerun}, was cancelled (use --include-cancelled to run it anyway)"
+                )));
+            }
         }
         let token = crate::worker::token_for(request.origin_session_id.as_deref());
         // Stored at the latest when it was dead-lettered (the server's
