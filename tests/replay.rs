@@ -2239,6 +2239,39 @@ async fn a_wake_dead_letter_without_its_body_is_sent_to_the_history_not_called_u
     assert!(replay_copies(&bus).await.is_empty());
 }
 
+/// A task dead letter stored without its body (too large to store again
+/// with its reason) is skipped saying that no copy of the request is left,
+/// rather than with a JSON error and advice to fix a body that is gone.
+#[tokio::test]
+async fn a_task_dead_letter_without_its_body_says_that_no_copy_of_the_request_is_left() {
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(
+        "Wakebus-Dead-Letter-Reason",
+        "(body of 1048000 bytes left out: too large to store again) request of 1048000 bytes is over the limit",
+    );
+    headers.insert("Wakebus-Delegation-Id", "d-large");
+    headers.insert("Wakebus-Origin-Session", "s.large");
+    let subject = bus.subjects.dead_letter_task("default");
+    let ack = bus
+        .js
+        .publish_with_headers(subject, headers, Vec::new().into());
+    ack.await.unwrap().await.unwrap();
+
+    let lines = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
+        .await
+        .ok_json();
+    assert_eq!(lines[0]["action"], "skipped", "{lines:#?}");
+    let reason = lines[0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("too large to keep in the dead letter")
+            && reason.contains("publish the request again"),
+        "{reason}"
+    );
+}
+
 /// The wake's ledger entry deleted (`nats kv del`, or by a forced replay
 /// of an earlier release): a `--force` run must still post a second turn,
 /// not a repeat the session API drops.
@@ -2376,4 +2409,45 @@ async fn replay_wakes_skips_a_completion_it_cannot_check_against_the_ledger_and_
     let summary = &forced.last().unwrap()["summary"];
     assert_eq!(summary["replayed"], 2, "{forced:#?}");
     assert_eq!(summary["unchecked"], 0, "{forced:#?}");
+}
+
+/// A wake replay that cannot open the wake ledger says what to look at:
+/// whether the wake service ever ran, when the bucket does not exist; the
+/// server or the user's permission, when it exists but cannot be read
+/// (asking whether the wake ever ran would send the operator the wrong
+/// way).
+#[tokio::test]
+async fn a_wake_replay_that_cannot_open_the_ledger_says_what_to_look_at() {
+    init_logs();
+    let prefix = unique_prefix();
+    let ledger_stream = format!(
+        "KV_{}",
+        wakebus::protocol::Subjects::new(&prefix)
+            .unwrap()
+            .wake_ledger_bucket()
+    );
+    let server =
+        common::nats::LimitedUserServer::start(&[format!("$JS.API.STREAM.INFO.{ledger_stream}")])
+            .await;
+    let bus = bus(&server.nats.url(), &prefix).await;
+    let never_ran = wakebus(&server.nats.url(), &prefix, &["replay", "wakes"]).await;
+    assert!(!never_ran.success(), "{}", never_ran.stdout());
+    assert!(
+        never_ran
+            .stderr()
+            .contains("has the wake service of this deployment ever run?"),
+        "{}",
+        never_ran.stderr()
+    );
+
+    bus.provision_wake_state(&BusSettings::default())
+        .await
+        .unwrap();
+    let refused = server
+        .wakebus_as_limited(&prefix, &["replay", "wakes"])
+        .await;
+    assert!(!refused.success(), "{}", refused.stdout());
+    let said = refused.stderr();
+    assert!(said.contains("the user's permission"), "{said}");
+    assert!(!said.contains("ever run"), "{said}");
 }

@@ -323,12 +323,13 @@ pub enum ReplayError {
     #[error(transparent)]
     History(#[from] HistoryError),
     /// The wake ledger could not be opened.
-    #[error(
-        "cannot open the wake ledger {bucket} (has the wake service of this deployment ever run?): {source}"
-    )]
+    #[error("cannot open the wake ledger {bucket} ({hint}): {source}")]
     OpenLedger {
         /// The bucket.
         bucket: String,
+        /// What to look at: whether the wake ever ran, when the bucket
+        /// does not exist; the server and the user's permissions otherwise.
+        hint: &'static str,
         /// The JetStream error.
         source: async_nats::jetstream::context::KeyValueError,
     },
@@ -405,7 +406,15 @@ impl Replayer {
                     .js
                     .get_key_value(&bucket)
                     .await
-                    .map_err(|source| ReplayError::OpenLedger { bucket, source })?;
+                    .map_err(|source| ReplayError::OpenLedger {
+                        bucket,
+                        hint: if crate::bus::is_bucket_missing(&source) {
+                            "has the wake service of this deployment ever run?"
+                        } else {
+                            "a leader election passes by itself, so run the replay again; a refused request needs the user's permission to read the bucket's stream"
+                        },
+                        source,
+                    })?;
                 kept = kv.stream.cached_info().config.max_age;
                 ledger = Some(WakeLedger::new(kv));
                 if plan.force {

@@ -19,6 +19,18 @@ impl Replayer {
         let Some(pool) = record.pool().map(str::to_owned) else {
             return Ok(item.skipped("not a task dead letter"));
         };
+        // Dead-lettered without its body, too large to store again with its
+        // reason: the tasks stream dropped the request when it was acked,
+        // so no copy is left to re-queue.
+        if record.payload.is_empty()
+            && record
+                .dead_letter_reason()
+                .is_some_and(|reason| reason.starts_with("(body of "))
+        {
+            return Ok(item.skipped(
+                "its body was too large to keep in the dead letter, and the tasks stream keeps no request once a worker has taken it: publish the request again from where it came from",
+            ));
+        }
         let request =
             TaskRequest::decode_within(&record.payload, &self.limits).and_then(|request| {
                 request
