@@ -2684,6 +2684,58 @@ async fn status_does_not_say_nothing_waits_when_its_scan_stopped_at_the_limit() 
     assert_eq!(report["undelivered_scan"]["complete"], true, "{report:#}");
 }
 
+/// A flood of poison wake dead letters (a broken publisher) does not keep
+/// `status` reading them for minutes: they count towards its bound on the
+/// dead letters it reads for refused completions, and past it the
+/// snapshot says that the rest were not read.
+#[tokio::test]
+async fn status_stops_at_its_bound_on_wake_dead_letters_poison_ones_included() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let init = wakebus(&nats.url(), &prefix, &["init"]).await;
+    assert!(init.success(), "{}", init.stderr());
+    forget_the_wake_floor(&bus).await;
+    let waiting = serde_json::json!({});
+    publish_completion(&bus, "s.waiting", "01JV3N4Y8K6D2Q7R9T1W5X0WAI", 0, waiting).await;
+    // One more than the bound, stored after the waiting completion.
+    let poison = bus.subjects.dead_letter_wake("poison");
+    let mut left = 50_001;
+    while left > 0 {
+        let window = left.min(1_000);
+        let mut acks = Vec::with_capacity(window);
+        for _ in 0..window {
+            acks.push(
+                bus.js
+                    .publish(poison.clone(), "not a completion".into())
+                    .await
+                    .unwrap(),
+            );
+        }
+        let acks = acks.into_iter().map(std::future::IntoFuture::into_future);
+        for ack in futures::future::join_all(acks).await {
+            ack.unwrap();
+        }
+        left -= window;
+    }
+
+    let run = wakebus(&nats.url(), &prefix, &["status", "--json"]).await;
+    assert!(run.success(), "{}", run.stderr());
+    let report: Value = serde_json::from_str(&run.stdout()).unwrap();
+    let scan = &report["undelivered_scan"];
+    assert!(
+        scan["refused_error"]
+            .as_str()
+            .is_some_and(|error| error.contains("the rest were not read")),
+        "{scan:#}"
+    );
+    assert_eq!(
+        report["oldest_undelivered"][0]["session"], "s.waiting",
+        "{report:#}"
+    );
+}
+
 /// Stores a completion of task `index` of delegation `id` for `session`,
 /// as a publisher could: the body (with `extra` fields), the origin header.
 async fn publish_completion(bus: &Bus, session: &str, id: &str, index: u32, extra: Value) {

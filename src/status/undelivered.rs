@@ -31,7 +31,7 @@ use crate::wake::{Admission, check_completion};
 /// read.
 const CLOCK_MARGIN: time::Duration = time::Duration::minutes(1);
 
-/// The most wake dead letters (other than poison) read to find refused
+/// The most wake dead letters (poison included) read to find refused
 /// completions: beyond, the rest is listed as waiting, and the scan says
 /// so.
 const MAX_DEAD_LETTERS_READ: u64 = 50_000;
@@ -431,17 +431,17 @@ impl Refused {
             let mut read = 0;
             while let Some(record) = reader.next().await {
                 let record = record.map_err(|e| read_error("the wake dead letters", e))?;
-                // Poison dead letters are never a candidate's: not read
-                // towards the bound.
-                if record.session_token() == Some(POISON_TOKEN) {
-                    continue;
-                }
+                // Poison dead letters are never a candidate's, but they
+                // count towards the bound: a flood of them would otherwise
+                // keep `status` reading for minutes.
                 read += 1;
                 if read > MAX_DEAD_LETTERS_READ {
                     refused.cut = true;
                     break;
                 }
-                refused.add(&record);
+                if record.session_token() != Some(POISON_TOKEN) {
+                    refused.add(&record);
+                }
             }
             Ok(())
         }
