@@ -281,6 +281,15 @@ impl CancelRegistry {
                 }
             }
             (Some((kept, From::Broadcast)), From::Broadcast) if kept.at > record.at => {}
+            // A later broadcast replaced by an earlier stored record: most
+            // often a read by key that raced the session's second cancel.
+            // That cancel is not kept until the watch delivers its record,
+            // so tasks read theirs by key meanwhile (one check more when
+            // the broadcast was only timed by a canceller's clock ahead).
+            (Some((kept, From::Broadcast)), From::Stored { .. }) if kept.at > record.at => {
+                self.fell_behind();
+                inner.records.insert(target, (record, from));
+            }
             (Some((kept, From::Stored { revision: theirs })), From::Stored { revision })
                 if inner.written_before((record.at, revision), (kept.at, *theirs)) => {}
             // Older than the bucket keeps records: nothing it could stop
@@ -542,6 +551,25 @@ mod tests {
         // again (reading its records by key, the watch being behind).
         let checked_at = registry.behind_count();
         assert!(registry.apply(session(), record(Duration::ZERO), From::Broadcast));
+        let run = (CancellationToken::new(), Arc::new(OnceLock::new()));
+        let stored_at = OffsetDateTime::now_utc() - Duration::from_secs(30);
+        let registered = registry.register("d1", "tok", stored_at, run, checked_at);
+        assert!(matches!(registered, Err(Refusal::Behind)));
+    }
+
+    /// A task's read by key brings the session's first cancel just after
+    /// the second's broadcast came: the stored record replaces the
+    /// broadcast, so the registry says the watch is behind, and a task
+    /// stored between the two cancels checks again (and finds the second
+    /// by key) rather than start on the first alone.
+    #[test]
+    fn an_earlier_stored_record_replacing_a_later_broadcast_says_the_watch_is_behind() {
+        let registry = Arc::new(CancelRegistry::new(Duration::from_secs(3600)));
+        let session = || CancelTarget::Session("tok".to_owned());
+        registry.apply(session(), record(Duration::ZERO), From::Broadcast);
+        let checked_at = registry.behind_count();
+        let first = record(Duration::from_secs(60));
+        registry.apply(session(), first, From::Stored { revision: 1 });
         let run = (CancellationToken::new(), Arc::new(OnceLock::new()));
         let stored_at = OffsetDateTime::now_utc() - Duration::from_secs(30);
         let registered = registry.register("d1", "tok", stored_at, run, checked_at);
