@@ -185,6 +185,14 @@ fn no_message(error: &SweepError) -> bool {
     matches!(error, SweepError::Api { err_code, .. } if *err_code == NO_MESSAGE_FOUND)
 }
 
+/// Whether a refused delete says the message is not there (nats-server
+/// answers a delete of a missing sequence with the store's "no message
+/// found", under the delete's own error code).
+fn already_deleted(error: &SweepError) -> bool {
+    matches!(error, SweepError::Api { err_code, description, .. }
+        if *err_code == NO_MESSAGE_FOUND || description.to_ascii_lowercase().contains("no message found"))
+}
+
 /// Reads a JetStream API answer: the `T` it carries, or the refusal it is.
 fn answer<T: for<'de> Deserialize<'de>>(subject: &str, payload: &[u8]) -> Result<T, SweepError> {
     let refused = serde_json::from_slice::<Refusal>(payload)
@@ -599,6 +607,17 @@ async fn quarantine(
             );
             Ok(true)
         }
+        // Gone already: another instance's sweep removed it first (both
+        // dead-lettered it, under one dedupe id), or an earlier delete
+        // whose answer was lost did.
+        Err(error) if already_deleted(&error) => {
+            info!(
+                stream,
+                seq,
+                "A message the NATS client cannot read was already removed (by another instance's sweep); its copy is in the dead letters."
+            );
+            Ok(true)
+        }
         other => {
             let why = match other {
                 Err(error) => error.to_string(),
@@ -642,7 +661,17 @@ mod tests {
             "$JS.API.STREAM.MSG.DELETE.S",
             br#"{"error":{"code":500,"err_code":10057,"description":"message delete failed"}}"#,
         );
-        assert!(refused_delete.is_err(), "a refused delete is no success");
+        let refused_delete = refused_delete
+            .err()
+            .expect("a refused delete is no success");
+        assert!(!already_deleted(&refused_delete), "{refused_delete}");
+        let gone = answer::<Deleted>(
+            "$JS.API.STREAM.MSG.DELETE.S",
+            br#"{"error":{"code":500,"err_code":10057,"description":"no message found"}}"#,
+        )
+        .err()
+        .expect("a refusal");
+        assert!(already_deleted(&gone), "{gone}");
     }
 
     #[test]
