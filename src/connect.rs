@@ -62,6 +62,20 @@ pub enum ConnectError {
     /// `tls_cert` was given without `tls_key`, or the other way round.
     #[error("a TLS client certificate needs both --tls-cert and --tls-key")]
     IncompleteClientCertificate,
+    /// A TLS file (`--tls-ca`, `--tls-cert`, `--tls-key`) cannot be read or
+    /// holds no PEM certificate or key. Checked at start: the NATS client
+    /// reads these files only at each connect attempt and reports a failure
+    /// there as a bare "TLS error", so a missing file would otherwise show
+    /// as that, at every reconnect, for ever.
+    #[error("cannot use {what} file {path}: {reason}")]
+    TlsFile {
+        /// Which file (`--tls-ca`, …).
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A server URL cannot be parsed.
     #[error("invalid NATS server URL {url:?}: {source}")]
     InvalidUrl {
@@ -132,6 +146,41 @@ fn read_secret(what: &'static str, path: &PathBuf) -> Result<String, ConnectErro
         })
 }
 
+/// Checks that `path` holds at least one PEM certificate, as the NATS
+/// client will read it.
+fn check_certificates(what: &'static str, path: &PathBuf) -> Result<(), ConnectError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject as _;
+    let fail = |reason: String| ConnectError::TlsFile {
+        what,
+        path: path.clone(),
+        reason,
+    };
+    let mut found = 0usize;
+    for certificate in CertificateDer::pem_file_iter(path).map_err(|e| fail(e.to_string()))? {
+        certificate.map_err(|e| fail(e.to_string()))?;
+        found += 1;
+    }
+    if found == 0 {
+        return Err(fail("no PEM certificate in it".to_owned()));
+    }
+    Ok(())
+}
+
+/// Checks that `path` holds a PEM private key, as the NATS client will read
+/// it.
+fn check_private_key(path: &PathBuf) -> Result<(), ConnectError> {
+    use rustls::pki_types::PrivateKeyDer;
+    use rustls::pki_types::pem::PemObject as _;
+    PrivateKeyDer::from_pem_file(path)
+        .map(drop)
+        .map_err(|e| ConnectError::TlsFile {
+            what: "--tls-key",
+            path: path.clone(),
+            reason: e.to_string(),
+        })
+}
+
 impl NatsConfig {
     /// A config for `url` with no authentication.
     pub fn new(url: impl Into<String>) -> Self {
@@ -169,10 +218,13 @@ impl NatsConfig {
             }
         };
         if let Some(ca) = &self.tls_ca {
+            check_certificates("--tls-ca", ca)?;
             options = options.add_root_certificates(ca.clone()).require_tls(true);
         }
         match (&self.tls_cert, &self.tls_key) {
             (Some(cert), Some(key)) => {
+                check_certificates("--tls-cert", cert)?;
+                check_private_key(key)?;
                 // A client certificate is only ever sent over TLS.
                 options = options
                     .add_client_certificate(cert.clone(), key.clone())
@@ -213,6 +265,16 @@ impl NatsConfig {
                     other if is_refusal(&other) => error!(
                         event = %other,
                         "NATS refused this client: check the credentials (--user/--password-file, --nkey-file, --creds, --token-file) and TLS client certificate."
+                    ),
+                    // The files were read at start: a failure now is the
+                    // handshake (a CA that did not sign the server's
+                    // certificate, a client certificate the server refuses
+                    // or that expired, a server without TLS). The client's
+                    // event names only the kind; it is tried again at every
+                    // reconnect.
+                    other if is_tls_failure(&other) => error!(
+                        event = %other,
+                        "TLS with NATS failed: check --tls-ca (the CA of the server's certificate), --tls-cert and --tls-key (a certificate the server accepts, not expired) and the server's TLS settings; the client's debug log (RUST_LOG=async_nats=debug) has the cause."
                     ),
                     // A subscription the service needs (its replies, the
                     // cancel broadcasts): without it, it cannot work.
@@ -595,6 +657,11 @@ fn is_refusal(event: &Event) -> bool {
     text.contains("authorization violation") || text.contains("authentication")
 }
 
+/// Whether a client event is a failed TLS setup or handshake.
+fn is_tls_failure(event: &Event) -> bool {
+    event.to_string().to_ascii_lowercase().contains("tls error")
+}
+
 /// Whether a client event is the server denying one publish or
 /// subscription to this user.
 fn is_denial(event: &Event) -> bool {
@@ -630,6 +697,93 @@ mod tests {
         let refused = Event::ServerError(ServerError::AuthorizationViolation);
         assert!(is_refusal(&refused) && !is_denial(&refused));
         assert!(!is_refusal(&Event::Disconnected) && !is_denial(&Event::Disconnected));
+    }
+
+    #[test]
+    fn a_tls_failure_is_told_apart_from_other_client_errors() {
+        use async_nats::ClientError;
+        let tls = Event::ClientError(ClientError::Other("TLS error".to_owned()));
+        assert!(is_tls_failure(&tls) && !is_refusal(&tls));
+        let io = Event::ClientError(ClientError::Other("IO error".to_owned()));
+        assert!(!is_tls_failure(&io));
+    }
+
+    #[tokio::test]
+    async fn tls_files_that_cannot_be_used_stop_the_start_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        };
+        let generated = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+        let ca = write("ca.pem", &generated.cert.pem());
+        let key = write("key.pem", &generated.signing_key.serialize_pem());
+        let not_pem = write("notes.txt", "not a certificate");
+        let missing = dir.path().join("missing.pem");
+        let refused =
+            |tls_ca: Option<&PathBuf>, tls_cert: Option<&PathBuf>, tls_key: Option<&PathBuf>| {
+                let config = NatsConfig {
+                    tls_ca: tls_ca.cloned(),
+                    tls_cert: tls_cert.cloned(),
+                    tls_key: tls_key.cloned(),
+                    ..NatsConfig::new("tls://127.0.0.1:1")
+                };
+                async move { config.options(false, SERVER_TIMEOUT).await.err() }
+            };
+        for (case, error, what, path) in [
+            (
+                "a missing CA",
+                refused(Some(&missing), None, None).await,
+                "--tls-ca",
+                &missing,
+            ),
+            (
+                "a CA file without a certificate",
+                refused(Some(&not_pem), None, None).await,
+                "--tls-ca",
+                &not_pem,
+            ),
+            (
+                "a certificate file without one",
+                refused(Some(&ca), Some(&not_pem), Some(&key)).await,
+                "--tls-cert",
+                &not_pem,
+            ),
+            (
+                "a key file without a key",
+                refused(Some(&ca), Some(&ca), Some(&not_pem)).await,
+                "--tls-key",
+                &not_pem,
+            ),
+            (
+                "a missing key",
+                refused(None, Some(&ca), Some(&missing)).await,
+                "--tls-key",
+                &missing,
+            ),
+        ] {
+            let Some(ConnectError::TlsFile {
+                what: said,
+                path: named,
+                ..
+            }) = &error
+            else {
+                panic!("{case}: {error:?}");
+            };
+            assert_eq!((*said, named), (what, path), "{case}");
+            assert!(
+                error
+                    .unwrap()
+                    .to_string()
+                    .contains(&path.display().to_string()),
+                "{case}"
+            );
+        }
+        assert!(
+            refused(Some(&ca), Some(&ca), Some(&key)).await.is_none(),
+            "usable files refused"
+        );
     }
 
     #[test]
