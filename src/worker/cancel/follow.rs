@@ -68,6 +68,7 @@ impl CancelRegistry {
             watch: Some(watch),
             catching_up: CatchUp {
                 connects,
+                behind: self.behind_count(),
                 last_revision: info.state.last_sequence,
                 created: info.created,
                 seen: 0,
@@ -97,9 +98,9 @@ impl CancelRegistry {
     }
 }
 
-/// What a check read: the follower's epoch and the connect count when it
-/// began, and the stream's info.
-type Checked = (u64, u64, Result<stream::Info, String>);
+/// What a check read: the follower's epoch, the connect count and the
+/// registry's behind count when it began, and the stream's info.
+type Checked = (u64, u64, u64, Result<stream::Info, String>);
 
 /// A watch started again (`None`: it could not be, and is asked for again at
 /// the next tick), with the follower's epoch when it was asked for.
@@ -154,11 +155,11 @@ impl Follower {
                 // Every second, not only while behind: a reconnect wakes
                 // nothing else here when no record was written meanwhile.
                 _ = tick.tick() => self.tick(),
-                Some((epoch, connects, info)) = checked.recv() => {
+                Some((epoch, connects, behind, info)) = checked.recv() => {
                     self.checking = false;
                     let loaded = self.loaded.is_none();
                     if epoch == self.epoch
-                        && self.catching_up.checked(&self.registry, connects, info, loaded)
+                        && self.catching_up.checked(&self.registry, (connects, behind), info, loaded)
                     {
                         // A bucket made anew: the watch would go on after
                         // the old one's revisions and miss the new records.
@@ -265,6 +266,7 @@ impl Follower {
         }
         self.checking = true;
         let (epoch, connects) = (self.epoch, self.stats.connects.load(Ordering::Acquire));
+        let behind = self.registry.behind_count();
         let mut stream = self.bucket.stream.clone();
         let checked_tx = self.checked_tx.clone();
         tokio::spawn(async move {
@@ -273,7 +275,7 @@ impl Follower {
                 Ok(Err(error)) => Err(error.to_string()),
                 Err(_) => Err("no answer".to_owned()),
             };
-            let _ = checked_tx.send((epoch, connects, info)).await;
+            let _ = checked_tx.send((epoch, connects, behind, info)).await;
         });
     }
 
@@ -306,6 +308,10 @@ async fn next_entry(watch: &mut Option<kv::Watch>) -> Option<Result<kv::Entry, k
 struct CatchUp {
     /// The connect count the bucket was last read after.
     connects: u64,
+    /// The registry's behind count then ([`CancelRegistry::behind_count`]):
+    /// the registry found behind since (a record read by key replacing a
+    /// later broadcast) is not current by that read.
+    behind: u64,
     /// The bucket's last revision then: the watch has caught up once it has
     /// delivered it.
     last_revision: u64,
@@ -327,7 +333,8 @@ impl CatchUp {
         }
     }
 
-    /// What a check read after connect `connects`: the watch has caught up
+    /// What a check read after connect `connects` (and behind count `behind`,
+    /// `read_after`): the watch has caught up
     /// if it delivered the bucket's last revision already, or if the bucket
     /// is empty (its last record expired before the watch delivered it).
     /// `loaded`: the start's records are in, so a watch behind is news.
@@ -335,10 +342,11 @@ impl CatchUp {
     fn checked(
         &mut self,
         registry: &CancelRegistry,
-        connects: u64,
+        read_after: (u64, u64),
         info: Result<stream::Info, String>,
         loaded: bool,
     ) -> bool {
+        let (connects, behind) = read_after;
         let Ok(info) = info else {
             return false;
         };
@@ -347,7 +355,8 @@ impl CatchUp {
             registry.bucket_created(info.created);
             return true;
         }
-        (self.connects, self.last_revision) = (connects, info.state.last_sequence);
+        (self.connects, self.behind, self.last_revision) =
+            (connects, behind, info.state.last_sequence);
         if info.state.messages == 0 || self.seen >= self.last_revision {
             self.caught_up(registry);
         } else if loaded && !self.said_behind {
@@ -361,8 +370,12 @@ impl CatchUp {
         false
     }
 
-    /// Marks the registry current as of the connect the bucket was read after.
+    /// Marks the registry current as of the connect the bucket was read
+    /// after, unless it was found behind since: the next check decides.
     fn caught_up(&mut self, registry: &CancelRegistry) {
+        if registry.behind_count() != self.behind {
+            return;
+        }
         registry.mark_current(self.connects);
         if std::mem::take(&mut self.said_behind) {
             info!("The cancel watch has caught up; tasks check cancels from it again.");
@@ -376,4 +389,48 @@ pub(super) fn decode(key: &str, body: &[u8]) -> Option<(CancelTarget, CancelReco
         CancelTarget::from_key(key)?,
         serde_json::from_slice(body).ok()?,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cancel::{CancelRecord, CancelTarget};
+
+    /// A read by key brings a session's first cancel after the second's
+    /// broadcast: the registry is behind, and the watch delivering what it
+    /// had seen already (the first cancel's revision) must not make it
+    /// current again with the first cancel alone; only a check of the
+    /// bucket made since can.
+    #[test]
+    fn a_registry_found_behind_by_a_read_is_not_made_current_by_an_earlier_check() {
+        let registry = CancelRegistry::new(std::time::Duration::from_secs(3600));
+        let mut catching_up = CatchUp {
+            connects: 1,
+            behind: registry.behind_count(),
+            last_revision: 3,
+            created: OffsetDateTime::UNIX_EPOCH,
+            seen: 3,
+            said_behind: false,
+        };
+        catching_up.caught_up(&registry);
+        assert_eq!(registry.current_as_of.load(Ordering::Acquire), 1);
+        let session = || CancelTarget::Session("tok".to_owned());
+        let at = |ago: u64| CancelRecord {
+            at: OffsetDateTime::now_utc() - std::time::Duration::from_secs(ago),
+            silent: false,
+        };
+        registry.apply(session(), at(0), From::Broadcast);
+        registry.apply(session(), at(60), From::Stored { revision: 3 });
+        catching_up.saw(&registry, 3);
+        assert_eq!(
+            registry.current_as_of.load(Ordering::Acquire),
+            0,
+            "made current"
+        );
+        // As a check of the bucket made since leaves it: current once the
+        // watch has delivered the revision it read.
+        (catching_up.behind, catching_up.last_revision) = (registry.behind_count(), 4);
+        catching_up.saw(&registry, 4);
+        assert_eq!(registry.current_as_of.load(Ordering::Acquire), 1);
+    }
 }
