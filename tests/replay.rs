@@ -816,8 +816,17 @@ async fn a_forced_dead_letter_replay_leaves_alone_a_completion_later_given_up_af
         "Nats-Msg-Id",
         format!("dlq.wake.{given_up}.0.done.99").as_str(),
     );
+    // Its body says another status (as another member of a batch given up
+    // in the same turn would): a `--status` filter must not hide it.
+    let mut body: Value = serde_json::from_slice(&first.payload).unwrap();
+    assert_eq!(body["status"], "completed", "{body}");
+    body["status"] = "failed".into();
     bus.js
-        .publish_with_headers(first.subject.to_string(), headers, first.payload.clone())
+        .publish_with_headers(
+            first.subject.to_string(),
+            headers,
+            serde_json::to_vec(&body).unwrap().into(),
+        )
         .await
         .unwrap()
         .await
@@ -831,12 +840,14 @@ async fn a_forced_dead_letter_replay_leaves_alone_a_completion_later_given_up_af
             wakebus(&url, &prefix, &args).await.ok_json()
         }
     };
-    // The whole selection; and up to the first dead letter only, the
-    // give-up stored after it still read.
+    // The whole selection; up to the first dead letter only, the give-up
+    // stored after it still read; and only the completed ones.
     let to_first = vec!["--to-seq".to_owned(), first.sequence.to_string()];
+    let completed = vec!["--status".to_owned(), "completed".to_owned()];
     for (whole, lines) in [
         (true, forced(Vec::new()).await),
         (false, forced(to_first).await),
+        (true, forced(completed).await),
     ] {
         let action_of = |id: &str| {
             lines

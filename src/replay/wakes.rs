@@ -60,7 +60,8 @@ impl Replayer {
     /// 404, replayed plainly once the API was fixed, then given up after
     /// 409s: forcing the 404's dead letter would make a second turn). Read
     /// from the selection's start to the stream's end, as the 409s may have
-    /// come after the selection. Returns false if cancelled meanwhile.
+    /// come after the selection, and with its session and delegation
+    /// filters only. Returns false if cancelled meanwhile.
     pub(super) async fn note_conflicts(
         &mut self,
         cancel: &tokio_util::sync::CancellationToken,
@@ -68,9 +69,18 @@ impl Replayer {
         if !(self.plan.force && matches!(self.plan.kind, super::ReplayKind::WakeDeadLetters)) {
             return Ok(true);
         }
-        let mut selection = self.plan.effective_selection();
-        selection.until = None;
-        selection.to_seq = None;
+        // What every dead letter of one completion shares: its session
+        // and delegation, and the range from the selection's start. A
+        // status, kind or pool filter could leave out the give-up (another
+        // member of the batch, dead-lettered by the same turn).
+        let chosen = self.plan.effective_selection();
+        let selection = crate::history::Selection {
+            session: chosen.session,
+            delegation: chosen.delegation,
+            since: chosen.since,
+            from_seq: chosen.from_seq,
+            ..crate::history::Selection::default()
+        };
         let mut reader =
             crate::history::HistoryReader::open(&self.bus, self.plan.source(), selection, false)
                 .await?;
@@ -92,6 +102,13 @@ impl Replayer {
                     let (key, _) = wake_key(&event);
                     self.conflicted
                         .insert(super::Handled::key(&["wake", &key, &session]));
+                    // An unreadable member's error may have been given up
+                    // in its batch's turn.
+                    if event.is_of_an_unreadable_batch() {
+                        let batch = WakeLedger::batch_key(&event.delegation_id);
+                        self.conflicted
+                            .insert(super::Handled::key(&["wake", &batch, &session]));
+                    }
                 }
             }
         }
