@@ -1461,6 +1461,7 @@ async fn replay_does_not_requeue_a_task_whose_delegation_or_session_was_cancelle
     let in_session = dead_letter_a_task(&bus, &api, session).await;
     let kept = dead_letter_a_task(&bus, &api, other).await;
     let rerun_stopped = dead_letter_a_task(&bus, &api, "s.rerun").await;
+    let legacy_stopped = dead_letter_a_task(&bus, &api, "s.legacy").await;
     // The delegation was cancelled while it still ran (a batch whose other
     // tasks had not ended): its record is there. (A cancel of a finished
     // delegation records nothing.)
@@ -1473,9 +1474,20 @@ async fn replay_does_not_requeue_a_task_whose_delegation_or_session_was_cancelle
         at: time::OffsetDateTime::now_utc(),
         silent: true,
     };
-    // So was the re-run a plain replay made of another one.
+    // So was the re-run a plain replay made of another one, and the one
+    // an earlier release made of a third (`<id>-r<dead letter sequence>`).
     let rerun = wakebus::replay::derived_delegation_id(&rerun_stopped, 0);
-    for id in [&stopped, &rerun] {
+    let legacy_sequence = all_messages(&bus, &bus.subjects.dead_letter_stream())
+        .await
+        .into_iter()
+        .find(|m| {
+            serde_json::from_slice::<Value>(&m.payload)
+                .is_ok_and(|body| body["delegation_id"] == legacy_stopped.as_str())
+        })
+        .expect("the third one's dead letter")
+        .sequence;
+    let legacy = format!("{legacy_stopped}-r{legacy_sequence}");
+    for id in [&stopped, &rerun, &legacy] {
         let key = wakebus::cancel::CancelTarget::Delegation(id.clone()).key();
         cancels
             .put(key, serde_json::to_vec(&record).unwrap().into())
@@ -1520,15 +1532,17 @@ async fn replay_does_not_requeue_a_task_whose_delegation_or_session_was_cancelle
             .contains("its session was cancelled"),
         "{by_session}"
     );
-    let by_rerun = action_of(&rerun_stopped);
-    assert_eq!(by_rerun["action"], "skipped", "{lines:#?}");
-    assert!(
-        by_rerun["reason"]
-            .as_str()
-            .unwrap()
-            .contains(&format!("its re-run, delegation {rerun}, was cancelled")),
-        "{by_rerun}"
-    );
+    for (original, rerun) in [(&rerun_stopped, &rerun), (&legacy_stopped, &legacy)] {
+        let by_rerun = action_of(original);
+        assert_eq!(by_rerun["action"], "skipped", "{lines:#?}");
+        assert!(
+            by_rerun["reason"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("its re-run, delegation {rerun}, was cancelled")),
+            "{by_rerun}"
+        );
+    }
     assert_eq!(action_of(&kept)["action"], "would_replay", "{lines:#?}");
     let lines = wakebus(
         &nats.url(),
@@ -1542,7 +1556,7 @@ async fn replay_does_not_requeue_a_task_whose_delegation_or_session_was_cancelle
         .iter()
         .filter_map(|line| line["action"].as_str())
         .collect();
-    assert_eq!(actions, ["would_replay"; 4], "{lines:#?}");
+    assert_eq!(actions, ["would_replay"; 5], "{lines:#?}");
     let untouched = lines
         .iter()
         .find(|line| line["delegation_id"] == kept.as_str())
