@@ -2476,3 +2476,43 @@ async fn a_wake_replay_that_cannot_open_the_ledger_says_what_to_look_at() {
     assert!(said.contains("the user's permission"), "{said}");
     assert!(!said.contains("ever run"), "{said}");
 }
+
+/// A Ctrl-C that comes while the last record is handled stops nothing:
+/// the run is whole and says so (a script re-running an "interrupted"
+/// forced replay would wake every session a second time). One that comes
+/// before the last record interrupts the run.
+#[tokio::test]
+async fn a_replay_cancelled_while_its_last_record_is_handled_is_not_reported_interrupted() {
+    use wakebus::replay::{Progress, ReplayKind, ReplayPlan, Replayer};
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
+    for session in ["s.one", "s.two"] {
+        delegate(&bus, Delegation::new("woken").session(session)).await;
+    }
+    wait_until(WAIT, "both wakes", || async { api.accepted().len() == 2 }).await;
+    services.stop().await;
+    for (cancel_after, interrupted) in [(2, false), (1, true)] {
+        let plan = ReplayPlan {
+            kind: ReplayKind::Wakes,
+            selection: wakebus::history::Selection::default(),
+            force: false,
+            tasks: Default::default(),
+            dry_run: true,
+        };
+        let replayer = Replayer::new(bus.clone(), plan).await.unwrap();
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let mut items = 0;
+        let summary = wakebus::replay::run(replayer, cancel.clone(), |progress| {
+            if let Progress::Item(_) = progress {
+                items += 1;
+                if items == cancel_after {
+                    cancel.cancel();
+                }
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(items, cancel_after);
+        assert_eq!(summary.interrupted, interrupted, "cancelled after {items}");
+    }
+}

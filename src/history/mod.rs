@@ -444,6 +444,12 @@ impl HistoryReader {
         self.total
     }
 
+    /// Whether a bounded read has reached its end: the next call returns
+    /// `None`.
+    pub fn is_finished(&self) -> bool {
+        self.finished
+    }
+
     /// The next matching record, or `None` at the end of a bounded read.
     pub async fn next(&mut self) -> Option<Result<Record, HistoryError>> {
         loop {

@@ -830,7 +830,11 @@ pub async fn run(
             let next = tokio::select! {
                 biased;
                 () = cancel.cancelled() => {
-                    summary.interrupted = true;
+                    // Come while the last record was handled, the cancel
+                    // stopped nothing: the run is whole, and said so (a
+                    // script would run an interrupted `--force` again,
+                    // waking every session a second time).
+                    summary.interrupted = !reader.is_finished();
                     return Ok(());
                 }
                 next = reader.next() => next,
