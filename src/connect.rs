@@ -243,11 +243,12 @@ impl NatsConfig {
         if wait_for_server {
             options = options.retry_on_initial_connect();
         }
+        let tls = self.tls_ca.is_some() || self.tls_cert.is_some();
         Ok(options
             .max_reconnects(None)
             .ping_interval(PING_INTERVAL)
             .connection_timeout(per_server)
-            .event_callback(|event| async move {
+            .event_callback(move |event| async move {
                 match event {
                     Event::Connected => info!("Connected to NATS."),
                     // Once per connection lost (a failed reconnect attempt
@@ -266,15 +267,23 @@ impl NatsConfig {
                         event = %other,
                         "NATS refused this client: check the credentials (--user/--password-file, --nkey-file, --creds, --token-file) and TLS client certificate."
                     ),
-                    // The files were read at start: a failure now is the
-                    // handshake (a CA that did not sign the server's
-                    // certificate, a client certificate the server refuses
-                    // or that expired, a server without TLS). The client's
-                    // event names only the kind; it is tried again at every
-                    // reconnect.
-                    other if is_tls_failure(&other) => error!(
+                    // The files were read at start: the client's TLS setup
+                    // fails now only if one was replaced by a file it cannot
+                    // use, which retrying will not mend. Its event names
+                    // only the kind; said at most once a minute.
+                    other if is_tls_failure(&other) => {
+                        if once_a_minute(&TLS_FAILURE_SAID) {
+                            error!(event = %other, "The NATS client cannot set up TLS: check the files of --tls-ca, --tls-cert and --tls-key (replaced since the start?); the client's debug log (RUST_LOG=async_nats=debug) has the cause.");
+                        }
+                    }
+                    // A failed handshake (a CA that did not sign the
+                    // server's certificate, a client certificate the server
+                    // refuses, a server without TLS) reaches the client as
+                    // a closed connection, like a server that is down: with
+                    // TLS set, said so at most once a minute.
+                    other if tls && is_io_failure(&other) && once_a_minute(&TLS_IO_SAID) => warn!(
                         event = %other,
-                        "TLS with NATS failed: check --tls-ca (the CA of the server's certificate), --tls-cert and --tls-key (a certificate the server accepts, not expired) and the server's TLS settings; the client's debug log (RUST_LOG=async_nats=debug) has the cause."
+                        "Cannot connect to NATS: the server is down or unreachable, or the TLS handshake failed (a CA that did not sign the server's certificate, a client certificate the server refuses or that expired); the server's log and the client's debug log (RUST_LOG=async_nats=debug) tell which (said at most once a minute)."
                     ),
                     // A subscription the service needs (its replies, the
                     // cancel broadcasts): without it, it cannot work.
@@ -624,6 +633,12 @@ pub async fn close(client: &Client) -> Result<(), async_nats::client::DrainError
 /// [`process_seconds`]'s clock (0: never).
 static SLOW_CONSUMER_SAID: AtomicU64 = AtomicU64::new(0);
 
+/// When a client last said it cannot set up TLS (process seconds).
+static TLS_FAILURE_SAID: AtomicU64 = AtomicU64::new(0);
+
+/// When a client with TLS set last said it cannot connect (process seconds).
+static TLS_IO_SAID: AtomicU64 = AtomicU64::new(0);
+
 /// Whether a minute has passed since `last` (then set to now).
 pub(crate) fn once_a_minute(last: &AtomicU64) -> bool {
     once_a_minute_at(last, process_seconds())
@@ -657,9 +672,15 @@ fn is_refusal(event: &Event) -> bool {
     text.contains("authorization violation") || text.contains("authentication")
 }
 
-/// Whether a client event is a failed TLS setup or handshake.
+/// Whether a client event is a failed TLS setup (reading the files).
 fn is_tls_failure(event: &Event) -> bool {
     event.to_string().to_ascii_lowercase().contains("tls error")
+}
+
+/// Whether a client event is a failed connect on the socket: a server down
+/// or unreachable, or a TLS handshake that failed.
+fn is_io_failure(event: &Event) -> bool {
+    event.to_string().to_ascii_lowercase().contains("io error")
 }
 
 /// Whether a client event is the server denying one publish or
@@ -705,7 +726,7 @@ mod tests {
         let tls = Event::ClientError(ClientError::Other("TLS error".to_owned()));
         assert!(is_tls_failure(&tls) && !is_refusal(&tls));
         let io = Event::ClientError(ClientError::Other("IO error".to_owned()));
-        assert!(!is_tls_failure(&io));
+        assert!(!is_tls_failure(&io) && is_io_failure(&io));
     }
 
     #[tokio::test]
