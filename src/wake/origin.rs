@@ -27,6 +27,10 @@ use super::stand_in::PlacementError;
 use crate::outcome::Outcome;
 use crate::protocol::{EventKind, SubmittedRecord, bounded, session_token};
 
+/// When the wake last said at ERROR that an unreadable member's error is
+/// held behind a corrupt ledger entry (process seconds).
+static CORRUPT_ENTRY_SAID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Verified delegations remembered at most; the memory is emptied when full
 /// (a batch whose entry is dropped is read once more).
 const REMEMBERED: usize = 4096;
@@ -80,8 +84,15 @@ impl OriginGate {
             {
                 let (id, index) = (&pending.event.delegation_id, pending.event.task_index);
                 match error {
-                    PlacementError::CorruptEntry(error) => {
+                    // Asked about again within a second at first (the
+                    // retries back off to 32 s): an ERROR once a minute.
+                    PlacementError::CorruptEntry(error)
+                        if crate::connect::once_a_minute(&CORRUPT_ENTRY_SAID) =>
+                    {
                         error!(delegation_id = %id, task_index = index, %error, "An unreadable request's error completion is held until an operator fixes or deletes its wake ledger entry (docs/GUARANTEES.md, \"wake ledger entry that is not ledger JSON\"); will retry.");
+                    }
+                    PlacementError::CorruptEntry(error) => {
+                        warn!(delegation_id = %id, task_index = index, %error, "An unreadable request's error completion is still held behind its corrupt wake ledger entry; will retry.");
                     }
                     PlacementError::Read(error) => {
                         warn!(delegation_id = %id, task_index = index, %error, "Could not tell whether an unreadable request's error completion belongs to a batch; will retry.");
