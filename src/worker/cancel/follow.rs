@@ -373,10 +373,9 @@ impl CatchUp {
     /// Marks the registry current as of the connect the bucket was read
     /// after, unless it was found behind since: the next check decides.
     fn caught_up(&mut self, registry: &CancelRegistry) {
-        if registry.behind_count() != self.behind {
+        if !registry.mark_current(self.connects, self.behind) {
             return;
         }
-        registry.mark_current(self.connects);
         if std::mem::take(&mut self.said_behind) {
             info!("The cancel watch has caught up; tasks check cancels from it again.");
         }

@@ -277,7 +277,7 @@ impl CancelRegistry {
                 if ahead_of_watch {
                     // Under the lock registering takes: a task checked
                     // before this is not registered on the old record.
-                    self.fell_behind();
+                    self.fell_behind_locked();
                 }
             }
             (Some((kept, From::Broadcast)), From::Broadcast) if kept.at > record.at => {}
@@ -287,7 +287,7 @@ impl CancelRegistry {
             // so tasks read theirs by key meanwhile (one check more when
             // the broadcast was only timed by a canceller's clock ahead).
             (Some((kept, From::Broadcast)), From::Stored { .. }) if kept.at > record.at => {
-                self.fell_behind();
+                self.fell_behind_locked();
                 inner.records.insert(target, (record, from));
             }
             (Some((kept, From::Stored { revision: theirs })), From::Stored { revision })
@@ -406,15 +406,29 @@ impl CancelRegistry {
         Ok(())
     }
 
-    /// Marks the watch current as of connect `connects`.
-    fn mark_current(&self, connects: u64) {
-        self.current_as_of.store(connects, Ordering::Release);
+    /// Marks the watch current as of connect `connects`, unless it was
+    /// found behind since the behind count was `behind` (then a later check
+    /// decides). Under the lock that finding it behind takes, so that the
+    /// two cannot interleave between the comparison and the mark.
+    fn mark_current(&self, connects: u64, behind: u64) -> bool {
+        let _inner = self.inner.lock().expect("cancel registry");
+        let current = self.behind_count.load(Ordering::Acquire) == behind;
+        if current {
+            self.current_as_of.store(connects, Ordering::Release);
+        }
+        current
     }
 
     /// Marks the watch behind, whatever the connection does.
     fn fell_behind(&self) {
-        self.behind_count.fetch_add(1, Ordering::AcqRel);
+        let _inner = self.inner.lock().expect("cancel registry");
+        self.fell_behind_locked();
+    }
+
+    /// [`Self::fell_behind`] for a caller that holds the registry's lock.
+    fn fell_behind_locked(&self) {
         self.current_as_of.store(0, Ordering::Release);
+        self.behind_count.fetch_add(1, Ordering::AcqRel);
     }
 
     /// How many times the watch was found behind so far: taken before a
