@@ -444,10 +444,12 @@ impl HistoryReader {
         self.total
     }
 
-    /// Whether a bounded read has reached its end: the next call returns
-    /// `None`.
-    pub fn is_finished(&self) -> bool {
-        self.finished
+    /// Whether a bounded read has nothing left to deliver: it has reached
+    /// its end, or no message after the last one delivered matches its
+    /// subject filter up to its end (one that its other filters would
+    /// leave out counts as left). Asks the server in the second case.
+    pub async fn has_nothing_left(&self) -> bool {
+        self.finished || self.nothing_left().await
     }
 
     /// The next matching record, or `None` at the end of a bounded read.

@@ -834,7 +834,7 @@ pub async fn run(
                     // stopped nothing: the run is whole, and said so (a
                     // script would run an interrupted `--force` again,
                     // waking every session a second time).
-                    summary.interrupted = !reader.is_finished();
+                    summary.interrupted = !reader.has_nothing_left().await;
                     return Ok(());
                 }
                 next = reader.next() => next,
