@@ -1536,17 +1536,7 @@ async fn a_batch_member_whose_body_cannot_be_read_still_ends_its_batch() {
         let lines = common::cli::wakebus(&nats.url(), bus.subjects.prefix(), &args)
             .await
             .ok_json();
-        let error = lines
-            .iter()
-            .find(|item| item["task_index"] == 0)
-            .unwrap_or_else(|| panic!("task 0 in {lines:#?}"));
-        assert_eq!(error["action"], "skipped", "{lines:#?}");
-        assert!(
-            error["reason"]
-                .as_str()
-                .is_some_and(|reason| reason.contains("reported in its batch's turn")),
-            "{lines:#?}"
-        );
+        task_0_skipped(&lines, "reported in its batch's turn");
     }
     let header = format!("[ASYNC DELEGATION BATCH COMPLETE — {last}]");
     wait_until(WAIT, "the batch's turn posted again", || async {
@@ -1668,6 +1658,21 @@ async fn others_ended(bus: &Bus, id: &str) {
             .is_some_and(|info| info.ack_floor.stream_sequence >= last && info.num_ack_pending == 0)
     })
     .await;
+}
+
+/// Checks that a replay's `lines` skip task 0 for a reason saying `why`.
+fn task_0_skipped(lines: &[serde_json::Value], why: &str) {
+    let error = lines
+        .iter()
+        .find(|item| item["task_index"] == 0)
+        .unwrap_or_else(|| panic!("task 0 in {lines:#?}"));
+    assert_eq!(error["action"], "skipped", "{lines:#?}");
+    assert!(
+        error["reason"]
+            .as_str()
+            .is_some_and(|reason| reason.contains(why)),
+        "{lines:#?}"
+    );
 }
 
 /// Checks that the error of task 0 of batch `id` was not posted on its own.
@@ -1845,17 +1850,9 @@ async fn an_unreadable_members_error_delivered_with_its_batch_is_not_forced_out_
     ];
     let run = common::cli::wakebus(&p.nats.url(), &p.prefix, &args).await;
     assert_eq!(run.code(), Some(3), "{}", run.stderr());
-    let lines = run.json_lines();
-    let error = lines
-        .iter()
-        .find(|item| item["task_index"] == 0)
-        .unwrap_or_else(|| panic!("task 0 in {lines:#?}"));
-    assert_eq!(error["action"], "skipped", "{lines:#?}");
-    assert!(
-        error["reason"].as_str().is_some_and(
-            |reason| reason.contains("cannot tell whether it was reported in its batch's turn")
-        ),
-        "{lines:#?}"
+    task_0_skipped(
+        &run.json_lines(),
+        "cannot tell whether it was reported in its batch's turn",
     );
     wake_consumer_settled(&bus).await;
     services.stop().await;

@@ -2228,40 +2228,51 @@ async fn replay_does_not_redrive_a_dead_lettered_completion_the_wake_service_can
     assert!(api.all_posts().is_empty());
 }
 
-/// A completion near the max payload is dead-lettered without its body:
-/// the replay names where it is whole (the history) instead of calling it
-/// one the wake service cannot use.
-#[tokio::test]
-async fn a_wake_dead_letter_without_its_body_is_sent_to_the_history_not_called_unusable() {
+/// Stores a dead letter on `subject` whose body was left out (too large to
+/// store again with `reason`), as the services write one, and returns the
+/// reason `wakebus <args>` gives for skipping it.
+async fn skip_reason_for_a_dead_letter_without_its_body(
+    args: &[&str],
+    subject: impl Fn(&wakebus::protocol::Subjects) -> String,
+    reason: &str,
+) -> String {
     let nats = NatsServer::start().await;
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
     let init = wakebus(&nats.url(), &prefix, &["init"]).await;
     assert!(init.success(), "{}", init.stderr());
     let mut headers = async_nats::HeaderMap::new();
-    headers.insert(
-        "Wakebus-Dead-Letter-Reason",
-        "(body of 1048000 bytes left out: too large to store again) the session API answered 400",
-    );
+    let reason = format!("(body of 1048000 bytes left out: too large to store again) {reason}");
+    headers.insert("Wakebus-Dead-Letter-Reason", reason.as_str());
     headers.insert("Wakebus-Delegation-Id", "d-large");
     headers.insert("Wakebus-Origin-Session", "s.large");
-    let subject = bus.subjects.dead_letter_wake(&session_token("s.large"));
     let ack = bus
         .js
-        .publish_with_headers(subject, headers, Vec::new().into());
+        .publish_with_headers(subject(&bus.subjects), headers, Vec::new().into());
     ack.await.unwrap().await.unwrap();
 
-    let lines = wakebus(&nats.url(), &prefix, &["replay", "wakes", "--dead-letters"])
-        .await
-        .ok_json();
+    let lines = wakebus(&nats.url(), &prefix, args).await.ok_json();
+    assert!(replay_copies(&bus).await.is_empty());
     assert_eq!(lines[0]["action"], "skipped", "{lines:#?}");
-    let reason = lines[0]["reason"].as_str().unwrap();
+    lines[0]["reason"].as_str().unwrap().to_owned()
+}
+
+/// A completion near the max payload is dead-lettered without its body:
+/// the replay names where it is whole (the history) instead of calling it
+/// one the wake service cannot use.
+#[tokio::test]
+async fn a_wake_dead_letter_without_its_body_is_sent_to_the_history_not_called_unusable() {
+    let reason = skip_reason_for_a_dead_letter_without_its_body(
+        &["replay", "wakes", "--dead-letters"],
+        |subjects| subjects.dead_letter_wake(&session_token("s.large")),
+        "the session API answered 400",
+    )
+    .await;
     assert!(
         reason.contains("whole in the history")
             && reason.contains("wakebus replay wakes --delegation d-large"),
         "{reason}"
     );
-    assert!(replay_copies(&bus).await.is_empty());
 }
 
 /// A task dead letter stored without its body (too large to store again
@@ -2269,27 +2280,12 @@ async fn a_wake_dead_letter_without_its_body_is_sent_to_the_history_not_called_u
 /// rather than with a JSON error and advice to fix a body that is gone.
 #[tokio::test]
 async fn a_task_dead_letter_without_its_body_says_that_no_copy_of_the_request_is_left() {
-    let nats = NatsServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(
-        "Wakebus-Dead-Letter-Reason",
-        "(body of 1048000 bytes left out: too large to store again) request of 1048000 bytes is over the limit",
-    );
-    headers.insert("Wakebus-Delegation-Id", "d-large");
-    headers.insert("Wakebus-Origin-Session", "s.large");
-    let subject = bus.subjects.dead_letter_task("default");
-    let ack = bus
-        .js
-        .publish_with_headers(subject, headers, Vec::new().into());
-    ack.await.unwrap().await.unwrap();
-
-    let lines = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
-        .await
-        .ok_json();
-    assert_eq!(lines[0]["action"], "skipped", "{lines:#?}");
-    let reason = lines[0]["reason"].as_str().unwrap();
+    let reason = skip_reason_for_a_dead_letter_without_its_body(
+        &["replay", "tasks"],
+        |subjects| subjects.dead_letter_task("default"),
+        "request of 1048000 bytes is over the limit",
+    )
+    .await;
     assert!(
         reason.contains("too large to keep in the dead letter")
             && reason.contains("publish the request again"),
