@@ -18,7 +18,8 @@
 //! ## Layout
 //!
 //! - [`protocol`]: the wire contract: subjects, headers, request and event bodies.
-//! - [`connect`]: connecting and authenticating to NATS.
+//! - [`connect`]: connecting and authenticating to NATS (`tls_probe`: naming
+//!   why a TLS handshake with it fails).
 //! - [`bus`]: the connection to a deployment; provisioning streams, KV buckets
 //!   and consumers; the queue check and dead letters.
 //! - [`delegate`]: submitting delegations ([`delegate::Delegator`]).

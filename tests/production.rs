@@ -242,6 +242,54 @@ async fn a_client_without_the_right_key_or_certificate_is_refused_and_no_secret_
     }
 }
 
+/// A failed TLS handshake reaches async-nats as an I/O error, like a
+/// server that is down; the handshake a service then makes itself names
+/// the cause: a CA that did not sign the server's certificate, a client
+/// certificate the server refuses, or no server at all.
+#[tokio::test]
+async fn the_tls_probe_names_why_a_handshake_with_nats_fails() {
+    use wakebus::connect::TlsProbeError;
+    init_logs();
+    let deployment = Deployment::start().await;
+    let good = deployment.config("worker");
+    good.probe_tls()
+        .await
+        .expect("the deployment's own files work");
+
+    let other = tempfile::tempdir().unwrap();
+    let other_ca = pki(other.path()).ca;
+    let wrong_ca = NatsConfig {
+        tls_ca: Some(other_ca),
+        ..good.clone()
+    };
+    let error = wrong_ca.probe_tls().await.expect_err("another CA");
+    assert!(
+        matches!(&error, TlsProbeError::Handshake { reason, .. } if reason.contains("invalid peer certificate")),
+        "{error}"
+    );
+
+    let no_certificate = NatsConfig {
+        tls_cert: None,
+        tls_key: None,
+        ..good.clone()
+    };
+    let error = no_certificate
+        .probe_tls()
+        .await
+        .expect_err("no client certificate");
+    assert!(matches!(error, TlsProbeError::Refused { .. }), "{error}");
+
+    let nobody = NatsConfig {
+        url: format!("tls://127.0.0.1:{}", common::nats::free_port()),
+        ..good.clone()
+    };
+    let error = nobody.probe_tls().await.expect_err("no server");
+    assert!(
+        matches!(error, TlsProbeError::Unreachable { .. }),
+        "{error}"
+    );
+}
+
 #[tokio::test]
 async fn the_cli_authenticates_with_a_token_or_password_file_from_flags_environment_or_config_file()
 {

@@ -9,6 +9,10 @@ use async_nats::connection::State;
 use async_nats::{Client, ConnectOptions, Event, ServerAddr};
 use tracing::{error, info, warn};
 
+mod tls_probe;
+
+pub use tls_probe::TlsProbeError;
+
 /// How to reach and authenticate to NATS. Secrets are read from files so that
 /// they never appear in process listings or logs.
 #[derive(Debug, Clone, Default)]
@@ -243,12 +247,20 @@ impl NatsConfig {
         if wait_for_server {
             options = options.retry_on_initial_connect();
         }
-        let tls = self.tls_ca.is_some() || self.tls_cert.is_some();
+        // What a failed connect probes with, when TLS is set.
+        let tls_url = self
+            .url
+            .split(',')
+            .any(|url| url.trim().to_ascii_lowercase().starts_with("tls://"));
+        let probe = (tls_url || self.tls_ca.is_some() || self.tls_cert.is_some())
+            .then(|| std::sync::Arc::new(self.clone()));
         Ok(options
             .max_reconnects(None)
             .ping_interval(PING_INTERVAL)
             .connection_timeout(per_server)
-            .event_callback(move |event| async move {
+            .event_callback(move |event| {
+                let probe = probe.clone();
+                async move {
                 match event {
                     Event::Connected => info!("Connected to NATS."),
                     // Once per connection lost (a failed reconnect attempt
@@ -280,11 +292,17 @@ impl NatsConfig {
                     // server's certificate, a client certificate the server
                     // refuses, a server without TLS) reaches the client as
                     // a closed connection, like a server that is down: with
-                    // TLS set, said so at most once a minute.
-                    other if tls && is_io_failure(&other) && once_a_minute(&TLS_IO_SAID) => warn!(
-                        event = %other,
-                        "Cannot connect to NATS: the server is down or unreachable, or the TLS handshake failed (a CA that did not sign the server's certificate, a client certificate the server refuses or that expired); the server's log and the client's debug log (RUST_LOG=async_nats=debug) tell which (said at most once a minute)."
-                    ),
+                    // TLS set, a handshake of our own tells which, at most
+                    // once a minute.
+                    other
+                        if probe.is_some()
+                            && is_io_failure(&other)
+                            && once_a_minute(&TLS_IO_SAID) =>
+                    {
+                        if let Some(config) = &probe {
+                            tokio::spawn(say_why_tls_fails(config.clone(), other.to_string()));
+                        }
+                    }
                     // A subscription the service needs (its replies, the
                     // cancel broadcasts): without it, it cannot work.
                     other if is_denial(&other) && other.to_string().to_ascii_lowercase().contains("violation for subscription") => error!(
@@ -305,6 +323,7 @@ impl NatsConfig {
                     Event::SlowConsumer(sid) if once_a_minute(&SLOW_CONSUMER_SAID) => warn!(sid, "A subscription of this client fell behind and the client dropped messages for it (said at most once a minute)."),
                     Event::SlowConsumer(_) => {}
                     other => info!(event = %other, "NATS client event."),
+                }
                 }
             }))
     }
@@ -636,7 +655,8 @@ static SLOW_CONSUMER_SAID: AtomicU64 = AtomicU64::new(0);
 /// When a client last said it cannot set up TLS (process seconds).
 static TLS_FAILURE_SAID: AtomicU64 = AtomicU64::new(0);
 
-/// When a client with TLS set last said it cannot connect (process seconds).
+/// When a client with TLS set last probed why it cannot connect (process
+/// seconds).
 static TLS_IO_SAID: AtomicU64 = AtomicU64::new(0);
 
 /// Whether a minute has passed since `last` (then set to now).
@@ -670,6 +690,23 @@ fn once_a_minute_at(last: &AtomicU64, now: u64) -> bool {
 fn is_refusal(event: &Event) -> bool {
     let text = event.to_string().to_ascii_lowercase();
     text.contains("authorization violation") || text.contains("authentication")
+}
+
+/// Probes the TLS handshake after a failed connect of a client with TLS
+/// set, and says what it found: the handshake's own failure is an ERROR (an
+/// operator must fix a certificate), a server out of reach a WARN.
+async fn say_why_tls_fails(config: std::sync::Arc<NatsConfig>, event: String) {
+    match config.probe_tls().await {
+        Ok(()) => {
+            warn!(%event, "Cannot connect to NATS, though a TLS handshake with the server works: it is restarting, or refused this client for another reason (its log says which; checked at most once a minute).")
+        }
+        Err(error @ TlsProbeError::Unreachable { .. }) => {
+            warn!(%event, %error, "Cannot connect to NATS: the server is down or unreachable (checked at most once a minute).")
+        }
+        Err(error) => {
+            error!(%event, %error, "The TLS handshake with NATS fails: check --tls-ca (the CA of the server's certificate), --tls-cert and --tls-key (a certificate the server accepts, not expired) and the server's TLS settings (checked at most once a minute).")
+        }
+    }
 }
 
 /// Whether a client event is a failed TLS setup (reading the files).

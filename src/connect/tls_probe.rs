@@ -1,0 +1,173 @@
+//! Naming the cause of a failed TLS handshake with NATS.
+//!
+//! async-nats reports a handshake that fails (a CA that did not sign the
+//! server's certificate, a client certificate the server refuses, a server
+//! without TLS) as an I/O error, like a server that is down, and logs the
+//! cause only at debug level. [`NatsConfig::probe_tls`] makes the handshake
+//! itself, with the same files, and says what went wrong: a service runs it
+//! when its TLS connects keep failing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::pki_types::pem::PemObject as _;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, BufReader};
+use tokio::net::TcpStream;
+
+use super::NatsConfig;
+
+/// How long each step of the probe waits: the connect, the server's INFO,
+/// the handshake.
+const STEP: Duration = Duration::from_secs(3);
+
+/// How long the probe waits after the handshake for the server to refuse
+/// the client's certificate (TLS 1.3 says so only after the handshake).
+const REFUSAL_WAIT: Duration = Duration::from_millis(500);
+
+/// Why a probe's handshake did not succeed.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsProbeError {
+    /// The TLS files, the system's roots or the server URL cannot be used.
+    #[error("{0}")]
+    Config(String),
+    /// No TCP connection to the server: it is down or unreachable.
+    #[error("cannot reach {addr}: {reason}")]
+    Unreachable {
+        /// `host:port`.
+        addr: String,
+        /// What the connect said.
+        reason: String,
+    },
+    /// The handshake failed on the client's side: most often a CA that did
+    /// not sign the server's certificate, or a certificate for another
+    /// name.
+    #[error("TLS handshake with {addr} failed: {reason}")]
+    Handshake {
+        /// `host:port`.
+        addr: String,
+        /// What rustls said.
+        reason: String,
+    },
+    /// The server ended the connection right after the handshake: it
+    /// refused the client's certificate (none, expired, another CA's).
+    #[error("{addr} refused the client certificate: {reason}")]
+    Refused {
+        /// `host:port`.
+        addr: String,
+        /// What the server's alert or the closed connection said.
+        reason: String,
+    },
+}
+
+impl NatsConfig {
+    /// Makes a TLS handshake with each server in the URL, with this
+    /// config's CA and client certificate, and returns the first failure
+    /// that is the handshake's (or, if no server could be reached, that).
+    /// `Ok` when a handshake with one of them succeeded.
+    pub async fn probe_tls(&self) -> Result<(), TlsProbeError> {
+        let tls = Arc::new(self.probe_client_config()?);
+        let servers = self
+            .servers()
+            .map_err(|error| TlsProbeError::Config(error.to_string()))?;
+        let mut unreachable = None;
+        for server in servers {
+            match probe_one(&tls, server.host(), server.port()).await {
+                Ok(()) => return Ok(()),
+                Err(error @ TlsProbeError::Unreachable { .. }) => {
+                    unreachable.get_or_insert(error);
+                }
+                Err(error) => return Err(error),
+            }
+        }
+        Err(unreachable.unwrap_or_else(|| TlsProbeError::Config("no server to probe".to_owned())))
+    }
+
+    /// The rustls client configuration the NATS client would use: this
+    /// config's CA as the only root (the system's roots without one), and
+    /// its client certificate if any.
+    fn probe_client_config(&self) -> Result<rustls::ClientConfig, TlsProbeError> {
+        let config_error = |error: String| TlsProbeError::Config(error);
+        let mut roots = rustls::RootCertStore::empty();
+        if let Some(ca) = &self.tls_ca {
+            for certificate in
+                CertificateDer::pem_file_iter(ca).map_err(|e| config_error(e.to_string()))?
+            {
+                let certificate = certificate.map_err(|e| config_error(e.to_string()))?;
+                roots
+                    .add(certificate)
+                    .map_err(|e| config_error(e.to_string()))?;
+            }
+        } else {
+            let (added, _) =
+                roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+            if added == 0 {
+                return Err(config_error(
+                    "no --tls-ca given and no system root certificate found".to_owned(),
+                ));
+            }
+        }
+        // The provider the NATS client uses too.
+        crate::http_client::install_crypto_provider();
+        let builder = rustls::ClientConfig::builder().with_root_certificates(roots);
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => {
+                let chain = CertificateDer::pem_file_iter(cert)
+                    .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+                    .map_err(|e| config_error(e.to_string()))?;
+                let key =
+                    PrivateKeyDer::from_pem_file(key).map_err(|e| config_error(e.to_string()))?;
+                builder
+                    .with_client_auth_cert(chain, key)
+                    .map_err(|e| config_error(e.to_string()))
+            }
+            _ => Ok(builder.with_no_client_auth()),
+        }
+    }
+}
+
+/// One server: connect, read its INFO (sent before the TLS upgrade, unless
+/// it wants the handshake first), make the handshake, and wait a moment
+/// for a refusal of the client's certificate.
+async fn probe_one(
+    tls: &Arc<rustls::ClientConfig>,
+    host: &str,
+    port: u16,
+) -> Result<(), TlsProbeError> {
+    let addr = format!("{host}:{port}");
+    let unreachable = |reason: String| TlsProbeError::Unreachable {
+        addr: addr.clone(),
+        reason,
+    };
+    let tcp = tokio::time::timeout(STEP, TcpStream::connect((host, port)))
+        .await
+        .map_err(|_| unreachable("no answer".to_owned()))?
+        .map_err(|e| unreachable(e.to_string()))?;
+    let mut reader = BufReader::new(tcp);
+    let mut info = String::new();
+    // Nothing within the step: a server that wants the handshake first.
+    let _ = tokio::time::timeout(STEP, reader.read_line(&mut info)).await;
+    let name = ServerName::try_from(host.to_owned())
+        .map_err(|e| TlsProbeError::Config(format!("server name {host}: {e}")))?;
+    let handshake =
+        tokio_rustls::TlsConnector::from(tls.clone()).connect(name, reader.into_inner());
+    let handshake_failed = |reason: String| TlsProbeError::Handshake {
+        addr: addr.clone(),
+        reason,
+    };
+    let mut stream = tokio::time::timeout(STEP, handshake)
+        .await
+        .map_err(|_| handshake_failed("no answer".to_owned()))?
+        .map_err(|e| handshake_failed(e.to_string()))?;
+    let refused = |reason: String| TlsProbeError::Refused {
+        addr: addr.clone(),
+        reason,
+    };
+    let mut byte = [0u8; 1];
+    match tokio::time::timeout(REFUSAL_WAIT, stream.read(&mut byte)).await {
+        // The server waits for the client's CONNECT: the handshake held.
+        Err(_) | Ok(Ok(1..)) => Ok(()),
+        Ok(Ok(0)) => Err(refused("it closed the connection".to_owned())),
+        Ok(Err(e)) => Err(refused(e.to_string())),
+    }
+}
