@@ -21,6 +21,10 @@ use super::NatsConfig;
 /// the handshake.
 const STEP: Duration = Duration::from_secs(3);
 
+/// Most bytes of the server's INFO line the probe reads (nats-server's is
+/// a few hundred).
+const INFO_MAX: u64 = 64 * 1024;
+
 /// How long the probe waits after the handshake for the server to refuse
 /// the client's certificate (TLS 1.3 says so only after the handshake).
 const REFUSAL_WAIT: Duration = Duration::from_millis(500);
@@ -146,7 +150,9 @@ async fn probe_one(
     let mut reader = BufReader::new(tcp);
     let mut info = String::new();
     // Nothing within the step: a server that wants the handshake first.
-    let _ = tokio::time::timeout(STEP, reader.read_line(&mut info)).await;
+    // Bounded: what answers may not be a NATS server.
+    let mut first_line = (&mut reader).take(INFO_MAX);
+    let _ = tokio::time::timeout(STEP, first_line.read_line(&mut info)).await;
     let name = ServerName::try_from(host.to_owned())
         .map_err(|e| TlsProbeError::Config(format!("server name {host}: {e}")))?;
     let handshake =
