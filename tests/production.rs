@@ -248,13 +248,16 @@ async fn a_client_without_the_right_key_or_certificate_is_refused_and_no_secret_
 /// certificate the server refuses, or no server at all.
 #[tokio::test]
 async fn the_tls_probe_names_why_a_handshake_with_nats_fails() {
-    use wakebus::connect::TlsProbeError;
+    use wakebus::connect::{TlsProbeError, TlsProbeOutcome};
     init_logs();
     let deployment = Deployment::start().await;
     let good = deployment.config("worker");
-    good.probe_tls()
-        .await
-        .expect("the deployment's own files work");
+    assert_eq!(
+        good.probe_tls()
+            .await
+            .expect("the deployment's own files work"),
+        TlsProbeOutcome::Handshake
+    );
 
     let other = tempfile::tempdir().unwrap();
     let other_ca = pki(other.path()).ca;
@@ -283,6 +286,43 @@ async fn the_tls_probe_names_why_a_handshake_with_nats_fails() {
         url: format!("tls://127.0.0.1:{}", common::nats::free_port()),
         ..good.clone()
     };
+    let error = nobody.probe_tls().await.expect_err("no server");
+    assert!(
+        matches!(error, TlsProbeError::Unreachable { .. }),
+        "{error}"
+    );
+
+    // Given no TLS settings, the client upgrades because the server's INFO
+    // requires TLS, with the system's roots, which do not know the
+    // deployment's CA (or with none, on a machine without any).
+    let no_tls = NatsConfig {
+        tls_ca: None,
+        tls_cert: None,
+        tls_key: None,
+        ..good.clone()
+    };
+    let error = no_tls
+        .probe_tls()
+        .await
+        .expect_err("a server that requires TLS of a client without its CA");
+    assert!(
+        matches!(&error, TlsProbeError::Handshake { reason, .. } if reason.contains("invalid peer certificate"))
+            || matches!(&error, TlsProbeError::Config(reason) if reason.starts_with("the server requires TLS")),
+        "{error}"
+    );
+}
+
+/// A client without TLS settings, whose server does not require TLS,
+/// makes no handshake: TLS is not why its connects fail.
+#[tokio::test]
+async fn the_tls_probe_of_a_client_without_tls_makes_no_handshake_with_a_plain_server() {
+    use wakebus::connect::{TlsProbeError, TlsProbeOutcome};
+    init_logs();
+    let nats = NatsServer::start().await;
+    let plain = NatsConfig::new(nats.url());
+    assert_eq!(plain.probe_tls().await.unwrap(), TlsProbeOutcome::NoTls);
+
+    let nobody = NatsConfig::new(format!("nats://127.0.0.1:{}", common::nats::free_port()));
     let error = nobody.probe_tls().await.expect_err("no server");
     assert!(
         matches!(error, TlsProbeError::Unreachable { .. }),

@@ -11,7 +11,7 @@ use tracing::{error, info, warn};
 
 mod tls_probe;
 
-pub use tls_probe::TlsProbeError;
+pub use tls_probe::{TlsProbeError, TlsProbeOutcome};
 
 /// How to reach and authenticate to NATS. Secrets are read from files so that
 /// they never appear in process listings or logs.
@@ -247,13 +247,8 @@ impl NatsConfig {
         if wait_for_server {
             options = options.retry_on_initial_connect();
         }
-        // What a failed connect probes with, when TLS is set.
-        let tls_url = self
-            .url
-            .split(',')
-            .any(|url| url.trim().to_ascii_lowercase().starts_with("tls://"));
-        let probe = (tls_url || self.tls_ca.is_some() || self.tls_cert.is_some())
-            .then(|| std::sync::Arc::new(self.clone()));
+        // What a failed connect probes with.
+        let probe = std::sync::Arc::new(self.clone());
         Ok(options
             .max_reconnects(None)
             .ping_interval(PING_INTERVAL)
@@ -290,18 +285,13 @@ impl NatsConfig {
                     }
                     // A failed handshake (a CA that did not sign the
                     // server's certificate, a client certificate the server
-                    // refuses, a server without TLS) reaches the client as
-                    // a closed connection, like a server that is down: with
-                    // TLS set, a handshake of our own tells which, at most
-                    // once a minute.
-                    other
-                        if probe.is_some()
-                            && is_io_failure(&other)
-                            && once_a_minute(&TLS_IO_SAID) =>
-                    {
-                        if let Some(config) = &probe {
-                            tokio::spawn(say_why_tls_fails(config.clone(), other.to_string()));
-                        }
+                    // refuses, a server without TLS, a server requiring TLS
+                    // of a client given no CA) reaches the client as a
+                    // closed connection, like a server that is down: a
+                    // handshake of our own tells which, at most once a
+                    // minute.
+                    other if is_io_failure(&other) && once_a_minute(&TLS_IO_SAID) => {
+                        tokio::spawn(say_why_tls_fails(probe, other.to_string()));
                     }
                     // A subscription the service needs (its replies, the
                     // cancel broadcasts): without it, it cannot work.
@@ -655,8 +645,7 @@ static SLOW_CONSUMER_SAID: AtomicU64 = AtomicU64::new(0);
 /// When a client last said it cannot set up TLS (process seconds).
 static TLS_FAILURE_SAID: AtomicU64 = AtomicU64::new(0);
 
-/// When a client with TLS set last probed why it cannot connect (process
-/// seconds).
+/// When a client last probed why it cannot connect (process seconds).
 static TLS_IO_SAID: AtomicU64 = AtomicU64::new(0);
 
 /// Whether a minute has passed since `last` (then set to now).
@@ -692,19 +681,25 @@ fn is_refusal(event: &Event) -> bool {
     text.contains("authorization violation") || text.contains("authentication")
 }
 
-/// Probes the TLS handshake after a failed connect of a client with TLS
-/// set, and says what it found: the handshake's own failure is an ERROR (an
-/// operator must fix a certificate), a server out of reach a WARN.
+/// Probes the TLS handshake after a failed connect, and says what it
+/// found: the handshake's own failure is an ERROR (an operator must fix a
+/// certificate, or give a CA), a server out of reach a WARN.
 async fn say_why_tls_fails(config: std::sync::Arc<NatsConfig>, event: String) {
     match config.probe_tls().await {
-        Ok(()) => {
+        Ok(TlsProbeOutcome::Handshake) => {
             warn!(%event, "Cannot connect to NATS, though a TLS handshake with the server works: it is restarting, or refused this client for another reason (its log says which; checked at most once a minute).")
+        }
+        Ok(TlsProbeOutcome::NoTls) => {
+            warn!(%event, "Cannot connect to NATS, though the server answers: it is restarting, or refused this client for another reason (its log says which; checked at most once a minute).")
         }
         Err(error @ TlsProbeError::Unreachable { .. }) => {
             warn!(%event, %error, "Cannot connect to NATS: the server is down or unreachable (checked at most once a minute).")
         }
-        Err(error) => {
+        Err(error) if config.uses_tls() => {
             error!(%event, %error, "The TLS handshake with NATS fails: check --tls-ca (the CA of the server's certificate), --tls-cert and --tls-key (a certificate the server accepts, not expired) and the server's TLS settings (checked at most once a minute).")
+        }
+        Err(error) => {
+            error!(%event, %error, "The NATS server requires TLS and the handshake with the system's root certificates fails: give --tls-ca (the CA of the server's certificate), and --tls-cert and --tls-key if the server asks for a client certificate (checked at most once a minute).")
         }
     }
 }

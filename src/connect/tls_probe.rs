@@ -5,7 +5,10 @@
 //! without TLS) as an I/O error, like a server that is down, and logs the
 //! cause only at debug level. [`NatsConfig::probe_tls`] makes the handshake
 //! itself, with the same files, and says what went wrong: a service runs it
-//! when its TLS connects keep failing.
+//! when its connects keep failing. A client given no TLS settings makes the
+//! handshake too when the server's INFO requires TLS (async-nats then
+//! upgrades with the system's root certificates, which do not know a
+//! private CA).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,6 +31,16 @@ const INFO_MAX: u64 = 64 * 1024;
 /// How long the probe waits after the handshake for the server to refuse
 /// the client's certificate (TLS 1.3 says so only after the handshake).
 const REFUSAL_WAIT: Duration = Duration::from_millis(500);
+
+/// What a probe found when nothing failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsProbeOutcome {
+    /// A TLS handshake with a server succeeded.
+    Handshake,
+    /// The server does not require TLS and this config does not use it:
+    /// no handshake was made, and TLS is not why a connect fails.
+    NoTls,
+}
 
 /// Why a probe's handshake did not succeed.
 #[derive(Debug, thiserror::Error)]
@@ -68,16 +81,25 @@ impl NatsConfig {
     /// Makes a TLS handshake with each server in the URL, with this
     /// config's CA and client certificate, and returns the first failure
     /// that is the handshake's (or, if no server could be reached, that).
-    /// `Ok` when a handshake with one of them succeeded.
-    pub async fn probe_tls(&self) -> Result<(), TlsProbeError> {
-        let tls = Arc::new(self.probe_client_config()?);
+    /// A config without TLS settings makes one only with a server whose
+    /// INFO requires TLS. `Ok` when a handshake with one of them succeeded,
+    /// or no server required one of a config without TLS.
+    pub async fn probe_tls(&self) -> Result<TlsProbeOutcome, TlsProbeError> {
+        let uses_tls = self.uses_tls();
+        // A client without TLS settings needs the system's roots only if a
+        // server requires TLS: not finding any is that server's failure.
+        let tls = match self.probe_client_config() {
+            Ok(config) => Ok(Arc::new(config)),
+            Err(error) if uses_tls => return Err(error),
+            Err(error) => Err(error.to_string()),
+        };
         let servers = self
             .servers()
             .map_err(|error| TlsProbeError::Config(error.to_string()))?;
         let mut unreachable = None;
         for server in servers {
-            match probe_one(&tls, server.host(), server.port()).await {
-                Ok(()) => return Ok(()),
+            match probe_one(&tls, uses_tls, server.host(), server.port()).await {
+                Ok(outcome) => return Ok(outcome),
                 Err(error @ TlsProbeError::Unreachable { .. }) => {
                     unreachable.get_or_insert(error);
                 }
@@ -85,6 +107,17 @@ impl NatsConfig {
             }
         }
         Err(unreachable.unwrap_or_else(|| TlsProbeError::Config("no server to probe".to_owned())))
+    }
+
+    /// Whether this config asks for TLS itself: a CA, a client certificate
+    /// or a `tls://` URL (without them, the client upgrades only when the
+    /// server requires it).
+    pub(super) fn uses_tls(&self) -> bool {
+        let tls_url = self
+            .url
+            .split(',')
+            .any(|url| url.trim().to_ascii_lowercase().starts_with("tls://"));
+        tls_url || self.tls_ca.is_some() || self.tls_cert.is_some()
     }
 
     /// The rustls client configuration the NATS client would use: this
@@ -131,13 +164,16 @@ impl NatsConfig {
 }
 
 /// One server: connect, read its INFO (sent before the TLS upgrade, unless
-/// it wants the handshake first), make the handshake, and wait a moment
-/// for a refusal of the client's certificate.
+/// it wants the handshake first), make the handshake (without TLS settings,
+/// only if the INFO requires TLS), and wait a moment for a refusal of the
+/// client's certificate. `tls` is the rustls configuration, or why none
+/// could be made.
 async fn probe_one(
-    tls: &Arc<rustls::ClientConfig>,
+    tls: &Result<Arc<rustls::ClientConfig>, String>,
+    uses_tls: bool,
     host: &str,
     port: u16,
-) -> Result<(), TlsProbeError> {
+) -> Result<TlsProbeOutcome, TlsProbeError> {
     let addr = format!("{host}:{port}");
     let unreachable = |reason: String| TlsProbeError::Unreachable {
         addr: addr.clone(),
@@ -153,6 +189,12 @@ async fn probe_one(
     // Bounded: what answers may not be a NATS server.
     let mut first_line = (&mut reader).take(INFO_MAX);
     let _ = tokio::time::timeout(STEP, first_line.read_line(&mut info)).await;
+    if !uses_tls && !info.is_empty() && !requires_tls(&info) {
+        return Ok(TlsProbeOutcome::NoTls);
+    }
+    let tls = tls
+        .as_ref()
+        .map_err(|error| TlsProbeError::Config(format!("the server requires TLS, and {error}")))?;
     let name = ServerName::try_from(host.to_owned())
         .map_err(|e| TlsProbeError::Config(format!("server name {host}: {e}")))?;
     let handshake =
@@ -172,8 +214,41 @@ async fn probe_one(
     let mut byte = [0u8; 1];
     match tokio::time::timeout(REFUSAL_WAIT, stream.read(&mut byte)).await {
         // The server waits for the client's CONNECT: the handshake held.
-        Err(_) | Ok(Ok(1..)) => Ok(()),
+        Err(_) | Ok(Ok(1..)) => Ok(TlsProbeOutcome::Handshake),
         Ok(Ok(0)) => Err(refused("it closed the connection".to_owned())),
         Ok(Err(e)) => Err(refused(e.to_string())),
+    }
+}
+
+/// Whether a server's INFO line requires TLS (`"tls_required":true`). A
+/// line that is not INFO does not: the client would not upgrade for it.
+fn requires_tls(info: &str) -> bool {
+    info.strip_prefix("INFO")
+        .and_then(|json| serde_json::from_str::<serde_json::Value>(json.trim()).ok())
+        .and_then(|info| {
+            info.get("tls_required")
+                .and_then(serde_json::Value::as_bool)
+        })
+        .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_an_info_line_that_says_so_requires_tls() {
+        assert!(requires_tls(
+            "INFO {\"server_id\":\"x\",\"tls_required\":true,\"port\":4222}\r\n"
+        ));
+        for line in [
+            "INFO {\"server_id\":\"x\",\"tls_required\":false}\r\n",
+            "INFO {\"server_id\":\"x\"}\r\n",
+            "INFO not json\r\n",
+            "HTTP/1.1 400 Bad Request\r\n",
+            "",
+        ] {
+            assert!(!requires_tls(line), "{line:?}");
+        }
     }
 }
