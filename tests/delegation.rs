@@ -290,6 +290,93 @@ async fn a_silent_cancel_after_the_program_finished_keeps_its_result_and_wakes_n
     assert!(done.suppress_wake, "{done:?}");
 }
 
+/// A silent cancel that comes while the worker is still trying to store a
+/// finished task's completion (the events stream not taking it) keeps the
+/// session from hearing of the task, as one that came a moment earlier
+/// does.
+#[tokio::test]
+async fn a_silent_cancel_while_the_completion_waits_to_be_stored_still_silences_the_wake() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.worker(&bus, shell("echo ran"), test_worker_config("default"));
+    // Started (it sets its streams as it wants them), and waiting.
+    wait_until(WAIT, "the worker pulling", || async {
+        let consumer = bus
+            .js
+            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                bus.subjects.worker_consumer("default"),
+                bus.subjects.tasks_stream(),
+            )
+            .await;
+        match consumer {
+            Ok(mut consumer) => consumer.info().await.is_ok_and(|info| info.num_waiting > 0),
+            Err(_) => false,
+        }
+    })
+    .await;
+    // Dated now: a first delivery of it is not checked against the
+    // history, which does not answer.
+    let mut req = request("s.late", "done early");
+    req.created_at = Some(time::OffsetDateTime::now_utc());
+    let id = req.delegation_id.clone();
+    let done_subject = bus.subjects.event(
+        &wakebus::protocol::session_token("s.late"),
+        &id,
+        0,
+        EventKind::Done,
+    );
+    // Every attempt to store the completion, as the worker sends it (not
+    // its empty probes of whether one is stored).
+    let mut attempts = bus
+        .client
+        .subscribe(done_subject)
+        .await
+        .unwrap()
+        .filter(|message| std::future::ready(!message.payload.is_empty()));
+    bus.client.flush().await.unwrap();
+    let config = events_stream_unanswered(&bus).await;
+    publish_until_stored(&bus, &req).await;
+    let first = tokio::time::timeout(WAIT, attempts.next())
+        .await
+        .expect("an attempt to store the completion")
+        .unwrap();
+    let first = CompletionEvent::decode(&first.payload).unwrap();
+    assert!(!first.suppress_wake, "{first:?}");
+    let report = Canceller::new(bus.clone())
+        .cancel_delegation(&id, true)
+        .await
+        .unwrap();
+    assert_eq!(report.status, "cancelled");
+    // The worker's later attempts carry the silence.
+    let silenced = tokio::time::timeout(WAIT, async {
+        while let Some(attempt) = attempts.next().await {
+            if CompletionEvent::decode(&attempt.payload)
+                .unwrap()
+                .suppress_wake
+            {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert!(
+        matches!(silenced, Ok(true)),
+        "no later attempt silenced the wake"
+    );
+    bus.js.update_stream(&config).await.unwrap();
+    wait_until(WAIT, "the completion stored", || async {
+        !done_events(&bus).await.is_empty()
+    })
+    .await;
+    services.stop().await;
+    let done = &done_events(&bus).await[0];
+    assert_eq!(done.status, Status::Completed, "{done:?}");
+    assert!(done.suppress_wake, "{done:?}");
+}
+
 #[tokio::test]
 async fn a_task_cancelled_before_its_started_event_is_written_is_still_interrupted() {
     init_logs();

@@ -1192,6 +1192,81 @@ async fn a_completion_is_cut_again_for_a_server_that_comes_back_taking_smaller_m
     assert!(summary.len() < 1024 * 1024, "{}", summary.len());
 }
 
+/// Caps `stream`'s max message size at `bytes`, below the server's max
+/// payload, as an operator may (provisioning keeps it).
+async fn cap_message_size(bus: &Bus, stream: &str, bytes: i32) {
+    let mut handle = bus.js.get_stream(stream).await.expect("stream");
+    let mut config = handle.info().await.expect("info").config.clone();
+    config.max_message_size = bytes;
+    bus.js.update_stream(config).await.expect("cap the stream");
+}
+
+/// An events stream whose max message size an operator set below the
+/// server's max payload refuses a completion cut to the server's: the
+/// same bytes on every try, the task held for ever. The worker cuts it
+/// until the stream takes it.
+#[tokio::test]
+async fn a_completion_is_cut_to_fit_an_events_stream_capped_below_the_max_payload() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    cap_message_size(&bus, &bus.subjects.events_stream(), 64 * 1024).await;
+    let mut services = Services::new();
+    services.worker(
+        &bus,
+        shell("head -c 300000 /dev/zero | tr '\\0' a"),
+        test_worker_config("default"),
+    );
+    let req = request("s.capped", "a long answer");
+    publish_until_stored(&bus, &req).await;
+    wait_until(Duration::from_secs(30), "the completion stored", || async {
+        !done_events(&bus).await.is_empty()
+    })
+    .await;
+    services.stop().await;
+    let done = done_events(&bus).await;
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].status, Status::Completed, "{:?}", done[0].error);
+    let summary = done[0].summary.clone().unwrap_or_default();
+    assert!(summary.len() < 64 * 1024, "{}", summary.len());
+    assert!(summary.starts_with("aaaa"), "{summary:.40}");
+    assert!(summary.ends_with("[truncated to fit the NATS max payload]"));
+}
+
+/// A dead-letter stream capped below the server's max payload refuses the
+/// copy of a large unusable request: the worker stores a copy without the
+/// body instead of holding the request for ever, and the session still
+/// learns of the refusal.
+#[tokio::test]
+async fn an_unusable_request_is_dead_lettered_without_its_body_to_a_capped_dead_letter_stream() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    cap_message_size(&bus, &bus.subjects.dead_letter_stream(), 8 * 1024).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    // A blank goal: refused, with 20 KB of context.
+    let mut req = request("s.capped-dlq", " ");
+    req.context = "c".repeat(20_000);
+    publish_until_stored(&bus, &req).await;
+    wait_until(Duration::from_secs(30), "the refusal stored", || async {
+        !done_events(&bus).await.is_empty()
+    })
+    .await;
+    services.stop().await;
+    let done = done_events(&bus).await;
+    assert_eq!(done[0].status, Status::Error, "{done:?}");
+    let dead = all_messages(&bus, &bus.subjects.dead_letter_stream()).await;
+    assert_eq!(dead.len(), 1);
+    assert!(dead[0].payload.is_empty(), "{}", dead[0].payload.len());
+    let reason = dead[0]
+        .headers
+        .get(wakebus::protocol::HEADER_DEAD_LETTER_REASON)
+        .expect("a reason")
+        .as_str();
+    assert!(reason.starts_with("(body of "), "{reason}");
+}
+
 /// A task's in-progress acks keep one pace from its delivery to its end,
 /// whatever steps its handling goes through. Here it first asks whether an
 /// earlier copy already completed it while no stream answers (a leader

@@ -3,6 +3,7 @@
 
 use async_nats::HeaderMap;
 use async_nats::jetstream;
+use tracing::warn;
 
 use super::{Bus, PublishError};
 use crate::protocol::{HEADER_DEAD_LETTER_REASON, HEADER_MSG_ID, header_safe, is_server_directive};
@@ -32,15 +33,28 @@ impl Bus {
         msg_id: &str,
         kind: &'static str,
     ) -> Result<(), PublishError> {
-        let max_payload = self.max_payload();
-        let (headers, payload) = dead_letter_parts(
-            message.headers.as_ref(),
-            &message.payload,
-            reason,
-            msg_id,
-            max_payload,
-        );
-        self.publish_stored(subject, headers, payload).await?;
+        let mut limit = self.max_payload();
+        loop {
+            let (headers, payload) = dead_letter_parts(
+                message.headers.as_ref(),
+                &message.payload,
+                reason,
+                msg_id,
+                limit,
+            );
+            let size = header_bytes(&headers) + payload.len();
+            match self.publish_stored(subject.clone(), headers, payload).await {
+                Ok(_) => break,
+                // A dead-letter stream whose max message size is below the
+                // server's max payload: a copy of half the size, down to
+                // one without the original's body and headers.
+                Err(error) if error.is_too_large() && size < limit => {
+                    warn!(%error, size, "The dead-letter stream refused the copy for its size (its max message size is below the server's max payload); storing a smaller one.");
+                    limit = size / 2;
+                }
+                Err(error) => return Err(error),
+            }
+        }
         crate::ops::metrics::dead_lettered(kind);
         Ok(())
     }

@@ -308,3 +308,30 @@ pub enum PublishError {
         stream: String,
     },
 }
+
+impl PublishError {
+    /// Whether the message was refused for its size: over the server's max
+    /// payload (the client's own check), or over the stream's max message
+    /// size or header size (`10054`, `10097`), which an operator may set
+    /// below the server's max payload. The same bytes would be refused on
+    /// every try; a smaller copy may be taken.
+    pub fn is_too_large(&self) -> bool {
+        use async_nats::jetstream::context::PublishErrorKind;
+        use async_nats::jetstream::{Error, ErrorCode};
+        let Self::Publish(error) = self else {
+            return false;
+        };
+        if error.kind() == PublishErrorKind::MaxPayloadExceeded {
+            return true;
+        }
+        std::error::Error::source(error)
+            .and_then(|source| source.downcast_ref::<Error>())
+            .is_some_and(|error| {
+                matches!(
+                    error.error_code(),
+                    ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM
+                        | ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM
+                )
+            })
+    }
+}

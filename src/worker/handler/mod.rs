@@ -14,9 +14,10 @@ mod execute;
 mod publish;
 
 pub use decode::{Rejected, decode_request};
-use publish::fit_to_payload;
 pub(crate) use publish::token_for;
+use publish::{fit_to_payload, half_size_limit};
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -434,7 +435,8 @@ impl TaskHandler {
         done.suppress_wake = suppress_wake;
         done.truncated = output.truncated;
         info!(status = %done.status, duration_ms = duration.as_millis() as u64, "Task done.");
-        self.finish(&request, trace, done, Ending::Ran, stop).await
+        self.finish(&request, trace, done, Ending::Ran(&reason), stop)
+            .await
     }
 
     /// Publishes the completion, cut to fit in one message (every
@@ -452,30 +454,53 @@ impl TaskHandler {
         request: &TaskRequest,
         trace: TraceParent,
         mut done: CompletionEvent,
-        ending: Ending,
+        ending: Ending<'_>,
         stop: &CancellationToken,
     ) -> Outcome {
         let fitted_for = self.bus.max_payload();
         fit_to_payload(&mut done, fitted_for);
         let done = &done;
-        // Fitted again after a reconnect to a server that takes less: cut
-        // for the old one, it would be refused on every try.
+        // The most the events stream took: an operator may cap its max
+        // message size below the server's max payload. Lowered at each
+        // refusal for size, whose bytes would be refused on every try.
+        let stream_limit = AtomicUsize::new(usize::MAX);
+        // Fitted again after a reconnect to a server that takes less (cut
+        // for the old one, it would be refused on every try), or below
+        // the stream's limit.
+        // A silent cancel that comes while the completion is not stored
+        // yet (the stream refusing it) still keeps the session from hearing
+        // of the task, unless a copy was stored meanwhile.
         let publish = || {
-            let now = self.bus.max_payload();
-            let smaller = (now < fitted_for).then(|| {
-                let mut smaller = done.clone();
-                fit_to_payload(&mut smaller, now);
-                smaller
+            let now = self
+                .bus
+                .max_payload()
+                .min(stream_limit.load(Ordering::Relaxed));
+            let silenced = !done.suppress_wake && ending.silenced();
+            let changed = (now < fitted_for || silenced).then(|| {
+                let mut changed = done.clone();
+                if now < fitted_for {
+                    fit_to_payload(&mut changed, now);
+                }
+                changed.suppress_wake |= silenced;
+                changed
             });
+            let stream_limit = &stream_limit;
             async move {
-                let done = smaller.as_ref().unwrap_or(done);
-                self.publish(request, EventKind::Done, trace, done).await
+                let done = changed.as_ref().unwrap_or(done);
+                let published = self.publish(request, EventKind::Done, trace, done).await;
+                if let Err(error) = &published
+                    && error.is_too_large()
+                {
+                    warn!(%error, "The events stream refused the completion for its size (its max message size is below the server's max payload); cutting it to half.");
+                    stream_limit.store(half_size_limit(done).min(now), Ordering::Relaxed);
+                }
+                published
             }
         };
         let stored = self.until_stored(Record::Completion, publish, stop).await;
         match stored {
             Ok(()) => {
-                let ran = matches!(ending, Ending::Ran)
+                let ran = matches!(ending, Ending::Ran(_))
                     .then(|| Duration::from_secs_f64(done.duration_seconds));
                 m::task_completed(&self.config.pool, done.status, ran);
                 Outcome::Ack
@@ -877,9 +902,10 @@ const GIVEN_UP_ATTEMPTS: &str = "max_attempts_exceeded";
 
 /// How a task ends whose completion `TaskHandler::finish` stores.
 #[derive(Debug, Clone, Copy)]
-enum Ending {
-    /// It ran and has a result.
-    Ran,
+enum Ending<'a> {
+    /// It ran and has a result; why its run was stopped, if it was (a
+    /// silent cancel may still come while the result is being stored).
+    Ran(&'a OnceLock<StopReason>),
     /// It was given up (attempts or deliveries used up): a stop before
     /// the completion is stored hands it back to be given up again.
     GivenUp,
@@ -889,6 +915,14 @@ enum Ending {
     /// It was refused before it ran (nested too deep): a stop before the
     /// completion is stored hands it back to be refused again.
     Refused,
+}
+
+impl Ending<'_> {
+    /// Whether the session asked not to hear of the task: a silent cancel
+    /// of a run.
+    fn silenced(self) -> bool {
+        matches!(self, Self::Ran(reason) if matches!(reason.get(), Some(StopReason::Cancelled { silent: true })))
+    }
 }
 
 /// What a worker stores for a task it holds, kept until stored.

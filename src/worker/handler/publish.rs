@@ -250,6 +250,13 @@ pub(super) fn fit_to_payload(done: &mut CompletionEvent, max_payload: usize) {
     }
 }
 
+/// The max payload at which [`fit_to_payload`] cuts `done` to about half
+/// its size: for a stream that refused it as too large.
+pub(super) fn half_size_limit(done: &CompletionEvent) -> usize {
+    let body = serde_json::to_vec(done).map_or(0, |v| v.len());
+    body / 2 + PAYLOAD_MARGIN + done.origin_session_id.as_ref().map_or(0, String::len)
+}
+
 /// Ends a text [`fit_to_payload`] cut.
 const CUT_MARK: &str = "\n[truncated to fit the NATS max payload]";
 
