@@ -1408,6 +1408,56 @@ async fn a_retry_after_a_server_restart_does_not_run_a_finished_task_again() {
     assert_eq!(queued[0].created_at, Some(first_record.time));
 }
 
+/// The task queue forgets a request's id once its duplicate window has
+/// passed, even while it still holds the request. A delegation sent again
+/// under its id after that, while one of its requests still waits for a
+/// worker, must not store that request beside the first (both would run),
+/// and still sends the task never stored.
+#[tokio::test]
+async fn a_retry_after_the_duplicate_window_does_not_send_a_request_still_queued_again() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let settings = wakebus::bus::BusSettings {
+        duplicate_window: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let client = wakebus::connect::NatsConfig::new(nats.url())
+        .connect()
+        .await
+        .unwrap();
+    let prefix = unique_prefix();
+    let bus = wakebus::bus::Bus::new(client, wakebus::protocol::Subjects::new(&prefix).unwrap());
+    bus.provision(&settings).await.unwrap();
+    let (_, config) = take_one_request_only(&bus).await;
+    let delegation = || Delegation::batch(["first", "second"].map(String::from)).session("s.q2");
+    let error = Delegator::new(bus.clone())
+        .delegate(delegation())
+        .await
+        .unwrap_err();
+    let DelegateError::NotStored { delegation_id, .. } = &error else {
+        panic!("{error}");
+    };
+    bus.js.update_stream(&config).await.unwrap();
+    // Another request, sent after the first delegation's, stored again
+    // as a new message: the window has passed for the delegation's too.
+    let marker = request("s.marker", "marker");
+    publish_until_stored(&bus, &marker).await;
+    publish_until_stored_anew(&bus, &marker).await;
+
+    let mut again = delegation();
+    again.delegation_id = Some(delegation_id.clone());
+    Delegator::new(bus.clone()).delegate(again).await.unwrap();
+    let mut indexes: Vec<u32> = all_messages(&bus, &bus.subjects.tasks_stream())
+        .await
+        .iter()
+        .map(|m| TaskRequest::decode(&m.payload).unwrap())
+        .filter(|r| &r.delegation_id == delegation_id)
+        .map(|r| r.task_index)
+        .collect();
+    indexes.sort_unstable();
+    assert_eq!(indexes, [0, 1], "each task queued once");
+}
+
 /// JetStream drops a request sent again under its `Nats-Msg-Id` only within
 /// the requests stream's duplicate window (1 s here). A delegation sent
 /// again under its id later sends nothing for a task that has a

@@ -14,28 +14,39 @@ const QUEUE_SCAN_LIMIT: u64 = 10_000;
 /// assumes the answer is yes.
 const QUEUE_SCAN_BUDGET: std::time::Duration = std::time::Duration::from_secs(3);
 
-/// Just a request's delegation id, read without decoding the rest.
+/// Just a request's delegation id and task index, read without decoding
+/// the rest.
 #[derive(serde::Deserialize)]
 struct DelegationIdOnly<'a> {
     /// Borrowed where the JSON has no escapes, as ids never need.
     #[serde(borrow)]
     delegation_id: Option<std::borrow::Cow<'a, str>>,
+    /// Which task of the delegation it is (0 when left out).
+    #[serde(default)]
+    task_index: Option<u32>,
 }
 
-/// Whether a stored request is of `delegation_id`: by its
-/// `Wakebus-Delegation-Id` header, or by its body, whose id is the one a
-/// worker runs it under (the header is optional for publishers, and a
-/// re-sent request may carry an old one: PROTOCOL.md, 4.2).
-fn request_of(
+/// The task index of a stored request of `delegation_id`, if it is one:
+/// by its body, whose id and index are those a worker runs it under, or
+/// by its `Wakebus-Delegation-Id` and `Wakebus-Task-Index` headers (the
+/// headers are optional for publishers, and a re-sent request may carry
+/// old ones: PROTOCOL.md, 4.2).
+fn task_of(
     message: &async_nats::jetstream::message::StreamMessage,
     delegation_id: &str,
-) -> bool {
-    message
-        .headers
-        .get(crate::protocol::HEADER_DELEGATION_ID)
-        .is_some_and(|id| id.as_str() == delegation_id)
-        || serde_json::from_slice::<DelegationIdOnly<'_>>(&message.payload)
-            .is_ok_and(|body| body.delegation_id.as_deref() == Some(delegation_id))
+) -> Option<u32> {
+    let body = serde_json::from_slice::<DelegationIdOnly<'_>>(&message.payload).ok();
+    if let Some(body) = &body
+        && body.delegation_id.as_deref() == Some(delegation_id)
+    {
+        return Some(body.task_index.unwrap_or(0));
+    }
+    let header = |name| message.headers.get(name).map(|value| value.as_str());
+    (header(crate::protocol::HEADER_DELEGATION_ID) == Some(delegation_id)).then(|| {
+        header(crate::protocol::HEADER_TASK_INDEX)
+            .and_then(|index| index.parse().ok())
+            .unwrap_or(0)
+    })
 }
 
 impl Bus {
@@ -54,6 +65,35 @@ impl Bus {
     pub(crate) async fn find_queued(
         &self,
         delegation_id: &str,
+    ) -> Result<Option<bool>, async_nats::Error> {
+        self.scan_queue(|message| task_of(message, delegation_id).is_some())
+            .await
+    }
+
+    /// The task indexes of `delegation_id`'s requests in the task queue
+    /// (waiting, or running and not yet acknowledged), or `None` when it
+    /// cannot tell, as [`Self::find_queued`].
+    pub(crate) async fn queued_tasks(
+        &self,
+        delegation_id: &str,
+    ) -> Result<Option<std::collections::BTreeSet<u32>>, async_nats::Error> {
+        let mut queued = std::collections::BTreeSet::new();
+        let read = self
+            .scan_queue(|message| {
+                queued.extend(task_of(message, delegation_id));
+                false
+            })
+            .await?;
+        Ok(read.map(|_| queued))
+    }
+
+    /// Reads the requests stored in the task queue, in order, until `found`
+    /// says yes of one: `Some(true)` then, `Some(false)` when none was,
+    /// `None` when the queue is longer than the scan limit, or the scan
+    /// takes longer than its budget.
+    async fn scan_queue(
+        &self,
+        mut found: impl FnMut(&async_nats::jetstream::message::StreamMessage) -> bool,
     ) -> Result<Option<bool>, async_nats::Error> {
         let mut tasks = self.js.get_stream(self.subjects.tasks_stream()).await?;
         let state = tasks.info().await?.state.clone();
@@ -83,7 +123,7 @@ impl Bus {
                 }
                 Err(error) => return Err(error.into()),
             };
-            if request_of(&message, delegation_id) {
+            if found(&message) {
                 return Ok(Some(true));
             }
             from = message.sequence + 1;

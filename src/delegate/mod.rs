@@ -356,14 +356,15 @@ impl Delegator {
     /// every completion.
     pub async fn delegate(&self, delegation: Delegation) -> Result<DelegateResult, DelegateError> {
         let mut requests = self.requests(&delegation)?;
-        let mut finished = Vec::new();
+        let mut sent_before = Vec::new();
         if delegation.delegation_id.is_some()
             && let Some(first) = self.first_submitted_at(&requests[0]).await
         {
             for request in &mut requests {
                 request.created_at = Some(first);
             }
-            finished = self.finished_tasks(&requests).await;
+            sent_before = self.finished_tasks(&requests).await;
+            self.add_queued_tasks(&requests, &mut sent_before).await;
         }
         // The delegation's span, parent of its tasks' spans (`otel` feature).
         let span = tracing::info_span!(
@@ -374,7 +375,7 @@ impl Delegator {
         );
         let trace = crate::telemetry::hop(&span, delegation.traceparent);
         span.record("trace_id", trace.trace_id_hex());
-        self.publish_all(&delegation.pool, &requests, &finished, trace)
+        self.publish_all(&delegation.pool, &requests, &sent_before, trace)
             .instrument(span.clone())
             .await?;
 
@@ -495,12 +496,13 @@ impl Delegator {
     /// The tasks of a delegation sent before that already have their
     /// completion, by index: their requests are not sent again. The task
     /// queue drops a re-sent request as a duplicate only while it
-    /// remembers its id, and a nats-server restart forgets the ids of
-    /// requests already consumed (it rebuilds its duplicate window from
-    /// the messages still stored, and the queue deletes each request once
-    /// its task is done): a retry after the restart that made the first
-    /// attempt fail would otherwise run a finished task again. A task
-    /// still queued or running keeps its request stored, and so its id.
+    /// remembers its id: for its duplicate window (2 minutes by default),
+    /// and a nats-server restart forgets the ids of requests already
+    /// consumed (it rebuilds its duplicate window from the messages still
+    /// stored, and the queue deletes each request once its task is done).
+    /// A retry after the restart that made the first attempt fail would
+    /// otherwise run a finished task again. Tasks still queued or running
+    /// are [`Self::add_queued_tasks`]'.
     async fn finished_tasks(&self, requests: &[TaskRequest]) -> Vec<bool> {
         let Ok(events) = self
             .bus
@@ -542,6 +544,30 @@ impl Delegator {
             }
         });
         futures::future::join_all(finished).await
+    }
+
+    /// Marks in `sent_before` the tasks of a delegation sent before whose
+    /// requests are still in the task queue (waiting, or running and not
+    /// acknowledged): the queue forgets a request's id once its duplicate
+    /// window has passed, even while it holds the request, so a copy sent
+    /// later would be stored beside it and the task run twice. When the
+    /// queue cannot be read, or is too long to read, every task without a
+    /// completion is sent, as before.
+    async fn add_queued_tasks(&self, requests: &[TaskRequest], sent_before: &mut [bool]) {
+        let delegation_id = &requests[0].delegation_id;
+        match self.bus.queued_tasks(delegation_id).await {
+            Ok(Some(queued)) => {
+                for (request, sent) in requests.iter().zip(sent_before.iter_mut()) {
+                    *sent |= queued.contains(&request.task_index);
+                }
+            }
+            Ok(None) => {
+                tracing::warn!(%delegation_id, "The task queue is too long to tell whether this delegation's requests are still in it; sending those without a completion again (one still queued and sent after its duplicate window runs twice).");
+            }
+            Err(error) => {
+                tracing::warn!(%error, %delegation_id, "Cannot read the task queue to tell whether this delegation's requests are still in it; sending those without a completion again (one still queued and sent after its duplicate window runs twice).");
+            }
+        }
     }
 }
 

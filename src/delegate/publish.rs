@@ -45,14 +45,15 @@ impl Delegator {
         &self,
         pool: &str,
         requests: &[TaskRequest],
-        finished: &[bool],
+        sent_before: &[bool],
         trace: TraceParent,
     ) -> Result<(), DelegateError> {
         let subject = self.bus.subjects.task(pool);
         let traceparent = trace.to_string();
         let mut records = Vec::with_capacity(requests.len());
         let mut pending = Vec::with_capacity(requests.len());
-        // Which requests are sent (all but those finished before), by index.
+        // Which requests are sent (all but those an earlier send left
+        // finished or still queued), by index.
         let mut sent = Vec::with_capacity(requests.len());
         for (index, request) in requests.iter().enumerate() {
             let token = crate::worker::token_for(request.origin_session_id.as_deref());
@@ -66,8 +67,8 @@ impl Delegator {
             ));
             let payload = Bytes::from(serde_json::to_vec(request).map_err(PublishError::from)?);
             self.check_size(payload.len(), request)?;
-            if finished.get(index).copied().unwrap_or(false) {
-                tracing::debug!(delegation_id = %request.delegation_id, task_index = request.task_index, "Task finished before; not sending it again.");
+            if sent_before.get(index).copied().unwrap_or(false) {
+                tracing::debug!(delegation_id = %request.delegation_id, task_index = request.task_index, "Task finished, or still queued, from an earlier send; not sending it again.");
                 continue;
             }
             sent.push(index);
