@@ -245,6 +245,16 @@ impl CommandExecutor {
         if let Some(dir) = &cfg.working_dir {
             command.current_dir(dir);
         }
+        // Cancelled (or the worker's grace over) between the task's start
+        // and here: the program is not started at all.
+        if stop.is_cancelled() {
+            return Err(ExecError::Stopped {
+                partial: None,
+                api_calls: 0,
+                tokens: None,
+                truncated: false,
+            });
+        }
         let mut child = command.spawn().map_err(|err| {
             ExecError::transient(format!("could not start {}: {err}", cfg.program.display()))
         })?;
@@ -647,5 +657,34 @@ mod tests {
             missing_dir.check(),
             Err(CommandConfigError::WorkingDir { .. })
         ));
+    }
+
+    #[tokio::test]
+    async fn a_run_cancelled_before_its_program_starts_does_not_start_it() {
+        // A program that cannot start: trying to is seen in the result.
+        let executor =
+            CommandExecutor::new(CommandConfig::new("/nonexistent/wakebus-task", Vec::new()));
+        let env = TaskEnv {
+            nats_url: "nats://127.0.0.1:1".into(),
+            prefix: "wakebus".into(),
+            pool: "default".into(),
+        };
+        let (progress, _) = Progress::channel();
+        let request = TaskRequest::new("d1", "g");
+        let stop = CancellationToken::new();
+        stop.cancel();
+        let result = executor.run(&request, &env, &stop, &progress).await;
+        assert!(
+            matches!(result, Err(ExecError::Stopped { partial: None, .. })),
+            "{result:?}"
+        );
+
+        let result = executor
+            .run(&request, &env, &CancellationToken::new(), &progress)
+            .await;
+        assert!(
+            matches!(&result, Err(error) if error.to_string().contains("could not start")),
+            "{result:?}"
+        );
     }
 }

@@ -332,14 +332,16 @@ impl LlmExecutor {
         answered: Option<&Answer>,
         stop: &CancellationToken,
     ) -> Result<Call, ExecError> {
+        // The stop first: a run cancelled before a call makes none.
         tokio::select! {
-            call = self.call(model, messages) => call,
+            biased;
             () = stop.cancelled() => Err(ExecError::Stopped {
                 partial: answered.map(|answer| answer.text.clone()),
                 api_calls: calls,
                 tokens: Some(tokens),
                 truncated: answered.is_some_and(|answer| answer.truncated),
             }),
+            call = self.call(model, messages) => call,
         }
     }
 
