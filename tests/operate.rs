@@ -973,7 +973,7 @@ async fn a_worker_started_without_an_executor_refuses_to_start_and_names_the_fla
 async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_says_why() {
     let worker = ["worker", "--executor", "echo"];
     let wake = ["wake", "--api-url", "http://127.0.0.1:1"];
-    let cases: [(&[&str], &[&str], &str); 23] = [
+    let cases: [(&[&str], &[&str], &str); 25] = [
         (
             &[],
             &["worker", "--executor", "echo", "--ack-wait", "300ms"],
@@ -1018,6 +1018,16 @@ async fn a_service_given_a_zero_that_would_fail_or_loop_refuses_to_start_and_say
             &[],
             &["worker", "--executor", "echo", "--max-deliver", "0"],
             "'--max-deliver <MAX_DELIVER>': must be at least 1",
+        ),
+        (
+            &[],
+            &["worker", "--executor", "echo", "--retry-min", "0s"],
+            "'--retry-min <RETRY_MIN>': must be more than 0",
+        ),
+        (
+            &[],
+            &["worker", "--executor", "echo", "--retry-max", "0s"],
+            "'--retry-max <RETRY_MAX>': must be more than 0",
         ),
         (
             &[],

@@ -302,6 +302,18 @@ pub(crate) struct WorkerArgs {
     /// Deliveries before a task ends as failed and is dead-lettered.
     #[arg(long, default_value_t = 5, value_parser = at_least_one::<u64>)]
     pub(crate) max_deliver: u64,
+    /// First delay before a task that failed transiently (an LLM endpoint
+    /// answering 429 or 5xx, a program that could not start) is delivered
+    /// again; it doubles with each delivery up to `--retry-max`, and a
+    /// Retry-After may ask for longer. With `--max-deliver 5`, the defaults
+    /// give a task about 15 s of retries: raise this for endpoints whose
+    /// outages last longer.
+    #[arg(long, value_parser = positive_duration, default_value = "1s")]
+    pub(crate) retry_min: Duration,
+    /// Longest delay before a task that failed transiently is delivered
+    /// again.
+    #[arg(long, value_parser = positive_duration, default_value = "60s")]
+    pub(crate) retry_max: Duration,
     /// Time limit for tasks whose request sets none (default: none).
     #[arg(long, value_parser = positive_duration)]
     pub(crate) task_timeout: Option<Duration>,

@@ -15,7 +15,7 @@ use wakebus::wake::{self, WakeConfig};
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, EchoExecutor, Executor, TaskEnv};
 use wakebus::worker::{self, WorkerConfig};
 
-use super::args::{Cli, Command, ExecutorKind, Global};
+use super::args::{Cli, Command, ExecutorKind, Global, WorkerArgs};
 use super::service_shutdown;
 
 /// `delegate`'s exit status when the delegation was stored, wholly or in
@@ -187,17 +187,9 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             wakebus::protocol::validate_pool(&args.pool)
                 .with_context(|| format!("--pool {:?}", bounded(&args.pool, 100)))?;
             let bus = connect(&global, "wakebus-worker").await?;
-            let mut config = WorkerConfig::new(&args.pool);
+            let config = worker_config(&args);
             let probe = Probe::worker(&bus, &args.pool, config.started.clone());
             let _ops = super::ops::start(&args.ops, probe).await?;
-            config.concurrency = args.concurrency;
-            config.ack_wait = args.ack_wait;
-            config.max_deliver = args.max_deliver;
-            config.default_timeout = args.task_timeout;
-            config.shutdown_grace = args.shutdown_grace;
-            config.started_after = args.started_after;
-            config.max_depth = args.max_depth;
-            config.limits = args.limits.limits();
             let env = TaskEnv {
                 nats_url: global.nats_url.clone(),
                 prefix: global.prefix.clone(),
@@ -263,6 +255,22 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The worker's settings from its flags.
+fn worker_config(args: &WorkerArgs) -> WorkerConfig {
+    let mut config = WorkerConfig::new(&args.pool);
+    config.concurrency = args.concurrency;
+    config.ack_wait = args.ack_wait;
+    config.max_deliver = args.max_deliver;
+    config.retry_base = args.retry_min;
+    config.retry_max = args.retry_max;
+    config.default_timeout = args.task_timeout;
+    config.shutdown_grace = args.shutdown_grace;
+    config.started_after = args.started_after;
+    config.max_depth = args.max_depth;
+    config.limits = args.limits.limits();
+    config
 }
 
 /// Closes a stopped service's connection. The service has stopped cleanly
@@ -503,4 +511,34 @@ fn inherit_from_parent_task(delegation: &mut Delegation) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    #[test]
+    fn a_workers_retry_delays_come_from_its_flags() {
+        let worker = |extra: &[&str]| {
+            let args = ["wakebus", "worker", "--executor", "echo"]
+                .iter()
+                .chain(extra);
+            match Cli::try_parse_from(args).unwrap().command {
+                Command::Worker(args) => worker_config(&args),
+                _ => unreachable!("a worker command"),
+            }
+        };
+        let default = worker(&[]);
+        assert_eq!(
+            (default.retry_base, default.retry_max),
+            (Duration::from_secs(1), Duration::from_secs(60))
+        );
+        let patient = worker(&["--retry-min", "10s", "--retry-max", "2m"]);
+        assert_eq!(
+            (patient.retry_base, patient.retry_max),
+            (Duration::from_secs(10), Duration::from_secs(120))
+        );
+    }
 }
