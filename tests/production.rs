@@ -312,6 +312,41 @@ async fn the_tls_probe_names_why_a_handshake_with_nats_fails() {
     );
 }
 
+/// A service given no TLS settings, whose server requires TLS with a
+/// certificate from a private CA, fails every connect as a bare I/O error;
+/// its own handshake names the cause, at ERROR, pointing at --tls-ca.
+#[tokio::test]
+async fn a_service_given_no_ca_for_a_server_requiring_tls_says_so_at_error() {
+    init_logs();
+    let deployment = Deployment::start().await;
+    let log = deployment.dir.path().join("worker.log");
+    let _worker = common::process::Service::spawn(
+        vec![
+            "--nats-url".into(),
+            deployment.nats.url(),
+            "--nkey-file".into(),
+            deployment.seed_file("worker").display().to_string(),
+            "worker".into(),
+            "--executor".into(),
+            "echo".into(),
+        ],
+        log.clone(),
+    );
+    wait_until(WAIT, "the worker to say why it cannot connect", || async {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("The NATS server requires TLS")
+    })
+    .await;
+    let text = std::fs::read_to_string(&log).unwrap();
+    let line = text
+        .lines()
+        .find(|line| line.contains("The NATS server requires TLS"))
+        .unwrap();
+    assert!(line.contains("ERROR"), "{line}");
+    assert!(line.contains("--tls-ca"), "{line}");
+}
+
 /// A client without TLS settings, whose server does not require TLS,
 /// makes no handshake: TLS is not why its connects fail.
 #[tokio::test]
@@ -328,6 +363,44 @@ async fn the_tls_probe_of_a_client_without_tls_makes_no_handshake_with_a_plain_s
         matches!(error, TlsProbeError::Unreachable { .. }),
         "{error}"
     );
+
+    // What answers is not a NATS server: a proxy with nothing behind it,
+    // which accepts and closes, and a port that never says anything. No
+    // handshake is made, for a client with TLS settings or without.
+    let closing = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let urls =
+        [&closing, &silent].map(|listener| format!("nats://{}", listener.local_addr().unwrap()));
+    let _answering = tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            tokio::select! {
+                Ok((stream, _)) = closing.accept() => drop(stream),
+                Ok((stream, _)) = silent.accept() => held.push(stream),
+            }
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let pki = pki(dir.path());
+    for url in &urls {
+        let plain = NatsConfig::new(url.clone());
+        let with_ca = NatsConfig {
+            tls_ca: Some(pki.ca.clone()),
+            ..NatsConfig::new(url.clone())
+        };
+        let error = plain.probe_tls().await.expect_err(url);
+        assert!(
+            matches!(error, TlsProbeError::Unreachable { .. }),
+            "{url}: {error}"
+        );
+        if url == &urls[0] {
+            let error = with_ca.probe_tls().await.expect_err(url);
+            assert!(
+                matches!(error, TlsProbeError::Unreachable { .. }),
+                "{url}: {error}"
+            );
+        }
+    }
 }
 
 #[tokio::test]

@@ -97,7 +97,9 @@ impl NatsConfig {
             .servers()
             .map_err(|error| TlsProbeError::Config(error.to_string()))?;
         let mut unreachable = None;
-        for server in servers {
+        // A websocket port answers HTTP, not INFO, and the client makes no
+        // TLS upgrade of its own there.
+        for server in servers.into_iter().filter(|server| !server.is_websocket()) {
             match probe_one(&tls, uses_tls, server.host(), server.port()).await {
                 Ok(outcome) => return Ok(outcome),
                 Err(error @ TlsProbeError::Unreachable { .. }) => {
@@ -188,9 +190,22 @@ async fn probe_one(
     // Nothing within the step: a server that wants the handshake first.
     // Bounded: what answers may not be a NATS server.
     let mut first_line = (&mut reader).take(INFO_MAX);
-    let _ = tokio::time::timeout(STEP, first_line.read_line(&mut info)).await;
-    if !uses_tls && !info.is_empty() && !requires_tls(&info) {
-        return Ok(TlsProbeOutcome::NoTls);
+    let read = tokio::time::timeout(STEP, first_line.read_line(&mut info)).await;
+    // A proxy with no server behind it accepts and closes at once.
+    if matches!(read, Ok(Ok(0))) {
+        return Err(unreachable(
+            "it closed the connection before sending its INFO".to_owned(),
+        ));
+    }
+    // Without TLS settings the client upgrades only for an INFO that
+    // requires it: no handshake of ours can tell anything about another.
+    if !uses_tls && !requires_tls(&info) {
+        return match info.is_empty() {
+            true => Err(unreachable(
+                "no INFO came within 3 s: not a NATS server, or one that wants the TLS handshake first (give --tls-ca or a tls:// URL)".to_owned(),
+            )),
+            false => Ok(TlsProbeOutcome::NoTls),
+        };
     }
     let tls = tls
         .as_ref()
