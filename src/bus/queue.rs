@@ -15,38 +15,62 @@ const QUEUE_SCAN_LIMIT: u64 = 10_000;
 const QUEUE_SCAN_BUDGET: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// Just a request's delegation id and task index, read without decoding
-/// the rest.
+/// the rest (any JSON, as a worker salvages them: an unreadable value is
+/// told from a missing one).
 #[derive(serde::Deserialize)]
-struct DelegationIdOnly<'a> {
-    /// Borrowed where the JSON has no escapes, as ids never need.
-    #[serde(borrow)]
-    delegation_id: Option<std::borrow::Cow<'a, str>>,
-    /// Which task of the delegation it is (0 when left out).
+struct Identity {
+    /// The delegation id the body gives.
     #[serde(default)]
-    task_index: Option<u32>,
+    delegation_id: Option<serde_json::Value>,
+    /// The task index the body gives.
+    #[serde(default)]
+    task_index: Option<serde_json::Value>,
 }
 
-/// The task index of a stored request of `delegation_id`, if it is one:
-/// by its body, whose id and index are those a worker runs it under, or
-/// by its `Wakebus-Delegation-Id` and `Wakebus-Task-Index` headers (the
-/// headers are optional for publishers, and a re-sent request may carry
-/// old ones: PROTOCOL.md, 4.2).
+/// The task index of a stored request of `delegation_id`, taken as a
+/// worker takes it: the body's delegation id if valid, else the
+/// `Wakebus-Delegation-Id` header's; the body's task index if readable,
+/// else the `Wakebus-Task-Index` header's (0 when neither gives one).
+/// `None` for a request of another delegation (one whose body names
+/// another runs as that one, whatever its headers say), or whose index
+/// cannot be read (the worker writes it under an id of its own).
 fn task_of(
     message: &async_nats::jetstream::message::StreamMessage,
     delegation_id: &str,
 ) -> Option<u32> {
-    let body = serde_json::from_slice::<DelegationIdOnly<'_>>(&message.payload).ok();
-    if let Some(body) = &body
-        && body.delegation_id.as_deref() == Some(delegation_id)
-    {
-        return Some(body.task_index.unwrap_or(0));
-    }
     let header = |name| message.headers.get(name).map(|value| value.as_str());
-    (header(crate::protocol::HEADER_DELEGATION_ID) == Some(delegation_id)).then(|| {
-        header(crate::protocol::HEADER_TASK_INDEX)
-            .and_then(|index| index.parse().ok())
-            .unwrap_or(0)
-    })
+    let valid = |id: &&str| crate::protocol::validate_delegation_id(id).is_ok();
+    let body = serde_json::from_slice::<Identity>(&message.payload).ok();
+    let body_id = body
+        .as_ref()
+        .and_then(|body| body.delegation_id.as_ref()?.as_str())
+        .filter(valid);
+    let id = body_id.or_else(|| header(crate::protocol::HEADER_DELEGATION_ID).filter(valid))?;
+    if id != delegation_id {
+        return None;
+    }
+    let read = |value: Option<u64>| value.and_then(|value| u32::try_from(value).ok());
+    let header_index = header(crate::protocol::HEADER_TASK_INDEX);
+    match (body.and_then(|body| body.task_index), header_index) {
+        (Some(body), header) => read(body.as_u64()).or_else(|| read(header?.parse().ok())),
+        (None, Some(header)) => read(header.parse().ok()),
+        (None, None) => Some(0),
+    }
+}
+
+/// Whether a stored request may be of `delegation_id`: as a worker takes
+/// it, or by its `Wakebus-Delegation-Id` header alone (a re-sent request
+/// may carry an old one: PROTOCOL.md, 4.2). For a cancel, which had better
+/// find a request too many than miss one.
+fn request_of(
+    message: &async_nats::jetstream::message::StreamMessage,
+    delegation_id: &str,
+) -> bool {
+    task_of(message, delegation_id).is_some()
+        || message
+            .headers
+            .get(crate::protocol::HEADER_DELEGATION_ID)
+            .is_some_and(|id| id.as_str() == delegation_id)
 }
 
 impl Bus {
@@ -66,7 +90,7 @@ impl Bus {
         &self,
         delegation_id: &str,
     ) -> Result<Option<bool>, async_nats::Error> {
-        self.scan_queue(|message| task_of(message, delegation_id).is_some())
+        self.scan_queue(|message| request_of(message, delegation_id))
             .await
     }
 
@@ -129,5 +153,68 @@ impl Bus {
             from = message.sequence + 1;
         }
         Ok(Some(false))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(
+        body: &str,
+        headers: &[(&str, &str)],
+    ) -> async_nats::jetstream::message::StreamMessage {
+        let mut map = async_nats::HeaderMap::new();
+        for (name, value) in headers {
+            map.insert(*name, *value);
+        }
+        async_nats::jetstream::message::StreamMessage {
+            subject: "wakebus.task.default".into(),
+            sequence: 1,
+            headers: map,
+            payload: bytes::Bytes::copy_from_slice(body.as_bytes()),
+            time: time::OffsetDateTime::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn a_queued_request_is_of_the_task_a_worker_would_take_it_for() {
+        use crate::protocol::{HEADER_DELEGATION_ID as ID, HEADER_TASK_INDEX as INDEX};
+        for (body, headers, expected) in [
+            (r#"{"delegation_id":"d1","task_index":2}"#, &[][..], Some(2)),
+            (r#"{"delegation_id":"d1"}"#, &[], Some(0)),
+            // Its body names another delegation: it runs as that one.
+            (
+                r#"{"delegation_id":"d2","task_index":2}"#,
+                &[(ID, "d1")],
+                None,
+            ),
+            // No usable id in the body: the headers' identity.
+            (r#"{"goal":""}"#, &[(ID, "d1"), (INDEX, "3")], Some(3)),
+            (
+                r#"{"delegation_id":"not valid!","task_index":4}"#,
+                &[(ID, "d1")],
+                Some(4),
+            ),
+            ("not json", &[(ID, "d1"), (INDEX, "1")], Some(1)),
+            // An index the body gives but that cannot be read: the
+            // header's, or, without one, no task of the delegation.
+            (
+                r#"{"delegation_id":"d1","task_index":"x"}"#,
+                &[(INDEX, "5")],
+                Some(5),
+            ),
+            (r#"{"delegation_id":"d1","task_index":-1}"#, &[], None),
+        ] {
+            assert_eq!(
+                task_of(&stored(body, headers), "d1"),
+                expected,
+                "{body} {headers:?}"
+            );
+        }
+        // A cancel looks for more: a header naming the delegation counts.
+        let other_body = stored(r#"{"delegation_id":"d2"}"#, &[(ID, "d1")]);
+        assert!(request_of(&other_body, "d1"));
+        assert!(!request_of(&stored(r#"{"delegation_id":"d2"}"#, &[]), "d1"));
     }
 }

@@ -363,8 +363,14 @@ impl Delegator {
             for request in &mut requests {
                 request.created_at = Some(first);
             }
-            sent_before = self.finished_tasks(&requests).await;
-            self.add_queued_tasks(&requests, &mut sent_before).await;
+            // The queue first: a worker stores a task's completion before
+            // it acks the request, so a request gone from the queue by the
+            // time it is read has its completion stored when that is read.
+            sent_before = self.queued_tasks(&requests).await;
+            let finished = self.finished_tasks(&requests).await;
+            for (sent, finished) in sent_before.iter_mut().zip(finished) {
+                *sent |= finished;
+            }
         }
         // The delegation's span, parent of its tasks' spans (`otel` feature).
         let span = tracing::info_span!(
@@ -502,7 +508,7 @@ impl Delegator {
     /// stored, and the queue deletes each request once its task is done).
     /// A retry after the restart that made the first attempt fail would
     /// otherwise run a finished task again. Tasks still queued or running
-    /// are [`Self::add_queued_tasks`]'.
+    /// are [`Self::queued_tasks`]'.
     async fn finished_tasks(&self, requests: &[TaskRequest]) -> Vec<bool> {
         let Ok(events) = self
             .bus
@@ -546,26 +552,27 @@ impl Delegator {
         futures::future::join_all(finished).await
     }
 
-    /// Marks in `sent_before` the tasks of a delegation sent before whose
-    /// requests are still in the task queue (waiting, or running and not
-    /// acknowledged): the queue forgets a request's id once its duplicate
-    /// window has passed, even while it holds the request, so a copy sent
-    /// later would be stored beside it and the task run twice. When the
-    /// queue cannot be read, or is too long to read, every task without a
-    /// completion is sent, as before.
-    async fn add_queued_tasks(&self, requests: &[TaskRequest], sent_before: &mut [bool]) {
+    /// The tasks of a delegation sent before whose requests are still in
+    /// the task queue (waiting, or running and not acknowledged), by index:
+    /// the queue forgets a request's id once its duplicate window has
+    /// passed, even while it holds the request, so a copy sent later would
+    /// be stored beside it and the task run twice. When the queue cannot be
+    /// read, or is too long to read, none: every task without a completion
+    /// is sent, as before.
+    async fn queued_tasks(&self, requests: &[TaskRequest]) -> Vec<bool> {
         let delegation_id = &requests[0].delegation_id;
         match self.bus.queued_tasks(delegation_id).await {
-            Ok(Some(queued)) => {
-                for (request, sent) in requests.iter().zip(sent_before.iter_mut()) {
-                    *sent |= queued.contains(&request.task_index);
-                }
-            }
+            Ok(Some(queued)) => requests
+                .iter()
+                .map(|request| queued.contains(&request.task_index))
+                .collect(),
             Ok(None) => {
                 tracing::warn!(%delegation_id, "The task queue is too long to tell whether this delegation's requests are still in it; sending those without a completion again (one still queued and sent after its duplicate window runs twice).");
+                vec![false; requests.len()]
             }
             Err(error) => {
                 tracing::warn!(%error, %delegation_id, "Cannot read the task queue to tell whether this delegation's requests are still in it; sending those without a completion again (one still queued and sent after its duplicate window runs twice).");
+                vec![false; requests.len()]
             }
         }
     }
