@@ -607,6 +607,13 @@ async fn metrics_after_a_known_number_of_tasks_count_exactly_those_tasks() {
         http_get(&format!("{base}/healthz")).await,
         Some((200, "ok\n".to_owned()))
     );
+    // Counters of rare events are at 0 before the first, so that an alert
+    // on their increase sees that first one.
+    let fresh = http_get(&format!("{base}/metrics")).await.unwrap().1;
+    for kind in ["task", "wake", "poison", "origin", "unreadable"] {
+        let name = format!(r#"wakebus_dead_letters_total{{kind="{kind}"}}"#);
+        assert_eq!(sample(&fresh, &name), Some(0.0), "{name} in\n{fresh}");
+    }
 
     let delegator = Delegator::new(bus.clone());
     for goal in ["one", "two", "three"] {

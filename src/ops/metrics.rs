@@ -99,8 +99,17 @@ pub fn recorder() -> Result<PrometheusHandle, BuildError> {
         .set_buckets_for_metric(Matcher::Full(TASK_DURATION.to_owned()), DURATION_BUCKETS)?
         .install_recorder()?;
     describe();
-    // At 0 from the start, so that `increase()` sees the first disconnect.
+    // At 0 from the start, so that `increase()` and `rate()` see the first
+    // disconnect, dead letter or post: a series born at 1 has no earlier
+    // sample to grow from, and an alert on it misses a rare event (a
+    // given-up task, a forged completion) until it happens twice.
     metrics::counter!(NATS_DISCONNECTS).increment(0);
+    for kind in DEAD_LETTER_KINDS {
+        metrics::counter!(DEAD_LETTERS, "kind" => kind).increment(0);
+    }
+    for result in WAKE_POST_RESULTS {
+        metrics::counter!(WAKE_POSTS, "result" => result).increment(0);
+    }
     Ok(HANDLE.get_or_init(|| handle).clone())
 }
 
@@ -240,6 +249,15 @@ pub fn task_completed(pool: &str, status: Status, ran: Option<Duration>) {
         metrics::histogram!(TASK_DURATION, &labels).record(ran.as_secs_f64());
     }
 }
+
+/// Every `kind` of [`DEAD_LETTERS`]: a task (`dlq.task`), a wake given up
+/// (`dlq.wake`), a completion that cannot be used (`poison`), one refused by
+/// origin verification (`origin`), a message whose headers cannot be read
+/// (`unreadable`).
+const DEAD_LETTER_KINDS: [&str; 5] = ["task", "wake", "poison", "origin", "unreadable"];
+
+/// Every `result` of [`WAKE_POSTS`].
+const WAKE_POST_RESULTS: [&str; 4] = ["delivered", "retry", "rejected", "split"];
 
 /// A message was dead-lettered: `task`, `wake`, `poison`, `origin` (a
 /// completion whose origin the wake could not verify) or `unreadable` (a
