@@ -488,11 +488,16 @@ impl TaskHandler {
             async move {
                 let done = changed.as_ref().unwrap_or(done);
                 let published = self.publish(request, EventKind::Done, trace, done).await;
+                // Said only while cutting makes it smaller: below about 1
+                // KiB of text (ids and headers are never cut) it is refused
+                // on, and the retries' ERROR after a minute says so.
+                let smaller = half_size_limit(done).min(now);
                 if let Err(error) = &published
                     && error.is_too_large()
+                    && smaller < stream_limit.load(Ordering::Relaxed)
                 {
                     warn!(%error, "The events stream refused the completion for its size (its max message size is below the server's max payload); cutting it to half.");
-                    stream_limit.store(half_size_limit(done).min(now), Ordering::Relaxed);
+                    stream_limit.store(smaller, Ordering::Relaxed);
                 }
                 published
             }
