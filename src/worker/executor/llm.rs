@@ -332,15 +332,20 @@ impl LlmExecutor {
         answered: Option<&Answer>,
         stop: &CancellationToken,
     ) -> Result<Call, ExecError> {
-        // The stop first: a run cancelled before a call makes none.
+        let stopped = |made: u64| ExecError::Stopped {
+            partial: answered.map(|answer| answer.text.clone()),
+            api_calls: made,
+            tokens: Some(tokens),
+            truncated: answered.is_some_and(|answer| answer.truncated),
+        };
+        // A run cancelled before this call makes none, and counts none.
+        if stop.is_cancelled() {
+            return Err(stopped(calls.saturating_sub(1)));
+        }
+        // The stop first, should both be ready at once.
         tokio::select! {
             biased;
-            () = stop.cancelled() => Err(ExecError::Stopped {
-                partial: answered.map(|answer| answer.text.clone()),
-                api_calls: calls,
-                tokens: Some(tokens),
-                truncated: answered.is_some_and(|answer| answer.truncated),
-            }),
+            () = stop.cancelled() => Err(stopped(calls)),
             call = self.call(model, messages) => call,
         }
     }
@@ -536,6 +541,22 @@ mod tests {
             api_key: Some("sk-test".to_owned()),
             request_timeout: Duration::from_secs(1),
         }
+    }
+
+    #[tokio::test]
+    async fn a_run_cancelled_before_its_first_call_makes_and_counts_none() {
+        // Nothing listens there: a call made would fail, not be stopped.
+        let executor = LlmExecutor::new(&config("http://127.0.0.1:1/v1")).unwrap();
+        let stop = CancellationToken::new();
+        stop.cancel();
+        let (progress, _) = Progress::channel();
+        let result = executor
+            .run(&TaskRequest::new("d1", "g"), &stop, &progress)
+            .await;
+        assert!(
+            matches!(result, Err(ExecError::Stopped { api_calls: 0, .. })),
+            "{result:?}"
+        );
     }
 
     #[test]
