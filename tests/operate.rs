@@ -1284,7 +1284,19 @@ async fn a_service_whose_settings_would_fail_every_call_refuses_to_start_and_say
         "--llm-model",
         "m",
     ];
-    let cases: [(Vec<&str>, &str); 5] = [
+    let cases: [(Vec<&str>, &str); 6] = [
+        (
+            vec![
+                "worker",
+                "--executor",
+                "echo",
+                "--retry-min",
+                "2m",
+                "--retry-max",
+                "1m",
+            ],
+            "--retry-min (2m) is above --retry-max (1m)",
+        ),
         (
             vec!["worker", "--executor", "echo", "--", "/bin/true"],
             "a task program (after --) or --workdir is given, but the executor is echo",

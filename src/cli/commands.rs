@@ -169,6 +169,13 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     "a task program (after --) or --workdir is given, but the executor is {executor}: use --executor command to run the program, or leave them out"
                 );
             }
+            if args.retry_min > args.retry_max {
+                bail!(
+                    "--retry-min ({}) is above --retry-max ({}): the first retry's delay would be cut to the longest",
+                    humantime::format_duration(args.retry_min),
+                    humantime::format_duration(args.retry_max)
+                );
+            }
             let executor = match args.executor {
                 ExecutorKind::Echo => Executor::Echo(EchoExecutor),
                 ExecutorKind::Command => {
