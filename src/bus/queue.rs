@@ -14,63 +14,62 @@ const QUEUE_SCAN_LIMIT: u64 = 10_000;
 /// assumes the answer is yes.
 const QUEUE_SCAN_BUDGET: std::time::Duration = std::time::Duration::from_secs(3);
 
-/// Just a request's delegation id and task index, read without decoding
-/// the rest (any JSON, as a worker salvages them: an unreadable value is
-/// told from a missing one).
-#[derive(serde::Deserialize)]
-struct Identity {
-    /// The delegation id the body gives.
-    #[serde(default)]
-    delegation_id: Option<serde_json::Value>,
-    /// The task index the body gives.
-    #[serde(default)]
-    task_index: Option<serde_json::Value>,
+/// The task a stored request is of, as a worker takes it
+/// ([`crate::worker::decode_request`]): a usable request's delegation id
+/// and task index; for an unusable one, those a worker salvages from its
+/// body and headers and writes its `error` completion under. `None` for a
+/// forged copy (its origin header contradicts its body) or one whose index
+/// cannot be read or is above 999: a worker writes those under an id of
+/// its own, so they end no task of the delegation.
+fn identity(message: &async_nats::jetstream::message::StreamMessage) -> Option<(String, u32)> {
+    // Not the worker's size limits, which only make a request unusable:
+    // the identity salvaged is the same.
+    let limits = crate::protocol::Limits::default();
+    match crate::worker::decode_request(&message.payload, Some(&message.headers), &limits) {
+        Ok(request) => Some((request.delegation_id, request.task_index)),
+        Err(rejected) if rejected.forged => None,
+        Err(rejected) => {
+            let index = rejected
+                .task_index
+                .filter(|index| *index < crate::protocol::MAX_TASK_COUNT)?;
+            Some((rejected.delegation_id?, index))
+        }
+    }
 }
 
-/// The task index of a stored request of `delegation_id`, taken as a
-/// worker takes it: the body's delegation id if valid, else the
-/// `Wakebus-Delegation-Id` header's; the body's task index if readable,
-/// else the `Wakebus-Task-Index` header's (0 when neither gives one).
-/// `None` for a request of another delegation (one whose body names
-/// another runs as that one, whatever its headers say), or whose index
-/// cannot be read (the worker writes it under an id of its own).
+/// The task index of a stored request of `delegation_id`, as a worker
+/// takes it ([`identity`]).
 fn task_of(
     message: &async_nats::jetstream::message::StreamMessage,
     delegation_id: &str,
 ) -> Option<u32> {
-    let header = |name| message.headers.get(name).map(|value| value.as_str());
-    let valid = |id: &&str| crate::protocol::validate_delegation_id(id).is_ok();
-    let body = serde_json::from_slice::<Identity>(&message.payload).ok();
-    let body_id = body
-        .as_ref()
-        .and_then(|body| body.delegation_id.as_ref()?.as_str())
-        .filter(valid);
-    let id = body_id.or_else(|| header(crate::protocol::HEADER_DELEGATION_ID).filter(valid))?;
-    if id != delegation_id {
-        return None;
-    }
-    let read = |value: Option<u64>| value.and_then(|value| u32::try_from(value).ok());
-    let header_index = header(crate::protocol::HEADER_TASK_INDEX);
-    match (body.and_then(|body| body.task_index), header_index) {
-        (Some(body), header) => read(body.as_u64()).or_else(|| read(header?.parse().ok())),
-        (None, Some(header)) => read(header.parse().ok()),
-        (None, None) => Some(0),
-    }
+    identity(message)
+        .filter(|(id, _)| id == delegation_id)
+        .map(|(_, index)| index)
 }
 
-/// Whether a stored request may be of `delegation_id`: as a worker takes
-/// it, or by its `Wakebus-Delegation-Id` header alone (a re-sent request
-/// may carry an old one: PROTOCOL.md, 4.2). For a cancel, which had better
-/// find a request too many than miss one.
+/// Just a request's delegation id, read without decoding the rest.
+#[derive(serde::Deserialize)]
+struct DelegationIdOnly<'a> {
+    /// Borrowed where the JSON has no escapes, as ids never need.
+    #[serde(borrow)]
+    delegation_id: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// Whether a stored request may be of `delegation_id`: its body or its
+/// `Wakebus-Delegation-Id` header names it (a re-sent request may carry an
+/// old header: PROTOCOL.md, 4.2), whatever else is wrong with it. For a
+/// cancel, which had better find a request too many than miss one.
 fn request_of(
     message: &async_nats::jetstream::message::StreamMessage,
     delegation_id: &str,
 ) -> bool {
-    task_of(message, delegation_id).is_some()
-        || message
-            .headers
-            .get(crate::protocol::HEADER_DELEGATION_ID)
-            .is_some_and(|id| id.as_str() == delegation_id)
+    message
+        .headers
+        .get(crate::protocol::HEADER_DELEGATION_ID)
+        .is_some_and(|id| id.as_str() == delegation_id)
+        || serde_json::from_slice::<DelegationIdOnly<'_>>(&message.payload)
+            .is_ok_and(|body| body.delegation_id.as_deref() == Some(delegation_id))
 }
 
 impl Bus {
@@ -179,17 +178,28 @@ mod tests {
 
     #[test]
     fn a_queued_request_is_of_the_task_a_worker_would_take_it_for() {
-        use crate::protocol::{HEADER_DELEGATION_ID as ID, HEADER_TASK_INDEX as INDEX};
+        use crate::protocol::{
+            HEADER_DELEGATION_ID as ID, HEADER_ORIGIN_SESSION as ORIGIN, HEADER_TASK_INDEX as INDEX,
+        };
+        let usable =
+            r#"{"version":1,"delegation_id":"d1","goal":"g","task_index":2,"task_count":3}"#;
         for (body, headers, expected) in [
-            (r#"{"delegation_id":"d1","task_index":2}"#, &[][..], Some(2)),
-            (r#"{"delegation_id":"d1"}"#, &[], Some(0)),
+            (usable, &[][..], Some(2)),
+            // A usable body's identity is its own, whatever the headers say.
+            (
+                r#"{"version":1,"delegation_id":"d1","goal":"g"}"#,
+                &[(INDEX, "3")],
+                Some(0),
+            ),
+            (usable, &[(ID, "d2")], Some(2)),
             // Its body names another delegation: it runs as that one.
             (
                 r#"{"delegation_id":"d2","task_index":2}"#,
                 &[(ID, "d1")],
                 None,
             ),
-            // No usable id in the body: the headers' identity.
+            // Unusable: the identity a worker salvages, body first.
+            (r#"{"delegation_id":"d1","task_index":2}"#, &[], Some(2)),
             (r#"{"goal":""}"#, &[(ID, "d1"), (INDEX, "3")], Some(3)),
             (
                 r#"{"delegation_id":"not valid!","task_index":4}"#,
@@ -197,14 +207,20 @@ mod tests {
                 Some(4),
             ),
             ("not json", &[(ID, "d1"), (INDEX, "1")], Some(1)),
-            // An index the body gives but that cannot be read: the
-            // header's, or, without one, no task of the delegation.
             (
                 r#"{"delegation_id":"d1","task_index":"x"}"#,
                 &[(INDEX, "5")],
                 Some(5),
             ),
+            // Written by the worker under an id of its own: an index that
+            // cannot be read or is above 999, or a forged copy.
             (r#"{"delegation_id":"d1","task_index":-1}"#, &[], None),
+            (r#"{"delegation_id":"d1","task_index":1000}"#, &[], None),
+            (
+                r#"{"version":1,"delegation_id":"d1","goal":"g","origin_session_id":"s.a"}"#,
+                &[(ORIGIN, "s.b")],
+                None,
+            ),
         ] {
             assert_eq!(
                 task_of(&stored(body, headers), "d1"),
@@ -212,9 +228,12 @@ mod tests {
                 "{body} {headers:?}"
             );
         }
-        // A cancel looks for more: a header naming the delegation counts.
+        // A cancel looks for more: its body or a header naming the
+        // delegation counts, whatever else is wrong with it.
         let other_body = stored(r#"{"delegation_id":"d2"}"#, &[(ID, "d1")]);
         assert!(request_of(&other_body, "d1"));
+        let unreadable_index = stored(r#"{"delegation_id":"d1","task_index":-1}"#, &[]);
+        assert!(request_of(&unreadable_index, "d1"));
         assert!(!request_of(&stored(r#"{"delegation_id":"d2"}"#, &[]), "d1"));
     }
 }
