@@ -356,6 +356,12 @@ async fn the_tls_probe_of_a_client_without_tls_makes_no_handshake_with_a_plain_s
     let nats = NatsServer::start().await;
     let plain = NatsConfig::new(nats.url());
     assert_eq!(plain.probe_tls().await.unwrap(), TlsProbeOutcome::NoTls);
+    // A websocket port answers HTTP: it is not probed.
+    let websocket = NatsConfig::new(format!("ws://127.0.0.1:{}", common::nats::free_port()));
+    assert_eq!(
+        websocket.probe_tls().await.unwrap(),
+        TlsProbeOutcome::NotProbed
+    );
 
     let nobody = NatsConfig::new(format!("nats://127.0.0.1:{}", common::nats::free_port()));
     let error = nobody.probe_tls().await.expect_err("no server");

@@ -689,6 +689,9 @@ async fn say_why_tls_fails(config: std::sync::Arc<NatsConfig>, event: String) {
         Ok(TlsProbeOutcome::Handshake) => {
             warn!(%event, "Cannot connect to NATS, though a TLS handshake with the server works: it is restarting, or refused this client for another reason (its log says which; checked at most once a minute).")
         }
+        Ok(TlsProbeOutcome::NotProbed) => {
+            info!(%event, "NATS client event.");
+        }
         Ok(TlsProbeOutcome::NoTls) => {
             warn!(%event, "Cannot connect to NATS, though the server answers: it is restarting, or refused this client for another reason (its log says which; checked at most once a minute).")
         }

@@ -40,6 +40,8 @@ pub enum TlsProbeOutcome {
     /// The server does not require TLS and this config does not use it:
     /// no handshake was made, and TLS is not why a connect fails.
     NoTls,
+    /// Every server is a websocket one, which the probe does not speak to.
+    NotProbed,
 }
 
 /// Why a probe's handshake did not succeed.
@@ -108,7 +110,8 @@ impl NatsConfig {
                 Err(error) => return Err(error),
             }
         }
-        Err(unreachable.unwrap_or_else(|| TlsProbeError::Config("no server to probe".to_owned())))
+        // Only websocket servers: nothing was probed.
+        unreachable.map_or(Ok(TlsProbeOutcome::NotProbed), Err)
     }
 
     /// Whether this config asks for TLS itself: a CA, a client certificate
@@ -187,25 +190,28 @@ async fn probe_one(
         .map_err(|e| unreachable(e.to_string()))?;
     let mut reader = BufReader::new(tcp);
     let mut info = String::new();
-    // Nothing within the step: a server that wants the handshake first.
     // Bounded: what answers may not be a NATS server.
     let mut first_line = (&mut reader).take(INFO_MAX);
     let read = tokio::time::timeout(STEP, first_line.read_line(&mut info)).await;
-    // A proxy with no server behind it accepts and closes at once.
-    if matches!(read, Ok(Ok(0))) {
-        return Err(unreachable(
-            "it closed the connection before sending its INFO".to_owned(),
-        ));
+    // The NATS client waits for the server's INFO before any TLS (wakebus
+    // does not ask for the handshake first): without one, TLS is not what
+    // fails. A proxy with no server behind it accepts and closes (or
+    // resets) at once.
+    let no_info = match read {
+        Ok(Ok(0)) => Some("it closed the connection before sending its INFO".to_owned()),
+        Ok(Err(error)) => Some(format!("the connection failed before its INFO: {error}")),
+        Err(_) if info.is_empty() => {
+            Some(format!("no INFO came within {STEP:?}: not a NATS server?"))
+        }
+        _ => None,
+    };
+    if let Some(reason) = no_info {
+        return Err(unreachable(reason));
     }
     // Without TLS settings the client upgrades only for an INFO that
     // requires it: no handshake of ours can tell anything about another.
     if !uses_tls && !requires_tls(&info) {
-        return match info.is_empty() {
-            true => Err(unreachable(
-                "no INFO came within 3 s: not a NATS server, or one that wants the TLS handshake first (give --tls-ca or a tls:// URL)".to_owned(),
-            )),
-            false => Ok(TlsProbeOutcome::NoTls),
-        };
+        return Ok(TlsProbeOutcome::NoTls);
     }
     let tls = tls
         .as_ref()
