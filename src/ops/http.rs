@@ -82,39 +82,38 @@ impl Probe {
     /// `Ok` when connected and every stream and the service's consumer
     /// exist, else why not. (A service whose consumer cannot be created,
     /// say a pool its NATS user may not use, retries without end: it is
-    /// not ready while it does.)
+    /// not ready while it does.) The checks are made at once, each within
+    /// [`CHECK_TIMEOUT`], so that an answer comes within it too (`wakebus
+    /// ready` waits 5 s), and the first failure in their order is named.
     pub async fn ready(&self) -> Result<(), String> {
         let state = self.bus.client.connection_state();
         if state != async_nats::connection::State::Connected {
             return Err(format!("not connected to NATS ({state:?})"));
         }
-        for stream in &self.streams {
+        let streams = self.streams.iter().map(|stream| async move {
             match tokio::time::timeout(CHECK_TIMEOUT, self.bus.js.get_stream(stream)).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(error)) => return Err(format!("stream {stream}: {error}")),
-                Err(_) => {
-                    return Err(format!(
-                        "stream {stream}: no answer within {CHECK_TIMEOUT:?}"
-                    ));
-                }
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(error)) => Err(format!("stream {stream}: {error}")),
+                Err(_) => Err(format!(
+                    "stream {stream}: no answer within {CHECK_TIMEOUT:?}"
+                )),
             }
-        }
-        if let Some(subject) = &self.completions_probe {
+        });
+        let completions = async {
+            let Some(subject) = &self.completions_probe else {
+                return Ok(());
+            };
             let probe = crate::worker::probe::last_sequence_on(&self.bus, subject);
             match tokio::time::timeout(CHECK_TIMEOUT, probe).await {
-                Ok(Ok(_)) => {}
+                Ok(Ok(_)) => Ok(()),
                 Ok(Err(crate::worker::probe::ProbeError::NoStream)) => {
-                    return Err(
-                        "no stream takes completions (the events stream is gone)".to_owned()
-                    );
+                    Err("no stream takes completions (the events stream is gone)".to_owned())
                 }
-                Ok(Err(error)) => return Err(format!("completions: {error}")),
-                Err(_) => {
-                    return Err(format!("completions: no answer within {CHECK_TIMEOUT:?}"));
-                }
+                Ok(Err(error)) => Err(format!("completions: {error}")),
+                Err(_) => Err(format!("completions: no answer within {CHECK_TIMEOUT:?}")),
             }
-        }
-        for (stream, consumer) in &self.consumers {
+        };
+        let consumers = self.consumers.iter().map(|(stream, consumer)| async move {
             let info = async {
                 let handle = self
                     .bus
@@ -128,15 +127,21 @@ impl Probe {
                     .map_err(|e| e.to_string())
             };
             match tokio::time::timeout(CHECK_TIMEOUT, info).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(error)) => return Err(format!("consumer {consumer}: {error}")),
-                Err(_) => {
-                    return Err(format!(
-                        "consumer {consumer}: no answer within {CHECK_TIMEOUT:?}"
-                    ));
-                }
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(error)) => Err(format!("consumer {consumer}: {error}")),
+                Err(_) => Err(format!(
+                    "consumer {consumer}: no answer within {CHECK_TIMEOUT:?}"
+                )),
             }
-        }
+        });
+        let (streams, completions, consumers) = tokio::join!(
+            futures::future::join_all(streams),
+            completions,
+            futures::future::join_all(consumers)
+        );
+        streams.into_iter().collect::<Result<(), _>>()?;
+        completions?;
+        consumers.into_iter().collect::<Result<(), _>>()?;
         // Last, so that a missing stream or consumer is named when it is
         // what the setup waits for.
         if !self.started.is_set() {
