@@ -301,21 +301,7 @@ async fn a_silent_cancel_while_the_completion_waits_to_be_stored_still_silences_
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let mut services = Services::new();
     services.worker(&bus, shell("echo ran"), test_worker_config("default"));
-    // Started (it sets its streams as it wants them), and waiting.
-    wait_until(WAIT, "the worker pulling", || async {
-        let consumer = bus
-            .js
-            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
-                bus.subjects.worker_consumer("default"),
-                bus.subjects.tasks_stream(),
-            )
-            .await;
-        match consumer {
-            Ok(mut consumer) => consumer.info().await.is_ok_and(|info| info.num_waiting > 0),
-            Err(_) => false,
-        }
-    })
-    .await;
+    worker_pulling(&bus, "default").await;
     // Dated now: a first delivery of it is not checked against the
     // history, which does not answer.
     let mut req = request("s.late", "done early");
@@ -1408,15 +1394,11 @@ async fn a_retry_after_a_server_restart_does_not_run_a_finished_task_again() {
     assert_eq!(queued[0].created_at, Some(first_record.time));
 }
 
-/// The task queue forgets a request's id once its duplicate window has
-/// passed, even while it still holds the request. A delegation sent again
-/// under its id after that, while one of its requests still waits for a
-/// worker, must not store that request beside the first (both would run),
-/// and still sends the task never stored.
-#[tokio::test]
-async fn a_retry_after_the_duplicate_window_does_not_send_a_request_still_queued_again() {
-    init_logs();
-    let nats = NatsServer::start().await;
+/// A deployment whose requests stream forgets ids after 1 s, and the
+/// settings it was provisioned with (for a worker to keep them).
+async fn bus_with_a_short_duplicate_window(
+    nats: &NatsServer,
+) -> (wakebus::bus::Bus, wakebus::bus::BusSettings) {
     let settings = wakebus::bus::BusSettings {
         duplicate_window: Duration::from_secs(1),
         ..Default::default()
@@ -1428,6 +1410,19 @@ async fn a_retry_after_the_duplicate_window_does_not_send_a_request_still_queued
     let prefix = unique_prefix();
     let bus = wakebus::bus::Bus::new(client, wakebus::protocol::Subjects::new(&prefix).unwrap());
     bus.provision(&settings).await.unwrap();
+    (bus, settings)
+}
+
+/// The task queue forgets a request's id once its duplicate window has
+/// passed, even while it still holds the request. A delegation sent again
+/// under its id after that, while one of its requests still waits for a
+/// worker, must not store that request beside the first (both would run),
+/// and still sends the task never stored.
+#[tokio::test]
+async fn a_retry_after_the_duplicate_window_does_not_send_a_request_still_queued_again() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let (bus, _) = bus_with_a_short_duplicate_window(&nats).await;
     let (_, config) = take_one_request_only(&bus).await;
     let delegation = || Delegation::batch(["first", "second"].map(String::from)).session("s.q2");
     let error = Delegator::new(bus.clone())
@@ -1471,17 +1466,7 @@ async fn a_task_sent_again_after_the_duplicate_window_does_not_run_again() {
     // counts this test's worker only; under `cargo test` others' too.
     let metrics = wakebus::ops::metrics::recorder().unwrap();
     let nats = NatsServer::start().await;
-    let settings = wakebus::bus::BusSettings {
-        duplicate_window: Duration::from_secs(1),
-        ..Default::default()
-    };
-    let client = wakebus::connect::NatsConfig::new(nats.url())
-        .connect()
-        .await
-        .unwrap();
-    let prefix = unique_prefix();
-    let bus = wakebus::bus::Bus::new(client, wakebus::protocol::Subjects::new(&prefix).unwrap());
-    bus.provision(&settings).await.unwrap();
+    let (bus, settings) = bus_with_a_short_duplicate_window(&nats).await;
     let mut services = Services::new();
     services.worker_with_settings(
         &bus,

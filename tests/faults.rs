@@ -921,20 +921,7 @@ async fn a_task_arriving_while_the_only_worker_stops_is_run_by_the_next_worker()
     let wait = Duration::from_secs(30);
     let mut stopping = Services::new();
     stopping.echo_worker(&bus);
-    wait_until(wait, "the worker's pull", || async {
-        let consumer = bus
-            .js
-            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
-                bus.subjects.worker_consumer("default"),
-                bus.subjects.tasks_stream(),
-            )
-            .await;
-        match consumer {
-            Ok(mut consumer) => consumer.info().await.is_ok_and(|info| info.num_waiting > 0),
-            Err(_) => false,
-        }
-    })
-    .await;
+    worker_pulling(&bus, "default").await;
     stopping.stop.cancel();
     publish_until_stored(&bus, &request("s.late", "arrives during the stop")).await;
     stopping.stop().await;

@@ -581,6 +581,25 @@ pub async fn started(bus: &Bus) -> usize {
         .count()
 }
 
+/// Waits until a worker of `pool` has a pull waiting on its consumer: it
+/// has started (set its streams as it wants them) and takes work.
+pub async fn worker_pulling(bus: &Bus, pool: &str) {
+    wait_until(Duration::from_secs(30), "the worker's pull", || async {
+        let consumer = bus
+            .js
+            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                bus.subjects.worker_consumer(pool),
+                bus.subjects.tasks_stream(),
+            )
+            .await;
+        match consumer {
+            Ok(mut consumer) => consumer.info().await.is_ok_and(|info| info.num_waiting > 0),
+            Err(_) => false,
+        }
+    })
+    .await;
+}
+
 /// Every completion in the history, in stream order.
 pub async fn done_events(bus: &Bus) -> Vec<wakebus::protocol::CompletionEvent> {
     all_messages(bus, &bus.subjects.events_stream())
