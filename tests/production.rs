@@ -373,16 +373,23 @@ async fn the_tls_probe_of_a_client_without_tls_makes_no_handshake_with_a_plain_s
     // What answers is not a NATS server: a proxy with nothing behind it,
     // which accepts and closes, and a port that never says anything. No
     // handshake is made, for a client with TLS settings or without.
+    // And another service's banner on a wrong port.
     let closing = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let urls =
-        [&closing, &silent].map(|listener| format!("nats://{}", listener.local_addr().unwrap()));
+    let banner = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let urls = [&closing, &silent, &banner]
+        .map(|listener| format!("nats://{}", listener.local_addr().unwrap()));
     let _answering = tokio::spawn(async move {
+        use tokio::io::AsyncWriteExt as _;
         let mut held = Vec::new();
         loop {
             tokio::select! {
                 Ok((stream, _)) = closing.accept() => drop(stream),
                 Ok((stream, _)) = silent.accept() => held.push(stream),
+                Ok((mut stream, _)) = banner.accept() => {
+                    let _ = stream.write_all(b"SSH-2.0-OpenSSH_9.2\r\n").await;
+                    held.push(stream);
+                }
             }
         }
     });
@@ -399,13 +406,11 @@ async fn the_tls_probe_of_a_client_without_tls_makes_no_handshake_with_a_plain_s
             matches!(error, TlsProbeError::Unreachable { .. }),
             "{url}: {error}"
         );
-        if url == &urls[0] {
-            let error = with_ca.probe_tls().await.expect_err(url);
-            assert!(
-                matches!(error, TlsProbeError::Unreachable { .. }),
-                "{url}: {error}"
-            );
-        }
+        let error = with_ca.probe_tls().await.expect_err(url);
+        assert!(
+            matches!(error, TlsProbeError::Unreachable { .. }),
+            "{url}: {error}"
+        );
     }
 }
 

@@ -83,9 +83,12 @@ impl NatsConfig {
     /// Makes a TLS handshake with each server in the URL, with this
     /// config's CA and client certificate, and returns the first failure
     /// that is the handshake's (or, if no server could be reached, that).
-    /// A config without TLS settings makes one only with a server whose
-    /// INFO requires TLS. `Ok` when a handshake with one of them succeeded,
-    /// or no server required one of a config without TLS.
+    /// No handshake is made with a server that sends no INFO line (the
+    /// NATS client waits for one before any TLS), nor, for a config
+    /// without TLS settings, with one whose INFO does not require TLS;
+    /// websocket servers are left out. `Ok` when a handshake with one of
+    /// them succeeded, no server required one of a config without TLS, or
+    /// there was no server to probe.
     pub async fn probe_tls(&self) -> Result<TlsProbeOutcome, TlsProbeError> {
         let uses_tls = self.uses_tls();
         // A client without TLS settings needs the system's roots only if a
@@ -168,10 +171,9 @@ impl NatsConfig {
     }
 }
 
-/// One server: connect, read its INFO (sent before the TLS upgrade, unless
-/// it wants the handshake first), make the handshake (without TLS settings,
-/// only if the INFO requires TLS), and wait a moment for a refusal of the
-/// client's certificate. `tls` is the rustls configuration, or why none
+/// One server: connect, read its INFO (sent before the TLS upgrade), make
+/// the handshake (without TLS settings, only if the INFO requires TLS), and
+/// wait a moment for a refusal of the client's certificate. `tls` is the rustls configuration, or why none
 /// could be made.
 async fn probe_one(
     tls: &Result<Arc<rustls::ClientConfig>, String>,
@@ -203,6 +205,11 @@ async fn probe_one(
         Err(_) if info.is_empty() => {
             Some(format!("no INFO came within {STEP:?}: not a NATS server?"))
         }
+        // Another service's banner (SSH, SMTP) on a wrong port.
+        _ if !info.starts_with("INFO") => Some(format!(
+            "not a NATS server: it said {:?}",
+            info.chars().take(80).collect::<String>()
+        )),
         _ => None,
     };
     if let Some(reason) = no_info {
