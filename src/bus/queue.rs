@@ -22,8 +22,12 @@ const QUEUE_SCAN_BUDGET: std::time::Duration = std::time::Duration::from_secs(3)
 /// cannot be read or is above 999: a worker writes those under an id of
 /// its own, so they end no task of the delegation.
 fn identity(message: &async_nats::jetstream::message::StreamMessage) -> Option<(String, u32)> {
-    // Not the worker's size limits, which only make a request unusable:
-    // the identity salvaged is the same.
+    // Not the worker's size limits, which it alone knows: a request over
+    // the defaults but within the worker's (or the reverse) is taken here
+    // by its salvaged identity, which differs from a usable request's only
+    // for a body without `task_index` but with a `Wakebus-Task-Index`
+    // header, or with an origin header but no session in the body (which
+    // `wakebus delegate` never sends).
     let limits = crate::protocol::Limits::default();
     match crate::worker::decode_request(&message.payload, Some(&message.headers), &limits) {
         Ok(request) => Some((request.delegation_id, request.task_index)),
