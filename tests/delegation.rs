@@ -1278,6 +1278,24 @@ async fn take_one_request_only(
     (tasks, config)
 }
 
+/// Delegates `delegation` while the task queue takes one request only, so
+/// that it fails as stored in part: the delegation id the error names, and
+/// the queue's own settings to put back.
+async fn delegated_in_part(
+    bus: &wakebus::bus::Bus,
+    delegation: Delegation,
+) -> (String, async_nats::jetstream::stream::Config) {
+    let (_, config) = take_one_request_only(bus).await;
+    let error = Delegator::new(bus.clone())
+        .delegate(delegation)
+        .await
+        .unwrap_err();
+    let DelegateError::NotStored { delegation_id, .. } = error else {
+        panic!("{error}");
+    };
+    (delegation_id, config)
+}
+
 #[tokio::test]
 async fn a_batch_stored_only_in_part_is_completed_by_delegating_it_again_under_its_id_and_runs_each_task_once()
  {
@@ -1346,15 +1364,8 @@ async fn a_retry_after_a_server_restart_does_not_run_a_finished_task_again() {
     init_logs();
     let mut nats = NatsServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
-    let (_, config) = take_one_request_only(&bus).await;
     let delegation = || Delegation::batch(["first", "second"].map(String::from)).session("s.rs");
-    let error = Delegator::new(bus.clone())
-        .delegate(delegation())
-        .await
-        .unwrap_err();
-    let DelegateError::NotStored { delegation_id, .. } = &error else {
-        panic!("{error}");
-    };
+    let (delegation_id, config) = delegated_in_part(&bus, delegation()).await;
     let mut services = Services::new();
     services.echo_worker(&bus);
     wait_until(
@@ -1423,15 +1434,8 @@ async fn a_retry_after_the_duplicate_window_does_not_send_a_request_still_queued
     init_logs();
     let nats = NatsServer::start().await;
     let (bus, _) = bus_with_a_short_duplicate_window(&nats).await;
-    let (_, config) = take_one_request_only(&bus).await;
     let delegation = || Delegation::batch(["first", "second"].map(String::from)).session("s.q2");
-    let error = Delegator::new(bus.clone())
-        .delegate(delegation())
-        .await
-        .unwrap_err();
-    let DelegateError::NotStored { delegation_id, .. } = &error else {
-        panic!("{error}");
-    };
+    let (delegation_id, config) = delegated_in_part(&bus, delegation()).await;
     bus.js.update_stream(&config).await.unwrap();
     // Another request, sent after the first delegation's, stored again
     // as a new message: the window has passed for the delegation's too.
@@ -1446,7 +1450,7 @@ async fn a_retry_after_the_duplicate_window_does_not_send_a_request_still_queued
         .await
         .iter()
         .map(|m| TaskRequest::decode(&m.payload).unwrap())
-        .filter(|r| &r.delegation_id == delegation_id)
+        .filter(|r| r.delegation_id == delegation_id)
         .map(|r| r.task_index)
         .collect();
     indexes.sort_unstable();
