@@ -466,10 +466,10 @@ impl TaskHandler {
         let stream_limit = AtomicUsize::new(usize::MAX);
         // Fitted again after a reconnect to a server that takes less (cut
         // for the old one, it would be refused on every try), or below
-        // the stream's limit.
-        // A silent cancel that comes while the completion is not stored
-        // yet (the stream refusing it) still keeps the session from hearing
-        // of the task, unless a copy was stored meanwhile.
+        // the stream's limit. And a silent cancel that comes while the
+        // completion is not stored yet (the stream refusing it) still
+        // keeps the session from hearing of the task, unless a copy was
+        // stored meanwhile.
         let publish = || {
             let now = self
                 .bus
@@ -488,16 +488,18 @@ impl TaskHandler {
             async move {
                 let done = changed.as_ref().unwrap_or(done);
                 let published = self.publish(request, EventKind::Done, trace, done).await;
-                // Said only while cutting makes it smaller: below about 1
-                // KiB of text (ids and headers are never cut) it is refused
-                // on, and the retries' ERROR after a minute says so.
-                let smaller = half_size_limit(done).min(now);
                 if let Err(error) = &published
                     && error.is_too_large()
-                    && smaller < stream_limit.load(Ordering::Relaxed)
                 {
-                    warn!(%error, "The events stream refused the completion for its size (its max message size is below the server's max payload); cutting it to half.");
-                    stream_limit.store(smaller, Ordering::Relaxed);
+                    // Lowered, and said, only while cutting makes it
+                    // smaller: below about 1 KiB of text (ids and headers
+                    // are never cut) it is refused on, and the retries'
+                    // ERROR after a minute says so.
+                    let smaller = half_size_limit(done).min(now);
+                    if smaller < stream_limit.load(Ordering::Relaxed) {
+                        warn!(%error, "The events stream refused the completion for its size (its max message size is below the server's max payload); cutting it to half.");
+                        stream_limit.store(smaller, Ordering::Relaxed);
+                    }
                 }
                 published
             }
