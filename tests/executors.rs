@@ -400,14 +400,45 @@ async fn an_llm_endpoint_answering_5xx_is_retried_and_a_4xx_is_not() {
         .count();
     assert_eq!(started, 2, "the 503 attempt was NAKed and delivered again");
 
-    let refusing = ModelServer::start(vec![Reply::Status(401)]).await;
-    let (done, _bus, _nats) = run_one(refusing.executor(), Delegation::new("no key")).await;
+    let refusing = ModelServer::start(vec![Reply::Status(400)]).await;
+    let (done, _bus, _nats) = run_one(refusing.executor(), Delegation::new("bad call")).await;
     assert_eq!(
         (done.status, done.exit_reason.as_str()),
         (Status::Failed, "llm_refused")
     );
-    assert!(done.error.unwrap().contains("401"));
+    assert!(done.error.unwrap().contains("400"));
     assert_eq!(refusing.requests().len(), 1);
+}
+
+/// A 401, 403 or 407 refuses the worker's key, not the task: the task goes
+/// back to the queue for a worker whose key works (here the same worker,
+/// its key fixed in between), and fails only once its deliveries run out.
+#[tokio::test]
+async fn an_llm_endpoint_refusing_the_workers_key_sends_the_task_back_rather_than_failing_it() {
+    init_logs();
+    let model = ModelServer::start(vec![
+        Reply::Status(401),
+        Reply::Status(403),
+        Reply::Status(407),
+        Reply::Answer("key fixed"),
+    ])
+    .await;
+    let (done, _bus, _nats) = run_one(model.executor(), Delegation::new("rotated key")).await;
+    assert_eq!(
+        (done.status, done.summary.as_deref()),
+        (Status::Completed, Some("key fixed"))
+    );
+    assert_eq!(model.requests().len(), 4);
+
+    let locked_out = ModelServer::start(vec![Reply::Status(401); 5]).await;
+    let (done, _bus, _nats) = run_one(locked_out.executor(), Delegation::new("no key")).await;
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Failed, "max_attempts_exceeded")
+    );
+    let error = done.error.unwrap();
+    assert!(error.contains("401"), "{error}");
+    assert_eq!(locked_out.requests().len(), 5, "one call per delivery");
 }
 
 /// Only redirects that keep the prompt (307, 308) are followed: a client

@@ -9,6 +9,7 @@
 
 use std::time::Duration;
 
+use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, HeaderValue};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -389,9 +390,16 @@ impl LlmExecutor {
                 Err(Unread::BrokeOff(_)) => Vec::new(),
             };
             let body: String = String::from_utf8_lossy(&body).chars().take(500).collect();
-            return Ok(Call::Refused(format!(
-                "LLM endpoint answered {status}: {body}"
-            )));
+            let reason = format!("LLM endpoint answered {status}: {body}");
+            if refuses_this_worker(status) {
+                // This worker's key (or proxy login) is refused: the task
+                // is not at fault. It goes back to the queue, where a
+                // worker with working credentials can run it; it fails
+                // only once its deliveries run out.
+                tracing::error!(%status, body = %body, "The LLM endpoint refuses this worker's credentials; check --llm-api-key-file. The task will be retried.");
+                return Err(ExecError::transient(reason));
+            }
+            return Ok(Call::Refused(reason));
         }
         let body = match read_at_most(response, MAX_ANSWER_BYTES).await {
             Ok(body) => body,
@@ -411,6 +419,19 @@ impl LlmExecutor {
         })?;
         Ok(Call::Answer(Answer::from(parsed)))
     }
+}
+
+/// Whether an answer refuses the worker rather than the task: 401 and 403
+/// (the API key) and 407 (a proxy's login). Retrying on the same worker
+/// will not help, but another worker, or this one once its key is fixed,
+/// can run the task.
+fn refuses_this_worker(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::UNAUTHORIZED
+            | StatusCode::FORBIDDEN
+            | StatusCode::PROXY_AUTHENTICATION_REQUIRED
+    )
 }
 
 impl From<ChatResponse> for Answer {
