@@ -1124,6 +1124,59 @@ async fn a_sync_tasks_dead_letter_is_requeued_only_with_include_sync() {
     assert_eq!(asked[0]["new_delegation_id"], "sync1-rt0");
 }
 
+/// A first replay made with `--force` re-queues under the derived id, as
+/// a plain one would: a plain replay after it finds that re-queue and does
+/// not run the task a second time. Only a forced replay of a task already
+/// re-queued takes a new id.
+#[tokio::test]
+async fn a_plain_replay_after_a_forced_one_does_not_run_the_task_again() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    services.wake(&bus, test_wake_config(&api.url()));
+    let id = dead_letter_a_task(&bus, &api, "s.forced-first").await;
+    let derived = format!("{id}-rt0");
+
+    let forced = wakebus(&nats.url(), &prefix, &["replay", "tasks", "--force"])
+        .await
+        .ok_json();
+    assert_eq!(forced[0]["action"], "replayed", "{forced:#?}");
+    assert_eq!(forced[0]["new_delegation_id"], derived.as_str());
+    services.echo_worker(&bus);
+    wait_until(WAIT, "the forced re-run's wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+
+    let plain = wakebus(&nats.url(), &prefix, &["replay", "tasks"])
+        .await
+        .ok_json();
+    assert_eq!(plain[0]["action"], "skipped", "{plain:#?}");
+    assert!(
+        plain[0]["reason"].as_str().unwrap().contains(&derived),
+        "{plain:#?}"
+    );
+    let forced_again = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "tasks", "--force", "--dry-run"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(forced_again[0]["action"], "would_replay");
+    assert_ne!(forced_again[0]["new_delegation_id"], derived.as_str());
+    let reruns = all_messages(&bus, &bus.subjects.events_stream())
+        .await
+        .into_iter()
+        .filter(|m| m.subject.ends_with(".done") && m.subject.contains("-rt0."))
+        .count();
+    assert_eq!(reruns, 1, "the task ran once after its dead letter");
+    assert_eq!(api.accepted().len(), 2);
+}
+
 #[tokio::test]
 async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_session() {
     init_logs();

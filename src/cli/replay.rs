@@ -79,7 +79,8 @@ pub(crate) struct TasksArgs {
     #[command(flatten)]
     pub(crate) common: CommonArgs,
     /// Re-queue even requests already re-queued (under a new ULID delegation
-    /// id), or older than the traces of an earlier re-queue.
+    /// id, as the derived one is taken), or older than the traces of an
+    /// earlier re-queue.
     #[arg(long)]
     pub(crate) force: bool,
     /// Re-queue requests whose delegation or session was cancelled too, and

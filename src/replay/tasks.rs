@@ -117,22 +117,28 @@ impl Replayer {
                 }
             }
         }
-        let (new_id, earlier) = if self.plan.force {
-            (new_delegation_id(), Requeued::No)
-        } else {
-            // Earlier releases derived the id from the dead letter's
-            // sequence: a re-queue of this one made by them is this one's.
-            let legacy = legacy_derived_delegation_id(&request.delegation_id, record.sequence);
-            let id = derived_delegation_id(&request.delegation_id, request.task_index);
-            match self.requeued(&legacy).await {
-                Requeued::No => {
-                    let earlier = self.requeued(&id).await;
-                    (id, earlier)
-                }
-                // Not known: said of the id it would be sent under.
-                Requeued::Unknown(error) => (id, Requeued::Unknown(error)),
-                earlier => (legacy, earlier),
+        // Earlier releases derived the id from the dead letter's sequence:
+        // a re-queue of this one made by them is this one's.
+        let legacy = legacy_derived_delegation_id(&request.delegation_id, record.sequence);
+        let id = derived_delegation_id(&request.delegation_id, request.task_index);
+        let (new_id, earlier) = match self.requeued(&legacy).await {
+            Requeued::No => {
+                let earlier = self.requeued(&id).await;
+                (id, earlier)
             }
+            // Not known: said of the id it would be sent under.
+            Requeued::Unknown(error) => (id, Requeued::Unknown(error)),
+            earlier => (legacy, earlier),
+        };
+        // A forced re-queue goes under the id a plain one would take when
+        // a plain one would send it, so that a plain replay after it finds
+        // it and does not run the task again; under a new id only where a
+        // plain one would not send it (or cannot tell).
+        let (new_id, earlier) = match earlier {
+            Requeued::Yes | Requeued::Unknown(_) if self.plan.force => {
+                (new_delegation_id(), Requeued::No)
+            }
+            earlier => (new_id, earlier),
         };
         item.new_delegation_id = Some(new_id.clone());
         let subject = self.bus.subjects.task(pool);
