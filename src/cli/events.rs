@@ -75,7 +75,19 @@ fn write_line(line: &str) -> std::io::Result<()> {
     out.flush()
 }
 
-const WIDTHS: [usize; 7] = [7, 23, 9, 30, 4, 22, 11];
+/// Each column but the last: the width it is padded to, and the most it
+/// shows. What an operator copies into a filter (the sequence for
+/// `--from-seq`, the delegation id, which may end `-rt17`, the task, the
+/// session) is shown whole, pushing the row out rather than being cut.
+const WIDTHS: [(usize, usize); 7] = [
+    (7, 20),
+    (23, 23),
+    (9, 9),
+    (30, 80),
+    (4, 10),
+    (22, 80),
+    (11, 11),
+];
 
 fn header() -> String {
     columns(&[
@@ -92,8 +104,8 @@ fn header() -> String {
 
 fn columns(cells: &[&str]) -> String {
     let mut line = String::new();
-    for (cell, width) in cells.iter().zip(WIDTHS) {
-        line.push_str(&format!("{:<width$} ", fit(cell, width)));
+    for (cell, (width, most)) in cells.iter().zip(WIDTHS) {
+        line.push_str(&format!("{:<width$} ", fit(cell, most)));
     }
     if let Some(last) = cells.get(WIDTHS.len()) {
         line.push_str(&fit(last, 80));
@@ -199,5 +211,30 @@ mod tests {
         let cut = fit("\x1b]0;title\x07 and more", 6);
         assert_eq!(cut, "\u{fffd}]0;t…");
         assert_eq!(fit("plain", 10), "plain");
+    }
+
+    /// What an operator copies into `--from-seq` or `--delegation` is not
+    /// cut: an eight-digit sequence, a derived id ending `-rt17` (cut, it
+    /// would read as `-rt10`'s), a UUID session.
+    #[test]
+    fn a_row_shows_long_sequences_ids_and_sessions_whole() {
+        let line = columns(&[
+            "12345678",
+            "2026-12-07 10:00:00.000",
+            "done",
+            "01JV3N4Y8K6D2Q7R9T1W5X0ZAB-rt17",
+            "0",
+            "8f14e45f-ceea-467f-a0e6-0d3c1c1b7f2a",
+            "failed",
+            "detail",
+        ]);
+        for whole in [
+            "12345678",
+            "01JV3N4Y8K6D2Q7R9T1W5X0ZAB-rt17",
+            "8f14e45f-ceea-467f-a0e6-0d3c1c1b7f2a",
+        ] {
+            assert!(line.contains(whole), "{line}");
+        }
+        assert!(!line.contains('…'), "{line}");
     }
 }
