@@ -401,6 +401,71 @@ async fn a_service_whose_consumer_has_another_ack_wait_warns_once_until_the_sett
     wait_until(WAIT, "the second warning", || async { warnings() == 2 }).await;
 }
 
+/// A consumer an operator made again by hand with settings wakebus does
+/// not manage (a larger `max_waiting`, which the server refuses to change)
+/// keeps them when a worker starts, and gets back those wakebus's
+/// guarantees rest on (here a server-side `max_deliver`, which would strand
+/// a task silently). Rebuilt from defaults, the update asked to change
+/// `max_waiting`, and every worker start failed.
+#[tokio::test]
+async fn a_starting_worker_keeps_the_consumer_settings_it_does_not_manage() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let s = &bus.subjects;
+    let stream = bus.js.get_stream(s.tasks_stream()).await.unwrap();
+    stream
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some(s.worker_consumer("default")),
+            filter_subject: s.task("default"),
+            ack_policy: consumer::AckPolicy::Explicit,
+            max_waiting: 2048,
+            max_deliver: 3,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    bus.worker_consumer("default", Duration::from_secs(30))
+        .await
+        .expect("a worker's start");
+    let info = worker_consumer_info(&bus).await.unwrap();
+    assert_eq!(info.config.max_waiting, 2048, "the operator's, kept");
+    assert_eq!(
+        (info.config.max_deliver, info.config.max_ack_pending),
+        (-1, 100_000),
+        "wakebus's, restored"
+    );
+}
+
+/// A server whose `max_request_batch` is below what a service asks for in
+/// one pull (a worker its free slots, 16 here; the wake 256) refuses such a
+/// pull whole, and the service never got a message. Each pull asks for at
+/// most its consumer's `max_batch`, which the server sets from that limit.
+#[tokio::test]
+async fn services_pull_no_more_than_the_servers_max_request_batch_allows() {
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("limits.conf");
+    std::fs::write(&conf, "jetstream { limits { max_request_batch: 4 } }\n").unwrap();
+    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    for i in 0..10 {
+        let session = format!("s.limited.{i}");
+        delegate(&bus, Delegation::new(format!("task {i}")).session(&session)).await;
+    }
+    wait_until(WAIT, "every delegation woken", || async {
+        api.accepted().len() == 10
+    })
+    .await;
+    let info = worker_consumer_info(&bus).await.unwrap();
+    assert_eq!(info.config.max_batch, 4, "the server's limit");
+    services.stop().await;
+}
+
 /// The pool's consumer, as the server describes it.
 async fn worker_consumer_info(bus: &wakebus::bus::Bus) -> Option<consumer::Info> {
     let s = &bus.subjects;

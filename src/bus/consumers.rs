@@ -96,6 +96,46 @@ impl ServiceConsumer {
     }
 }
 
+/// What an existing consumer is updated to: its own settings, with those
+/// the service's guarantees rest on (`ours`) written over them. The rest
+/// an operator may have set (`max_waiting`, which the server refuses to
+/// change, so that rebuilding the config from defaults made every start
+/// fail; replicas, storage, backoff, pulls' limits, metadata, a pause)
+/// are kept, and so is where it delivers from (the server refuses to
+/// change that too).
+fn updated(current: consumer::Config, ours: consumer::pull::Config) -> consumer::pull::Config {
+    consumer::pull::Config {
+        durable_name: ours.durable_name,
+        description: ours.description,
+        ack_policy: ours.ack_policy,
+        ack_wait: ours.ack_wait,
+        max_deliver: ours.max_deliver,
+        filter_subject: ours.filter_subject,
+        filter_subjects: ours.filter_subjects,
+        max_ack_pending: ours.max_ack_pending,
+        // A consumer delivering headers only would hand out empty tasks.
+        headers_only: ours.headers_only,
+        name: current.name,
+        deliver_policy: current.deliver_policy,
+        replay_policy: current.replay_policy,
+        rate_limit: current.rate_limit,
+        sample_frequency: current.sample_frequency,
+        max_waiting: current.max_waiting,
+        max_batch: current.max_batch,
+        max_bytes: current.max_bytes,
+        max_expires: current.max_expires,
+        inactive_threshold: current.inactive_threshold,
+        num_replicas: current.num_replicas,
+        memory_storage: current.memory_storage,
+        metadata: current.metadata,
+        backoff: current.backoff,
+        priority_policy: current.priority_policy,
+        priority_groups: current.priority_groups,
+        priority_timeout: current.priority_timeout,
+        pause_until: current.pause_until,
+    }
+}
+
 impl Bus {
     /// Creates or updates the durable pull consumer shared by all workers of `pool`.
     pub async fn worker_consumer(
@@ -174,6 +214,7 @@ impl Bus {
                     return Ok(None);
                 }
                 Ok(Some(current)) => {
+                    config = updated(current.config.clone(), config);
                     let (theirs, ours) = (current.config.ack_wait, config.ack_wait);
                     if ours < theirs && current.num_ack_pending > 0 {
                         // The server would measure the work other instances
@@ -184,7 +225,6 @@ impl Bus {
                     } else if ours != theirs {
                         warn!(consumer = %name, stream, was = ?theirs, now = ?ours, "The consumer's AckWait changes: every instance sharing it should run with the same --ack-wait.");
                     }
-                    config.deliver_policy = current.config.deliver_policy;
                 }
                 Err(error) => {
                     // Not knowing whether it exists, do not overwrite it: a

@@ -34,7 +34,7 @@ pub(crate) use dead_letter::dead_letter_parts;
 pub(crate) use keeper::{KeepAliveClock, KeepAliveEvery};
 pub(crate) use provision::{is_bucket_missing, is_stream_not_found, is_transient, setup_backoff};
 pub(crate) use publish::confirm_stored;
-pub(crate) use pulls::PullRetry;
+pub(crate) use pulls::{PullRetry, pull_size};
 
 /// Settings for the streams and buckets, shared by every service.
 #[derive(Debug, Clone)]

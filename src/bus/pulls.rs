@@ -1,8 +1,23 @@
-//! Pacing the pull requests of a service whose pulls keep failing.
+//! Pacing the pull requests of a service whose pulls keep failing, and
+//! sizing them to the consumer's limit.
 
 use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
+
+/// The most messages one pull of `consumer` asks for, `wanted` at most:
+/// its `max_batch`, where one is set (the server gives a consumer the
+/// limit its `max_request_batch` sets, and refuses a larger pull whole, so
+/// a service asking for more never got a message).
+pub(crate) fn pull_size(
+    consumer: &async_nats::jetstream::consumer::PullConsumer,
+    wanted: usize,
+) -> usize {
+    match usize::try_from(consumer.cached_info().config.max_batch) {
+        Ok(most) if most > 0 => wanted.min(most),
+        _ => wanted,
+    }
+}
 
 /// How long after a failed pull another failure starts a new streak.
 const NEW_STREAK_AFTER: Duration = Duration::from_secs(30);

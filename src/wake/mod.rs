@@ -258,7 +258,7 @@ pub async fn run(
         }
         let mut messages = match consumer
             .stream()
-            .max_messages_per_batch(256)
+            .max_messages_per_batch(crate::bus::pull_size(&consumer, 256))
             .heartbeat(COMPLETION_HEARTBEAT)
             .expires(Duration::from_secs(30))
             .messages()

@@ -249,9 +249,13 @@ pub async fn run(
             () = &mut shutdown => break 'pull,
             permit = slots.clone().acquire_owned() => permit.expect("semaphore is never closed"),
         };
-        // Take every free slot, so one pull request fills them all.
+        // Take every free slot, so one pull request fills them all (as
+        // many as the consumer lets one pull ask for).
+        let most = crate::bus::pull_size(&consumer, usize::MAX);
         let mut permits = first;
-        while let Ok(more) = slots.clone().try_acquire_owned() {
+        while permits.num_permits() < most
+            && let Ok(more) = slots.clone().try_acquire_owned()
+        {
             permits.merge(more);
         }
         let wanted = permits.num_permits();
