@@ -8,7 +8,7 @@ mod common;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use common::process::{LogsOnPanic, Service, wake_args, worker_args};
+use common::process::{LogsOnPanic, Service, sample, wake_args, worker_args};
 use common::raw;
 use common::*;
 use futures::StreamExt as _;
@@ -1790,4 +1790,58 @@ async fn a_task_failing_while_its_worker_is_cut_off_is_not_nakked_away_from_the_
     );
     assert_eq!(model.calls(), 2, "a third run");
     drop(services);
+}
+
+/// A session-lock take that fails (here the lock bucket is deleted under
+/// the wake) fails for every session in hand alike: it is warned of once a
+/// minute across the service, not once a second for each session, and
+/// tried again more slowly than a lock that is busy.
+#[tokio::test]
+async fn failed_session_lock_takes_are_warned_of_once_for_every_session() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("wake.log");
+    let (_wake, metrics) = common::process::spawn_with_metrics(
+        wake_args(&nats.url(), &prefix, &api.url()),
+        log.clone(),
+    );
+    let _logs = LogsOnPanic(vec![log.clone()]);
+    wait_until(Duration::from_secs(30), "the wake ready", || async {
+        http_get(&format!("{metrics}/readyz"))
+            .await
+            .is_some_and(|(status, _)| status == 200)
+    })
+    .await;
+    bus.js
+        .delete_key_value(bus.subjects.session_lock_bucket())
+        .await
+        .unwrap();
+    for i in 0..20 {
+        common::cli::publish_task(&bus, Some(&format!("s.unlockable.{i}")), Status::Completed)
+            .await;
+    }
+    let failed_takes = || async {
+        let text = http_get(&format!("{metrics}/metrics")).await?.1;
+        sample(&text, r#"wakebus_wake_session_locks_total{result="error"}"#)
+    };
+    wait_until(
+        Duration::from_secs(30),
+        "two failed takes a session",
+        || async { failed_takes().await.is_some_and(|n| n >= 40.0) },
+    )
+    .await;
+    let text = std::fs::read_to_string(&log).unwrap();
+    let warned = text
+        .lines()
+        .filter(|line| line.contains("WARN") && line.contains("Could not take the session lock"))
+        .count();
+    assert_eq!(warned, 1, "{text}");
+    assert!(
+        api.all_posts().is_empty(),
+        "nothing posted without the lock"
+    );
 }

@@ -589,6 +589,70 @@ async fn a_wake_whose_entry_changes_between_its_read_and_its_mark_plans_again_an
     );
 }
 
+/// A batch's turn is planned under the session lock, reading the other
+/// tasks' completions from the history: over a slow link, a large batch's
+/// plan outlasts the lock's TTL. The lock is kept alive while the plan
+/// runs; left to lapse, the refresh before the post failed, the turn was
+/// planned again under a new lock, as slowly, and the session was never
+/// woken.
+#[tokio::test]
+async fn a_batch_whose_plan_outlasts_the_session_lock_is_woken_once() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let api = SessionApiServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let ttl = Duration::from_secs(1);
+    session_lock_bucket(&bus, ttl).await;
+    let settings = || BusSettings {
+        session_lock_ttl: ttl,
+        ..Default::default()
+    };
+    // Every task ends at once but the last, which waits for the gate.
+    let gates = tempfile::tempdir().unwrap();
+    let gate = gates.path().join("last");
+    let script = format!(
+        "if [ \"$WAKEBUS_TASK_INDEX\" = 199 ]; then while [ ! -e '{}' ]; do sleep 0.05; done; fi; echo ok",
+        gate.display()
+    );
+    let mut worker = Services::new();
+    worker.worker(&bus, shell(&script), test_worker_config("default"));
+    let mut near = Services::new();
+    near.wake_with(&bus, settings(), test_wake_config(&api.url()));
+    let goals: Vec<String> = (0..200).map(|i| format!("part {i}")).collect();
+    let result = wakebus::delegate::Delegator::new(bus.clone())
+        .with_max_batch(200)
+        .delegate(Delegation::batch(goals).session("s.slow-plan"))
+        .await
+        .unwrap();
+    let id = id_of(&result);
+    // The first 199 are acked as members of a batch not complete yet.
+    wait_until(WAIT, "199 completions", || async {
+        done_events(&bus).await.len() == 199
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    near.stop().await;
+
+    // The wake that gets the last one reads the other 199, 16 at a time,
+    // every round trip 200 ms long: well over the lock's second.
+    let proxy = common::proxy::Proxy::start_delayed(nats.port, Duration::from_millis(100)).await;
+    let distant = common::bus(&format!("nats://127.0.0.1:{}", proxy.port), &prefix).await;
+    let mut far = Services::new();
+    far.wake_with(&distant, settings(), test_wake_config(&api.url()));
+    std::fs::write(&gate, "").unwrap();
+    wait_until(Duration::from_secs(60), "the batch's turn", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    far.stop().await;
+    worker.stop().await;
+    let posts = api.all_posts();
+    assert_eq!(posts.len(), 1, "one turn for the batch");
+    assert!(posts[0].text().contains(&id), "{}", posts[0].text());
+}
+
 /// A lock refresh that falls due during a post runs while the post's
 /// answer is read. Here the lock bucket's stream stops answering (as
 /// between two leaders) while a post is in flight, so the next refresh

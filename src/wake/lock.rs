@@ -296,6 +296,36 @@ impl SessionLocks {
         }
     }
 
+    /// Runs `work` while keeping the lock alive: refreshed whenever due
+    /// (at once if already due), and every second after a refresh failed
+    /// (the guard then says it is lost, so nothing is posted under it
+    /// until a refresh succeeds). For work not bounded by the lock's TTL,
+    /// such as planning a large batch's turn over a slow link: a lock left
+    /// to lapse meanwhile has the work done again under a new lock, as
+    /// slowly, for ever.
+    pub async fn keep_during<F: std::future::Future>(
+        &self,
+        guard: &mut LockGuard,
+        work: F,
+    ) -> F::Output {
+        tokio::pin!(work);
+        let mut due = guard.written_at + self.refresh_interval();
+        loop {
+            tokio::select! {
+                output = &mut work => return output,
+                () = tokio::time::sleep_until(due) => {
+                    due = match self.refresh(guard).await {
+                        Ok(()) => guard.written_at + self.refresh_interval(),
+                        Err(error) => {
+                            tracing::debug!(%error, "Session lock refresh failed while planning; trying again in a second.");
+                            tokio::time::Instant::now() + Duration::from_secs(1)
+                        }
+                    };
+                }
+            }
+        }
+    }
+
     /// Releases the lock, unless it already expired and was taken by someone else.
     pub async fn release(&self, guard: LockGuard) {
         if guard.lost {

@@ -172,6 +172,8 @@ pub(crate) struct Shared {
     /// they share (a lost permission, a deleted bucket) is warned of once
     /// a minute, not once per session.
     pub(crate) plan_warned: std::sync::Mutex<Option<tokio::time::Instant>>,
+    /// The same for a session-lock take that failed.
+    pub(crate) lock_warned: std::sync::Mutex<Option<tokio::time::Instant>>,
 }
 
 /// Runs the wake service until `shutdown` completes; held completions are
@@ -234,6 +236,7 @@ pub async fn run(
             bus.max_payload(),
         ))),
         plan_warned: std::sync::Mutex::new(None),
+        lock_warned: std::sync::Mutex::new(None),
     });
     let registration = Registration::wake(bus.subjects.prefix(), &shared.config.instance);
     let reporting = shared.clone();

@@ -21,10 +21,10 @@
 //! would give otherwise.
 //!
 //! Each pass has up to [`READS_IN_FLIGHT`] reads in flight: one at a time,
-//! a batch of 1,000 tasks took as many round trips in a row, which on a
-//! cluster can outlast the session lock the turn is planned under (it is
-//! refreshed only around the post), and the turn was then planned again,
-//! as slowly, for ever. Each read holds one of the service's
+//! a batch of 1,000 tasks took as many round trips in a row. (The session
+//! lock the turn is planned under is kept alive while it is planned,
+//! `SessionLocks::keep_during`: a plan that outlasted it was planned again,
+//! as slowly, for ever.) Each read holds one of the service's
 //! [`batch_read_permits`] until it has cut what it read to what the pass
 //! keeps, so what batch planning holds whole at once is bounded per
 //! service, and what waits in a pass for its turn is only what it keeps.

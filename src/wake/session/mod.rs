@@ -53,6 +53,18 @@ const PLAN_RETRY_MAX: Duration = Duration::from_secs(8);
 /// How often failed plans are warned of, across the service.
 const PLAN_FAILURE_WARN_EVERY: Duration = Duration::from_secs(60);
 
+/// Whether a failure that every session in hand may meet is warned of now:
+/// once a minute across the service (`gate` is when it last was), the rest
+/// at DEBUG.
+fn warning_due(gate: &std::sync::Mutex<Option<Instant>>, now: Instant) -> bool {
+    let mut warned = gate.lock().expect("warning gate");
+    let due = warned.is_none_or(|at| now.duration_since(at) >= PLAN_FAILURE_WARN_EVERY);
+    if due {
+        *warned = Some(now);
+    }
+    due
+}
+
 /// A session's streak of plans that failed (the ledger or the history
 /// could not be read or written): each is tried again after 1 s, doubling
 /// up to [`PLAN_RETRY_MAX`], each wait plus up to as much again in jitter;
@@ -81,15 +93,7 @@ impl PlanFailures {
         use backon::BackoffBuilder as _;
         self.count += 1;
         let now = Instant::now();
-        let due = {
-            let mut warned = warned.lock().expect("plan warning gate");
-            let due = warned.is_none_or(|at| now.duration_since(at) >= PLAN_FAILURE_WARN_EVERY);
-            if due {
-                *warned = Some(now);
-            }
-            due
-        };
-        if due {
+        if warning_due(warned, now) {
             self.warned_at = Some(now);
             warn!(%error, failures = self.count, "Could not plan the session's turns; will retry (further failures are logged at DEBUG for a minute).");
         } else {
@@ -429,6 +433,8 @@ impl Router {
     async fn acquire_lock(&self, hold: &mut Hold) -> Option<LockGuard> {
         let token = session_token(&hold.held[0].session);
         let mut delay = Duration::from_millis(20);
+        // Takes that failed (not merely found the lock busy).
+        let mut failures = 0u32;
         loop {
             match self.shared.locks.try_acquire(&token).await {
                 Ok(Some(guard)) => {
@@ -447,15 +453,30 @@ impl Router {
                 Ok(None) => m::wake_session_lock("busy"),
                 // Not tried: waiting for the connection.
                 Err(LockError::Disconnected) => {}
+                // A failure every session in hand may meet (the bucket
+                // deleted, a permission taken away): warned of once a
+                // minute across the service, and tried again more slowly
+                // than a busy lock.
                 Err(error) => {
                     m::wake_session_lock("error");
-                    warn!(%error, "Could not take the session lock; will retry.");
+                    failures += 1;
+                    if warning_due(&self.shared.lock_warned, Instant::now()) {
+                        warn!(%error, failures, "Could not take the session lock; will retry (further failures are logged at DEBUG for a minute).");
+                    } else {
+                        debug!(%error, failures, "Could not take the session lock; will retry.");
+                    }
+                    delay = delay.max(Duration::from_secs(1));
                 }
             }
             if !self.wait(hold, delay).await {
                 return None;
             }
-            delay = (delay * 2).min(Duration::from_secs(1));
+            let most = if failures > 0 {
+                PLAN_RETRY_MAX
+            } else {
+                Duration::from_secs(1)
+            };
+            delay = (delay * 2).min(most);
         }
     }
 
@@ -468,7 +489,14 @@ impl Router {
         guard: &mut LockGuard,
         failures: &mut PlanFailures,
     ) -> Round {
-        let planned = self.plan(&mut hold.held).await;
+        // Under a lock kept alive: a large batch's plan over a slow link
+        // can outlast it (and a round that only acks members, one kept
+        // from an earlier round).
+        let planned = self
+            .shared
+            .locks
+            .keep_during(guard, self.plan(&mut hold.held))
+            .await;
         if planned.is_ok() {
             failures.succeeded();
         }
