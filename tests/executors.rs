@@ -17,6 +17,7 @@ use serde_json::{Value, json};
 use wakebus::cancel::Canceller;
 use wakebus::delegate::{Delegation, Delegator};
 use wakebus::protocol::{CompletionEvent, Status};
+use wakebus::worker::WorkerConfig;
 use wakebus::worker::executor::{CommandConfig, CommandExecutor, Executor, LlmConfig, LlmExecutor};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -40,6 +41,8 @@ enum Reply {
     Declined(&'static str),
     /// 200 with this content, cut at the token limit.
     CutOff(&'static str),
+    /// 200 with this content, after this long.
+    Slowly(Duration, &'static str),
 }
 
 #[derive(Default)]
@@ -140,6 +143,10 @@ async fn answer(
         .into_response()
     };
     match reply {
+        Reply::Slowly(after, content) => {
+            tokio::time::sleep(after).await;
+            completion(json!({"role": "assistant", "content": content}), "stop")
+        }
         Reply::Answer(content) => {
             completion(json!({"role": "assistant", "content": content}), "stop")
         }
@@ -182,10 +189,19 @@ async fn run_one(
     executor: Executor,
     delegation: Delegation,
 ) -> (CompletionEvent, wakebus::bus::Bus, NatsServer) {
+    run_one_with(executor, test_worker_config("default"), delegation).await
+}
+
+/// [`run_one`] with a worker set up as `config` says.
+async fn run_one_with(
+    executor: Executor,
+    config: WorkerConfig,
+    delegation: Delegation,
+) -> (CompletionEvent, wakebus::bus::Bus, NatsServer) {
     let nats = NatsServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let mut services = Services::new();
-    services.worker(&bus, executor, test_worker_config("default"));
+    services.worker(&bus, executor, config);
     let result = Delegator::new(bus.clone())
         .with_wait_timeout(Some(WAIT))
         .delegate(delegation)
@@ -423,7 +439,16 @@ async fn an_llm_endpoint_refusing_the_workers_key_sends_the_task_back_rather_tha
         Reply::Answer("key fixed"),
     ])
     .await;
-    let (done, _bus, _nats) = run_one(model.executor(), Delegation::new("rotated key")).await;
+    // Refused, the worker takes no task for a moment: here the pool's
+    // only worker takes its task back after it.
+    let mut config = test_worker_config("default");
+    config.refused_pause = Duration::from_millis(100);
+    let (done, _bus, _nats) = run_one_with(
+        model.executor(),
+        config.clone(),
+        Delegation::new("rotated key"),
+    )
+    .await;
     assert_eq!(
         (done.status, done.summary.as_deref()),
         (Status::Completed, Some("key fixed"))
@@ -431,7 +456,8 @@ async fn an_llm_endpoint_refusing_the_workers_key_sends_the_task_back_rather_tha
     assert_eq!(model.requests().len(), 4);
 
     let locked_out = ModelServer::start(vec![Reply::Status(401); 5]).await;
-    let (done, _bus, _nats) = run_one(locked_out.executor(), Delegation::new("no key")).await;
+    let (done, _bus, _nats) =
+        run_one_with(locked_out.executor(), config, Delegation::new("no key")).await;
     assert_eq!(
         (done.status, done.exit_reason.as_str()),
         (Status::Failed, "max_attempts_exceeded")
@@ -439,6 +465,44 @@ async fn an_llm_endpoint_refusing_the_workers_key_sends_the_task_back_rather_tha
     let error = done.error.unwrap();
     assert!(error.contains("401"), "{error}");
     assert_eq!(locked_out.requests().len(), 5, "one call per delivery");
+}
+
+/// A worker whose key the endpoint refuses takes no task for a while once
+/// refused, so the pool's healthy worker runs them all. Without the pause
+/// it took nearly every task (always free, each refusal instant) until
+/// its deliveries ran out, and they failed however many healthy workers
+/// the pool had.
+#[tokio::test]
+async fn a_worker_whose_key_is_refused_leaves_the_pools_tasks_to_the_others() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let refusing = ModelServer::start(vec![Reply::Status(401); 200]).await;
+    let answers = (0..10).map(|_| Reply::Slowly(Duration::from_millis(200), "done"));
+    let healthy = ModelServer::start(answers.collect()).await;
+    let mut services = Services::new();
+    services.worker(&bus, refusing.executor(), test_worker_config("default"));
+    let mut one_at_a_time = test_worker_config("default");
+    one_at_a_time.concurrency = 1;
+    services.worker(&bus, healthy.executor(), one_at_a_time);
+    for i in 0..10 {
+        let session = format!("s.pool.{i}");
+        delegate(&bus, Delegation::new(format!("task {i}")).session(&session)).await;
+    }
+    wait_until(WAIT, "every task's completion", || async {
+        done_events(&bus).await.len() == 10
+    })
+    .await;
+    services.stop().await;
+    let done = done_events(&bus).await;
+    assert!(
+        done.iter().all(|done| done.status == Status::Completed),
+        "{:?}",
+        done.iter()
+            .map(|d| (&d.status, &d.error))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(healthy.requests().len(), 10);
 }
 
 /// Only redirects that keep the prompt (307, 308) are followed: a client

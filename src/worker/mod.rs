@@ -9,6 +9,7 @@ mod cancel;
 mod claims;
 pub mod executor;
 mod handler;
+mod pause;
 pub mod probe;
 
 use std::future::Future;
@@ -72,6 +73,10 @@ pub struct WorkerConfig {
     pub retry_max: Duration,
     /// How long running tasks may finish after a shutdown signal.
     pub shutdown_grace: Duration,
+    /// How long the worker takes no task once its executor refused it (an
+    /// LLM endpoint rejecting its key), so the pool's other workers run
+    /// them.
+    pub refused_pause: Duration,
     /// How long a task runs before its `started` event is written. A task
     /// that ends sooner has none: its history is `submitted` then `done`
     /// (whose `ce-source` names the worker), and it costs one stored write
@@ -100,6 +105,7 @@ impl WorkerConfig {
             retry_base: Duration::from_secs(1),
             retry_max: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(30),
+            refused_pause: pause::REFUSED_PAUSE,
             started_after: DEFAULT_STARTED_AFTER,
             instance: default_instance_name("worker"),
             max_depth: crate::protocol::DEFAULT_MAX_DEPTH,
@@ -259,6 +265,14 @@ pub async fn run(
             permits.merge(more);
         }
         let wanted = permits.num_permits();
+        // Not while the executor refuses this worker: the pool's other
+        // workers run the tasks meanwhile (see `pause`).
+        if let Some(until) = handler.paused_until() {
+            tokio::select! {
+                () = &mut shutdown => break 'pull,
+                () = tokio::time::sleep_until(until) => {}
+            }
+        }
         // Not while disconnected: see `connect::connected`.
         tokio::select! {
             () = &mut shutdown => break 'pull,

@@ -382,6 +382,7 @@ impl LlmExecutor {
             return Err(ExecError::Transient {
                 reason: format!("LLM endpoint answered {status}"),
                 retry_after: crate::http_client::retry_after(response.headers()),
+                this_worker: false,
             });
         }
         if !status.is_success() {
@@ -396,8 +397,9 @@ impl LlmExecutor {
                 // is not at fault. It goes back to the queue, where a
                 // worker with working credentials can run it; it fails
                 // only once its deliveries run out.
-                tracing::error!(%status, body = %body, "The LLM endpoint refuses this worker's credentials; check --llm-api-key-file. The task will be retried.");
-                return Err(ExecError::transient(reason));
+                return Err(ExecError::this_worker(format!(
+                    "{reason} (the endpoint refuses this worker's credentials: check --llm-api-key-file)"
+                )));
             }
             return Ok(Call::Refused(reason));
         }

@@ -47,6 +47,10 @@ pub enum ExecError {
         /// rate limit is not hit again on every try until the task's
         /// deliveries run out.
         retry_after: Option<std::time::Duration>,
+        /// Whether the failure is this worker's, not the task's (the
+        /// endpoint refused its credentials): another worker may run the
+        /// task, and this one takes no task for a while.
+        this_worker: bool,
     },
     /// The run was stopped through its cancellation token; whatever it had
     /// produced and used so far is kept.
@@ -70,6 +74,17 @@ impl ExecError {
         Self::Transient {
             reason: reason.into(),
             retry_after: None,
+            this_worker: false,
+        }
+    }
+
+    /// A failure of this worker rather than of the task (its credentials
+    /// refused): the task goes back for another worker to run.
+    pub fn this_worker(reason: impl Into<String>) -> Self {
+        Self::Transient {
+            reason: reason.into(),
+            retry_after: None,
+            this_worker: true,
         }
     }
 }

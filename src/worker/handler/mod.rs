@@ -30,6 +30,7 @@ use tracing::{Instrument, error, info, info_span, warn};
 use super::cancel::{CancelRegistry, Refusal, StopReason};
 use super::claims::{Claim, Claims};
 use super::executor::{ExecError, ExecOutput, Executor, TaskEnv};
+use super::pause::TakingPause;
 use super::{REFUSED_REDELIVERY_DELAY, WorkerConfig};
 use crate::bus::{Bus, KeepAliveClock, KeepAliveEvery, PublishError};
 use crate::cancel::CancelRecord;
@@ -70,6 +71,8 @@ pub(crate) struct TaskHandler {
     /// started, since a run cut short at the grace's end would run again
     /// elsewhere from the start.
     stopping: CancellationToken,
+    /// Set when the executor refuses this worker: it takes no task then.
+    pause: TakingPause,
 }
 
 impl TaskHandler {
@@ -95,6 +98,22 @@ impl TaskHandler {
             claims: Claims::default(),
             keep_alive,
             stopping: CancellationToken::new(),
+            pause: TakingPause::default(),
+        }
+    }
+
+    /// Until when the worker takes no task, while its executor's refusal
+    /// pauses it ([`TakingPause`]).
+    pub(crate) fn paused_until(&self) -> Option<tokio::time::Instant> {
+        self.pause.until()
+    }
+
+    /// The executor refused this worker (`reason`): it takes no task for
+    /// its `refused_pause`, so the pool's other workers run them.
+    fn refused_here(&self, reason: &str) {
+        let pause = self.config.refused_pause;
+        if self.pause.begin(pause) {
+            error!(%reason, ?pause, "The executor refuses this worker; handing its tasks back and taking none for a while, so that other workers run them. An operator must fix this worker's credentials.");
         }
     }
 
@@ -394,7 +413,29 @@ impl TaskHandler {
             (
                 Err(ExecError::Transient {
                     reason,
+                    this_worker,
+                    ..
+                }),
+                _,
+            ) if this_worker => {
+                self.refused_here(&reason);
+                if attempt < self.config.max_deliver {
+                    m::task_retried(&self.config.pool);
+                    return Outcome::Nak(Some(self.config.retry_delay(attempt)));
+                }
+                let reason = format!(
+                    "gave up on its last delivery ({attempt} of {}); last error: {reason}",
+                    self.config.max_deliver
+                );
+                return self
+                    .give_up(message, &request, trace, GIVEN_UP_ATTEMPTS, reason, stop)
+                    .await;
+            }
+            (
+                Err(ExecError::Transient {
+                    reason,
                     retry_after,
+                    ..
                 }),
                 _,
             ) if attempt < self.config.max_deliver => {
