@@ -1273,6 +1273,17 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
         reason.contains("a re-queue's events are kept 1s"),
         "{reason}"
     );
+    // Forced, it runs once more, under a new id: the derived one may have
+    // been used (here it was), and its wake's key with it.
+    let forced = wakebus(
+        &nats.url(),
+        &prefix,
+        &["replay", "tasks", "--force", "--dry-run"],
+    )
+    .await
+    .ok_json();
+    assert_eq!(forced[0]["action"], "would_replay", "{forced:#?}");
+    assert_ne!(forced[0]["new_delegation_id"], derived.as_str());
     assert_eq!(api.accepted().len(), 2, "the re-queued task ran once");
     assert_eq!(api.all_posts().len(), 2);
 }

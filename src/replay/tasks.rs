@@ -130,6 +130,11 @@ impl Replayer {
             Requeued::Unknown(error) => (id, Requeued::Unknown(error)),
             earlier => (legacy, earlier),
         };
+        // Nothing under the id, for a dead letter older than the history's
+        // events: a re-queue may have run and expired.
+        let outlived = matches!(earlier, Requeued::No)
+            .then(|| self.outlived_its_traces(record, "a re-queue's events"))
+            .flatten();
         // A forced re-queue goes under the id a plain one would take when
         // a plain one would send it, so that a plain replay after it finds
         // it and does not run the task again; under a new id only where a
@@ -138,14 +143,16 @@ impl Replayer {
             Requeued::Yes | Requeued::Unknown(_) if self.plan.force => {
                 (new_delegation_id(), Requeued::No)
             }
+            Requeued::No if self.plan.force && outlived.is_some() => {
+                (new_delegation_id(), Requeued::No)
+            }
             earlier => (new_id, earlier),
         };
         item.new_delegation_id = Some(new_id.clone());
         let subject = self.bus.subjects.task(pool);
         item.target_subject = Some(subject.clone());
-        if matches!(earlier, Requeued::No)
-            && !self.plan.force
-            && let Some(reason) = self.outlived_its_traces(record, "a re-queue's events")
+        if !self.plan.force
+            && let Some(reason) = outlived
         {
             self.seen.remove(&task);
             return Ok(item.skipped(reason));
