@@ -405,7 +405,7 @@ async fn a_service_whose_consumer_has_another_ack_wait_warns_once_until_the_sett
 /// not manage (a larger `max_waiting`, which the server refuses to change)
 /// keeps them when a worker starts, and gets back those wakebus's
 /// guarantees rest on (here a server-side `max_deliver`, which would strand
-/// a task silently). Rebuilt from defaults, the update asked to change
+/// a task silently, a backoff and an inactive threshold). Rebuilt from defaults, the update asked to change
 /// `max_waiting`, and every worker start failed.
 #[tokio::test]
 async fn a_starting_worker_keeps_the_consumer_settings_it_does_not_manage() {
@@ -421,6 +421,8 @@ async fn a_starting_worker_keeps_the_consumer_settings_it_does_not_manage() {
             ack_policy: consumer::AckPolicy::Explicit,
             max_waiting: 2048,
             max_deliver: 3,
+            backoff: vec![Duration::from_secs(1)],
+            inactive_threshold: Duration::from_secs(3600),
             ..Default::default()
         })
         .await
@@ -434,6 +436,66 @@ async fn a_starting_worker_keeps_the_consumer_settings_it_does_not_manage() {
         (info.config.max_deliver, info.config.max_ack_pending),
         (-1, 100_000),
         "wakebus's, restored"
+    );
+    assert_eq!(
+        (
+            info.config.backoff.as_slice(),
+            info.config.inactive_threshold
+        ),
+        (&[][..], Duration::ZERO),
+        "a backoff would replace AckWait, an inactive threshold delete the consumer"
+    );
+}
+
+/// A consumer given a server-side `max_deliver` under running services
+/// would strand a message that keeps failing (a worker's task: no
+/// completion, no dead letter, no wake): the service's keeper finds the
+/// change at its next check and says so at ERROR, once, naming the
+/// setting.
+#[tokio::test]
+async fn a_consumer_setting_changed_under_a_running_service_is_reported_once() {
+    let rig = Rig::start().await;
+    let info = eventually(WAIT, "the wake's consumer", || async {
+        wake_consumer_info(&rig.bus).await
+    })
+    .await;
+    let stream = rig.bus.js.get_stream(&info.stream_name).await.unwrap();
+    stream
+        .update_consumer::<consumer::Config>(consumer::Config {
+            max_deliver: 3,
+            ..info.config
+        })
+        .await
+        .unwrap();
+    let reported = |log: &str| {
+        log.lines()
+            .filter(|line| line.contains("settings were changed under this service"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    wait_until(WAIT, "the report", || async {
+        !reported(&rig.wake_log()).is_empty()
+    })
+    .await;
+    let lines = reported(&rig.wake_log());
+    assert!(
+        lines[0].contains("ERROR") && lines[0].contains("max_deliver"),
+        "{lines:?}"
+    );
+    // Three more checks find it changed still, and say nothing more.
+    let checks_after_report = |log: &str| {
+        log.split("settings were changed under this service")
+            .nth(1)
+            .map_or(0, |after| after.matches("Consumer checked.").count())
+    };
+    wait_until(WAIT, "three more checks", || async {
+        checks_after_report(&rig.wake_log()) >= 3
+    })
+    .await;
+    assert_eq!(
+        reported(&rig.wake_log()).len(),
+        1,
+        "one report for one change"
     );
 }
 

@@ -100,9 +100,8 @@ impl ServiceConsumer {
 /// the service's guarantees rest on (`ours`) written over them. The rest
 /// an operator may have set (`max_waiting`, which the server refuses to
 /// change, so that rebuilding the config from defaults made every start
-/// fail; replicas, storage, backoff, pulls' limits, metadata, a pause)
-/// are kept, and so is where it delivers from (the server refuses to
-/// change that too).
+/// fail; replicas, storage, `max_batch`, metadata, a pause) are kept, and
+/// so is where it delivers from (the server refuses to change that too).
 fn updated(current: consumer::Config, ours: consumer::pull::Config) -> consumer::pull::Config {
     consumer::pull::Config {
         durable_name: ours.durable_name,
@@ -115,6 +114,14 @@ fn updated(current: consumer::Config, ours: consumer::pull::Config) -> consumer:
         max_ack_pending: ours.max_ack_pending,
         // A consumer delivering headers only would hand out empty tasks.
         headers_only: ours.headers_only,
+        // A backoff takes the place of AckWait (a shorter step would hand
+        // a running task to another worker); an inactive threshold deletes
+        // even a durable consumer, and a wake's made again reads the
+        // history from its start; a `max_expires` under the wake's 30 s
+        // has every pull of it refused.
+        backoff: ours.backoff,
+        inactive_threshold: ours.inactive_threshold,
+        max_expires: ours.max_expires,
         name: current.name,
         deliver_policy: current.deliver_policy,
         replay_policy: current.replay_policy,
@@ -123,17 +130,45 @@ fn updated(current: consumer::Config, ours: consumer::pull::Config) -> consumer:
         max_waiting: current.max_waiting,
         max_batch: current.max_batch,
         max_bytes: current.max_bytes,
-        max_expires: current.max_expires,
-        inactive_threshold: current.inactive_threshold,
         num_replicas: current.num_replicas,
         memory_storage: current.memory_storage,
         metadata: current.metadata,
-        backoff: current.backoff,
         priority_policy: current.priority_policy,
         priority_groups: current.priority_groups,
         priority_timeout: current.priority_timeout,
         pause_until: current.pause_until,
     }
+}
+
+/// Which of the settings [`updated`] writes over, AckWait and
+/// `max_ack_pending` aside (instances may differ in those, and AckWait is
+/// watched on its own), the consumer no longer has: changed on the server
+/// under running services, each breaks a guarantee (a server-side
+/// `max_deliver` strands a task that keeps failing, with no completion; a
+/// filter that is not the pool's hands out other pools' tasks or none; a
+/// consumer delivering headers only hands out empty tasks).
+pub(crate) fn drifted(
+    current: &consumer::Config,
+    ours: &consumer::pull::Config,
+) -> Vec<&'static str> {
+    let mut drifted = Vec::new();
+    if current.ack_policy != ours.ack_policy {
+        drifted.push("ack_policy");
+    }
+    if current.max_deliver != ours.max_deliver
+        && !(current.max_deliver <= 0 && ours.max_deliver <= 0)
+    {
+        drifted.push("max_deliver");
+    }
+    if current.filter_subject != ours.filter_subject
+        || current.filter_subjects != ours.filter_subjects
+    {
+        drifted.push("filter_subject");
+    }
+    if current.headers_only != ours.headers_only {
+        drifted.push("headers_only");
+    }
+    drifted
 }
 
 impl Bus {

@@ -39,7 +39,7 @@ use async_nats::jetstream::consumer::{self, DeliverPolicy};
 use async_nats::jetstream::context::{ConsumerInfoError, ConsumerInfoErrorKind};
 use backon::BackoffBuilder;
 use tokio_util::sync::{CancellationToken, DropGuard};
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::{Bus, ServiceConsumer};
 
@@ -216,6 +216,9 @@ struct Keeper {
     /// The consumer's AckWait last warned about, so that one differing
     /// setting is one warning, not one every check.
     warned_ack_wait: Option<Duration>,
+    /// The settings last found changed under the service and reported,
+    /// so that one change is one ERROR, not one every check.
+    warned_drift: Vec<&'static str>,
     /// Whether the missing stream was warned about since it was last seen.
     warned_no_stream: bool,
     /// Whether a failed create was warned about since the consumer was
@@ -249,6 +252,7 @@ impl Bus {
             keep_alive: keep_alive.clone(),
             floor: None,
             warned_ack_wait: None,
+            warned_drift: Vec::new(),
             warned_no_stream: false,
             warned_create: false,
             failing: None,
@@ -379,6 +383,12 @@ impl Keeper {
             self.warned_ack_wait = Some(theirs);
             warn!(consumer = %info.name, consumer_ack_wait = ?theirs, ack_wait = ?ours, "The consumer's AckWait is not this service's --ack-wait: held work is kept alive by the shorter one, and a stopped instance's work is redelivered after the consumer's. Give every instance the same --ack-wait (a starting instance sets its own).");
         }
+        let drift =
+            super::consumers::drifted(&info.config, &self.wanted.config(&self.bus.subjects));
+        if !drift.is_empty() && drift != self.warned_drift {
+            error!(consumer = %info.name, settings = ?drift, "The consumer's settings were changed under this service, and wakebus's guarantees rest on them (a server-side max_deliver strands a task that keeps failing, with no completion; another filter hands out the wrong tasks). Restart one instance of the service to set them back.");
+        }
+        self.warned_drift = drift;
     }
 
     /// The stream itself is gone: nothing can be created on it. Warned once
