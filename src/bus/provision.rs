@@ -690,9 +690,19 @@ pub(crate) fn may_pass(err: &ProvisionError) -> bool {
     use jetstream::context::ConsumerInfoErrorKind as Info;
     match err {
         // The operator's to resolve: retrying changes nothing.
-        ProvisionError::Update { .. }
-        | ProvisionError::SubjectsTaken { .. }
-        | ProvisionError::SubjectsOverlap { .. } => false,
+        ProvisionError::SubjectsTaken { .. } | ProvisionError::SubjectsOverlap { .. } => false,
+        // A JetStream that cannot answer yet (a leader election, a cluster
+        // still forming, as `docker compose up` restarts it) passes. A
+        // timeout does not: the server drops a request the user may not
+        // make, and waiting does not give it the permission.
+        ProvisionError::Update { source, .. } => {
+            use jetstream::context::UpdateStreamErrorKind as Update;
+            match source.kind() {
+                Update::JetStreamUnavailable => true,
+                Update::JetStream(error) => is_transient(&error),
+                _ => false,
+            }
+        }
         ProvisionError::ConsumerInfo { source, .. } => match source.kind() {
             Info::TimedOut | Info::NoResponders | Info::Request | Info::Offline => true,
             Info::JetStream(error) => is_transient(&error),
@@ -781,6 +791,24 @@ mod tests {
         assert!(may_pass(&info(ConsumerInfoErrorKind::TimedOut)));
         assert!(may_pass(&info(ConsumerInfoErrorKind::Offline)));
         assert!(!may_pass(&info(ConsumerInfoErrorKind::InvalidName)));
+    }
+
+    /// `init`'s stream update is tried again while JetStream cannot answer
+    /// (it gave up after three tries, and compose started nothing), but
+    /// not after a timeout, which is how a user without the permission
+    /// sees it.
+    #[test]
+    fn an_update_passes_while_jetstream_is_unavailable_but_not_after_a_timeout() {
+        use jetstream::context::{UpdateStreamError, UpdateStreamErrorKind};
+        let update = |kind| ProvisionError::Update {
+            name: "P_TASKS".to_owned(),
+            source: UpdateStreamError::new(kind),
+        };
+        assert!(may_pass(&update(
+            UpdateStreamErrorKind::JetStreamUnavailable
+        )));
+        assert!(!may_pass(&update(UpdateStreamErrorKind::TimedOut)));
+        assert!(!may_pass(&update(UpdateStreamErrorKind::InvalidStreamName)));
     }
 
     #[test]
