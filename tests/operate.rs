@@ -2765,6 +2765,53 @@ async fn status_stops_at_its_bound_on_wake_dead_letters_poison_ones_included() {
     );
 }
 
+/// `status` lists the ten oldest sessions that wait; `--sessions` lists
+/// more, and `--session S` says whether S waits however many older
+/// sessions wait too (the list was always cut to the ten oldest, `--json`
+/// too, so a younger session could not be found in it).
+#[tokio::test]
+async fn status_tells_whether_one_session_waits_however_many_older_ones_do() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    for i in 0..12 {
+        let id = format!("01JV3N4Y8K6D2Q7R9T1W5X0A{i:02}");
+        publish_completion(&bus, &format!("s.{i:02}"), &id, 0, serde_json::json!({})).await;
+    }
+    let listed = |args: &'static [&'static str]| {
+        let url = nats.url();
+        let prefix = prefix.clone();
+        async move {
+            let mut all = vec!["status", "--json"];
+            all.extend(args);
+            let run = wakebus(&url, &prefix, &all).await;
+            assert!(run.success(), "{}", run.stderr());
+            let report: Value = serde_json::from_str(&run.stdout()).unwrap();
+            report["oldest_undelivered"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s["session"].as_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        }
+    };
+    let oldest = listed(&[]).await;
+    assert_eq!(oldest.len(), 10);
+    assert!(!oldest.contains(&"s.11".to_owned()), "{oldest:?}");
+    assert_eq!(listed(&["--sessions", "20"]).await.len(), 12);
+    assert_eq!(listed(&["--session", "s.11"]).await, ["s.11"]);
+
+    let run = wakebus(&nats.url(), &prefix, &["status", "--session", "s.absent"]).await;
+    assert!(run.success(), "{}", run.stderr());
+    assert!(
+        run.stdout()
+            .contains(r#"none for session "s.absent"; 12 other sessions wait."#),
+        "{}",
+        run.stdout()
+    );
+}
+
 /// Stores a completion of task `index` of delegation `id` for `session`,
 /// as a publisher could: the body (with `extra` fields), the origin header.
 async fn publish_completion(bus: &Bus, session: &str, id: &str, index: u32, extra: Value) {

@@ -24,6 +24,13 @@ pub(crate) struct StatusArgs {
     /// Most completions to examine when looking for undelivered wakes.
     #[arg(long, default_value_t = 5000)]
     pub(crate) scan_limit: u64,
+    /// How many sessions with undelivered wakes to list, oldest first.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) sessions: usize,
+    /// List only this session's undelivered wakes (the raw session id), to
+    /// tell whether it waits however many older sessions wait too.
+    #[arg(long)]
+    pub(crate) session: Option<String>,
     /// Exit with status 3 when any part of the snapshot could not be read
     /// (the snapshot is printed all the same). Without it a partial
     /// snapshot exits 0, as it is most needed during an election; checks
@@ -42,7 +49,8 @@ pub(crate) async fn run(global: &Global, args: StatusArgs) -> anyhow::Result<Exi
     let options = StatusOptions {
         discovery_timeout: args.discovery_timeout,
         scan_limit: args.scan_limit,
-        ..StatusOptions::default()
+        top_sessions: args.sessions,
+        session: args.session.clone(),
     };
     let report = collect(&bus, &options).await?;
     for stream in &report.streams {
@@ -79,7 +87,7 @@ pub(crate) async fn run(global: &Global, args: StatusArgs) -> anyhow::Result<Exi
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print!("{}", render(&report));
+        print!("{}", render(&report, args.session.as_deref()));
     }
     let unread = report.unread();
     if args.strict && !unread.is_empty() {
@@ -122,7 +130,8 @@ fn replicas(count: usize, cluster: Option<&ReplicaSet>) -> String {
     text
 }
 
-fn render(report: &StatusReport) -> String {
+/// The snapshot as text; `only` is the session `--session` asked about.
+fn render(report: &StatusReport, only: Option<&str>) -> String {
     let mut out = format!(
         "wakebus deployment {:?} at {}\n\nStreams\n",
         report.prefix,
@@ -313,12 +322,27 @@ fn render(report: &StatusReport) -> String {
             "none in the {} completions scanned, but the scan stopped at its limit: completions after them may wait (raise --scan-limit).\n",
             scan.scanned
         ));
+    } else if let (Some(session), true) = (only, report.oldest_undelivered.is_empty()) {
+        let scanned = if scan.complete {
+            String::new()
+        } else {
+            format!(
+                " in the {} completions scanned (raise --scan-limit to look further)",
+                scan.scanned
+            )
+        };
+        out.push_str(&format!(
+            "none for session {session:?}{scanned}; {} other sessions wait.\n",
+            scan.sessions
+        ));
     } else if report.oldest_undelivered.is_empty() {
         out.push_str("none\n");
     } else {
         // Beyond the limit, more sessions and completions may wait.
         let at_least = if scan.complete { "" } else { "at least " };
-        if scan.sessions > report.oldest_undelivered.len() as u64 || !scan.complete {
+        if only.is_none()
+            && (scan.sessions > report.oldest_undelivered.len() as u64 || !scan.complete)
+        {
             out.push_str(&format!(
                 "Showing the oldest {} of {at_least}{} sessions ({at_least}{} completions waiting in all).\n",
                 report.oldest_undelivered.len(),
@@ -434,7 +458,7 @@ mod tests {
             oldest_undelivered: Vec::new(),
             undelivered_scan: ScanInfo::default(),
         };
-        let text = render(&report);
+        let text = render(&report, None);
         let row = |name: &str| text.lines().find(|l| l.contains(name)).unwrap().to_owned();
         assert!(row("P_TASKS").contains('7'), "{text}");
         assert!(
@@ -488,7 +512,7 @@ mod tests {
                 ..ScanInfo::default()
             },
         };
-        let text = render(&report);
+        let text = render(&report, None);
         assert!(
             text.contains("Showing the oldest 10 of 12 sessions (24 completions waiting in all)."),
             "{text}"

@@ -33,6 +33,9 @@ pub struct StatusOptions {
     pub scan_limit: u64,
     /// How many sessions to list under "oldest undelivered".
     pub top_sessions: usize,
+    /// List this session only (if it waits), whatever its age: "is session
+    /// S waiting?" must not depend on how many older sessions wait too.
+    pub session: Option<String>,
 }
 
 impl Default for StatusOptions {
@@ -41,6 +44,7 @@ impl Default for StatusOptions {
             discovery_timeout: Duration::from_secs(1),
             scan_limit: 5_000,
             top_sessions: 10,
+            session: None,
         }
     }
 }

@@ -151,6 +151,9 @@ pub(super) async fn undelivered(
     scan.completions = sessions.values().map(|s| s.completions).sum();
     let mut list: Vec<UndeliveredSession> = sessions.into_values().collect();
     list.sort_by_key(|s| s.oldest);
+    if let Some(session) = &options.session {
+        list.retain(|waiting| &waiting.session == session);
+    }
     list.truncate(options.top_sessions);
     Ok((list, scan))
 }
