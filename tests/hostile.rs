@@ -1562,6 +1562,28 @@ async fn a_batch_member_whose_body_cannot_be_read_still_ends_its_batch() {
     publish_members(&bus, Some("s.two"), &two, 2, "two", [2]).await;
     unreadable_batch_woken(&api, &two, "two", 1).await;
 
+    // Garbage stored on the other tasks' subjects after their completions
+    // (acked when they came): the completions before it place the error,
+    // which was posted alone, and the batch never woken.
+    let past = wakebus::protocol::new_delegation_id();
+    publish_members(&bus, Some("s.past"), &past, 0, "past", 1..3).await;
+    wait_until(WAIT, "the other tasks' completions", || async {
+        stored(past.clone(), 1).await && stored(past.clone(), 2).await
+    })
+    .await;
+    wake_consumer_settled(&bus).await;
+    for index in 1..3 {
+        publish_garbled_completion(&bus, "s.past", &past, index).await;
+    }
+    publish_members(&bus, Some("s.past"), &past, 0, "past", [0]).await;
+    unreadable_batch_woken(&api, &past, "past", 2).await;
+    wake_consumer_settled(&bus).await;
+    assert!(
+        !all_texts(&api).contains(&format!("[ASYNC DELEGATION COMPLETE — {past}]")),
+        "the error posted alone: {}",
+        all_texts(&api)
+    );
+
     // In sync mode: the same batch, waited for under its id (everything
     // has ended, so nothing is sent again).
     let sync = wakebus::protocol::new_delegation_id();

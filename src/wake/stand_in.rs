@@ -12,12 +12,13 @@
 //! this task is part of, takes this completion as a member of that batch:
 //! it ends the batch, whose turn reports it.
 
+use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use tracing::info;
 
 use super::Shared;
 use super::ledger::{LedgerError, WakeLedger};
-use super::session::Pending;
+use super::session::{Pending, newest_before};
 use crate::protocol::{
     CompletionEvent, EventKind, INVALID_ID_PREFIX, MAX_TASK_COUNT, WakeMode, session_token,
 };
@@ -102,17 +103,35 @@ pub(crate) async fn place_in_batch(
             Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => continue,
             Err(error) => return Err(PlacementError::Read(error.to_string())),
         };
-        let Ok(batch) = CompletionEvent::decode(&stored.payload) else {
-            continue;
+        let of_its_batch = |message: &StreamMessage| {
+            let batch = CompletionEvent::decode(&message.payload).ok()?;
+            (batch.delegation_id == event.delegation_id
+                && batch.task_index == other
+                && batch.wake_mode == WakeMode::Batch
+                && batch.task_count > 1
+                && batch.task_count > event.task_index
+                && batch.task_count <= MAX_TASK_COUNT
+                && batch.origin_session_id.as_deref() == Some(pending.session.as_str()))
+            .then_some(batch)
         };
-        let of_its_batch = batch.delegation_id == event.delegation_id
-            && batch.task_index == other
-            && batch.wake_mode == WakeMode::Batch
-            && batch.task_count > 1
-            && batch.task_count > event.task_index
-            && batch.task_count <= MAX_TASK_COUNT
-            && batch.origin_session_id.as_deref() == Some(pending.session.as_str());
-        if of_its_batch {
+        let batch = match of_its_batch(&stored) {
+            Some(batch) => Some(batch),
+            // Garbage stored after the task's completion, which was acked
+            // when it came: the newest usable one before it counts, as in
+            // a batch's plan.
+            None => {
+                let subject =
+                    shared
+                        .bus
+                        .subjects
+                        .event(&token, &event.delegation_id, other, EventKind::Done);
+                newest_before(&shared.events, &subject, stored.sequence, of_its_batch)
+                    .await
+                    .map_err(PlacementError::Read)?
+                    .map(|(_, batch)| batch)
+            }
+        };
+        if let Some(batch) = batch {
             info!(delegation_id = %event.delegation_id, task_index = event.task_index, tasks = batch.task_count, "An unreadable request's error completion is taken as a member of its delegation's batch.");
             let event = &mut pending.event;
             event.task_count = batch.task_count;

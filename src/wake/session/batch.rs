@@ -32,6 +32,7 @@
 //! mostly shows it there, and each of its members is checked as it
 //! arrives.
 
+use async_nats::jetstream;
 use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::stream::{LastRawMessageError, LastRawMessageErrorKind};
 use futures::StreamExt as _;
@@ -337,9 +338,7 @@ impl Router {
 
     /// The newest completion of task `index` of `member`'s batch on
     /// `subject` stored before `sequence` that can be used ([`sibling`]),
-    /// with its sequence, walking the subject's messages from its first
-    /// (usually one or two: a completion, a duplicate, garbage), at most
-    /// [`WALK_LIMIT`] of them.
+    /// with its sequence.
     async fn usable_before(
         &self,
         subject: &str,
@@ -347,35 +346,51 @@ impl Router {
         member: &Pending,
         index: u32,
     ) -> Result<Option<(u64, CompletionEvent)>, PlanError> {
-        let mut newest = None;
-        let mut from = 1;
-        for _ in 0..WALK_LIMIT {
-            if from >= sequence {
-                break;
-            }
-            let message = match self
-                .shared
-                .events
-                .raw_message_builder()
-                .sequence(from)
-                .next_by_subject(subject)
-                .send()
-                .await
-            {
-                Ok(message) => message,
-                Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => break,
-                Err(error) => return Err(PlanError::History(error.to_string())),
-            };
-            if message.sequence >= sequence {
-                break;
-            }
-            if let Ok(done) = sibling(&message, member, index) {
-                newest = Some((message.sequence, done));
-            }
-            from = from.max(message.sequence) + 1;
-        }
-        Ok(newest)
+        newest_before(&self.shared.events, subject, sequence, |message| {
+            sibling(message, member, index).ok()
+        })
+        .await
+        .map_err(PlanError::History)
     }
+}
+
+/// The newest message on `subject` stored before `sequence` that `usable`
+/// makes something of, with its sequence, walking the subject's messages
+/// from its first (usually one or two: a completion, a duplicate, garbage
+/// stored after it), at most [`WALK_LIMIT`] of them. For a task whose last
+/// stored completion cannot be used.
+pub(crate) async fn newest_before<T>(
+    events: &jetstream::stream::Stream,
+    subject: &str,
+    sequence: u64,
+    usable: impl Fn(&StreamMessage) -> Option<T>,
+) -> Result<Option<(u64, T)>, String> {
+    let mut newest = None;
+    let mut from = 1;
+    for _ in 0..WALK_LIMIT {
+        if from >= sequence {
+            break;
+        }
+        let message = match events
+            .raw_message_builder()
+            .sequence(from)
+            .next_by_subject(subject)
+            .send()
+            .await
+        {
+            Ok(message) => message,
+            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => break,
+            Err(error) => return Err(error.to_string()),
+        };
+        if message.sequence >= sequence {
+            break;
+        }
+        if let Some(found) = usable(&message) {
+            newest = Some((message.sequence, found));
+        }
+        from = from.max(message.sequence) + 1;
+    }
+    Ok(newest)
 }
 
 /// At most the first `max` bytes of `text` (cut on a character

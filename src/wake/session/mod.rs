@@ -18,7 +18,7 @@ mod hold;
 mod plan;
 mod post;
 
-pub(crate) use batch::batch_read_permits;
+pub(crate) use batch::{batch_read_permits, newest_before};
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
