@@ -436,7 +436,7 @@ impl Router {
         // Takes that failed (not merely found the lock busy).
         let mut failures = 0u32;
         loop {
-            match self.shared.locks.try_acquire(&token).await {
+            let failed = match self.shared.locks.try_acquire(&token).await {
                 Ok(Some(guard)) => {
                     m::wake_session_lock(match guard.taken() {
                         Taken::Anew => "taken",
@@ -450,9 +450,12 @@ impl Router {
                     });
                     return Some(guard);
                 }
-                Ok(None) => m::wake_session_lock("busy"),
+                Ok(None) => {
+                    m::wake_session_lock("busy");
+                    false
+                }
                 // Not tried: waiting for the connection.
-                Err(LockError::Disconnected) => {}
+                Err(LockError::Disconnected) => false,
                 // A failure every session in hand may meet (the bucket
                 // deleted, a permission taken away): warned of once a
                 // minute across the service, and tried again more slowly
@@ -465,18 +468,17 @@ impl Router {
                     } else {
                         debug!(%error, failures, "Could not take the session lock; will retry.");
                     }
-                    delay = delay.max(Duration::from_secs(1));
+                    true
                 }
-            }
+            };
             if !self.wait(hold, delay).await {
                 return None;
             }
-            let most = if failures > 0 {
-                PLAN_RETRY_MAX
+            delay = if failed {
+                (delay * 2).clamp(Duration::from_secs(1), PLAN_RETRY_MAX)
             } else {
-                Duration::from_secs(1)
+                (delay * 2).min(Duration::from_secs(1))
             };
-            delay = (delay * 2).min(most);
         }
     }
 
