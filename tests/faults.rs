@@ -1798,15 +1798,11 @@ async fn a_task_failing_while_its_worker_is_cut_off_is_not_nakked_away_from_the_
 /// tried again more slowly than a lock that is busy.
 #[tokio::test]
 async fn failed_session_lock_takes_are_warned_of_once_for_every_session() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let logs = tempfile::tempdir().unwrap();
-    let log = logs.path().join("wake.log");
+    let rig = Rig::start().await;
+    let (api, bus) = (&rig.api, &rig.bus);
+    let log = rig.logs.path().join("wake.log");
     let (_wake, metrics) = common::process::spawn_with_metrics(
-        wake_args(&nats.url(), &prefix, &api.url()),
+        wake_args(&rig.nats.url(), &rig.prefix, &api.url()),
         log.clone(),
     );
     let _logs = LogsOnPanic(vec![log.clone()]);
@@ -1821,8 +1817,7 @@ async fn failed_session_lock_takes_are_warned_of_once_for_every_session() {
         .await
         .unwrap();
     for i in 0..20 {
-        common::cli::publish_task(&bus, Some(&format!("s.unlockable.{i}")), Status::Completed)
-            .await;
+        common::cli::publish_task(bus, Some(&format!("s.unlockable.{i}")), Status::Completed).await;
     }
     let failed_takes = || async {
         let text = http_get(&format!("{metrics}/metrics")).await?.1;

@@ -1124,19 +1124,25 @@ async fn a_sync_tasks_dead_letter_is_requeued_only_with_include_sync() {
     assert_eq!(asked[0]["new_delegation_id"], "sync1-rt0");
 }
 
+/// Runs `replay tasks --force --dry-run` over the one task dead letter,
+/// and checks that it would be re-queued under a new id, not `derived`
+/// (already used).
+async fn forced_again_takes_a_new_id(url: &str, prefix: &str, derived: &str) {
+    let forced = wakebus(url, prefix, &["replay", "tasks", "--force", "--dry-run"])
+        .await
+        .ok_json();
+    assert_eq!(forced[0]["action"], "would_replay", "{forced:#?}");
+    assert_ne!(forced[0]["new_delegation_id"], derived, "{forced:#?}");
+}
+
 /// A first replay made with `--force` re-queues under the derived id, as
 /// a plain one would: a plain replay after it finds that re-queue and does
 /// not run the task a second time. Only a forced replay of a task already
 /// re-queued takes a new id.
 #[tokio::test]
 async fn a_plain_replay_after_a_forced_one_does_not_run_the_task_again() {
-    init_logs();
-    let nats = NatsServer::start().await;
-    let api = SessionApiServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
-    let mut services = Services::new();
-    services.wake(&bus, test_wake_config(&api.url()));
+    let p = Pipeline::wake_only().await;
+    let (nats, api, prefix, bus, mut services) = (p.nats, p.api, p.prefix, p.bus, p.services);
     let id = dead_letter_a_task(&bus, &api, "s.forced-first").await;
     let derived = format!("{id}-rt0");
 
@@ -1159,15 +1165,7 @@ async fn a_plain_replay_after_a_forced_one_does_not_run_the_task_again() {
         plain[0]["reason"].as_str().unwrap().contains(&derived),
         "{plain:#?}"
     );
-    let forced_again = wakebus(
-        &nats.url(),
-        &prefix,
-        &["replay", "tasks", "--force", "--dry-run"],
-    )
-    .await
-    .ok_json();
-    assert_eq!(forced_again[0]["action"], "would_replay");
-    assert_ne!(forced_again[0]["new_delegation_id"], derived.as_str());
+    forced_again_takes_a_new_id(&nats.url(), &prefix, &derived).await;
     let reruns = all_messages(&bus, &bus.subjects.events_stream())
         .await
         .into_iter()
@@ -1233,15 +1231,7 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
         .ok_json();
     assert_eq!(again[0]["action"], "skipped", "{again:#?}");
     assert!(again[0]["reason"].as_str().unwrap().contains(&derived));
-    let forced = wakebus(
-        &nats.url(),
-        &prefix,
-        &["replay", "tasks", "--force", "--dry-run"],
-    )
-    .await
-    .ok_json();
-    assert_eq!(forced[0]["action"], "would_replay");
-    assert_ne!(forced[0]["new_delegation_id"], derived.as_str());
+    forced_again_takes_a_new_id(&nats.url(), &prefix, &derived).await;
 
     // Dead letters outlive the history (30 days against 7 by default).
     // Once the re-queue's events have expired, nothing says it ran: the
@@ -1275,15 +1265,7 @@ async fn replay_requeues_a_dead_lettered_task_under_a_derived_id_and_wakes_its_s
     );
     // Forced, it runs once more, under a new id: the derived one may have
     // been used (here it was), and its wake's key with it.
-    let forced = wakebus(
-        &nats.url(),
-        &prefix,
-        &["replay", "tasks", "--force", "--dry-run"],
-    )
-    .await
-    .ok_json();
-    assert_eq!(forced[0]["action"], "would_replay", "{forced:#?}");
-    assert_ne!(forced[0]["new_delegation_id"], derived.as_str());
+    forced_again_takes_a_new_id(&nats.url(), &prefix, &derived).await;
     assert_eq!(api.accepted().len(), 2, "the re-queued task ran once");
     assert_eq!(api.all_posts().len(), 2);
 }

@@ -413,42 +413,39 @@ impl TaskHandler {
             (
                 Err(ExecError::Transient {
                     reason,
+                    retry_after,
                     this_worker,
-                    ..
                 }),
                 _,
-            ) if this_worker => {
-                self.refused_here(&reason);
-                if attempt < self.config.max_deliver {
-                    m::task_retried(&self.config.pool);
-                    return Outcome::Nak(Some(self.config.retry_delay(attempt)));
-                }
-                let reason = format!(
-                    "gave up on its last delivery ({attempt} of {}); last error: {reason}",
-                    self.config.max_deliver
-                );
-                return self
-                    .give_up(message, &request, trace, GIVEN_UP_ATTEMPTS, reason, stop)
-                    .await;
+            ) if attempt < self.config.max_deliver => {
+                let delay = if this_worker {
+                    // Not the task's failure: another worker runs it while
+                    // this one takes none.
+                    self.refused_here(&reason);
+                    self.config.retry_delay(attempt)
+                } else {
+                    // Never sooner than the endpoint asked, up to a bound:
+                    // a task waiting for its retry sees a cancel only when
+                    // it comes back.
+                    let asked = retry_after.unwrap_or_default().min(MAX_RETRY_AFTER);
+                    let delay = self.config.retry_delay(attempt).max(asked);
+                    warn!(%reason, retry_in = ?delay, "Executor failed transiently; will retry.");
+                    delay
+                };
+                m::task_retried(&self.config.pool);
+                return Outcome::Nak(Some(delay));
             }
             (
                 Err(ExecError::Transient {
                     reason,
-                    retry_after,
+                    this_worker,
                     ..
                 }),
                 _,
-            ) if attempt < self.config.max_deliver => {
-                // Never sooner than the endpoint asked, up to a bound: a
-                // task waiting for its retry sees a cancel only when it
-                // comes back.
-                let asked = retry_after.unwrap_or_default().min(MAX_RETRY_AFTER);
-                let delay = self.config.retry_delay(attempt).max(asked);
-                warn!(%reason, retry_in = ?delay, "Executor failed transiently; will retry.");
-                m::task_retried(&self.config.pool);
-                return Outcome::Nak(Some(delay));
-            }
-            (Err(ExecError::Transient { reason, .. }), _) => {
+            ) => {
+                if this_worker {
+                    self.refused_here(&reason);
+                }
                 // Deliveries, not failures: hand-backs and stalls use them too.
                 let reason = format!(
                     "gave up on its last delivery ({attempt} of {}); last error: {reason}",
