@@ -465,6 +465,18 @@ async fn an_llm_endpoint_refusing_the_workers_key_sends_the_task_back_rather_tha
     let error = done.error.unwrap();
     assert!(error.contains("401"), "{error}");
     assert_eq!(locked_out.requests().len(), 5, "one call per delivery");
+
+    // A model the task names may be one no key may use: that refusal is
+    // the task's, which fails at once.
+    let no_access = ModelServer::start(vec![Reply::Status(403)]).await;
+    let mut elsewhere = Delegation::new("a model this key may not use");
+    elsewhere.model = Some("forbidden-model".to_owned());
+    let (done, _bus, _nats) = run_one(no_access.executor(), elsewhere).await;
+    assert_eq!(
+        (done.status, done.exit_reason.as_str()),
+        (Status::Failed, "llm_refused")
+    );
+    assert_eq!(no_access.requests().len(), 1);
 }
 
 /// A worker whose key the endpoint refuses takes no task for a while once

@@ -392,11 +392,13 @@ impl LlmExecutor {
             };
             let body: String = String::from_utf8_lossy(&body).chars().take(500).collect();
             let reason = format!("LLM endpoint answered {status}: {body}");
-            if refuses_this_worker(status) {
-                // This worker's key (or proxy login) is refused: the task
-                // is not at fault. It goes back to the queue, where a
-                // worker with working credentials can run it; it fails
-                // only once its deliveries run out.
+            if refuses_this_worker(status) && model == self.model {
+                // This worker's key (or proxy login) is refused for its own
+                // model: the task is not at fault. It goes back to the
+                // queue, where a worker with working credentials can run
+                // it; it fails only once its deliveries run out. (A model
+                // the task names may be one no key may use: that refusal
+                // is the task's.)
                 return Err(ExecError::this_worker(format!(
                     "{reason} (the endpoint refuses this worker's credentials: check --llm-api-key-file)"
                 )));
@@ -423,10 +425,10 @@ impl LlmExecutor {
     }
 }
 
-/// Whether an answer refuses the worker rather than the task: 401 and 403
-/// (the API key) and 407 (a proxy's login). Retrying on the same worker
-/// will not help, but another worker, or this one once its key is fixed,
-/// can run the task.
+/// Whether an answer to a call of the worker's own model refuses the
+/// worker rather than the task: 401 and 403 (the API key) and 407 (a
+/// proxy's login). Retrying on the same worker will not help, but another
+/// worker, or this one once its key is fixed, can run the task.
 fn refuses_this_worker(status: StatusCode) -> bool {
     matches!(
         status,

@@ -420,9 +420,12 @@ impl TaskHandler {
             ) if attempt < self.config.max_deliver => {
                 let delay = if this_worker {
                     // Not the task's failure: another worker runs it while
-                    // this one takes none.
+                    // this one takes none, once the pull it came in has
+                    // ended (sooner, it could come straight back into it).
                     self.refused_here(&reason);
-                    self.config.retry_delay(attempt)
+                    self.config
+                        .retry_delay(attempt)
+                        .max(REFUSED_REDELIVERY_DELAY)
                 } else {
                     // Never sooner than the endpoint asked, up to a bound:
                     // a task waiting for its retry sees a cancel only when
