@@ -386,7 +386,13 @@ impl Keeper {
         let drift =
             super::consumers::drifted(&info.config, &self.wanted.config(&self.bus.subjects));
         if !drift.is_empty() && drift != self.warned_drift {
-            error!(consumer = %info.name, settings = ?drift, "The consumer's settings were changed under this service, and wakebus's guarantees rest on them (a server-side max_deliver strands a task that keeps failing, with no completion; another filter hands out the wrong tasks). Restart one instance of the service to set them back.");
+            // The server refuses to change an ack policy on an update.
+            let fix = if drift.contains(&"ack_policy") {
+                "Delete the consumer (`nats consumer rm`): the services make it again with their settings."
+            } else {
+                "Restart one instance of the service to set them back."
+            };
+            error!(consumer = %info.name, settings = ?drift, fix, "The consumer's settings were changed under this service, and wakebus's guarantees rest on them (a server-side max_deliver strands a task that keeps failing, with no completion; another filter hands out the wrong tasks).");
         }
         self.warned_drift = drift;
     }
