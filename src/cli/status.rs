@@ -25,8 +25,8 @@ pub(crate) struct StatusArgs {
     #[arg(long, default_value_t = 5000)]
     pub(crate) scan_limit: u64,
     /// How many sessions with undelivered wakes to list, oldest first.
-    #[arg(long, default_value_t = 10)]
-    pub(crate) sessions: usize,
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) sessions: u32,
     /// List only this session's undelivered wakes (the raw session id), to
     /// tell whether it waits however many older sessions wait too.
     #[arg(long)]
@@ -49,7 +49,7 @@ pub(crate) async fn run(global: &Global, args: StatusArgs) -> anyhow::Result<Exi
     let options = StatusOptions {
         discovery_timeout: args.discovery_timeout,
         scan_limit: args.scan_limit,
-        top_sessions: args.sessions,
+        top_sessions: usize::try_from(args.sessions).unwrap_or(usize::MAX),
         session: args.session.clone(),
     };
     let report = collect(&bus, &options).await?;
