@@ -471,14 +471,17 @@ impl Router {
                     true
                 }
             };
+            // A busy lock is looked at again from 20 ms, doubling up to a
+            // second; a failed take after 1 s, doubling up to 8 s.
+            delay = if failed {
+                delay.clamp(Duration::from_secs(1), PLAN_RETRY_MAX)
+            } else {
+                delay.min(Duration::from_secs(1))
+            };
             if !self.wait(hold, delay).await {
                 return None;
             }
-            delay = if failed {
-                (delay * 2).clamp(Duration::from_secs(1), PLAN_RETRY_MAX)
-            } else {
-                (delay * 2).min(Duration::from_secs(1))
-            };
+            delay *= 2;
         }
     }
 
