@@ -337,6 +337,32 @@ async fn a_failed_correction_call_ends_the_task_with_the_first_answer() {
     }
 }
 
+/// A key refused on the correction call (revoked between the two calls)
+/// is the worker's failure, as on the first call: the task goes back for a
+/// worker whose key works, rather than ending `schema_mismatch` on a
+/// failure that is not the task's.
+#[tokio::test]
+async fn a_key_refused_on_the_correction_call_sends_the_task_back() {
+    init_logs();
+    let model = ModelServer::start(vec![
+        Reply::Answer("four"),
+        Reply::Status(401),
+        Reply::Answer(r#"{"answer": 4}"#),
+    ])
+    .await;
+    let mut config = test_worker_config("default");
+    config.refused_pause = Duration::from_millis(100);
+    let mut delegation = Delegation::new("What is 2+2?");
+    delegation.output_schema = Some(json!({"type": "object"}));
+    let (done, _bus, _nats) = run_one_with(model.executor(), config, delegation).await;
+    assert_eq!(
+        (done.status, done.summary.as_deref()),
+        (Status::Completed, Some(r#"{"answer": 4}"#)),
+        "{done:?}"
+    );
+    assert_eq!(model.requests().len(), 3);
+}
+
 /// A rate-limited endpoint says when to call again: the retry waits that
 /// long, instead of using up the task's deliveries within seconds.
 #[tokio::test]

@@ -296,6 +296,14 @@ impl LlmExecutor {
                     truncated: first.truncated,
                 });
             }
+            // The worker's key refused between the two calls (revoked,
+            // rotated): the worker's failure, not the task's, which goes
+            // back to a worker whose key works, as for the first call.
+            Err(
+                refused @ ExecError::Transient {
+                    this_worker: true, ..
+                },
+            ) => return Err(refused),
             Ok(Call::Refused(reason)) | Err(ExecError::Transient { reason, .. }) => {
                 let error = failed_correction(&reason);
                 return Ok(mismatch(&first, tokens, error));
