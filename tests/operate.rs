@@ -2768,7 +2768,8 @@ async fn status_stops_at_its_bound_on_wake_dead_letters_poison_ones_included() {
 /// `status` lists the ten oldest sessions that wait; `--sessions` lists
 /// more, and `--session S` says whether S waits however many older
 /// sessions wait too (the list was always cut to the ten oldest, `--json`
-/// too, so a younger session could not be found in it).
+/// too, so a younger session could not be found in it), and however many
+/// completions of other sessions lie before it: the scan reads S's only.
 #[tokio::test]
 async fn status_tells_whether_one_session_waits_however_many_older_ones_do() {
     init_logs();
@@ -2801,12 +2802,30 @@ async fn status_tells_whether_one_session_waits_however_many_older_ones_do() {
     assert!(!oldest.contains(&"s.11".to_owned()), "{oldest:?}");
     assert_eq!(listed(&["--sessions", "20"]).await.len(), 12);
     assert_eq!(listed(&["--session", "s.11"]).await, ["s.11"]);
+    // Eleven other completions before it, a scan limit of two.
+    let args = ["status", "--json", "--session", "s.11", "--scan-limit", "2"];
+    let run = wakebus(&nats.url(), &prefix, &args).await;
+    assert!(run.success(), "{}", run.stderr());
+    let report: Value = serde_json::from_str(&run.stdout()).unwrap();
+    assert_eq!(
+        report["oldest_undelivered"][0]["session"], "s.11",
+        "{report:#}"
+    );
+    let scan = &report["undelivered_scan"];
+    assert_eq!(
+        (&scan["session"], &scan["scanned"], &scan["complete"]),
+        (
+            &serde_json::json!("s.11"),
+            &serde_json::json!(1),
+            &serde_json::json!(true)
+        ),
+        "{scan:#}"
+    );
 
     let run = wakebus(&nats.url(), &prefix, &["status", "--session", "s.absent"]).await;
     assert!(run.success(), "{}", run.stderr());
     assert!(
-        run.stdout()
-            .contains(r#"none for session "s.absent"; 12 other sessions wait."#),
+        run.stdout().contains(r#"none for session "s.absent"."#),
         "{}",
         run.stdout()
     );

@@ -331,10 +331,7 @@ fn render(report: &StatusReport, only: Option<&str>) -> String {
                 scan.scanned
             )
         };
-        out.push_str(&format!(
-            "none for session {session:?}{scanned}; {} other sessions wait.\n",
-            scan.sessions
-        ));
+        out.push_str(&format!("none for session {session:?}{scanned}.\n"));
     } else if report.oldest_undelivered.is_empty() {
         out.push_str("none\n");
     } else {

@@ -309,6 +309,10 @@ pub struct UndeliveredSession {
 pub struct ScanInfo {
     /// The first sequence examined (the wake consumer's ack floor + 1).
     pub from_seq: u64,
+    /// The session the scan was narrowed to (`status --session`): every
+    /// count here is then of that session's completions only.
+    #[serde(default)]
+    pub session: Option<String>,
     /// Completions examined.
     pub scanned: u64,
     /// Whether the scan reached the end (false: the limit cut it short, or
@@ -479,6 +483,7 @@ pub async fn collect(bus: &Bus, options: &StatusOptions) -> Result<StatusReport,
         Err(error) => {
             let scan = ScanInfo {
                 from_seq,
+                session: options.session.clone(),
                 error: Some(error.to_string()),
                 ..ScanInfo::default()
             };

@@ -66,6 +66,7 @@ pub(super) async fn undelivered(
 ) -> Result<(Vec<UndeliveredSession>, ScanInfo), StatusError> {
     let mut scan = ScanInfo {
         from_seq,
+        session: options.session.clone(),
         ..ScanInfo::default()
     };
     // Missing means the wake never ran; any other failure is reported, not
@@ -79,7 +80,10 @@ pub(super) async fn undelivered(
         Err(error) if crate::bus::is_bucket_missing(&error) => None,
         Err(error) => return Err(read_error("the wake ledger", error)),
     };
+    // `--session`: that session's completions only, so that the scan limit
+    // is spent on them, not on every other session's.
     let selection = Selection {
+        session: options.session.clone(),
         kind: Some(EventKind::Done),
         from_seq: Some(scan.from_seq),
         ..Selection::default()
