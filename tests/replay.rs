@@ -870,6 +870,61 @@ async fn a_forced_dead_letter_replay_leaves_alone_a_completion_later_given_up_af
     }
 }
 
+/// A forced replay of the wake dead letters first reads them all for
+/// turns given up after 409s, before it forces any: that pass reports its
+/// progress too (a large dead-letter stream left the operator looking at
+/// nothing for as long as it took). A plain replay makes no such pass.
+#[tokio::test]
+async fn a_forced_dead_letter_replay_reports_its_first_pass_over_the_dead_letters() {
+    use wakebus::replay::{Progress, ReplayKind, ReplayPlan, Replayer};
+    let p = Pipeline::start().await;
+    let (api, bus, services) = (p.api, p.bus, p.services);
+    api.fail_always(404);
+    for session in ["s.one", "s.two"] {
+        delegate(&bus, Delegation::new("refused").session(session)).await;
+    }
+    let dlq = bus.subjects.dead_letter_stream();
+    wait_until(WAIT, "both wake dead letters", || async {
+        all_messages(&bus, &dlq).await.len() == 2
+    })
+    .await;
+    services.stop().await;
+    let mut runs = Vec::new();
+    for force in [true, false] {
+        let plan = ReplayPlan {
+            kind: ReplayKind::WakeDeadLetters,
+            selection: wakebus::history::Selection::default(),
+            force,
+            tasks: Default::default(),
+            dry_run: true,
+        };
+        let replayer = Replayer::new(bus.clone(), plan).await.unwrap();
+        let mut steps = Vec::new();
+        let cancel = tokio_util::sync::CancellationToken::new();
+        wakebus::replay::run(replayer, cancel, |progress| {
+            steps.push(match progress {
+                Progress::Prereading { total } => format!("prereading {total}"),
+                Progress::Preread => "preread".to_owned(),
+                Progress::Opened { total } => format!("opened {total}"),
+                Progress::Item(_) => "item".to_owned(),
+            });
+        })
+        .await
+        .unwrap();
+        runs.push(steps);
+    }
+    let forced = [
+        "prereading 2",
+        "preread",
+        "preread",
+        "opened 2",
+        "item",
+        "item",
+    ];
+    assert_eq!(runs[0], forced);
+    assert_eq!(runs[1], ["opened 2", "item", "item"]);
+}
+
 /// A worker of the default pool that cannot start its program and gives
 /// every task up at once, dead-lettering it.
 fn broken_worker(bus: &wakebus::bus::Bus) -> Services {

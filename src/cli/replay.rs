@@ -200,20 +200,28 @@ pub(crate) async fn run(global: &Global, args: ReplayArgs) -> anyhow::Result<Exi
     });
     let json = common.json || !std::io::stdout().is_terminal();
     let bar = ProgressBar::hidden();
-    let summary = replay::run(replayer, cancel, |progress| match progress {
-        Progress::Opened { total } => {
-            if std::io::stderr().is_terminal() {
-                bar.set_length(total);
-                bar.set_style(
-                    ProgressStyle::with_template(
-                        "{spinner} {pos}/{len} replayed or checked  {per_sec}  ETA {eta}  [{elapsed}]",
-                    )
+    let show = |total: u64, template: &str| {
+        if std::io::stderr().is_terminal() {
+            bar.reset();
+            bar.set_length(total);
+            bar.set_style(
+                ProgressStyle::with_template(template)
                     .unwrap_or_else(|_| ProgressStyle::default_bar()),
-                );
-                bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
-                bar.enable_steady_tick(Duration::from_millis(200));
-            }
+            );
+            bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+            bar.enable_steady_tick(Duration::from_millis(200));
         }
+    };
+    let summary = replay::run(replayer, cancel, |progress| match progress {
+        Progress::Prereading { total } => show(
+            total,
+            "{spinner} {pos}/{len} wake dead letters read for turns given up after 409s, before any is forced  ETA {eta}  [{elapsed}]",
+        ),
+        Progress::Preread => bar.inc(1),
+        Progress::Opened { total } => show(
+            total,
+            "{spinner} {pos}/{len} replayed or checked  {per_sec}  ETA {eta}  [{elapsed}]",
+        ),
         Progress::Item(item) => {
             bar.inc(1);
             let line = if json {

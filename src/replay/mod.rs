@@ -782,6 +782,15 @@ async fn events_stream(bus: &Bus) -> Result<async_nats::jetstream::stream::Strea
 /// Progress of a run, for display.
 #[derive(Debug)]
 pub enum Progress<'a> {
+    /// A forced replay of the wake dead letters first reads them for turns
+    /// given up after 409s (which it must leave alone); about this many
+    /// dead letters match the subject filter.
+    Prereading {
+        /// The estimate.
+        total: u64,
+    },
+    /// One dead letter was read by that first pass.
+    Preread,
     /// The read is open; about this many records match the subject filter.
     Opened {
         /// The estimate.
@@ -797,7 +806,7 @@ pub async fn run(
     cancel: CancellationToken,
     mut progress: impl FnMut(Progress<'_>),
 ) -> Result<Summary, ReplayFailed> {
-    match replayer.note_conflicts(&cancel).await {
+    match replayer.note_conflicts(&cancel, &mut progress).await {
         Ok(true) => {}
         Ok(false) => {
             return Ok(Summary {

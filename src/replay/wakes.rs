@@ -65,6 +65,7 @@ impl Replayer {
     pub(super) async fn note_conflicts(
         &mut self,
         cancel: &tokio_util::sync::CancellationToken,
+        progress: &mut impl FnMut(super::Progress<'_>),
     ) -> Result<bool, ReplayError> {
         if !(self.plan.force && matches!(self.plan.kind, super::ReplayKind::WakeDeadLetters)) {
             return Ok(true);
@@ -84,6 +85,9 @@ impl Replayer {
         let mut reader =
             crate::history::HistoryReader::open(&self.bus, self.plan.source(), selection, false)
                 .await?;
+        progress(super::Progress::Prereading {
+            total: reader.estimated_total(),
+        });
         let read = async {
             loop {
                 let next = tokio::select! {
@@ -95,6 +99,7 @@ impl Replayer {
                     return Ok(true);
                 };
                 let record = record?;
+                progress(super::Progress::Preread);
                 if given_up_after_conflicts(&record)
                     && let Ok((event, session)) =
                         check_completion(&record.payload, record.origin_session())
