@@ -1594,8 +1594,11 @@ async fn a_delegate_called_while_nats_restarts_waits_for_it_and_is_stored() {
 /// A wake consumer made anew reads the whole history again, and a
 /// completion the ledger does not record delivered (one the session API
 /// refused) is posted again: `init` (or a starting wake) that makes it
-/// while completions are stored says so at WARN, with how many; made for
-/// an empty history, it says nothing.
+/// while completions are stored says so at WARN, with how many, once a
+/// wake has posted (taken a session lock). Made for an empty history, it
+/// says nothing; made where no wake has ever taken a lock or written the
+/// ledger (a deployment whose wake starts after its workers ran), it says
+/// so at INFO.
 #[tokio::test]
 async fn init_warns_when_it_makes_the_wake_consumer_anew_over_a_stored_history() {
     init_logs();
@@ -1618,9 +1621,27 @@ async fn init_warns_when_it_makes_the_wake_consumer_anew_over_a_stored_history()
         .await
         .unwrap();
     forget_the_wake_floor(&bus).await;
+    let first_wake = "No wake has taken a session lock or written the wake ledger here";
+    let before_any_wake = wakebus(&nats.url(), &prefix, &["init"]).await;
+    assert!(before_any_wake.success(), "{}", before_any_wake.stderr());
+    assert!(
+        before_any_wake.stderr().contains(first_wake) && !before_any_wake.stderr().contains(said),
+        "{}",
+        before_any_wake.stderr()
+    );
+    // A wake posts: it takes the session's lock first.
+    bus.js
+        .get_key_value(bus.subjects.session_lock_bucket())
+        .await
+        .unwrap()
+        .put("s-anew", "wake-1".into())
+        .await
+        .unwrap();
+    forget_the_wake_floor(&bus).await;
     let again = wakebus(&nats.url(), &prefix, &["init"]).await;
     assert!(again.success(), "{}", again.stderr());
     assert!(again.stderr().contains(said), "{}", again.stderr());
+    assert!(!again.stderr().contains(first_wake), "{}", again.stderr());
     assert!(
         again.stderr().contains("completions=1"),
         "{}",

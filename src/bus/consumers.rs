@@ -305,7 +305,13 @@ impl Bus {
             // running wake's keeper starts it after the floor it saw; a
             // start or `init` knows of none.
             let completions = consumer.cached_info().num_pending;
-            if made_anew && matches!(wanted, ServiceConsumer::Wake { .. }) && completions > 0 {
+            let rereads =
+                made_anew && matches!(wanted, ServiceConsumer::Wake { .. }) && completions > 0;
+            if rereads && self.no_wake_ever_recorded().await {
+                // Most likely the deployment's first wake, started after
+                // its workers: nothing was woken that could be again.
+                info!(consumer = %name, stream, completions, "No wake has taken a session lock or written the wake ledger here (a new deployment whose workers ran first, or its buckets emptied): the wake consumer is made over the completions stored, and they are woken now. Had the wake ledger been deleted, those already woken would be posted again.");
+            } else if rereads {
                 warn!(consumer = %name, stream, completions, "The wake consumer was missing and is made anew from the start of the history: every completion in it is read again, and one the wake ledger does not record delivered (a wake the session API refused) is posted again. If it was deleted by mistake, see OPERATIONS.md, \"Consumers deleted under running services\".");
             }
             info!(consumer = %name, stream, "Consumer ready.");
@@ -318,6 +324,23 @@ impl Bus {
                 warn!(error = %err, retry_in = ?delay, "Consumer setup failed; will retry.");
             })
             .await
+    }
+
+    /// Whether no wake of this deployment has ever taken a session lock or
+    /// recorded a wake in its ledger (both streams' last sequence is 0, or
+    /// they do not exist yet): every post takes its session's lock first,
+    /// so nothing was posted that a consumer made now could post again.
+    /// Unknown (the streams cannot be read) counts as recorded.
+    async fn no_wake_ever_recorded(&self) -> bool {
+        let s = &self.subjects;
+        for bucket in [s.session_lock_bucket(), s.wake_ledger_bucket()] {
+            match self.js.get_stream(Subjects::bucket_stream(&bucket)).await {
+                Ok(stream) if stream.cached_info().state.last_sequence == 0 => {}
+                Err(error) if super::is_stream_not_found(&error) => {}
+                _ => return false,
+            }
+        }
+        true
     }
 
     /// The consumer's info, or `None` when JetStream says it does not
