@@ -528,6 +528,57 @@ async fn services_pull_no_more_than_the_servers_max_request_batch_allows() {
     services.stop().await;
 }
 
+/// A server, an account or a stream limiting `max_ack_pending` below what
+/// a service asks for (a worker pool 100,000, the wake its
+/// `--max-in-flight`, 1,000 by default) refused the consumer, and the
+/// service failed to start. It takes the limits the refusals name, one
+/// after the other (here the server's, then the account's), when it starts
+/// and when it makes its consumer again after a deletion.
+#[tokio::test]
+async fn services_take_the_servers_max_ack_pending_limit_for_their_consumers() {
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("limits.conf");
+    std::fs::write(
+        &conf,
+        "jetstream { limits { max_ack_pending: 10000 } }\naccounts { APP { jetstream { max_file: 1G, max_mem: 64M, max_ack_pending: 500 }, users: [ { user: app, password: app } ] } }\nno_auth_user: app\n",
+    )
+    .unwrap();
+    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let api = SessionApiServer::start().await;
+    let bus = bus(&nats.url(), &unique_prefix()).await;
+    let mut services = Services::new();
+    services.echo_worker(&bus);
+    services.wake(&bus, test_wake_config(&api.url()));
+    delegate(&bus, Delegation::new("first").session("s.limited.0")).await;
+    wait_until(WAIT, "the first wake", || async {
+        api.accepted().len() == 1
+    })
+    .await;
+    let worker = worker_consumer_info(&bus).await.unwrap();
+    let wake = wake_consumer_info(&bus).await.unwrap();
+    assert_eq!(
+        (worker.config.max_ack_pending, wake.config.max_ack_pending),
+        (500, 500)
+    );
+
+    // Deleted under the running worker: made again, within the limit.
+    let s = &bus.subjects;
+    let tasks = bus.js.get_stream(s.tasks_stream()).await.unwrap();
+    tasks
+        .delete_consumer(&s.worker_consumer("default"))
+        .await
+        .unwrap();
+    delegate(&bus, Delegation::new("second").session("s.limited.1")).await;
+    wait_until(WAIT, "the second wake", || async {
+        api.accepted().len() == 2
+    })
+    .await;
+    let worker = worker_consumer_info(&bus).await.unwrap();
+    assert_eq!(worker.config.max_ack_pending, 500);
+    services.stop().await;
+}
+
 /// The pool's consumer, as the server describes it.
 async fn worker_consumer_info(bus: &wakebus::bus::Bus) -> Option<consumer::Info> {
     let s = &bus.subjects;

@@ -96,6 +96,93 @@ impl ServiceConsumer {
     }
 }
 
+/// Creates or updates a consumer with `create`, lowering `config`'s
+/// `max_ack_pending` to each limit a refusal names (the server's
+/// `jetstream.limits.max_ack_pending`, the account's, the stream's consumer
+/// limits: JetStream's error 10121, "consumer max ack pending exceeds
+/// system limit of {limit}", the only place the server's limit shows; they
+/// are checked in turn, so up to three refusals). `had` is the consumer's
+/// own `max_ack_pending` (0 for a new one): lowering to it again at every
+/// start is said at INFO, not WARN.
+pub(super) async fn within_ack_pending_limits<T, E, F, Fut>(
+    config: &mut consumer::pull::Config,
+    had: i64,
+    refusal: impl Fn(&E) -> Option<jetstream::Error>,
+    mut create: F,
+) -> Result<T, E>
+where
+    F: FnMut(consumer::pull::Config) -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    for _ in 0..ACK_PENDING_LIMITS {
+        match create(config.clone()).await {
+            Err(error) => match ack_pending_limit(refusal(&error), config.max_ack_pending) {
+                Some(limit) => {
+                    let consumer = config.durable_name.as_deref().unwrap_or_default();
+                    if limit == had {
+                        info!(
+                            consumer,
+                            limit,
+                            "The consumer keeps the max_ack_pending limit the server, the account or the stream sets."
+                        );
+                    } else {
+                        warn!(
+                            consumer,
+                            asked = config.max_ack_pending,
+                            limit,
+                            "The server, the account or the stream limits a consumer's max_ack_pending below what this service asks for: using the limit, so no more than that many messages are held at once by all the instances sharing the consumer."
+                        );
+                    }
+                    config.max_ack_pending = limit;
+                }
+                None => return Err(error),
+            },
+            done => return done,
+        }
+    }
+    create(config.clone()).await
+}
+
+/// The limit `refused` names, if it refused a `max_ack_pending` of
+/// `asked` for exceeding one below it.
+fn ack_pending_limit(refused: Option<jetstream::Error>, asked: i64) -> Option<i64> {
+    let refused = refused
+        .filter(|e| e.error_code() == jetstream::ErrorCode::CONSUMER_MAX_PENDING_ACK_EXCESS)?;
+    let text = refused.to_string();
+    let (_, after) = text.split_once("limit of ")?;
+    let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
+    digits
+        .parse::<i64>()
+        .ok()
+        .filter(|limit| *limit > 0 && *limit < asked)
+}
+
+/// How many limits a consumer's `max_ack_pending` can meet, each named by
+/// its own refusal: the server's, the account's and the stream's.
+const ACK_PENDING_LIMITS: usize = 3;
+
+/// The JetStream refusal behind a failed consumer create or update.
+fn refusal(error: &ProvisionError) -> Option<jetstream::Error> {
+    match error {
+        ProvisionError::Consumer { source, .. } => match source.kind() {
+            jetstream::stream::ConsumerErrorKind::JetStream(refused) => Some(refused),
+            _ => None,
+        },
+        ProvisionError::CreateConsumer { source, .. } => strict_refusal(source),
+        _ => None,
+    }
+}
+
+/// The JetStream refusal behind a failed strict create.
+pub(super) fn strict_refusal(
+    error: &jetstream::stream::ConsumerCreateStrictError,
+) -> Option<jetstream::Error> {
+    match error.kind() {
+        jetstream::stream::ConsumerCreateStrictErrorKind::JetStream(refused) => Some(refused),
+        _ => None,
+    }
+}
+
 /// What an existing consumer is updated to: its own settings, with those
 /// the service's guarantees rest on (`ours`) written over them. The rest
 /// an operator may have set (`max_waiting`, which the server refuses to
@@ -243,12 +330,15 @@ impl Bus {
                         source,
                     })?;
             let mut made_anew = false;
+            // Its own, to tell a limit met again from one met anew.
+            let mut had_ack_pending = 0;
             match self.find_consumer(&handle, &name).await {
                 Ok(Some(_)) if existing == Existing::Keep => {
                     info!(consumer = %name, stream, "Consumer exists; its settings are kept.");
                     return Ok(None);
                 }
                 Ok(Some(current)) => {
+                    had_ack_pending = current.config.max_ack_pending;
                     config = updated(current.config.clone(), config);
                     let (theirs, ours) = (current.config.ack_wait, config.ack_wait);
                     if ours < theirs && current.num_ack_pending > 0 {
@@ -277,25 +367,28 @@ impl Bus {
             // Believed missing, it is created strictly: nats-server 2.10
             // and later refuse the create if it exists after all (with
             // other settings), and the next attempt reads it.
-            let consumer = if made_anew {
-                handle
-                    .create_consumer_strict(config)
-                    .await
-                    .map_err(|source| ProvisionError::CreateConsumer {
-                        name: name.clone(),
-                        stream: stream.to_owned(),
-                        source,
-                    })?
-            } else {
-                handle
-                    .create_consumer(config)
-                    .await
-                    .map_err(|source| ProvisionError::Consumer {
-                        name: name.clone(),
-                        stream: stream.to_owned(),
-                        source,
-                    })?
+            let create = |config: consumer::pull::Config| async {
+                if made_anew {
+                    handle
+                        .create_consumer_strict(config)
+                        .await
+                        .map_err(|source| ProvisionError::CreateConsumer {
+                            name: name.clone(),
+                            stream: stream.to_owned(),
+                            source,
+                        })
+                } else {
+                    handle.create_consumer(config).await.map_err(|source| {
+                        ProvisionError::Consumer {
+                            name: name.clone(),
+                            stream: stream.to_owned(),
+                            source,
+                        }
+                    })
+                }
             };
+            let consumer =
+                within_ack_pending_limits(&mut config, had_ack_pending, refusal, create).await?;
             // One that existed after all (the same settings, which the
             // strict create takes) has delivered something.
             let made_anew = made_anew && consumer.cached_info().delivered.stream_sequence == 0;
@@ -373,5 +466,30 @@ impl Bus {
             Err(error) if error.kind() == NotFound => Ok(None),
             Err(error) => Err(error),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A JetStream refusal as the server sends it.
+    fn refusal(err_code: u64, description: &str) -> Option<jetstream::Error> {
+        let body =
+            serde_json::json!({"code": 400, "err_code": err_code, "description": description});
+        Some(serde_json::from_value(body).expect("a JetStream error"))
+    }
+
+    #[test]
+    fn the_limit_a_max_ack_pending_refusal_names_is_read_only_when_below_what_was_asked() {
+        let said = "consumer max ack pending exceeds system limit of 500";
+        assert_eq!(ack_pending_limit(refusal(10121, said), 100_000), Some(500));
+        assert_eq!(ack_pending_limit(refusal(10121, said), 500), None);
+        assert_eq!(
+            ack_pending_limit(refusal(10121, "something else"), 100_000),
+            None
+        );
+        assert_eq!(ack_pending_limit(refusal(10052, said), 100_000), None);
+        assert_eq!(ack_pending_limit(None, 100_000), None);
     }
 }

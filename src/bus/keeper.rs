@@ -442,7 +442,11 @@ impl Keeper {
                 start_after = Some(floor.sequence);
             }
         }
-        match handle.create_consumer_strict(config).await {
+        let create = |config| handle.create_consumer_strict(config);
+        let refusal = super::consumers::strict_refusal;
+        let created =
+            super::consumers::within_ack_pending_limits(&mut config, 0, refusal, create).await;
+        match created {
             Ok(created) => {
                 self.warned_create = false;
                 // Where the new consumer starts, until the next check. (The
