@@ -594,7 +594,8 @@ async fn a_wake_whose_entry_changes_between_its_read_and_its_mark_plans_again_an
 /// plan outlasts the lock's TTL. The lock is kept alive while the plan
 /// runs; left to lapse, the refresh before the post failed, the turn was
 /// planned again under a new lock, as slowly, and the session was never
-/// woken.
+/// woken. The completion being planned is kept alive too: with an
+/// AckWait shorter than the plan it was delivered again meanwhile.
 #[tokio::test]
 async fn a_batch_whose_plan_outlasts_the_session_lock_is_woken_once() {
     init_logs();
@@ -639,7 +640,9 @@ async fn a_batch_whose_plan_outlasts_the_session_lock_is_woken_once() {
     let proxy = common::proxy::Proxy::start_delayed(nats.port, Duration::from_millis(100)).await;
     let distant = common::bus(&format!("nats://127.0.0.1:{}", proxy.port), &prefix).await;
     let mut far = Services::new();
-    far.wake_with(&distant, settings(), test_wake_config(&api.url()));
+    let mut config = test_wake_config(&api.url());
+    config.ack_wait = Duration::from_secs(1);
+    far.wake_with(&distant, settings(), config);
     std::fs::write(&gate, "").unwrap();
     wait_until(Duration::from_secs(60), "the batch's turn", || async {
         !api.accepted().is_empty()
@@ -651,6 +654,12 @@ async fn a_batch_whose_plan_outlasts_the_session_lock_is_woken_once() {
     let posts = api.all_posts();
     assert_eq!(posts.len(), 1, "one turn for the batch");
     assert!(posts[0].text().contains(&id), "{}", posts[0].text());
+    let consumer = wake_consumer_info(&bus).await.unwrap();
+    assert_eq!(consumer.config.ack_wait, Duration::from_secs(1));
+    assert_eq!(
+        consumer.delivered.consumer_sequence, 200,
+        "each completion delivered once"
+    );
 }
 
 /// A lock refresh that falls due during a post runs while the post's

@@ -6,16 +6,23 @@
 //! [`Hold::wait`] or [`Hold::during`], so whatever it has in hand, and
 //! whatever arrives meanwhile, stays with this instance for as long as the
 //! actor lives, not just until the consumer's AckWait. The NATS round
-//! trips in between (planning's ledger and history reads and writes, a lock
-//! take or the refresh before a post, a delivery's record and acks, a dead
-//! letter) do not: each is bounded by the 5 s JetStream
-//! timeout, and a JetStream slow enough to string them past AckWait gets
-//! the completions redelivered, which the ledger then settles.
+//! trips in between (a lock take or the refresh before a post, a
+//! delivery's record and acks, a dead letter) do not: each is bounded by
+//! the 5 s JetStream timeout, and a JetStream slow enough to string them
+//! past AckWait gets the completions redelivered, which the ledger then
+//! settles. Planning, whose reads grow with a batch (its members' history,
+//! over a slow link), keeps what it plans alive on the same schedule
+//! ([`keeping_alive`]), by the messages' ack subjects: the plan has the
+//! messages themselves in hand.
 
 use std::future::Future;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+use async_nats::jetstream::AckKind;
+use async_nats::{Client, Subject};
+use tracing::warn;
 
 use super::{Inbox, Pending, Turn};
 use crate::bus::{KeepAliveClock, KeepAliveEvery};
@@ -79,6 +86,53 @@ impl Hold {
                     }
                     self.keep_alive.went_out(sent);
                 }
+            }
+        }
+    }
+}
+
+impl Hold {
+    /// The held completions and the keep-alive schedule, borrowed apart:
+    /// planning takes the first, [`keeping_alive`] the second.
+    pub(super) fn planning_parts(&mut self) -> (&mut Vec<Pending>, &mut KeepAliveClock) {
+        (&mut self.held, &mut self.keep_alive)
+    }
+}
+
+/// The ack subjects of `held`, for [`keeping_alive`].
+pub(super) fn ack_subjects(held: &[Pending]) -> Vec<Subject> {
+    held.iter()
+        .filter_map(|p| p.message.reply.clone())
+        .collect()
+}
+
+/// Runs `work` (a plan, which has the held messages in hand) while
+/// sending an in-progress ack to each of `replies` whenever `clock` says
+/// one is due. A message the plan acks meanwhile ignores a later one.
+pub(super) async fn keeping_alive<F: Future>(
+    clock: &mut KeepAliveClock,
+    client: &Client,
+    replies: &[Subject],
+    work: F,
+) -> F::Output {
+    tokio::pin!(work);
+    loop {
+        tokio::select! {
+            output = &mut work => return output,
+            () = tokio::time::sleep_until(clock.look_at()) => {
+                if !clock.is_due() {
+                    continue;
+                }
+                let sent = crate::connect::is_connected(client);
+                if sent {
+                    for reply in replies {
+                        let in_progress = AckKind::Progress.into();
+                        if let Err(error) = client.publish(reply.clone(), in_progress).await {
+                            warn!(%error, %reply, "Could not send an in-progress ack.");
+                        }
+                    }
+                }
+                clock.went_out(sent);
             }
         }
     }

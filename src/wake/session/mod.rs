@@ -497,11 +497,13 @@ impl Router {
         // Under a lock kept alive: a large batch's plan over a slow link
         // can outlast it (and a round that only acks members, one kept
         // from an earlier round).
-        let planned = self
-            .shared
-            .locks
-            .keep_during(guard, self.plan(&mut hold.held))
-            .await;
+        // The plan's reads (a batch's members, over a slow link) can
+        // outlast AckWait too: what it plans is kept alive meanwhile.
+        let replies = hold::ack_subjects(&hold.held);
+        let (held, clock) = hold.planning_parts();
+        let client = &self.shared.bus.client;
+        let plan = hold::keeping_alive(clock, client, &replies, self.plan(held));
+        let planned = self.shared.locks.keep_during(guard, plan).await;
         if planned.is_ok() {
             failures.succeeded();
         }
