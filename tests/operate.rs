@@ -1649,6 +1649,168 @@ async fn init_warns_when_it_makes_the_wake_consumer_anew_over_a_stored_history()
     );
 }
 
+/// A NATS account that requires a byte limit on every stream (as hosted
+/// accounts do) refuses wakebus's streams without one: `init` says which
+/// flag to give, and with `--max-bytes` creates them, each part with the
+/// size asked for it.
+#[tokio::test]
+async fn init_gives_an_account_that_requires_byte_limits_the_sizes_asked_for() {
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("account.conf");
+    std::fs::write(
+        &conf,
+        "accounts { APP { jetstream { max_file: 1G, max_mem: 64M, max_bytes_required: true }, users: [ { user: app, password: app } ] } }\nno_auth_user: app\n",
+    )
+    .unwrap();
+    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let prefix = unique_prefix();
+    let refused = wakebus(&nats.url(), &prefix, &["init"]).await;
+    assert!(!refused.success(), "{}", refused.stdout());
+    assert!(
+        refused.stderr().contains("max_bytes_required")
+            && refused.stderr().contains("--max-bytes tasks=SIZE"),
+        "{}",
+        refused.stderr()
+    );
+    let args = [
+        "init",
+        "--max-bytes",
+        "16MiB",
+        "--max-bytes",
+        "events=64MiB",
+    ];
+    let run = wakebus(&nats.url(), &prefix, &args).await;
+    assert!(run.success(), "{}", run.stderr());
+    let bus = bus(&nats.url(), &prefix).await;
+    for store in wakebus::bus::Store::ALL {
+        let stream = bus
+            .js
+            .get_stream(store.stream(&bus.subjects))
+            .await
+            .unwrap();
+        let expected = if store == wakebus::bus::Store::Events {
+            64 << 20
+        } else {
+            16 << 20
+        };
+        assert_eq!(stream.cached_info().config.max_bytes, expected, "{store}");
+    }
+}
+
+/// A server that limits the duplicate window below wakebus's 2 minutes
+/// (`jetstream { limits { duplicate_window } }`) refused every stream, and
+/// nothing could start. `init` makes them with the server's limit and
+/// says so; run again, it keeps them so, without calling the limit a hand
+/// edit set back, and a starting service asks for no update.
+#[tokio::test]
+async fn init_makes_the_streams_within_the_servers_duplicate_window_limit() {
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("limits.conf");
+    std::fs::write(&conf, "jetstream { limits { duplicate_window: \"1m\" } }\n").unwrap();
+    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let prefix = unique_prefix();
+    let first = wakebus(&nats.url(), &prefix, &["init"]).await;
+    assert!(first.success(), "{}", first.stderr());
+    assert!(
+        first.stderr().contains("limits the duplicate window"),
+        "{}",
+        first.stderr()
+    );
+    let again = wakebus(&nats.url(), &prefix, &["init"]).await;
+    assert!(again.success(), "{}", again.stderr());
+    assert!(!again.stderr().contains("set back"), "{}", again.stderr());
+    // A service keeps the shorter window: no update is even asked for (a
+    // service's user may not make one, and would wait out its refusal).
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut updates = client.subscribe("$JS.API.STREAM.UPDATE.>").await.unwrap();
+    client.flush().await.unwrap();
+    let bus = bus(&nats.url(), &prefix).await;
+    let asked = tokio::time::timeout(
+        Duration::from_millis(500),
+        futures::StreamExt::next(&mut updates),
+    )
+    .await;
+    assert!(asked.is_err(), "{:?}", asked.map(|m| m.map(|m| m.subject)));
+    let s = &bus.subjects;
+    for stream in [s.tasks_stream(), s.events_stream(), s.dead_letter_stream()] {
+        let stream = bus.js.get_stream(&stream).await.unwrap();
+        let window = stream.cached_info().config.duplicate_window;
+        assert_eq!(
+            window,
+            Duration::from_secs(60),
+            "{}",
+            stream.cached_info().config.name
+        );
+    }
+}
+
+/// `init --max-bytes` sets the limit of an existing stream too, but never
+/// below what it holds (the stream would refuse every new completion); an
+/// `init` without it keeps the limit; a part that does not exist is
+/// refused before NATS is asked anything.
+#[tokio::test]
+async fn init_sets_a_streams_byte_limit_but_never_below_what_it_holds() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    let long = serde_json::json!({"summary": "x".repeat(4096)});
+    publish_completion(&bus, "s.bytes", "01JV3N4Y8K6D2Q7R9T1W5XBYTE", 0, long).await;
+    let limit = || async {
+        let stream = bus
+            .js
+            .get_stream(bus.subjects.events_stream())
+            .await
+            .unwrap();
+        stream.cached_info().config.max_bytes
+    };
+    let unlimited = limit().await;
+    assert!(unlimited <= 0, "{unlimited}");
+
+    let refused = wakebus(
+        &nats.url(),
+        &prefix,
+        &["init", "--max-bytes", "events=1KiB"],
+    )
+    .await;
+    assert!(!refused.success(), "{}", refused.stdout());
+    assert!(
+        refused
+            .stderr()
+            .contains("more than the 1024 bytes asked for"),
+        "{}",
+        refused.stderr()
+    );
+    assert_eq!(limit().await, unlimited);
+
+    let run = wakebus(
+        &nats.url(),
+        &prefix,
+        &["init", "--max-bytes", "events=1MiB"],
+    )
+    .await;
+    assert!(run.success(), "{}", run.stderr());
+    assert_eq!(limit().await, 1 << 20);
+    let again = wakebus(&nats.url(), &prefix, &["init"]).await;
+    assert!(again.success(), "{}", again.stderr());
+    assert_eq!(limit().await, 1 << 20, "kept");
+
+    let unknown = wakebus(
+        &nats.url(),
+        &prefix,
+        &["init", "--max-bytes", "history=1GiB"],
+    )
+    .await;
+    assert!(!unknown.success());
+    assert!(
+        unknown.stderr().contains("unknown part \"history\""),
+        "{}",
+        unknown.stderr()
+    );
+}
+
 /// The consumers' AckWait and in-flight limit are the running services'
 /// (`--ack-wait`, `--max-in-flight`): `wakebus init`, run again after a
 /// settings change, must not put them back to its defaults, or long tasks

@@ -12,8 +12,11 @@
 //! - `pulls.rs`: pacing a service's pull requests while they fail;
 //! - `queue.rs`: whether a delegation's request is still in the task queue;
 //! - `publish.rs`: publishing until JetStream confirms the message stored;
-//! - `dead_letter.rs`: copying an unusable message to the dead letters.
+//! - `dead_letter.rs`: copying an unusable message to the dead letters;
+//! - `byte_limits.rs`: the byte limits an operator gives the streams and
+//!   buckets (`wakebus init --max-bytes`).
 
+mod byte_limits;
 mod consumers;
 mod dead_letter;
 mod keeper;
@@ -29,6 +32,7 @@ use async_nats::jetstream::{self, kv, stream};
 
 use crate::protocol::Subjects;
 
+pub use byte_limits::{MaxBytes, Store};
 pub(crate) use consumers::ServiceConsumer;
 pub(crate) use dead_letter::dead_letter_parts;
 pub(crate) use keeper::{KeepAliveClock, KeepAliveEvery};
@@ -53,6 +57,11 @@ pub struct BusSettings {
     pub replicas: Option<usize>,
     /// Time-to-live of a session lock that its holder stops refreshing.
     pub session_lock_ttl: Duration,
+    /// Byte limits of the streams and buckets (`wakebus init
+    /// --max-bytes`): a new one gets its part's, an existing one is set to
+    /// it unless it holds more; a part given none gets no limit when new
+    /// and keeps its own when it exists.
+    pub max_bytes: MaxBytes,
     /// What provisioning may do to the max age of the existing events
     /// stream, wake ledger and cancel bucket: a value nobody gave (the
     /// default) must not replace the deployment's, and only `wakebus init`
@@ -83,6 +92,7 @@ impl Default for BusSettings {
             duplicate_window: Duration::from_secs(120),
             replicas: None,
             session_lock_ttl: default_session_lock_ttl(),
+            max_bytes: MaxBytes::default(),
             history_change: AgeChange::default(),
             session_lock_ttl_change: AgeChange::default(),
             require_update: false,
@@ -214,6 +224,30 @@ pub enum ProvisionError {
         existing: Vec<String>,
         /// This deployment's.
         wanted: Vec<String>,
+    },
+    /// The account requires every stream to have a byte limit (hosted
+    /// NATS accounts do), and none was given for this one.
+    #[error(
+        "the NATS account requires every stream and bucket to have a byte limit (max_bytes_required), and stream {name} was given none: run `wakebus init --max-bytes {part}=SIZE` (or `--max-bytes SIZE` for every part; see OPERATIONS.md, \"Byte limits\")"
+    )]
+    MaxBytesRequired {
+        /// The stream.
+        name: String,
+        /// The part of the deployment it holds, as `--max-bytes` names it.
+        part: String,
+    },
+    /// A byte limit below what the stream already holds: the server would
+    /// refuse every write to it (or drop its oldest messages).
+    #[error(
+        "stream {name} holds {holds} bytes, more than the {asked} bytes asked for (--max-bytes): it would refuse every new message (or drop the oldest) until enough of it expires; ask for more"
+    )]
+    MaxBytesBelowSize {
+        /// The stream.
+        name: String,
+        /// What it holds now.
+        holds: u64,
+        /// The limit asked for.
+        asked: i64,
     },
     /// A stream that should exist could not be read.
     #[error("cannot read stream {name}: {source}")]

@@ -8,7 +8,7 @@ use async_nats::jetstream::{self, kv, stream};
 use backon::{ExponentialBuilder, Retryable};
 use tracing::{info, warn};
 
-use super::{AgeChange, Bus, BusSettings, ProvisionError, Streams, WakeState};
+use super::{AgeChange, Bus, BusSettings, ProvisionError, Store, Streams, WakeState};
 use crate::protocol::Subjects;
 
 /// Where a KV bucket's reads may be served.
@@ -129,7 +129,7 @@ impl Bus {
             .when(may_pass)
             .notify(|err, delay| {
                 if too_few_servers(err) {
-                    warn!(error = %err, retry_in = ?delay, "Provisioning failed: fewer JetStream servers are up than the replicas asked for (--replicas, WAKEBUS_REPLICAS), or their JetStream API or storage is at its limit; start the missing servers or ask for fewer replicas, or see the servers' logs; will retry.");
+                    warn!(error = %err, retry_in = ?delay, "Provisioning failed: fewer JetStream servers are up than the replicas asked for (--replicas, WAKEBUS_REPLICAS), or their JetStream API or storage is at its limit (a --max-bytes larger than the servers' free storage, say); start the missing servers, ask for fewer replicas or fewer bytes, or see the servers' logs; will retry.");
                 } else {
                     warn!(error = %err, retry_in = ?delay, "Provisioning failed: NATS may not be up yet, or this NATS user may not create what is missing (run `wakebus init` as operator); will retry.");
                 }
@@ -149,6 +149,7 @@ impl Bus {
                     retention: stream::RetentionPolicy::Limits,
                     storage: stream::StorageType::File,
                     max_age: settings.history_max_age,
+                    max_bytes: settings.max_bytes.of(Store::Events),
                     // At most the max age: `ensure_stream` sees to it.
                     duplicate_window: settings.duplicate_window,
                     discard: REFUSE_AT_LIMITS,
@@ -171,6 +172,7 @@ impl Bus {
             subjects: vec![s.tasks_all()],
             retention: stream::RetentionPolicy::WorkQueue,
             storage: stream::StorageType::File,
+            max_bytes: settings.max_bytes.of(Store::Tasks),
             duplicate_window: settings.duplicate_window,
             discard: REFUSE_AT_LIMITS,
             ..Default::default()
@@ -190,6 +192,7 @@ impl Bus {
             retention: stream::RetentionPolicy::Limits,
             storage: stream::StorageType::File,
             max_age: settings.dead_letter_max_age,
+            max_bytes: settings.max_bytes.of(Store::DeadLetters),
             duplicate_window: settings.duplicate_window,
             // Not REFUSE_AT_LIMITS: a dead letter refused would bring its
             // original back for ever; a capped dead-letter stream drops its
@@ -209,6 +212,7 @@ impl Bus {
                     .to_owned(),
                 history: 1,
                 max_age: settings.history_max_age,
+                max_bytes: settings.max_bytes.of(Store::Cancels),
                 storage: stream::StorageType::File,
                 num_replicas: self
                     .replicas_for(settings, &Subjects::bucket_stream(&s.cancel_bucket()))
@@ -260,6 +264,7 @@ impl Bus {
                             .to_owned(),
                     history: 1,
                     max_age: settings.history_max_age,
+                    max_bytes: settings.max_bytes.of(Store::WakeLedger),
                     storage: stream::StorageType::File,
                     num_replicas: self
                         .replicas_for(settings, &Subjects::bucket_stream(&s.wake_ledger_bucket()))
@@ -279,6 +284,7 @@ impl Bus {
                         .to_owned(),
                     history: 1,
                     max_age: settings.session_lock_ttl,
+                    max_bytes: settings.max_bytes.of(Store::SessionLocks),
                     storage: stream::StorageType::File,
                     num_replicas: self
                         .replicas_for(settings, &Subjects::bucket_stream(&s.session_lock_bucket()))
@@ -356,6 +362,16 @@ impl Bus {
             config.duplicate_window = window.min(config.max_age);
         }
         let existing = self.js.get_stream(&name).await;
+        if let Ok(existing) = &existing {
+            // A service keeps a shorter window the stream has (the
+            // server's limit, which `init` met; workers read the window the
+            // stream has): without the permission to update streams, every
+            // start would wait out a refused update for nothing.
+            let kept = existing.cached_info().config.duplicate_window;
+            if !require_update && !kept.is_zero() && kept < config.duplicate_window {
+                config.duplicate_window = kept;
+            }
+        }
         if let (Ok(existing), None) = (&existing, settings.replicas) {
             // The replicas it has, as `replicas_for` would have found had
             // the stream existed then.
@@ -398,14 +414,21 @@ impl Bus {
                     }
                 }
                 let current = &existing.cached_info().config;
+                let holds = existing.cached_info().state.bytes;
+                let bytes_change = (config.max_bytes > 0 && current.max_bytes != config.max_bytes)
+                    .then_some((current.max_bytes, config.max_bytes));
+                if let Some((_, asked)) = bytes_change
+                    && u64::try_from(asked).is_ok_and(|asked| holds > asked)
+                {
+                    return Err(ProvisionError::MaxBytesBelowSize { name, holds, asked });
+                }
                 // Which messages the stream takes and when it lets them go:
                 // with these different, the service would not work as
                 // documented (storage, say, is the operator's choice).
                 let unusable = current.retention != config.retention;
                 let asked_age = config.max_age;
-                let reset = hand_edits_reset(current, &config);
                 let replicas = (current.num_replicas.max(1), config.num_replicas.max(1));
-                let update = managed_update(current, config);
+                let mut update = managed_update(current, config);
                 // `init` tries a passing failure (a leader election) a few
                 // times before it reports it; a service goes on either way.
                 let mut tries = if require_update { UPDATE_TRIES } else { 1 };
@@ -415,7 +438,15 @@ impl Bus {
                         Err(source) if tries > 0 && is_transient(&source) => {
                             tokio::time::sleep(Duration::from_secs(1)).await;
                         }
-                        other => break other,
+                        Err(source) => match within_window_limit(&source, &mut update) {
+                            // Not a try: it can happen once.
+                            Some(limit) => {
+                                info!(stream = %name, ?limit, "The server limits the duplicate window (jetstream.limits.duplicate_window) below the one wakebus asks for; the stream keeps the limit.");
+                                tries += 1;
+                            }
+                            None => break Err(source),
+                        },
+                        Ok(updated) => break Ok(updated),
                     }
                 };
                 if let Err(source) = updated {
@@ -428,6 +459,7 @@ impl Bus {
                     warn!(stream = %name, error = %source, "Stream settings differ from this service's and could not be updated (the server's reason is given; `wakebus init` as operator makes them right); using it as it is.");
                     return Ok(Some(existing));
                 }
+                let reset = hand_edits_reset(current, &update);
                 if !reset.is_empty() {
                     warn!(stream = %name, settings = ?reset, "Stream settings that wakebus manages differed from its own and were set back (a change made by hand is undone at every start).");
                 }
@@ -440,6 +472,9 @@ impl Bus {
                     }
                     _ => {}
                 }
+                if let Some((was, now)) = bytes_change {
+                    info!(stream = %name, was, now, "Stream byte limit changed (--max-bytes).");
+                }
                 if shortens(kept, asked_age) {
                     warn!(stream = %name, was = ?kept, now = ?asked_age, "Stream max age shortened: what was older is deleted.");
                 } else if asked_age != kept {
@@ -448,7 +483,17 @@ impl Bus {
             }
             Err(error) if is_stream_not_found(&error) => {
                 let subjects = config.subjects.clone();
-                match self.js.create_stream(config).await {
+                let created = match self.js.create_stream(config.clone()).await {
+                    Err(error) => match within_window_limit(&error, &mut config) {
+                        Some(limit) => {
+                            warn!(stream = %name, ?limit, "The server limits the duplicate window (jetstream.limits.duplicate_window) below the one wakebus asks for: the stream is made with its limit. A request or completion sent again after that long is stored again, and is then kept from running or waking twice as after the usual window (docs/GUARANTEES.md, \"The duplicate window is finite\").");
+                            self.js.create_stream(config).await
+                        }
+                        None => Err(error),
+                    },
+                    created => created,
+                };
+                match created {
                     Ok(_) => {}
                     // On a cluster, another service may just have created it.
                     Err(error) if is_creation_clash(&error) => return Ok(None),
@@ -465,6 +510,12 @@ impl Bus {
                             });
                         }
                         return Ok(None);
+                    }
+                    Err(error) if is_max_bytes_required(&error) => {
+                        let part = Store::of_stream(&self.subjects, &name)
+                            .map_or("PART", Store::name)
+                            .to_owned();
+                        return Err(ProvisionError::MaxBytesRequired { name, part });
                     }
                     Err(source) => {
                         return Err(ProvisionError::Stream {
@@ -507,6 +558,7 @@ impl Bus {
                 subjects: vec![format!("$KV.{name}.>")],
                 max_messages_per_subject: config.history.max(1),
                 max_age: config.max_age,
+                max_bytes: config.max_bytes,
                 storage: config.storage,
                 allow_rollup: true,
                 deny_delete: true,
@@ -565,12 +617,15 @@ fn stream_matches(existing: &stream::Config, wanted: &stream::Config) -> bool {
         // Zero means "server default", which the server fills in.
         && (wanted.duplicate_window.is_zero()
             || existing.duplicate_window == wanted.duplicate_window)
+        // None asked for: the stream keeps its own.
+        && (wanted.max_bytes <= 0 || existing.max_bytes == wanted.max_bytes)
 }
 
 /// `wanted`'s settings on top of the stream's `current` ones: the fields
 /// wakebus manages (those [`stream_matches`] compares, and the description)
 /// from `wanted`, every other one (limits an operator set by hand, such as
-/// `max_bytes` or `max_msgs`, and what the stream does at them) as it is.
+/// `max_msgs`, or `max_bytes` unless `init --max-bytes` names the part,
+/// and what the stream does at them) as it is.
 fn managed_update(current: &stream::Config, wanted: stream::Config) -> stream::Config {
     stream::Config {
         name: wanted.name,
@@ -584,6 +639,11 @@ fn managed_update(current: &stream::Config, wanted: stream::Config) -> stream::C
         deny_delete: current.deny_delete || wanted.deny_delete,
         deny_purge: current.deny_purge || wanted.deny_purge,
         allow_direct: wanted.allow_direct,
+        max_bytes: if wanted.max_bytes > 0 {
+            wanted.max_bytes
+        } else {
+            current.max_bytes
+        },
         // The server refuses a duplicate window longer than the max age.
         duplicate_window: match (wanted.duplicate_window, wanted.max_age) {
             (asked, _) if !asked.is_zero() => asked,
@@ -665,6 +725,35 @@ fn is_subject_overlap(error: &jetstream::context::CreateStreamError) -> bool {
     )
 }
 
+/// When `refused` says the server limits the duplicate window below
+/// `config`'s (`jetstream { limits { duplicate_window } }`, named only in
+/// the refusal), lowers it to that limit and returns it: the caller asks
+/// again.
+fn within_window_limit(
+    refused: &impl std::fmt::Display,
+    config: &mut stream::Config,
+) -> Option<Duration> {
+    const SAID: &str = "duplicates window can not be larger then server limit of ";
+    let text = refused.to_string();
+    let limit = text
+        .split_once(SAID)
+        .and_then(|(_, after)| after.split_whitespace().next())
+        .and_then(|limit| humantime::parse_duration(limit).ok())
+        .filter(|limit| !limit.is_zero() && *limit < config.duplicate_window)?;
+    config.duplicate_window = limit;
+    Some(limit)
+}
+
+/// Whether a create was refused for having no byte limit, in an account
+/// that requires one.
+fn is_max_bytes_required(error: &jetstream::context::CreateStreamError) -> bool {
+    matches!(
+        error.kind(),
+        jetstream::context::CreateStreamErrorKind::JetStream(error)
+            if error.error_code() == jetstream::ErrorCode::STREAM_MAX_BYTES_REQUIRED
+    )
+}
+
 /// Whether opening a KV bucket failed because it does not exist.
 pub(crate) fn is_bucket_missing(error: &async_nats::jetstream::context::KeyValueError) -> bool {
     std::error::Error::source(error)
@@ -690,7 +779,10 @@ pub(crate) fn may_pass(err: &ProvisionError) -> bool {
     use jetstream::context::ConsumerInfoErrorKind as Info;
     match err {
         // The operator's to resolve: retrying changes nothing.
-        ProvisionError::SubjectsTaken { .. } | ProvisionError::SubjectsOverlap { .. } => false,
+        ProvisionError::SubjectsTaken { .. }
+        | ProvisionError::SubjectsOverlap { .. }
+        | ProvisionError::MaxBytesRequired { .. }
+        | ProvisionError::MaxBytesBelowSize { .. } => false,
         // A JetStream that cannot answer yet (a leader election, a cluster
         // still forming, as `docker compose up` restarts it) passes. A
         // timeout does not: the server drops a request the user may not
@@ -768,6 +860,35 @@ fn too_few_servers(err: &ProvisionError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_duplicate_window_refusal_lowers_the_window_to_the_servers_limit_only_when_shorter() {
+        let config = || stream::Config {
+            name: "T".to_owned(),
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        };
+        let said = |limit: &str| {
+            format!(
+                "jetstream error: duplicates window can not be larger then server limit of {limit} (code 400, error code 10052)"
+            )
+        };
+        for (limit, expected) in [("1m0s", 60_000), ("1m30.5s", 90_500), ("500ms", 500)] {
+            let mut asked = config();
+            let lowered = within_window_limit(&said(limit), &mut asked);
+            assert_eq!(lowered, Some(Duration::from_millis(expected)), "{limit}");
+            assert_eq!(asked.duplicate_window, Duration::from_millis(expected));
+        }
+        for refused in [
+            said("2m0s"),
+            said("5m0s"),
+            "stream name already in use".to_owned(),
+        ] {
+            let mut asked = config();
+            assert_eq!(within_window_limit(&refused, &mut asked), None, "{refused}");
+            assert_eq!(asked.duplicate_window, Duration::from_secs(120));
+        }
+    }
 
     fn urls(n: usize) -> Vec<String> {
         (0..n).map(|i| format!("10.0.0.{i}:4222")).collect()

@@ -153,6 +153,21 @@ pub(crate) struct InitArgs {
     /// to elect its leaders.
     #[arg(long, value_parser = positive_duration, default_value = "2m")]
     pub(crate) timeout: Duration,
+    /// A byte limit for the streams and buckets: `SIZE` for every part, or
+    /// `PART=SIZE` for one of tasks, events, dead-letters, wake-ledger,
+    /// cancels, session-locks (e.g. `--max-bytes 256MiB --max-bytes
+    /// events=8GiB`); repeat for several. Set on new and existing ones,
+    /// unless one holds more already; a part given none keeps its own
+    /// (none, when new). NATS accounts that require limits
+    /// (max_bytes_required) refuse streams without one.
+    #[arg(long = "max-bytes", value_name = "[PART=]SIZE", value_parser = max_bytes_value)]
+    pub(crate) max_bytes: Vec<String>,
+}
+
+/// A `--max-bytes` value, checked.
+fn max_bytes_value(value: &str) -> Result<String, String> {
+    wakebus::bus::MaxBytes::default().add(value)?;
+    Ok(value.to_owned())
 }
 
 /// `wakebus delegate`.

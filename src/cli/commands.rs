@@ -56,8 +56,14 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 wakebus::protocol::validate_pool(pool)
                     .with_context(|| format!("--pool {pool:?}"))?;
             }
-            let Ok(done) = tokio::time::timeout(args.timeout, init(&global, &args.pools)).await
-            else {
+            let mut max_bytes = wakebus::bus::MaxBytes::default();
+            for value in &args.max_bytes {
+                max_bytes
+                    .add(value)
+                    .map_err(|error| anyhow::anyhow!("--max-bytes {value:?}: {error}"))?;
+            }
+            let run = init(&global, &args.pools, max_bytes);
+            let Ok(done) = tokio::time::timeout(args.timeout, run).await else {
                 bail!(
                     "init did not finish within {}: NATS is not reachable, has no JetStream leader yet, has fewer JetStream servers up than --replicas asks for, or this NATS user may not create streams, consumers and buckets (init needs the operator's permissions); the warnings above name the error that kept coming back",
                     humantime::format_duration(args.timeout)
@@ -416,7 +422,11 @@ fn settings(global: &Global) -> BusSettings {
 
 /// `wakebus init`: the streams, buckets and consumers of `pools`, with
 /// the operator's settings, retried while that may pass.
-async fn init(global: &Global, pools: &[String]) -> anyhow::Result<()> {
+async fn init(
+    global: &Global,
+    pools: &[String],
+    max_bytes: wakebus::bus::MaxBytes,
+) -> anyhow::Result<()> {
     let bus = connect(global, "wakebus-init").await?;
     // The operator's word: init may shorten what streams keep to what it
     // was given, and changes nothing for a default.
@@ -425,6 +435,7 @@ async fn init(global: &Global, pools: &[String]) -> anyhow::Result<()> {
         history_change: given(global.history),
         session_lock_ttl_change: given(global.session_lock_ttl),
         require_update: true,
+        max_bytes,
         ..settings(global)
     };
     bus.provision(&settings).await?;
