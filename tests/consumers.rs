@@ -506,10 +506,8 @@ async fn a_consumer_setting_changed_under_a_running_service_is_reported_once() {
 #[tokio::test]
 async fn services_pull_no_more_than_the_servers_max_request_batch_allows() {
     init_logs();
-    let dir = tempfile::tempdir().unwrap();
-    let conf = dir.path().join("limits.conf");
-    std::fs::write(&conf, "jetstream { limits { max_request_batch: 4 } }\n").unwrap();
-    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let (nats, _conf) =
+        NatsServer::start_with_config("jetstream { limits { max_request_batch: 4 } }\n").await;
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let mut services = Services::new();
@@ -537,14 +535,10 @@ async fn services_pull_no_more_than_the_servers_max_request_batch_allows() {
 #[tokio::test]
 async fn services_take_the_servers_max_ack_pending_limit_for_their_consumers() {
     init_logs();
-    let dir = tempfile::tempdir().unwrap();
-    let conf = dir.path().join("limits.conf");
-    std::fs::write(
-        &conf,
+    let (nats, _conf) = NatsServer::start_with_config(
         "jetstream { limits { max_ack_pending: 10000 } }\naccounts { APP { jetstream { max_file: 1G, max_mem: 64M, max_ack_pending: 500 }, users: [ { user: app, password: app } ] } }\nno_auth_user: app\n",
     )
-    .unwrap();
-    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    .await;
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let mut services = Services::new();

@@ -322,10 +322,7 @@ async fn a_combined_turn_refused_as_too_large_is_posted_one_completion_at_a_time
 #[tokio::test]
 async fn a_batch_whose_results_exceed_one_turn_is_woken_with_the_long_ones_cut_evenly() {
     init_logs();
-    let confs = tempfile::tempdir().unwrap();
-    let conf = confs.path().join("small.conf");
-    std::fs::write(&conf, "max_payload: 65536\n").unwrap();
-    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let (nats, _conf) = NatsServer::start_with_config("max_payload: 65536\n").await;
     let api = SessionApiServer::start().await;
     let bus = bus(&nats.url(), &unique_prefix()).await;
     let mut services = Services::new();

@@ -93,6 +93,18 @@ impl NatsServer {
         Self::start_on(free_port(), extra_args).await
     }
 
+    /// Starts a server with `config` (nats-server configuration text, e.g.
+    /// `jetstream { limits { max_ack_pending: 500 } }`) besides the usual
+    /// arguments; the directory holding the file lives as long as the
+    /// returned one, for restarts.
+    pub async fn start_with_config(config: &str) -> (Self, tempfile::TempDir) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let conf = dir.path().join("nats.conf");
+        std::fs::write(&conf, config).expect("config");
+        let server = Self::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+        (server, dir)
+    }
+
     /// Starts a server on `port` (for tests whose clients start first).
     pub async fn start_on(port: u16, extra_args: Vec<String>) -> Self {
         let mut server = Self::launch(port, extra_args);
