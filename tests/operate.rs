@@ -1706,19 +1706,20 @@ async fn init_gives_an_account_that_requires_byte_limits_the_sizes_asked_for() {
 #[tokio::test]
 async fn init_makes_the_streams_within_the_servers_duplicate_window_limit() {
     init_logs();
-    let dir = tempfile::tempdir().unwrap();
-    let conf = dir.path().join("limits.conf");
-    std::fs::write(&conf, "jetstream { limits { duplicate_window: \"1m\" } }\n").unwrap();
-    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    let (nats, _conf) =
+        NatsServer::start_with_config("jetstream { limits { duplicate_window: \"1m\" } }\n").await;
     let prefix = unique_prefix();
-    let first = wakebus(&nats.url(), &prefix, &["init"]).await;
+    // A history other than the services' default, as OPERATIONS.md
+    // shows it: a service then keeps the stream's age, and its window.
+    let init = ["--history", "14d", "init"];
+    let first = wakebus(&nats.url(), &prefix, &init).await;
     assert!(first.success(), "{}", first.stderr());
     assert!(
         first.stderr().contains("limits the duplicate window"),
         "{}",
         first.stderr()
     );
-    let again = wakebus(&nats.url(), &prefix, &["init"]).await;
+    let again = wakebus(&nats.url(), &prefix, &init).await;
     assert!(again.success(), "{}", again.stderr());
     assert!(!again.stderr().contains("set back"), "{}", again.stderr());
     // A service keeps the shorter window: no update is even asked for (a
@@ -1727,6 +1728,8 @@ async fn init_makes_the_streams_within_the_servers_duplicate_window_limit() {
     let mut updates = client.subscribe("$JS.API.STREAM.UPDATE.>").await.unwrap();
     client.flush().await.unwrap();
     let bus = bus(&nats.url(), &prefix).await;
+    let wake_settings = wakebus::bus::BusSettings::default();
+    bus.provision_wake_state(&wake_settings).await.unwrap();
     let asked = tokio::time::timeout(
         Duration::from_millis(500),
         futures::StreamExt::next(&mut updates),

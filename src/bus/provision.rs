@@ -355,22 +355,25 @@ impl Bus {
     ) -> Result<Option<stream::Stream>, ProvisionError> {
         let require_update = settings.require_update;
         let name = config.name.clone();
+        let existing = self.js.get_stream(&name).await;
         // The server refuses a window longer than the max age; the window
         // asked for is kept to clamp it again to the age the stream keeps.
-        let window = config.duplicate_window;
-        if !config.max_age.is_zero() {
-            config.duplicate_window = window.min(config.max_age);
-        }
-        let existing = self.js.get_stream(&name).await;
+        let mut window = config.duplicate_window;
         if let Ok(existing) = &existing {
             // A service keeps a shorter window the stream has (the
-            // server's limit, which `init` met; workers read the window the
-            // stream has): without the permission to update streams, every
-            // start would wait out a refused update for nothing.
+            // server's limit, which `init` met, or one set by hand, which
+            // `init` sets back; workers read the window the stream has):
+            // without the permission to update streams, every start would
+            // wait out a refused update for nothing.
             let kept = existing.cached_info().config.duplicate_window;
-            if !require_update && !kept.is_zero() && kept < config.duplicate_window {
-                config.duplicate_window = kept;
+            if !require_update && !kept.is_zero() && kept < window {
+                info!(stream = %name, window = ?kept, asked = ?window, "The stream keeps its duplicate window, shorter than the one wakebus asks for: the server's limit, or one set by hand (`wakebus init` sets that back).");
+                window = kept;
             }
+        }
+        config.duplicate_window = window;
+        if !config.max_age.is_zero() {
+            config.duplicate_window = window.min(config.max_age);
         }
         if let (Ok(existing), None) = (&existing, settings.replicas) {
             // The replicas it has, as `replicas_for` would have found had
