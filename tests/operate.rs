@@ -1656,20 +1656,17 @@ async fn init_warns_when_it_makes_the_wake_consumer_anew_over_a_stored_history()
 #[tokio::test]
 async fn init_gives_an_account_that_requires_byte_limits_the_sizes_asked_for() {
     init_logs();
-    let dir = tempfile::tempdir().unwrap();
-    let conf = dir.path().join("account.conf");
-    std::fs::write(
-        &conf,
+    let (nats, _conf) = NatsServer::start_with_config(
         "accounts { APP { jetstream { max_file: 1G, max_mem: 64M, max_bytes_required: true }, users: [ { user: app, password: app } ] } }\nno_auth_user: app\n",
     )
-    .unwrap();
-    let nats = NatsServer::start_with(vec!["-c".into(), conf.display().to_string()]).await;
+    .await;
     let prefix = unique_prefix();
     let refused = wakebus(&nats.url(), &prefix, &["init"]).await;
     assert!(!refused.success(), "{}", refused.stdout());
     assert!(
         refused.stderr().contains("max_bytes_required")
-            && refused.stderr().contains("--max-bytes tasks=SIZE"),
+            && refused.stderr().contains("(part tasks)")
+            && refused.stderr().contains("`wakebus init --max-bytes SIZE`"),
         "{}",
         refused.stderr()
     );
@@ -1750,68 +1747,62 @@ async fn init_makes_the_streams_within_the_servers_duplicate_window_limit() {
 }
 
 /// `init --max-bytes` sets the limit of an existing stream too, but never
-/// below what it holds (the stream would refuse every new completion); an
-/// `init` without it keeps the limit; a part that does not exist is
-/// refused before NATS is asked anything.
+/// below what it holds (the stream would refuse every new completion),
+/// and checks every part before it changes any; an `init` without it
+/// keeps the limit; a part that does not exist, or a size without a unit
+/// (bytes, easily meant as MiB), is refused before NATS is asked
+/// anything.
 #[tokio::test]
 async fn init_sets_a_streams_byte_limit_but_never_below_what_it_holds() {
     init_logs();
     let nats = NatsServer::start().await;
     let prefix = unique_prefix();
     let bus = bus(&nats.url(), &prefix).await;
-    let long = serde_json::json!({"summary": "x".repeat(4096)});
-    publish_completion(&bus, "s.bytes", "01JV3N4Y8K6D2Q7R9T1W5XBYTE", 0, long).await;
-    let limit = || async {
-        let stream = bus
-            .js
-            .get_stream(bus.subjects.events_stream())
-            .await
-            .unwrap();
-        stream.cached_info().config.max_bytes
+    // A little over 1 MiB of history.
+    for i in 0..3u32 {
+        let long = serde_json::json!({"summary": "x".repeat(400 * 1024)});
+        let id = format!("01JV3N4Y8K6D2Q7R9T1W5XBYT{i}");
+        publish_completion(&bus, "s.bytes", &id, 0, long).await;
+    }
+    let limits = || async {
+        let s = &bus.subjects;
+        let mut limits = Vec::new();
+        for stream in [s.tasks_stream(), s.events_stream()] {
+            let stream = bus.js.get_stream(&stream).await.unwrap();
+            limits.push(stream.cached_info().config.max_bytes);
+        }
+        limits
     };
-    let unlimited = limit().await;
-    assert!(unlimited <= 0, "{unlimited}");
+    let unlimited = limits().await;
+    assert!(unlimited.iter().all(|limit| *limit <= 0), "{unlimited:?}");
 
-    let refused = wakebus(
-        &nats.url(),
-        &prefix,
-        &["init", "--max-bytes", "events=1KiB"],
-    )
-    .await;
+    // The tasks stream comes first, and is not changed either.
+    let args = ["init", "--max-bytes", "2MiB", "--max-bytes", "events=1MiB"];
+    let refused = wakebus(&nats.url(), &prefix, &args).await;
     assert!(!refused.success(), "{}", refused.stdout());
+    let said = refused.stderr();
     assert!(
-        refused
-            .stderr()
-            .contains("more than the 1024 bytes asked for"),
-        "{}",
-        refused.stderr()
+        said.contains("(part events) holds 1.") && said.contains("nothing was changed"),
+        "{said}"
     );
-    assert_eq!(limit().await, unlimited);
+    assert_eq!(limits().await, unlimited);
 
-    let run = wakebus(
-        &nats.url(),
-        &prefix,
-        &["init", "--max-bytes", "events=1MiB"],
-    )
-    .await;
+    let args = ["init", "--max-bytes", "2MiB", "--max-bytes", "events=8MiB"];
+    let run = wakebus(&nats.url(), &prefix, &args).await;
     assert!(run.success(), "{}", run.stderr());
-    assert_eq!(limit().await, 1 << 20);
+    assert_eq!(limits().await, [2 << 20, 8 << 20]);
     let again = wakebus(&nats.url(), &prefix, &["init"]).await;
     assert!(again.success(), "{}", again.stderr());
-    assert_eq!(limit().await, 1 << 20, "kept");
+    assert_eq!(limits().await, [2 << 20, 8 << 20], "kept");
 
-    let unknown = wakebus(
-        &nats.url(),
-        &prefix,
-        &["init", "--max-bytes", "history=1GiB"],
-    )
-    .await;
-    assert!(!unknown.success());
-    assert!(
-        unknown.stderr().contains("unknown part \"history\""),
-        "{}",
-        unknown.stderr()
-    );
+    for (arg, said) in [
+        ("history=1GiB", "unknown part \"history\""),
+        ("events=512", "a number without a unit is bytes: 512MiB?"),
+    ] {
+        let bad = wakebus(&nats.url(), &prefix, &["init", "--max-bytes", arg]).await;
+        assert!(!bad.success());
+        assert!(bad.stderr().contains(said), "{arg}: {}", bad.stderr());
+    }
 }
 
 /// The consumers' AckWait and in-flight limit are the running services'

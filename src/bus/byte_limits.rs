@@ -92,6 +92,10 @@ impl FromStr for Store {
     }
 }
 
+/// The smallest limit taken: a stream smaller refuses most messages (a
+/// bare number is bytes, easily meant as MiB).
+const MIN_BYTES: u64 = 1 << 20;
+
 /// The byte limits asked for: one for every part, and some for one part.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MaxBytes {
@@ -130,6 +134,17 @@ impl MaxBytes {
         if i64::try_from(bytes).is_err() {
             return Err(format!("size {size:?} is larger than JetStream takes"));
         }
+        if bytes < MIN_BYTES {
+            let size = size.trim();
+            let meant = if size.bytes().all(|b| b.is_ascii_digit()) {
+                format!("a number without a unit is bytes: {size}MiB?")
+            } else {
+                "e.g. 64MiB".to_owned()
+            };
+            return Err(format!(
+                "size {size:?} is below 1 MiB, too small for a stream, which would refuse most messages ({meant})"
+            ));
+        }
         match store {
             Some(store) => {
                 self.each.insert(store, bytes);
@@ -149,10 +164,10 @@ mod tests {
         let mut limits = MaxBytes::default();
         limits.add("1GiB").unwrap();
         limits.add("events=8GiB").unwrap();
-        limits.add("session-locks = 1MB").unwrap();
+        limits.add("session-locks = 2MB").unwrap();
         assert_eq!(limits.of(Store::Tasks), 1 << 30);
         assert_eq!(limits.of(Store::Events), 8 << 30);
-        assert_eq!(limits.of(Store::SessionLocks), 1_000_000);
+        assert_eq!(limits.of(Store::SessionLocks), 2_000_000);
         assert_eq!(MaxBytes::default().of(Store::Tasks), 0);
     }
 
@@ -168,6 +183,11 @@ mod tests {
         assert!(bad.contains("e.g. 512MiB"), "{bad}");
         assert!(limits.add("0").unwrap_err().contains("zero"));
         assert!(limits.add("16EiB").unwrap_err().contains("larger than"));
+        let bare = limits.add("tasks=512").unwrap_err();
+        assert!(
+            bare.contains("below 1 MiB") && bare.contains("512MiB"),
+            "{bare}"
+        );
         assert_eq!(limits, MaxBytes::default());
     }
 

@@ -228,7 +228,7 @@ pub enum ProvisionError {
     /// The account requires every stream to have a byte limit (hosted
     /// NATS accounts do), and none was given for this one.
     #[error(
-        "the NATS account requires every stream and bucket to have a byte limit (max_bytes_required), and stream {name} was given none: run `wakebus init --max-bytes {part}=SIZE` (or `--max-bytes SIZE` for every part; see OPERATIONS.md, \"Byte limits\")"
+        "the NATS account requires every stream and bucket to have a byte limit (max_bytes_required), and stream {name} (part {part}) was given none: run `wakebus init --max-bytes SIZE`, which gives one to every part, adding `--max-bytes PART=SIZE` for a part sized apart (see OPERATIONS.md, \"Byte limits\")"
     )]
     MaxBytesRequired {
         /// The stream.
@@ -237,13 +237,18 @@ pub enum ProvisionError {
         part: String,
     },
     /// A byte limit below what the stream already holds: the server would
-    /// refuse every write to it (or drop its oldest messages).
+    /// refuse every write to it (or drop its oldest messages). Checked for
+    /// every part before anything is changed.
     #[error(
-        "stream {name} holds {holds} bytes, more than the {asked} bytes asked for (--max-bytes): it would refuse every new message (or drop the oldest) until enough of it expires; ask for more"
+        "stream {name} (part {part}) holds {}, more than the {} asked for it: at that limit it would refuse every new message (the dead letters would drop their oldest) until it holds less; nothing was changed. Give `--max-bytes {part}=SIZE` above what it holds",
+        bytesize::ByteSize(*holds),
+        bytesize::ByteSize(u64::try_from(*asked).unwrap_or_default())
     )]
     MaxBytesBelowSize {
         /// The stream.
         name: String,
+        /// The part of the deployment it holds, as `--max-bytes` names it.
+        part: String,
         /// What it holds now.
         holds: u64,
         /// The limit asked for.

@@ -80,6 +80,41 @@ impl Bus {
         Self::patiently(attempt).await
     }
 
+    /// Checks, before anything is changed, that no existing stream or
+    /// bucket holds more than the byte limit `settings` asks for it, so
+    /// that `init --max-bytes` refused for one part changes none (the same
+    /// check is made again as each is updated).
+    pub async fn check_max_bytes(&self, settings: &BusSettings) -> Result<(), ProvisionError> {
+        for store in Store::ALL {
+            let asked = settings.max_bytes.of(store);
+            if asked <= 0 {
+                continue;
+            }
+            let name = store.stream(&self.subjects);
+            let attempt = || self.js.get_stream(&name);
+            let found = attempt
+                .retry(setup_backoff())
+                .when(is_transient)
+                .await;
+            let stream = match found {
+                Ok(stream) => stream,
+                Err(error) if is_stream_not_found(&error) => continue,
+                Err(source) => return Err(ProvisionError::GetStream { name, source }),
+            };
+            let info = stream.cached_info();
+            let holds = info.state.bytes;
+            if info.config.max_bytes != asked && u64::try_from(asked).is_ok_and(|a| holds > a) {
+                return Err(ProvisionError::MaxBytesBelowSize {
+                    name,
+                    part: store.name().to_owned(),
+                    holds,
+                    asked,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Creates or updates the wake service's KV buckets (ledger and session
     /// locks). Only the wake service and `init` do this, so that the lock
     /// TTL comes from the wake's own settings.
@@ -423,7 +458,13 @@ impl Bus {
                 if let Some((_, asked)) = bytes_change
                     && u64::try_from(asked).is_ok_and(|asked| holds > asked)
                 {
-                    return Err(ProvisionError::MaxBytesBelowSize { name, holds, asked });
+                    let part = part_name(&self.subjects, &name);
+                    return Err(ProvisionError::MaxBytesBelowSize {
+                        name,
+                        part,
+                        holds,
+                        asked,
+                    });
                 }
                 // Which messages the stream takes and when it lets them go:
                 // with these different, the service would not work as
@@ -515,9 +556,7 @@ impl Bus {
                         return Ok(None);
                     }
                     Err(error) if is_max_bytes_required(&error) => {
-                        let part = Store::of_stream(&self.subjects, &name)
-                            .map_or("PART", Store::name)
-                            .to_owned();
+                        let part = part_name(&self.subjects, &name);
                         return Err(ProvisionError::MaxBytesRequired { name, part });
                     }
                     Err(source) => {
@@ -745,6 +784,13 @@ fn within_window_limit(
         .filter(|limit| !limit.is_zero() && *limit < config.duplicate_window)?;
     config.duplicate_window = limit;
     Some(limit)
+}
+
+/// The part of the deployment `stream` holds, as `--max-bytes` names it.
+fn part_name(subjects: &Subjects, stream: &str) -> String {
+    Store::of_stream(subjects, stream)
+        .map_or("PART", Store::name)
+        .to_owned()
 }
 
 /// Whether a create was refused for having no byte limit, in an account

@@ -156,10 +156,12 @@ pub(crate) struct InitArgs {
     /// A byte limit for the streams and buckets: `SIZE` for every part, or
     /// `PART=SIZE` for one of tasks, events, dead-letters, wake-ledger,
     /// cancels, session-locks (e.g. `--max-bytes 256MiB --max-bytes
-    /// events=8GiB`); repeat for several. Set on new and existing ones,
-    /// unless one holds more already; a part given none keeps its own
-    /// (none, when new). NATS accounts that require limits
-    /// (max_bytes_required) refuse streams without one.
+    /// events=8GiB`); repeat for several. SIZE has a unit: MiB and GiB
+    /// are 1024-based, MB and GB 1000-based; at least 1 MiB. Set on new
+    /// and existing ones; init stops, changing nothing, if one already
+    /// holds more than asked. A part given none keeps its own (none, when
+    /// new). NATS accounts that require limits (max_bytes_required, as
+    /// hosted NATS) refuse streams without one.
     #[arg(long = "max-bytes", value_name = "[PART=]SIZE", value_parser = max_bytes_value)]
     pub(crate) max_bytes: Vec<String>,
 }

@@ -65,7 +65,7 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let run = init(&global, &args.pools, max_bytes);
             let Ok(done) = tokio::time::timeout(args.timeout, run).await else {
                 bail!(
-                    "init did not finish within {}: NATS is not reachable, has no JetStream leader yet, has fewer JetStream servers up than --replicas asks for, or this NATS user may not create streams, consumers and buckets (init needs the operator's permissions); the warnings above name the error that kept coming back",
+                    "init did not finish within {}: NATS is not reachable, has no JetStream leader yet, has fewer JetStream servers up than --replicas asks for (or less free storage than --max-bytes asks for), or this NATS user may not create streams, consumers and buckets (init needs the operator's permissions); the warnings above name the error that kept coming back",
                     humantime::format_duration(args.timeout)
                 );
             };
@@ -438,6 +438,7 @@ async fn init(
         max_bytes,
         ..settings(global)
     };
+    bus.check_max_bytes(&settings).await?;
     bus.provision(&settings).await?;
     bus.provision_wake_state(&settings).await?;
     bus.init_consumers(pools).await?;
