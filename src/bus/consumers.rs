@@ -114,33 +114,39 @@ where
     F: FnMut(consumer::pull::Config) -> Fut,
     Fut: std::future::Future<Output = Result<T, E>>,
 {
-    for _ in 0..ACK_PENDING_LIMITS {
+    let asked = config.max_ack_pending;
+    let mut tries = 0;
+    let created = loop {
         match create(config.clone()).await {
-            Err(error) => match ack_pending_limit(refusal(&error), config.max_ack_pending) {
-                Some(limit) => {
-                    let consumer = config.durable_name.as_deref().unwrap_or_default();
-                    if limit == had {
-                        info!(
-                            consumer,
-                            limit,
-                            "The consumer keeps the max_ack_pending limit the server, the account or the stream sets."
-                        );
-                    } else {
-                        warn!(
-                            consumer,
-                            asked = config.max_ack_pending,
-                            limit,
-                            "The server, the account or the stream limits a consumer's max_ack_pending below what this service asks for: using the limit, so no more than that many messages are held at once by all the instances sharing the consumer."
-                        );
-                    }
-                    config.max_ack_pending = limit;
+            Err(error) if tries < ACK_PENDING_LIMITS => {
+                match ack_pending_limit(refusal(&error), config.max_ack_pending) {
+                    Some(limit) => config.max_ack_pending = limit,
+                    None => break Err(error),
                 }
-                None => return Err(error),
-            },
-            done => return done,
+            }
+            done => break done,
+        }
+        tries += 1;
+    };
+    let limit = config.max_ack_pending;
+    if created.is_ok() && limit < asked {
+        let consumer = config.durable_name.as_deref().unwrap_or_default();
+        if limit == had {
+            info!(
+                consumer,
+                limit,
+                "The consumer keeps the max_ack_pending limit the server, the account or the stream sets."
+            );
+        } else {
+            warn!(
+                consumer,
+                asked,
+                limit,
+                "The server, the account or the stream limits a consumer's max_ack_pending below what this service asks for: using the limit, so no more than that many messages are held at once by all the instances sharing the consumer."
+            );
         }
     }
-    create(config.clone()).await
+    created
 }
 
 /// The limit `refused` names, if it refused a `max_ack_pending` of
