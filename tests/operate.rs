@@ -1595,58 +1595,57 @@ async fn a_delegate_called_while_nats_restarts_waits_for_it_and_is_stored() {
 /// completion the ledger does not record delivered (one the session API
 /// refused) is posted again: `init` (or a starting wake) that makes it
 /// while completions are stored says so at WARN, with how many, once a
-/// wake has posted (taken a session lock). Made for an empty history, it
-/// says nothing; made where no wake has ever taken a lock or written the
-/// ledger (a deployment whose wake starts after its workers ran), it says
-/// so at INFO.
+/// wake has taken a session lock or written the ledger (each is checked:
+/// two deployments here). Made for an empty history, it says nothing;
+/// made where no wake has done either (a deployment whose wake starts
+/// after its workers ran), it says so at INFO.
 #[tokio::test]
 async fn init_warns_when_it_makes_the_wake_consumer_anew_over_a_stored_history() {
     init_logs();
     let nats = NatsServer::start().await;
-    let prefix = unique_prefix();
-    let bus = bus(&nats.url(), &prefix).await;
     let said = "The wake consumer was missing and is made anew from the start of the history";
-    let first = wakebus(&nats.url(), &prefix, &["init"]).await;
-    assert!(first.success(), "{}", first.stderr());
-    assert!(!first.stderr().contains(said), "{}", first.stderr());
-    publish_completion(&bus, "s.anew", "d-anew", 0, serde_json::json!({})).await;
-    // Another task's started event: stored, but no completion to read.
-    let started = bus
-        .subjects
-        .event(&session_token("s.anew"), "d-running", 0, EventKind::Started);
-    bus.js
-        .publish(started, "{}".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    forget_the_wake_floor(&bus).await;
     let first_wake = "No wake has taken a session lock or written the wake ledger here";
-    let before_any_wake = wakebus(&nats.url(), &prefix, &["init"]).await;
-    assert!(before_any_wake.success(), "{}", before_any_wake.stderr());
-    assert!(
-        before_any_wake.stderr().contains(first_wake) && !before_any_wake.stderr().contains(said),
-        "{}",
-        before_any_wake.stderr()
-    );
-    // A wake posts: it takes the session's lock first.
-    bus.js
-        .get_key_value(bus.subjects.session_lock_bucket())
-        .await
-        .unwrap()
-        .put("s-anew", "wake-1".into())
-        .await
-        .unwrap();
-    forget_the_wake_floor(&bus).await;
-    let again = wakebus(&nats.url(), &prefix, &["init"]).await;
-    assert!(again.success(), "{}", again.stderr());
-    assert!(again.stderr().contains(said), "{}", again.stderr());
-    assert!(!again.stderr().contains(first_wake), "{}", again.stderr());
-    assert!(
-        again.stderr().contains("completions=1"),
-        "{}",
-        again.stderr()
-    );
+    for bucket in ["locks", "ledger"] {
+        let prefix = unique_prefix();
+        let bus = bus(&nats.url(), &prefix).await;
+        let first = wakebus(&nats.url(), &prefix, &["init"]).await;
+        assert!(first.success(), "{}", first.stderr());
+        assert!(!first.stderr().contains(said), "{}", first.stderr());
+        publish_completion(&bus, "s.anew", "d-anew", 0, serde_json::json!({})).await;
+        // Another task's started event: stored, but no completion to read.
+        let started =
+            bus.subjects
+                .event(&session_token("s.anew"), "d-running", 0, EventKind::Started);
+        bus.js
+            .publish(started, "{}".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        forget_the_wake_floor(&bus).await;
+        let before_any_wake = wakebus(&nats.url(), &prefix, &["init"]).await;
+        let stderr = before_any_wake.stderr();
+        assert!(before_any_wake.success(), "{stderr}");
+        assert!(
+            stderr.contains(first_wake) && !stderr.contains(said),
+            "{stderr}"
+        );
+        // A wake takes the session's lock before it posts, and records
+        // the post in the ledger.
+        let written = match bucket {
+            "locks" => bus.subjects.session_lock_bucket(),
+            _ => bus.subjects.wake_ledger_bucket(),
+        };
+        let store = bus.js.get_key_value(written).await.unwrap();
+        store.put("s-anew", "wake-1".into()).await.unwrap();
+        forget_the_wake_floor(&bus).await;
+        let again = wakebus(&nats.url(), &prefix, &["init"]).await;
+        let stderr = again.stderr();
+        assert!(again.success(), "{bucket}: {stderr}");
+        assert!(stderr.contains(said), "{bucket}: {stderr}");
+        assert!(!stderr.contains(first_wake), "{bucket}: {stderr}");
+        assert!(stderr.contains("completions=1"), "{bucket}: {stderr}");
+    }
 }
 
 /// A NATS account that requires a byte limit on every stream (as hosted
