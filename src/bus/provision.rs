@@ -92,10 +92,7 @@ impl Bus {
             }
             let name = store.stream(&self.subjects);
             let attempt = || self.js.get_stream(&name);
-            let found = attempt
-                .retry(setup_backoff())
-                .when(is_transient)
-                .await;
+            let found = attempt.retry(setup_backoff()).when(is_transient).await;
             let stream = match found {
                 Ok(stream) => stream,
                 Err(error) if is_stream_not_found(&error) => continue,
