@@ -98,15 +98,8 @@ impl Bus {
                 Err(error) if is_stream_not_found(&error) => continue,
                 Err(source) => return Err(ProvisionError::GetStream { name, source }),
             };
-            let info = stream.cached_info();
-            let holds = info.state.bytes;
-            if info.config.max_bytes != asked && u64::try_from(asked).is_ok_and(|a| holds > a) {
-                return Err(ProvisionError::MaxBytesBelowSize {
-                    name,
-                    part: store.name().to_owned(),
-                    holds,
-                    asked,
-                });
+            if let Some(refused) = below_size(&self.subjects, stream.cached_info(), asked) {
+                return Err(refused);
             }
         }
         Ok(())
@@ -449,20 +442,13 @@ impl Bus {
                     }
                 }
                 let current = &existing.cached_info().config;
-                let holds = existing.cached_info().state.bytes;
+                if let Some(refused) =
+                    below_size(&self.subjects, existing.cached_info(), config.max_bytes)
+                {
+                    return Err(refused);
+                }
                 let bytes_change = (config.max_bytes > 0 && current.max_bytes != config.max_bytes)
                     .then_some((current.max_bytes, config.max_bytes));
-                if let Some((_, asked)) = bytes_change
-                    && u64::try_from(asked).is_ok_and(|asked| holds > asked)
-                {
-                    let part = part_name(&self.subjects, &name);
-                    return Err(ProvisionError::MaxBytesBelowSize {
-                        name,
-                        part,
-                        holds,
-                        asked,
-                    });
-                }
                 // Which messages the stream takes and when it lets them go:
                 // with these different, the service would not work as
                 // documented (storage, say, is the operator's choice).
@@ -781,6 +767,22 @@ fn within_window_limit(
         .filter(|limit| !limit.is_zero() && *limit < config.duplicate_window)?;
     config.duplicate_window = limit;
     Some(limit)
+}
+
+/// The refusal of a byte limit `asked` for the stream `info` describes, if
+/// it is a change and the stream already holds more (at that limit it
+/// would refuse every new message, or drop its oldest).
+fn below_size(subjects: &Subjects, info: &stream::Info, asked: i64) -> Option<ProvisionError> {
+    let holds = info.state.bytes;
+    let changes = asked > 0 && info.config.max_bytes != asked;
+    (changes && u64::try_from(asked).is_ok_and(|asked| holds > asked)).then(|| {
+        ProvisionError::MaxBytesBelowSize {
+            name: info.config.name.clone(),
+            part: part_name(subjects, &info.config.name),
+            holds,
+            asked,
+        }
+    })
 }
 
 /// The part of the deployment `stream` holds, as `--max-bytes` names it.

@@ -89,9 +89,7 @@ impl Hold {
             }
         }
     }
-}
 
-impl Hold {
     /// The held completions and the keep-alive schedule, borrowed apart:
     /// planning takes the first, [`keeping_alive`] the second.
     pub(super) fn planning_parts(&mut self) -> (&mut Vec<Pending>, &mut KeepAliveClock) {
