@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::cli::{field, publish_task, wakebus};
-use common::process::{sample, spawn_with_metrics};
+use common::process::{LogsOnPanic, Service, sample, spawn_with_metrics, wake_args, worker_args};
 use common::*;
 use futures::TryStreamExt;
 use serde_json::Value;
@@ -1692,6 +1692,53 @@ async fn init_gives_an_account_that_requires_byte_limits_the_sizes_asked_for() {
         };
         assert_eq!(stream.cached_info().config.max_bytes, expected, "{store}");
     }
+}
+
+/// On an account that requires byte limits, a worker and a wake started
+/// before `init --max-bytes` (as a compose stack starts them side by side)
+/// wait for it, saying what they wait for, instead of exiting; once `init`
+/// has made the streams, a delegation runs and wakes its session.
+#[tokio::test]
+async fn services_on_an_account_that_requires_byte_limits_wait_for_init() {
+    init_logs();
+    let (nats, _conf) = NatsServer::start_with_config(
+        "accounts { APP { jetstream { max_file: 1G, max_mem: 64M, max_bytes_required: true }, users: [ { user: app, password: app } ] } }\nno_auth_user: app\n",
+    )
+    .await;
+    let prefix = unique_prefix();
+    let api = SessionApiServer::start().await;
+    let logs = tempfile::tempdir().unwrap();
+    let (worker_log, wake_log) = (logs.path().join("worker.log"), logs.path().join("wake.log"));
+    let _shown = LogsOnPanic(vec![worker_log.clone(), wake_log.clone()]);
+    let mut worker = Service::spawn(
+        worker_args(&nats.url(), &prefix, "echo ran", &[]),
+        worker_log.clone(),
+    );
+    let mut wake = Service::spawn(
+        wake_args(&nats.url(), &prefix, &api.url()),
+        wake_log.clone(),
+    );
+    for log in [&worker_log, &wake_log] {
+        wait_until(WAIT, "the service waiting for init", || async {
+            std::fs::read_to_string(log)
+                .is_ok_and(|log| log.contains("Waiting for `wakebus init --max-bytes`"))
+        })
+        .await;
+    }
+    assert!(worker.is_running() && wake.is_running());
+    let init = wakebus(&nats.url(), &prefix, &["init", "--max-bytes", "16MiB"]).await;
+    assert!(init.success(), "{}", init.stderr());
+    let bus = bus(&nats.url(), &prefix).await;
+    let request = common::request("s-bytes", "after init");
+    publish_until_stored(&bus, &request).await;
+    wait_until(WAIT, "the session woken", || async {
+        !api.accepted().is_empty()
+    })
+    .await;
+    assert_eq!(
+        api.accepted()[0].delegation_ids(),
+        vec![request.delegation_id]
+    );
 }
 
 /// A server that limits the duplicate window below wakebus's 2 minutes

@@ -77,7 +77,7 @@ impl Bus {
     /// unreachable (services may start before the server).
     pub async fn provision(&self, settings: &BusSettings) -> Result<Streams, ProvisionError> {
         let attempt = || self.provision_streams(settings);
-        Self::patiently(attempt).await
+        Self::patiently(settings, attempt).await
     }
 
     /// Checks, before anything is changed, that no existing stream or
@@ -113,7 +113,7 @@ impl Bus {
         settings: &BusSettings,
     ) -> Result<WakeState, ProvisionError> {
         let attempt = || self.provision_buckets(settings);
-        Self::patiently(attempt).await
+        Self::patiently(settings, attempt).await
     }
 
     /// What a worker provisions: the streams and the cancel bucket, except
@@ -141,19 +141,29 @@ impl Bus {
                 }
             }
         };
-        Self::patiently(attempt).await
+        Self::patiently(settings, attempt).await
     }
 
-    async fn patiently<T, F, Fut>(attempt: F) -> Result<T, ProvisionError>
+    /// Runs `attempt` until it succeeds or fails in a way that does not
+    /// pass. A service (not `init`) also waits out an account's refusal of
+    /// streams without a byte limit: only `init --max-bytes` gives them
+    /// one, and a service started beside it (as a compose stack starts
+    /// them) must not exit before it has.
+    async fn patiently<T, F, Fut>(settings: &BusSettings, attempt: F) -> Result<T, ProvisionError>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, ProvisionError>>,
     {
+        let waits_for_init = |err: &ProvisionError| {
+            !settings.require_update && matches!(err, ProvisionError::MaxBytesRequired { .. })
+        };
         attempt
             .retry(setup_backoff())
-            .when(may_pass)
+            .when(|err| may_pass(err) || waits_for_init(err))
             .notify(|err, delay| {
-                if too_few_servers(err) {
+                if waits_for_init(err) {
+                    warn!(error = %err, retry_in = ?delay, "Waiting for `wakebus init --max-bytes` to make the deployment's streams: the NATS account requires a byte limit on each, and services never set one; will retry.");
+                } else if too_few_servers(err) {
                     warn!(error = %err, retry_in = ?delay, "Provisioning failed: fewer JetStream servers are up than the replicas asked for (--replicas, WAKEBUS_REPLICAS), or their JetStream API or storage is at its limit (a --max-bytes larger than the servers' free storage, say); start the missing servers, ask for fewer replicas or fewer bytes, or see the servers' logs; will retry.");
                 } else {
                     warn!(error = %err, retry_in = ?delay, "Provisioning failed: NATS may not be up yet, or this NATS user may not create what is missing (run `wakebus init` as operator); will retry.");
