@@ -1694,6 +1694,64 @@ async fn init_gives_an_account_that_requires_byte_limits_the_sizes_asked_for() {
     }
 }
 
+/// Streams made before their account came to require byte limits (a
+/// configuration reload) keep working, but the server refuses any change
+/// to one without a limit: an `init` changing them (a longer history here)
+/// names the flag, as for a new stream, and with `--max-bytes` makes the
+/// change. (A server restarted with the requirement does not load such a
+/// stream at all: OPERATIONS.md, "Byte limits".)
+#[tokio::test]
+async fn init_changing_streams_made_before_the_account_required_byte_limits_names_the_flag() {
+    init_logs();
+    let account = |required: bool| {
+        format!(
+            "accounts {{ APP {{ jetstream {{ max_file: 1G, max_mem: 64M, max_bytes_required: {required} }}, users: [ {{ user: app, password: app }} ] }} }}\nno_auth_user: app\n"
+        )
+    };
+    let (nats, conf) = NatsServer::start_with_config(&account(false)).await;
+    // nats-server 2.9 shuts JetStream down on this reload: it has no such
+    // streams to change (2.10 and later reload the account's limits).
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let version = client.server_info().version;
+    if version.starts_with("2.9.") {
+        eprintln!("nats-server {version} cannot reload an account's JetStream limits; skipped");
+        return;
+    }
+    let prefix = unique_prefix();
+    let first = wakebus(&nats.url(), &prefix, &["init"]).await;
+    assert!(first.success(), "{}", first.stderr());
+    std::fs::write(conf.path().join("nats.conf"), account(true)).unwrap();
+    nats.signal(nix::sys::signal::Signal::SIGHUP);
+    let server_log = nats.store.path().join("server.stderr");
+    wait_until(WAIT, "the configuration reloaded", || async {
+        std::fs::read_to_string(&server_log)
+            .is_ok_and(|log| log.contains("Reloaded server configuration"))
+    })
+    .await;
+    let longer = ["--history", "14d", "init"];
+    let refused = wakebus(&nats.url(), &prefix, &longer).await;
+    assert!(!refused.success(), "{}", refused.stdout());
+    assert!(
+        refused.stderr().contains("`wakebus init --max-bytes SIZE`"),
+        "{}",
+        refused.stderr()
+    );
+    let sized = [&longer[..], &["--max-bytes", "16MiB"]].concat();
+    let run = wakebus(&nats.url(), &prefix, &sized).await;
+    assert!(run.success(), "{}", run.stderr());
+    let bus = bus(&nats.url(), &prefix).await;
+    let events = bus
+        .js
+        .get_stream(bus.subjects.events_stream())
+        .await
+        .unwrap();
+    let config = &events.cached_info().config;
+    assert_eq!(
+        (config.max_age, config.max_bytes),
+        (Duration::from_secs(14 * 24 * 3600), 16 << 20)
+    );
+}
+
 /// On an account that requires byte limits, a worker and a wake started
 /// before `init --max-bytes` (as a compose stack starts them side by side)
 /// wait for it, saying what they wait for, instead of exiting; once `init`

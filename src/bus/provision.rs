@@ -487,6 +487,12 @@ impl Bus {
                     }
                 };
                 if let Err(source) = updated {
+                    // An account that came to require byte limits after the
+                    // stream was made refuses any change to it without one.
+                    if require_update && is_max_bytes_required(&source) {
+                        let part = part_name(&self.subjects, &name);
+                        return Err(ProvisionError::MaxBytesRequired { name, part });
+                    }
                     if require_update {
                         return Err(ProvisionError::Update { name, source });
                     }
@@ -802,8 +808,8 @@ fn part_name(subjects: &Subjects, stream: &str) -> String {
         .to_owned()
 }
 
-/// Whether a create was refused for having no byte limit, in an account
-/// that requires one.
+/// Whether a create or update was refused for having no byte limit, in an
+/// account that requires one.
 fn is_max_bytes_required(error: &jetstream::context::CreateStreamError) -> bool {
     matches!(
         error.kind(),
