@@ -531,7 +531,7 @@ async fn services_pull_no_more_than_the_servers_max_request_batch_allows() {
 /// `--max-in-flight`, 1,000 by default) refused the consumer, and the
 /// service failed to start. It takes the limits the refusals name, one
 /// after the other (here the server's, then the account's), when it starts
-/// and when it makes its consumer again after a deletion.
+/// and when its keeper makes its consumer again after a deletion.
 #[tokio::test]
 async fn services_take_the_servers_max_ack_pending_limit_for_their_consumers() {
     init_logs();
@@ -556,20 +556,27 @@ async fn services_take_the_servers_max_ack_pending_limit_for_their_consumers() {
         (500, 500)
     );
 
-    // Deleted under the running worker: made again, within the limit.
+    // Deleted under the running services: made again, within the limit.
+    wake_consumer_settled(&bus).await;
     let s = &bus.subjects;
     let tasks = bus.js.get_stream(s.tasks_stream()).await.unwrap();
     tasks
         .delete_consumer(&s.worker_consumer("default"))
         .await
         .unwrap();
+    let events = bus.js.get_stream(s.events_stream()).await.unwrap();
+    events.delete_consumer(s.wake_consumer()).await.unwrap();
     delegate(&bus, Delegation::new("second").session("s.limited.1")).await;
     wait_until(WAIT, "the second wake", || async {
         api.accepted().len() == 2
     })
     .await;
     let worker = worker_consumer_info(&bus).await.unwrap();
-    assert_eq!(worker.config.max_ack_pending, 500);
+    let wake = wake_consumer_info(&bus).await.unwrap();
+    assert_eq!(
+        (worker.config.max_ack_pending, wake.config.max_ack_pending),
+        (500, 500)
+    );
     services.stop().await;
 }
 
