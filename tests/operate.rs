@@ -1799,6 +1799,33 @@ async fn services_on_an_account_that_requires_byte_limits_wait_for_init() {
     );
 }
 
+/// A history below the duplicate window takes the window down with it
+/// (the server refuses a longer one), and a longer history takes it back
+/// up: wakebus's own doing, not a hand edit set back, which `init` warns
+/// about. The short history itself is warned about.
+#[tokio::test]
+async fn init_changing_a_short_history_does_not_call_the_window_a_hand_edit() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let short_warning = "A history shorter than the duplicate window";
+    for (history, window) in [("30s", 30), ("1h", 120), ("30s", 30)] {
+        let run = wakebus(&nats.url(), &prefix, &["--history", history, "init"]).await;
+        let stderr = run.stderr();
+        assert!(run.success(), "{history}: {stderr}");
+        assert!(!stderr.contains("set back"), "{history}: {stderr}");
+        assert_eq!(stderr.contains(short_warning), window < 120, "{stderr}");
+        let bus = bus(&nats.url(), &prefix).await;
+        let events = bus
+            .js
+            .get_stream(bus.subjects.events_stream())
+            .await
+            .unwrap();
+        let window = Duration::from_secs(window);
+        assert_eq!(events.cached_info().config.duplicate_window, window);
+    }
+}
+
 /// A server that limits the duplicate window below wakebus's 2 minutes
 /// (`jetstream { limits { duplicate_window } }`) refused every stream, and
 /// nothing could start. `init` makes them with the server's limit and

@@ -400,16 +400,17 @@ impl Bus {
             // `init` sets back; workers read the window the stream has):
             // without the permission to update streams, every start would
             // wait out a refused update for nothing.
-            let kept = existing.cached_info().config.duplicate_window;
-            if !require_update && !kept.is_zero() && kept < window {
+            // (Not a window that follows a max age below it, as wakebus
+            // sets it: that one follows the age this service keeps.)
+            let current = &existing.cached_info().config;
+            let kept = current.duplicate_window;
+            let follows_age = kept == window_within_age(window, current.max_age);
+            if !require_update && !kept.is_zero() && kept < window && !follows_age {
                 info!(stream = %name, window = ?kept, asked = ?window, "The stream keeps its duplicate window, shorter than the one wakebus asks for: the server's limit, or one set by hand (`wakebus init` sets that back).");
                 window = kept;
             }
         }
-        config.duplicate_window = window;
-        if !config.max_age.is_zero() {
-            config.duplicate_window = window.min(config.max_age);
-        }
+        config.duplicate_window = window_within_age(window, config.max_age);
         if let (Ok(existing), None) = (&existing, settings.replicas) {
             // The replicas it has, as `replicas_for` would have found had
             // the stream existed then.
@@ -442,11 +443,7 @@ impl Bus {
                     config.max_age = kept;
                     // The window asked for, within the age kept (not
                     // within the shorter age this service asked for).
-                    config.duplicate_window = if kept.is_zero() {
-                        window
-                    } else {
-                        window.min(kept)
-                    };
+                    config.duplicate_window = window_within_age(window, kept);
                     if stream_matches(&existing.cached_info().config, &config) {
                         return Ok(Some(existing));
                     }
@@ -502,7 +499,7 @@ impl Bus {
                     warn!(stream = %name, error = %source, "Stream settings differ from this service's and could not be updated (the server's reason is given; `wakebus init` as operator makes them right); using it as it is.");
                     return Ok(Some(existing));
                 }
-                let reset = hand_edits_reset(current, &update);
+                let reset = hand_edits_reset(current, &update, window);
                 if !reset.is_empty() {
                     warn!(stream = %name, settings = ?reset, "Stream settings that wakebus manages differed from its own and were set back (a change made by hand is undone at every start).");
                 }
@@ -697,8 +694,14 @@ fn managed_update(current: &stream::Config, wanted: stream::Config) -> stream::C
 
 /// The settings an update to `wanted` sets back, besides the max age and
 /// replicas (which are the deployment's settings, set on purpose):
-/// what an operator may have changed by hand, for the warning.
-fn hand_edits_reset(current: &stream::Config, wanted: &stream::Config) -> Vec<&'static str> {
+/// what an operator may have changed by hand, for the warning. A duplicate
+/// window that followed the stream's max age (`window` within it, as
+/// wakebus sets it) and now follows a new one is no hand edit.
+fn hand_edits_reset(
+    current: &stream::Config,
+    wanted: &stream::Config,
+    window: Duration,
+) -> Vec<&'static str> {
     let mut reset = Vec::new();
     if unlimited_as_minus_one(current.max_messages_per_subject)
         != unlimited_as_minus_one(wanted.max_messages_per_subject)
@@ -711,10 +714,24 @@ fn hand_edits_reset(current: &stream::Config, wanted: &stream::Config) -> Vec<&'
     if current.allow_direct != wanted.allow_direct {
         reset.push("allow_direct");
     }
-    if !wanted.duplicate_window.is_zero() && current.duplicate_window != wanted.duplicate_window {
+    if !wanted.duplicate_window.is_zero()
+        && current.duplicate_window != wanted.duplicate_window
+        && current.duplicate_window != window_within_age(window, current.max_age)
+    {
         reset.push("duplicate_window");
     }
     reset
+}
+
+/// The duplicate window wakebus gives a stream keeping messages for
+/// `max_age` (zero is unlimited): `window`, or the age if shorter, as the
+/// server refuses a window longer than the age.
+fn window_within_age(window: Duration, max_age: Duration) -> Duration {
+    if max_age.is_zero() {
+        window
+    } else {
+        window.min(max_age)
+    }
 }
 
 /// Whether a stream keeping messages for `kept` would lose some with a max
@@ -1002,15 +1019,34 @@ mod tests {
             duplicate_window: Duration::from_secs(120),
             ..Default::default()
         };
+        let window = Duration::from_secs(120);
         let mut edited = wanted.clone();
-        assert!(hand_edits_reset(&edited, &wanted).is_empty());
+        assert!(hand_edits_reset(&edited, &wanted, window).is_empty());
         edited.allow_direct = true;
         edited.max_messages_per_subject = 5;
         edited.duplicate_window = Duration::from_secs(600);
         edited.max_age = Duration::from_secs(60);
         assert_eq!(
-            hand_edits_reset(&edited, &wanted),
+            hand_edits_reset(&edited, &wanted, window),
             ["max_msgs_per_subject", "allow_direct", "duplicate_window"]
+        );
+    }
+
+    #[test]
+    fn a_window_that_followed_the_max_age_is_no_hand_edit() {
+        let window = Duration::from_secs(120);
+        let stream = |age: u64, window: u64| stream::Config {
+            max_age: Duration::from_secs(age),
+            duplicate_window: Duration::from_secs(window),
+            ..Default::default()
+        };
+        // `init --history 30s`, then 1h, then 30s again.
+        assert!(hand_edits_reset(&stream(30, 30), &stream(3600, 120), window).is_empty());
+        assert!(hand_edits_reset(&stream(3600, 120), &stream(30, 30), window).is_empty());
+        // A window set apart from the age is one.
+        assert_eq!(
+            hand_edits_reset(&stream(30, 10), &stream(3600, 120), window),
+            ["duplicate_window"]
         );
     }
 

@@ -405,6 +405,10 @@ fn tasks_from(
 /// deployment keeps, a default changes nothing.
 fn settings(global: &Global) -> BusSettings {
     let given = |value: Option<Duration>| value.map_or(AgeChange::Keep, |_| AgeChange::Lengthen);
+    let window = BusSettings::default().duplicate_window;
+    if let Some(history) = global.history.filter(|history| *history < window) {
+        tracing::warn!(?history, duplicate_window = ?window, "A history shorter than the duplicate window shortens the window to it: a request or completion published again after that long is stored again, and its record of having run or woken may be gone with the history (docs/GUARANTEES.md, \"The duplicate window is finite\").");
+    }
     BusSettings {
         history_change: given(global.history),
         session_lock_ttl_change: given(global.session_lock_ttl),
