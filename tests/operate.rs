@@ -503,6 +503,10 @@ async fn status_json_reports_streams_consumers_dead_letters_instances_and_waitin
         serde_json::json!([]),
         "stopped instances deregister"
     );
+    let text = ["status", "--discovery-timeout", "3s"];
+    let text = wakebus(&nats.url(), &prefix, &text).await;
+    let no_wake = "No live wake instance found";
+    assert!(text.stdout().contains(no_wake), "{}", text.stdout());
 }
 
 /// Requests for a pool that nothing serves (a mistyped `--pool`) wait in
@@ -537,7 +541,8 @@ async fn status_names_the_pools_whose_queued_requests_nothing_serves() {
     .await;
     assert!(
         text.stdout().contains("Queued tasks: 2 (gpuu: 2)")
-            && text.stdout().contains("No consumer for pool gpuu"),
+            && text.stdout().contains("No consumer for pool gpuu")
+            && !text.stdout().contains("No live wake instance found"),
         "{}",
         text.stdout()
     );

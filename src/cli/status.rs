@@ -265,7 +265,13 @@ fn render(report: &StatusReport, only: Option<&str>) -> String {
             snap.version.clone(),
         ]);
     }
-    out.push_str(&format!("{services}\n\n"));
+    out.push_str(&format!("{services}\n"));
+    if !report.services.iter().any(|s| s.snapshot.kind == "wake") {
+        out.push_str(
+            "No live wake instance found: completions are not posted to their sessions until one starts.\n",
+        );
+    }
+    out.push('\n');
     let scan = &report.undelivered_scan;
     if let Some(error) = &scan.error {
         out.push_str(&format!(
