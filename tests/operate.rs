@@ -1697,6 +1697,18 @@ async fn init_gives_an_account_that_requires_byte_limits_the_sizes_asked_for() {
         };
         assert_eq!(stream.cached_info().config.max_bytes, expected, "{store}");
     }
+    let status = wakebus(&nats.url(), &prefix, &["status", "--json"]).await;
+    let status: Value = serde_json::from_str(&status.stdout()).unwrap();
+    let limits: Vec<&Value> = status["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| &s["max_bytes"])
+        .collect();
+    assert_eq!(
+        limits[..2],
+        [&serde_json::json!(16 << 20), &serde_json::json!(64 << 20)]
+    );
 }
 
 /// Streams made before their account came to require byte limits (a

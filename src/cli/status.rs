@@ -130,6 +130,42 @@ fn replicas(count: usize, cluster: Option<&ReplicaSet>) -> String {
     text
 }
 
+/// How full a stream may be before `status` says it nears its byte limit.
+const NEAR_LIMIT_PERCENT: u64 = 90;
+
+/// A line for each stream holding at least [`NEAR_LIMIT_PERCENT`] of its
+/// byte limit: at the limit, writes to it are refused (a completion then
+/// waits in its worker, and no wake follows), which the counts alone do
+/// not show.
+fn near_byte_limits(report: &StatusReport) -> String {
+    let subjects = wakebus::protocol::Subjects::new(&report.prefix).ok();
+    let mut out = String::new();
+    for s in report.streams.iter().filter(|s| s.present == Some(true)) {
+        let Some(limit) = s.max_bytes else {
+            continue;
+        };
+        let percent = s.bytes.saturating_mul(100) / limit.max(1);
+        if percent < NEAR_LIMIT_PERCENT {
+            continue;
+        }
+        let store = subjects
+            .as_ref()
+            .and_then(|subjects| wakebus::bus::Store::of_stream(subjects, &s.name));
+        let at_limit = if store == Some(wakebus::bus::Store::DeadLetters) {
+            "drops its oldest messages"
+        } else {
+            "refuses new messages"
+        };
+        let part = store.map_or("PART", wakebus::bus::Store::name);
+        out.push_str(&format!(
+            "{} holds {percent}% of its byte limit ({}): at the limit it {at_limit}; raise it with `wakebus init --max-bytes {part}=SIZE`.\n",
+            s.name,
+            bytesize::ByteSize(limit)
+        ));
+    }
+    out
+}
+
 /// The snapshot as text; `only` is the session `--session` asked about.
 fn render(report: &StatusReport, only: Option<&str>) -> String {
     let mut out = format!(
@@ -137,7 +173,9 @@ fn render(report: &StatusReport, only: Option<&str>) -> String {
         report.prefix,
         rfc3339(report.taken_at)
     );
-    let mut streams = table(&["STREAM", "MESSAGES", "BYTES", "FIRST", "LAST", "REPLICAS"]);
+    let mut streams = table(&[
+        "STREAM", "MESSAGES", "BYTES", "LIMIT", "FIRST", "LAST", "REPLICAS",
+    ]);
     for s in &report.streams {
         match (s.present, &s.error) {
             (Some(true), _) => {
@@ -145,6 +183,10 @@ fn render(report: &StatusReport, only: Option<&str>) -> String {
                     s.name.clone(),
                     s.messages.to_string(),
                     s.bytes.to_string(),
+                    s.max_bytes.map_or_else(
+                        || "-".to_owned(),
+                        |limit| bytesize::ByteSize(limit).to_string(),
+                    ),
                     time(s.first_time),
                     time(s.last_time),
                     replicas(s.replicas, s.cluster.as_ref()),
@@ -167,6 +209,7 @@ fn render(report: &StatusReport, only: Option<&str>) -> String {
             out.push_str(&format!("Not read: {error}.\n"));
         }
     }
+    out.push_str(&near_byte_limits(report));
     let unsettled: Vec<&str> = report
         .streams
         .iter()
@@ -423,6 +466,7 @@ mod tests {
             error: error.map(str::to_owned),
             messages: 7,
             bytes: 70,
+            max_bytes: None,
             first_time: None,
             last_time: None,
             first_seq: 1,
@@ -431,6 +475,44 @@ mod tests {
             replicas: 1,
             cluster: None,
         }
+    }
+
+    #[test]
+    fn a_stream_near_its_byte_limit_is_named_with_the_part_to_raise() {
+        let limited = |name: &str, bytes: u64, max_bytes: Option<u64>| StreamStatus {
+            bytes,
+            max_bytes,
+            ..stream(name, Some(true), None)
+        };
+        let report = StatusReport {
+            prefix: "P".to_owned(),
+            taken_at: time::OffsetDateTime::UNIX_EPOCH,
+            streams: vec![
+                limited("P_TASKS", 89 << 20, Some(100 << 20)),
+                limited("P_EVENTS", 95 << 20, Some(100 << 20)),
+                limited("P_DLQ", 1 << 20, Some(1 << 20)),
+                limited("KV_P_WAKES", 1 << 30, None),
+            ],
+            consumers: Vec::new(),
+            dead_letters: DeadLetterCounts::default(),
+            queued: QueuedTasks::default(),
+            services: Vec::new(),
+            oldest_undelivered: Vec::new(),
+            undelivered_scan: ScanInfo::default(),
+        };
+        let text = render(&report, None);
+        let row = |name: &str| text.lines().find(|l| l.contains(name)).unwrap().to_owned();
+        assert!(row("P_EVENTS").contains("100.0 MiB"), "{text}");
+        assert!(row("KV_P_WAKES").contains(" - "), "{text}");
+        let near: Vec<&str> = text.lines().filter(|l| l.contains("byte limit")).collect();
+        assert_eq!(
+            near,
+            [
+                "P_EVENTS holds 95% of its byte limit (100.0 MiB): at the limit it refuses new messages; raise it with `wakebus init --max-bytes events=SIZE`.",
+                "P_DLQ holds 100% of its byte limit (1.0 MiB): at the limit it drops its oldest messages; raise it with `wakebus init --max-bytes dead-letters=SIZE`.",
+            ],
+            "{text}"
+        );
     }
 
     #[test]

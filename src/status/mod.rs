@@ -172,6 +172,11 @@ pub struct StreamStatus {
     pub messages: u64,
     /// Bytes stored.
     pub bytes: u64,
+    /// Its byte limit (`wakebus init --max-bytes`), `None` when it has
+    /// none: at it, a stream refuses new messages (the dead letters drop
+    /// their oldest).
+    #[serde(default)]
+    pub max_bytes: Option<u64>,
     /// When the oldest stored message was stored.
     #[serde(with = "time::serde::rfc3339::option")]
     pub first_time: Option<OffsetDateTime>,
@@ -514,6 +519,7 @@ async fn stream_status(bus: &Bus, name: &str) -> (StreamStatus, Vec<ConsumerStat
         error,
         messages: 0,
         bytes: 0,
+        max_bytes: None,
         first_time: None,
         last_time: None,
         first_seq: 0,
@@ -547,6 +553,9 @@ async fn stream_status(bus: &Bus, name: &str) -> (StreamStatus, Vec<ConsumerStat
         error: None,
         messages: state.messages,
         bytes: state.bytes,
+        max_bytes: u64::try_from(info.config.max_bytes)
+            .ok()
+            .filter(|limit| *limit > 0),
         first_time: stored.then_some(state.first_timestamp),
         last_time: stored.then_some(state.last_timestamp),
         first_seq: state.first_sequence,
