@@ -15,6 +15,12 @@ use crate::protocol::{CompletionEvent, Status, WakeMode};
 use crate::wake::ledger::{Intent, LedgerEntry, LedgerError, LedgerState, WakeLedger};
 use crate::wake::turn;
 
+/// Said when a post recorded but not confirmed is sent again: its wake
+/// instance stopped, crashed or lost its lock before it knew the answer,
+/// and the session API may have received the post and run the turn (a
+/// post in flight runs on when its sender dies).
+const SENDING_AGAIN: &str = "Sending again, under the same Idempotency-Key, a post that was recorded but not confirmed: its wake instance stopped, crashed or lost its lock before it knew the answer, so the session API may have run it already (one that honours Idempotency-Key answers the repeat from its store; one that does not runs a second turn).";
+
 /// Why turns could not be planned; the actor retries shortly.
 #[derive(Debug, thiserror::Error)]
 pub(super) enum PlanError {
@@ -272,7 +278,7 @@ impl Router {
                         .cloned()
                     {
                         intents.remove(&idempotency_key);
-                        info!(idempotency_key = %idempotency_key, "Sending again, under the same Idempotency-Key, a post that was recorded but not confirmed (most often never sent: its wake instance stopped, lost its lock or failed before posting).");
+                        warn!(idempotency_key = %idempotency_key, "{SENDING_AGAIN}");
                         recovering.push(Turn {
                             traceparent: pending.traceparent.clone(),
                             at: marked_for(&known, &intent.covers, &idempotency_key),
@@ -297,7 +303,7 @@ impl Router {
                         if crate::replay::is_forced_key_of(&pending.base_key(), &idempotency_key) {
                             info!(idempotency_key = %idempotency_key, "Posting the wake a forced replay recorded.");
                         } else {
-                            info!(idempotency_key = %idempotency_key, "Sending again, under the same Idempotency-Key, a post that was recorded but not confirmed (most often never sent: its wake instance stopped, lost its lock or failed before posting).");
+                            warn!(idempotency_key = %idempotency_key, "{SENDING_AGAIN}");
                         }
                         recovering.push(Turn {
                             traceparent: pending.traceparent.clone(),
