@@ -549,6 +549,46 @@ async fn status_names_the_pools_whose_queued_requests_nothing_serves() {
     services.stop().await;
 }
 
+/// A caller waiting for the result of a pool nothing serves waited for
+/// ever without a word: `delegate` warns while it waits, of a pool with no
+/// consumer (a mistyped `--pool`) and of one with no live worker.
+#[tokio::test]
+async fn a_sync_delegate_warns_when_no_worker_serves_its_pool() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let init = wakebus(&nats.url(), &prefix, &["init"]).await;
+    assert!(init.success(), "{}", init.stderr());
+    for (pool, said) in [
+        ("gpuu", "No worker has ever served this pool"),
+        ("default", "No live worker of this pool answered"),
+    ] {
+        let args = [
+            "delegate",
+            "--goal",
+            "g",
+            "--pool",
+            pool,
+            "--wait-timeout",
+            "3s",
+        ];
+        let run = wakebus(&nats.url(), &prefix, &args).await;
+        assert_eq!(run.code(), Some(4), "{}", run.stderr());
+        assert!(run.stderr().contains(said), "{pool}: {}", run.stderr());
+    }
+    // Not with a live worker (which runs it, for longer than the check).
+    let bus = bus(&nats.url(), &prefix).await;
+    let mut services = Services::new();
+    let config = test_worker_config("default");
+    services.worker(&bus, shell("sleep 2; echo ran"), config);
+    worker_pulling(&bus, "default").await;
+    let args = ["delegate", "--goal", "g", "--wait-timeout", "20s"];
+    let run = wakebus(&nats.url(), &prefix, &args).await;
+    assert!(run.success(), "{}", run.stderr());
+    assert!(!run.stderr().contains("this pool"), "{}", run.stderr());
+    services.stop().await;
+}
+
 #[tokio::test]
 async fn instances_answer_the_standard_micro_service_requests() {
     let p = Pipeline::start().await;

@@ -76,6 +76,9 @@ async fn the_pipeline_runs_end_to_end_with_each_service_in_its_least_privileged_
     let DelegateResult::Completed { result, .. } = sync else {
         panic!("expected an inline result, got {sync:?}");
     };
+    // What `wakebus delegate` checks while it waits: the pool is served.
+    let served = wakebus::status::pool_service(&delegator_bus, "default", Duration::from_secs(1));
+    assert_eq!(served.await.unwrap(), wakebus::status::PoolService::Served);
     assert_eq!(
         result.expect("one task").summary.as_deref(),
         Some("echo: inline")

@@ -121,12 +121,21 @@ pub(crate) async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             wakebus::delegate::check(&delegation, args.max_batch, args.max_depth, &limits)?;
             let patience = args.patience.connect_timeout;
             let bus = connect_within(&global, "wakebus-delegate", patience).await?;
+            // A caller waiting for the result of a pool nothing serves
+            // would wait for ever without a word.
+            let waits = delegation.wait || delegation.origin_session_id.is_none();
+            let unserved =
+                waits.then(|| tokio::spawn(warn_if_unserved(bus.clone(), delegation.pool.clone())));
             let delegator = Delegator::new(bus)
                 .with_wait_timeout(args.wait_timeout)
                 .with_max_depth(args.max_depth)
                 .with_max_batch(args.max_batch)
                 .with_limits(limits);
-            let result = match delegator.delegate(delegation).await {
+            let result = delegator.delegate(delegation).await;
+            if let Some(unserved) = unserved {
+                unserved.abort();
+            }
+            let result = match result {
                 Ok(result) => result,
                 // Stored, wholly or in part: a caller that delegates again
                 // on any failure must know not to, or only under this id.
@@ -399,6 +408,23 @@ fn tasks_from(
             Item::Task { goal, context } => TaskSpec { goal, context },
         })
         .collect())
+}
+
+/// Warns when the pool a caller waits on has no consumer or no live
+/// worker: its request waits until a worker of the pool starts.
+async fn warn_if_unserved(bus: Bus, pool: String) {
+    use wakebus::status::PoolService;
+    match wakebus::status::pool_service(&bus, &pool, Duration::from_secs(1)).await {
+        Ok(PoolService::Served) => {}
+        Ok(PoolService::NoConsumer) => {
+            tracing::warn!(%pool, "No worker has ever served this pool (it has no consumer): the request waits until one starts; a mistyped --pool?");
+        }
+        Ok(PoolService::NoLiveWorker) => {
+            tracing::warn!(%pool, "No live worker of this pool answered: the request waits until one starts (`wakebus status` shows the pools).");
+        }
+        // A delegating user may not read consumers; nothing to say then.
+        Err(error) => tracing::debug!(%error, "Could not check that the pool is served."),
+    }
 }
 
 /// A service's settings: a value it was given may lengthen what the

@@ -12,6 +12,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
+use async_nats::jetstream;
 use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
@@ -738,6 +739,64 @@ pub(crate) async fn live_instances(bus: &Bus, timeout: Duration) -> Result<usize
         discover(bus, WAKE_SERVICE, timeout),
     );
     Ok(workers?.len() + wakes?.len())
+}
+
+/// Whether anything takes the requests of a worker pool, as a caller
+/// waiting for a result wants to know: a request to a pool nothing serves
+/// waits for ever, silently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolService {
+    /// No consumer for the pool: no worker of it ever started, or its
+    /// name is mistyped.
+    NoConsumer,
+    /// A consumer, but no live worker of the pool answered.
+    NoLiveWorker,
+    /// A live worker of the pool answered.
+    Served,
+}
+
+/// Whether `pool` has a consumer and a live worker (one that answers
+/// within `timeout`).
+pub async fn pool_service(
+    bus: &Bus,
+    pool: &str,
+    timeout: Duration,
+) -> Result<PoolService, StatusError> {
+    let s = &bus.subjects;
+    let consumer = bus
+        .js
+        .get_consumer_from_stream::<jetstream::consumer::pull::Config, _, _>(
+            s.worker_consumer(pool),
+            s.tasks_stream(),
+        )
+        .await;
+    match consumer {
+        Ok(_) => {}
+        Err(error) if is_consumer_not_found(&error) => return Ok(PoolService::NoConsumer),
+        Err(error) => return Err(read_error(s.worker_consumer(pool), error)),
+    }
+    let workers = discover(bus, WORKER_SERVICE, timeout).await?;
+    let served = workers
+        .iter()
+        .any(|worker| worker.snapshot.pool.as_deref() == Some(pool));
+    Ok(if served {
+        PoolService::Served
+    } else {
+        PoolService::NoLiveWorker
+    })
+}
+
+/// Whether a consumer lookup failed because it (or its stream) does not
+/// exist.
+fn is_consumer_not_found(error: &jetstream::stream::ConsumerError) -> bool {
+    use jetstream::stream::ConsumerErrorKind;
+    match error.kind() {
+        ConsumerErrorKind::JetStream(error) => matches!(
+            error.error_code(),
+            jetstream::ErrorCode::CONSUMER_NOT_FOUND | jetstream::ErrorCode::STREAM_NOT_FOUND
+        ),
+        _ => false,
+    }
 }
 
 /// Asks every instance of `service` for its stats; keeps this deployment's.
