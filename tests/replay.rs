@@ -1919,6 +1919,47 @@ async fn a_replay_stopped_by_an_error_still_reports_what_it_replayed() {
 /// where its copy goes: `Nats-Expected-Stream` would have the copy
 /// refused. A copy leaves them out, but for `Nats-Msg-Id`, which lets the
 /// target drop a second copy.
+/// A dry run of a copy said every record would be copied and exited 0
+/// when no stream took the target, where the real run fails at its first
+/// copy: it leaves those records unchecked (exit 3), saying why and what
+/// to do.
+#[tokio::test]
+async fn replay_copy_dry_run_tells_a_target_no_stream_takes() {
+    init_logs();
+    let nats = NatsServer::start().await;
+    let prefix = unique_prefix();
+    let bus = bus(&nats.url(), &prefix).await;
+    publish_task(&bus, Some("s.dry"), Status::Completed).await;
+    let target = unique_prefix();
+    let nowhere = format!("{target}.analysis");
+    for (flag, to, what) in [
+        ("--to-prefix", target.as_str(), format!("{target}.evt.>")),
+        ("--to-subject", nowhere.as_str(), nowhere.clone()),
+    ] {
+        let args = ["replay", "copy", flag, to, "--dry-run"];
+        let run = wakebus(&nats.url(), &prefix, &args).await;
+        assert_eq!(run.code(), Some(3), "{}", run.stderr());
+        let lines = run.json_lines();
+        let items: Vec<&Value> = lines.iter().filter(|l| l.get("action").is_some()).collect();
+        assert_eq!(items.len(), 2, "{lines:#?}");
+        for item in items {
+            assert_eq!(item["unchecked"], true, "{item}");
+            let reason = item["reason"].as_str().unwrap();
+            assert!(
+                reason.contains(&format!("no stream of this account takes {what}")),
+                "{reason}"
+            );
+        }
+    }
+    let init = wakebus(&nats.url(), &target, &["init"]).await;
+    assert!(init.success(), "{}", init.stderr());
+    let args = ["replay", "copy", "--to-prefix", &target, "--dry-run"];
+    let run = wakebus(&nats.url(), &prefix, &args).await;
+    assert!(run.success(), "{}", run.stderr());
+    let summary = run.json_lines().pop().unwrap();
+    assert_eq!(summary["summary"]["would_replay"], 2, "{summary}");
+}
+
 #[tokio::test]
 async fn replay_copy_leaves_out_the_headers_the_server_acts_on_but_the_message_id() {
     init_logs();

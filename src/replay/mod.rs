@@ -53,9 +53,10 @@ mod wakes;
 pub use tasks::derived_delegation_id;
 pub use wakes::{HEADER_FORCED_REPLAY, forced_idempotency_key, is_forced_key_of};
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use async_nats::HeaderMap;
+use async_nats::jetstream::context::GetStreamByNameErrorKind;
 use async_nats::jetstream::publish::PublishAck;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -381,6 +382,11 @@ pub struct Replayer {
     /// own and must not stand in for it), tasks by delegation id and task
     /// index (a task given up twice has two dead letters, and runs once).
     seen: Handled,
+    /// Copy targets a dry run has asked JetStream about, by the part of
+    /// the target they fall in (`<prefix>.evt`, `<prefix>.task`, ... or
+    /// the one subject): `None` when a stream takes them, else why the
+    /// real run would fail there.
+    uncaptured: HashMap<String, Option<String>>,
     /// Completions a wake dead letter says were given up after 409s (their
     /// turn may have been delivered under its key), by the same key as
     /// `seen`: read before a forced run over the wake dead letters
@@ -441,6 +447,7 @@ impl Replayer {
             kept,
             cancels,
             seen: Handled::default(),
+            uncaptured: HashMap::new(),
             conflicted: Handled::default(),
             limits: crate::protocol::Limits::default(),
         })
@@ -545,6 +552,9 @@ impl Replayer {
         };
         item.target_subject = Some(subject.clone());
         if self.plan.dry_run {
+            if let Some(reason) = self.uncaptured(target, record, &subject).await {
+                return Ok(item.unchecked(reason));
+            }
             item.action = Action::WouldReplay;
             return Ok(item);
         }
@@ -573,6 +583,51 @@ impl Replayer {
         }
         item.action = Action::Replayed;
         Ok(item)
+    }
+
+    /// Why a copy to `subject` would not be stored, as far as a dry run
+    /// can tell: no stream of this account takes it, which fails the real
+    /// run at its first copy. Asked once per part of the target.
+    async fn uncaptured(
+        &mut self,
+        target: &CopyTarget,
+        record: &Record,
+        subject: &str,
+    ) -> Option<String> {
+        let part = match target {
+            CopyTarget::Prefix(subjects) => {
+                let kind = record.local_subject.split('.').next().unwrap_or_default();
+                format!("{}.{kind}", subjects.prefix())
+            }
+            CopyTarget::Subject(subject) => subject.clone(),
+        };
+        if let Some(known) = self.uncaptured.get(&part) {
+            return known.clone();
+        }
+        let (what, hint) = match target {
+            CopyTarget::Prefix(subjects) => (
+                format!("{part}.>"),
+                format!(
+                    "run `wakebus init --prefix {}` (or start a worker there) first",
+                    subjects.prefix()
+                ),
+            ),
+            CopyTarget::Subject(_) => (
+                part.clone(),
+                "create a stream that takes it first".to_owned(),
+            ),
+        };
+        let reason = match self.bus.js.stream_by_subject(subject).await {
+            Ok(_) => None,
+            Err(error) if error.kind() == GetStreamByNameErrorKind::NotFound => Some(format!(
+                "no stream of this account takes {what}: the real run would fail at its first copy there (unless another account's stream takes it); {hint}"
+            )),
+            Err(error) => Some(format!(
+                "could not ask which stream takes {subject}: {error}"
+            )),
+        };
+        self.uncaptured.insert(part, reason.clone());
+        reason
     }
 
     /// Publishes a copy until JetStream confirms it stored, trying again
