@@ -44,10 +44,14 @@ impl std::fmt::Debug for SessionApiConfig {
 
 /// `url` without its user name, password, query and fragment, for logs:
 /// webhook endpoints often carry their secret in the query (`?code=...`).
-/// Text that is no http(s) URL is not shown: `bob:s3cret@host/v1`, its
-/// scheme left out, reads as a URL of scheme `bob`.
+/// Text that is no http(s) URL is not shown if it could hold a secret:
+/// `bob:s3cret@host/v1`, its scheme left out, reads as a URL of scheme
+/// `bob`. Without `@`, `?` or `#` (`127.0.0.1:8642`, a scheme left out)
+/// it is shown, so that the mistake can be seen.
 pub fn redacted_url(url: &str) -> String {
+    let shown = !url.contains(['@', '?', '#']) && url.len() <= 200;
     match reqwest::Url::parse(url) {
+        Ok(parsed) if !matches!(parsed.scheme(), "http" | "https") && shown => url.to_owned(),
         Ok(parsed) if !matches!(parsed.scheme(), "http" | "https") => {
             "<not an http(s) URL>".to_owned()
         }
@@ -68,6 +72,7 @@ pub fn redacted_url(url: &str) -> String {
             parsed.to_string()
         }
         Ok(_) => url.to_owned(),
+        Err(_) if shown => url.to_owned(),
         Err(_) => "<not a URL>".to_owned(),
     }
 }
@@ -173,7 +178,7 @@ pub enum SessionApiError {
     #[error("the API key contains characters not allowed in an HTTP header")]
     BadApiKey,
     /// The URL cannot be parsed or is not http(s).
-    #[error("{url:?} is not an http:// or https:// URL")]
+    #[error("{url:?} is not an http:// or https:// URL (give its scheme: http://HOST:PORT)")]
     BadUrl {
         /// The URL.
         url: String,
@@ -624,7 +629,9 @@ mod tests {
             redacted_url("https://hooks.example/api/hook"),
             "https://hooks.example/api/hook"
         );
-        assert_eq!(redacted_url("not a url"), "<not a URL>");
+        assert_eq!(redacted_url("not a url"), "not a url");
+        assert_eq!(redacted_url("127.0.0.1:8642"), "127.0.0.1:8642");
+        assert_eq!(redacted_url("1bob:s3cret@host"), "<not a URL>");
         assert_eq!(
             redacted_url("bob:s3cret@models.example/v1"),
             "<not an http(s) URL>"
