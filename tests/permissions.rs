@@ -172,6 +172,13 @@ async fn the_server_refuses_what_each_role_must_not_do() {
             "delete a stream",
             "$JS.API.STREAM.DELETE.WAKEBUS_TASKS".into(),
         ),
+        // Workers answer it (allow_responses) to any reply subject the
+        // asker names: a stream purge, say.
+        (
+            "delegator",
+            "ask the workers for their stats",
+            "$SRV.STATS.wakebus-worker".into(),
+        ),
         (
             "worker",
             "submit a delegation to another pool",

@@ -410,17 +410,22 @@ fn tasks_from(
         .collect())
 }
 
-/// Warns when the pool a caller waits on has no consumer or no live
-/// worker: its request waits until a worker of the pool starts.
+/// How long a waiting `delegate` waits before it checks that its pool is
+/// served: most answers come sooner, and need no check.
+const UNSERVED_CHECK_AFTER: Duration = Duration::from_secs(2);
+
+/// Warns when the pool a caller waits on has no consumer or no worker
+/// using it: its request waits until a worker of the pool starts.
 async fn warn_if_unserved(bus: Bus, pool: String) {
     use wakebus::status::PoolService;
+    tokio::time::sleep(UNSERVED_CHECK_AFTER).await;
     match wakebus::status::pool_service(&bus, &pool, Duration::from_secs(1)).await {
-        Ok(PoolService::Served) => {}
+        Ok(PoolService::Served) => tracing::debug!(%pool, "The pool is served."),
         Ok(PoolService::NoConsumer) => {
             tracing::warn!(%pool, "No worker has ever served this pool (it has no consumer): the request waits until one starts; a mistyped --pool?");
         }
-        Ok(PoolService::NoLiveWorker) => {
-            tracing::warn!(%pool, "No live worker of this pool answered: the request waits until one starts (`wakebus status` shows the pools).");
+        Ok(PoolService::NoWorker) => {
+            tracing::warn!(%pool, "No worker of this pool is pulling tasks or running one: the request waits until one starts (`wakebus status` shows the pools).");
         }
         // A delegating user may not read consumers; nothing to say then.
         Err(error) => tracing::debug!(%error, "Could not check that the pool is served."),

@@ -749,40 +749,49 @@ pub enum PoolService {
     /// No consumer for the pool: no worker of it ever started, or its
     /// name is mistyped.
     NoConsumer,
-    /// A consumer, but no live worker of the pool answered.
-    NoLiveWorker,
-    /// A live worker of the pool answered.
+    /// A consumer, but no worker pulling from it and nothing in hand, at
+    /// two looks `apart`: its workers are down.
+    NoWorker,
+    /// A worker is pulling, or has tasks in hand.
     Served,
 }
 
-/// Whether `pool` has a consumer and a live worker (one that answers
-/// within `timeout`).
+/// Whether `pool` has a consumer and a worker using it, read from the
+/// consumer alone (which a delegator may read; live-instance discovery
+/// is the operator's): a pull waiting or a task in hand, at one of two
+/// looks `apart` (a worker renews its pull between the two).
 pub async fn pool_service(
     bus: &Bus,
     pool: &str,
-    timeout: Duration,
+    apart: Duration,
 ) -> Result<PoolService, StatusError> {
     let s = &bus.subjects;
+    let name = s.worker_consumer(pool);
     let consumer = bus
         .js
         .get_consumer_from_stream::<jetstream::consumer::pull::Config, _, _>(
-            s.worker_consumer(pool),
+            &name,
             s.tasks_stream(),
         )
         .await;
-    match consumer {
-        Ok(_) => {}
+    let mut consumer = match consumer {
+        Ok(consumer) => consumer,
         Err(error) if is_consumer_not_found(&error) => return Ok(PoolService::NoConsumer),
-        Err(error) => return Err(read_error(s.worker_consumer(pool), error)),
+        Err(error) => return Err(read_error(name, error)),
+    };
+    let used = |info: &jetstream::consumer::Info| info.num_waiting > 0 || info.num_ack_pending > 0;
+    if used(consumer.cached_info()) {
+        return Ok(PoolService::Served);
     }
-    let workers = discover(bus, WORKER_SERVICE, timeout).await?;
-    let served = workers
-        .iter()
-        .any(|worker| worker.snapshot.pool.as_deref() == Some(pool));
-    Ok(if served {
+    tokio::time::sleep(apart).await;
+    let info = consumer
+        .info()
+        .await
+        .map_err(|error| read_error(name, error))?;
+    Ok(if used(info) {
         PoolService::Served
     } else {
-        PoolService::NoLiveWorker
+        PoolService::NoWorker
     })
 }
 
