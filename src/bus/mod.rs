@@ -78,6 +78,12 @@ pub struct BusSettings {
     /// right, so that it does not report success having changed nothing. A
     /// service uses it as it is, with a warning.
     pub require_update: bool,
+    /// Whether an account's refusal of a stream without a byte limit
+    /// (`max_bytes_required`) is waited out, for `wakebus init
+    /// --max-bytes` to make it: for the worker and wake services, which a
+    /// deployment may start beside `init`. Others (`init`, `dev`, a
+    /// library caller) get the error.
+    pub wait_for_byte_limits: bool,
     /// How often a running worker or wake checks that its durable consumer
     /// still exists (plus up to as much again at random), to create it
     /// again when it was deleted under it.
@@ -96,6 +102,7 @@ impl Default for BusSettings {
             history_change: AgeChange::default(),
             session_lock_ttl_change: AgeChange::default(),
             require_update: false,
+            wait_for_byte_limits: false,
             consumer_check: default_consumer_check(),
         }
     }

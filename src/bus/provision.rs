@@ -145,17 +145,17 @@ impl Bus {
     }
 
     /// Runs `attempt` until it succeeds or fails in a way that does not
-    /// pass. A service (not `init`) also waits out an account's refusal of
-    /// streams without a byte limit: only `init --max-bytes` gives them
-    /// one, and a service started beside it (as a compose stack starts
-    /// them) must not exit before it has.
+    /// pass. A worker or wake (`wait_for_byte_limits`) also waits out an
+    /// account's refusal of streams without a byte limit: only `init
+    /// --max-bytes` gives them one, and a service started beside it (as a
+    /// compose stack starts them) must not exit before it has.
     async fn patiently<T, F, Fut>(settings: &BusSettings, attempt: F) -> Result<T, ProvisionError>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, ProvisionError>>,
     {
         let waits_for_init = |err: &ProvisionError| {
-            !settings.require_update && matches!(err, ProvisionError::MaxBytesRequired { .. })
+            settings.wait_for_byte_limits && matches!(err, ProvisionError::MaxBytesRequired { .. })
         };
         attempt
             .retry(setup_backoff())

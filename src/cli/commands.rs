@@ -436,10 +436,6 @@ async fn warn_if_unserved(bus: Bus, pool: String) {
 /// deployment keeps, a default changes nothing.
 fn settings(global: &Global) -> BusSettings {
     let given = |value: Option<Duration>| value.map_or(AgeChange::Keep, |_| AgeChange::Lengthen);
-    let window = BusSettings::default().duplicate_window;
-    if let Some(history) = global.history.filter(|history| *history < window) {
-        tracing::warn!(?history, duplicate_window = ?window, "A history shorter than the duplicate window shortens the window to it: a request or completion published again after that long is stored again, and its record of having run or woken may be gone with the history (docs/GUARANTEES.md, \"The duplicate window is finite\").");
-    }
     BusSettings {
         history_change: given(global.history),
         session_lock_ttl_change: given(global.session_lock_ttl),
@@ -451,6 +447,7 @@ fn settings(global: &Global) -> BusSettings {
             .session_lock_ttl
             .unwrap_or_else(wakebus::bus::default_session_lock_ttl),
         consumer_check: global.consumer_check,
+        wait_for_byte_limits: true,
         ..BusSettings::default()
     }
 }
@@ -462,6 +459,10 @@ async fn init(
     pools: &[String],
     max_bytes: wakebus::bus::MaxBytes,
 ) -> anyhow::Result<()> {
+    let window = BusSettings::default().duplicate_window;
+    if let Some(history) = global.history.filter(|history| *history < window) {
+        tracing::warn!(?history, duplicate_window = ?window, "A history shorter than the duplicate window shortens the events stream's window to it: a completion published again after that long is stored again, and the records that keep a task from running twice or a completion from waking twice (its completion, its ledger entry) are gone with the history (docs/GUARANTEES.md, \"The duplicate window is finite\").");
+    }
     let bus = connect(global, "wakebus-init").await?;
     // The operator's word: init may shorten what streams keep to what it
     // was given, and changes nothing for a default.
@@ -470,6 +471,7 @@ async fn init(
         history_change: given(global.history),
         session_lock_ttl_change: given(global.session_lock_ttl),
         require_update: true,
+        wait_for_byte_limits: false,
         max_bytes,
         ..settings(global)
     };

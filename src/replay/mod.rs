@@ -552,8 +552,10 @@ impl Replayer {
         };
         item.target_subject = Some(subject.clone());
         if self.plan.dry_run {
-            if let Some(reason) = self.uncaptured(target, record, &subject).await {
-                return Ok(item.unchecked(reason));
+            match self.uncaptured(target, record, &subject).await {
+                Ok(Some(reason)) => return Ok(item.skipped(reason)),
+                Ok(None) => {}
+                Err(reason) => return Ok(item.unchecked(reason)),
             }
             item.action = Action::WouldReplay;
             return Ok(item);
@@ -587,13 +589,15 @@ impl Replayer {
 
     /// Why a copy to `subject` would not be stored, as far as a dry run
     /// can tell: no stream of this account takes it, which fails the real
-    /// run at its first copy. Asked once per part of the target.
+    /// run at its first copy (skipped: running again changes nothing).
+    /// Asked once per part of the target; `Err` when JetStream could not
+    /// say (unchecked, and asked again for the next record).
     async fn uncaptured(
         &mut self,
         target: &CopyTarget,
         record: &Record,
         subject: &str,
-    ) -> Option<String> {
+    ) -> Result<Option<String>, String> {
         let part = match target {
             CopyTarget::Prefix(subjects) => {
                 let kind = record.local_subject.split('.').next().unwrap_or_default();
@@ -602,7 +606,7 @@ impl Replayer {
             CopyTarget::Subject(subject) => subject.clone(),
         };
         if let Some(known) = self.uncaptured.get(&part) {
-            return known.clone();
+            return Ok(known.clone());
         }
         let (what, hint) = match target {
             CopyTarget::Prefix(subjects) => (
@@ -622,12 +626,14 @@ impl Replayer {
             Err(error) if error.kind() == GetStreamByNameErrorKind::NotFound => Some(format!(
                 "no stream of this account takes {what}: the real run would fail at its first copy there (unless another account's stream takes it); {hint}"
             )),
-            Err(error) => Some(format!(
-                "could not ask which stream takes {subject}: {error}"
-            )),
+            Err(error) => {
+                return Err(format!(
+                    "could not ask which stream takes {subject}: {error}"
+                ));
+            }
         };
         self.uncaptured.insert(part, reason.clone());
-        reason
+        Ok(reason)
     }
 
     /// Publishes a copy until JetStream confirms it stored, trying again

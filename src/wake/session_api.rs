@@ -44,12 +44,13 @@ impl std::fmt::Debug for SessionApiConfig {
 
 /// `url` without its user name, password, query and fragment, for logs:
 /// webhook endpoints often carry their secret in the query (`?code=...`).
-/// Text that is no http(s) URL is not shown if it could hold a secret:
-/// `bob:s3cret@host/v1`, its scheme left out, reads as a URL of scheme
-/// `bob`. Without `@`, `?` or `#` (`127.0.0.1:8642`, a scheme left out)
-/// it is shown, so that the mistake can be seen.
+/// Text that is no http(s) URL is not shown, as it may be a secret in the
+/// wrong place (an API key, `bob:s3cret@host/v1` with its scheme left out,
+/// which reads as a URL of scheme `bob`), unless it is a `HOST:PORT[/PATH]`
+/// with its scheme left out (`127.0.0.1:8642/v1`), shown so that the
+/// mistake can be seen.
 pub fn redacted_url(url: &str) -> String {
-    let shown = !url.contains(['@', '?', '#']) && url.len() <= 200;
+    let shown = is_host_and_port(url);
     match reqwest::Url::parse(url) {
         Ok(parsed) if !matches!(parsed.scheme(), "http" | "https") && shown => url.to_owned(),
         Ok(parsed) if !matches!(parsed.scheme(), "http" | "https") => {
@@ -75,6 +76,24 @@ pub fn redacted_url(url: &str) -> String {
         Err(_) if shown => url.to_owned(),
         Err(_) => "<not a URL>".to_owned(),
     }
+}
+
+/// Whether `text` is `HOST:PORT` or `HOST:PORT/PATH`, a port of digits,
+/// a host and path of letters, digits, `.`, `-` (and `/`, `_` in the path).
+fn is_host_and_port(text: &str) -> bool {
+    let (authority, path) = text.split_once('/').unwrap_or((text, ""));
+    let Some((host, port)) = authority.split_once(':') else {
+        return false;
+    };
+    let host_ok = !host.is_empty()
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-');
+    let port_ok = (1..=5).contains(&port.len()) && port.chars().all(|c| c.is_ascii_digit());
+    let path_ok = path
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | '/'));
+    host_ok && port_ok && path_ok && text.len() <= 200
 }
 
 /// How one post went.
@@ -629,9 +648,14 @@ mod tests {
             redacted_url("https://hooks.example/api/hook"),
             "https://hooks.example/api/hook"
         );
-        assert_eq!(redacted_url("not a url"), "not a url");
+        assert_eq!(redacted_url("not a url"), "<not a URL>");
         assert_eq!(redacted_url("127.0.0.1:8642"), "127.0.0.1:8642");
+        assert_eq!(redacted_url("hermes.local:8642/v1"), "hermes.local:8642/v1");
+        // Secrets in the wrong place stay hidden.
         assert_eq!(redacted_url("1bob:s3cret@host"), "<not a URL>");
+        assert_eq!(redacted_url("sk-proj-abc123"), "<not a URL>");
+        assert_eq!(redacted_url("Bearer abc123"), "<not a URL>");
+        assert_eq!(redacted_url("bob:s3cret"), "<not an http(s) URL>");
         assert_eq!(
             redacted_url("bob:s3cret@models.example/v1"),
             "<not an http(s) URL>"

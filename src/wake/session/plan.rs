@@ -16,10 +16,11 @@ use crate::wake::ledger::{Intent, LedgerEntry, LedgerError, LedgerState, WakeLed
 use crate::wake::turn;
 
 /// Said when a post recorded but not confirmed is sent again: its wake
-/// instance stopped, crashed or lost its lock before it knew the answer,
-/// and the session API may have received the post and run the turn (a
-/// post in flight runs on when its sender dies).
-const SENDING_AGAIN: &str = "Sending again, under the same Idempotency-Key, a post that was recorded but not confirmed: its wake instance stopped, crashed or lost its lock before it knew the answer, so the session API may have run it already (one that honours Idempotency-Key answers the repeat from its store; one that does not runs a second turn).";
+/// instance stopped, crashed or lost its lock before it was confirmed.
+/// Often it was never sent (a stop before posting, a retry after a
+/// refusal), but one in flight when its sender died may have reached
+/// the session API and run there.
+const SENDING_AGAIN: &str = "Sending again, under the same Idempotency-Key, a post that was recorded but not confirmed: its wake instance stopped, crashed or lost its lock first. Often it was never sent, but one in flight then may have reached the session API and run (one that honours Idempotency-Key answers the repeat from its store; one that does not runs a second turn).";
 
 /// Why turns could not be planned; the actor retries shortly.
 #[derive(Debug, thiserror::Error)]
