@@ -544,17 +544,22 @@ async fn services_take_the_servers_max_ack_pending_limit_for_their_consumers() {
     let mut services = Services::new();
     services.echo_worker(&bus);
     services.wake(&bus, test_wake_config(&api.url()));
-    delegate(&bus, Delegation::new("first").session("s.limited.0")).await;
-    wait_until(WAIT, "the first wake", || async {
-        api.accepted().len() == 1
-    })
-    .await;
-    let worker = worker_consumer_info(&bus).await.unwrap();
-    let wake = wake_consumer_info(&bus).await.unwrap();
-    assert_eq!(
-        (worker.config.max_ack_pending, wake.config.max_ack_pending),
-        (500, 500)
-    );
+    // One delegation woken; then both consumers are within the limit.
+    let woken_within_limit = |n: usize| {
+        let (bus, api) = (&bus, &api);
+        async move {
+            let session = format!("s.limited.{n}");
+            delegate(bus, Delegation::new("limited").session(&session)).await;
+            wait_until(WAIT, "the wake", || async { api.accepted().len() == n + 1 }).await;
+            let worker = worker_consumer_info(bus).await.unwrap();
+            let wake = wake_consumer_info(bus).await.unwrap();
+            assert_eq!(
+                (worker.config.max_ack_pending, wake.config.max_ack_pending),
+                (500, 500)
+            );
+        }
+    };
+    woken_within_limit(0).await;
 
     // Deleted under the running services: made again, within the limit.
     wake_consumer_settled(&bus).await;
@@ -566,17 +571,7 @@ async fn services_take_the_servers_max_ack_pending_limit_for_their_consumers() {
         .unwrap();
     let events = bus.js.get_stream(s.events_stream()).await.unwrap();
     events.delete_consumer(s.wake_consumer()).await.unwrap();
-    delegate(&bus, Delegation::new("second").session("s.limited.1")).await;
-    wait_until(WAIT, "the second wake", || async {
-        api.accepted().len() == 2
-    })
-    .await;
-    let worker = worker_consumer_info(&bus).await.unwrap();
-    let wake = wake_consumer_info(&bus).await.unwrap();
-    assert_eq!(
-        (worker.config.max_ack_pending, wake.config.max_ack_pending),
-        (500, 500)
-    );
+    woken_within_limit(1).await;
     services.stop().await;
 }
 

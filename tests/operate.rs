@@ -1704,6 +1704,14 @@ async fn init_warns_when_it_makes_the_wake_consumer_anew_over_a_stored_history()
     }
 }
 
+/// A server configuration whose one account (the default user's) requires
+/// a byte limit on every stream when `required`, as hosted accounts do.
+fn byte_limits_account(required: bool) -> String {
+    format!(
+        "accounts {{ APP {{ jetstream {{ max_file: 1G, max_mem: 64M, max_bytes_required: {required} }}, users: [ {{ user: app, password: app }} ] }} }}\nno_auth_user: app\n"
+    )
+}
+
 /// A NATS account that requires a byte limit on every stream (as hosted
 /// accounts do) refuses wakebus's streams without one: `init` says which
 /// flag to give, and with `--max-bytes` creates them, each part with the
@@ -1711,10 +1719,7 @@ async fn init_warns_when_it_makes_the_wake_consumer_anew_over_a_stored_history()
 #[tokio::test]
 async fn init_gives_an_account_that_requires_byte_limits_the_sizes_asked_for() {
     init_logs();
-    let (nats, _conf) = NatsServer::start_with_config(
-        "accounts { APP { jetstream { max_file: 1G, max_mem: 64M, max_bytes_required: true }, users: [ { user: app, password: app } ] } }\nno_auth_user: app\n",
-    )
-    .await;
+    let (nats, _conf) = NatsServer::start_with_config(&byte_limits_account(true)).await;
     let prefix = unique_prefix();
     // A library caller (as `wakebus dev`) gets the error; only the worker
     // and wake services wait for `init`.
@@ -1784,12 +1789,7 @@ async fn init_gives_an_account_that_requires_byte_limits_the_sizes_asked_for() {
 #[tokio::test]
 async fn init_changing_streams_made_before_the_account_required_byte_limits_names_the_flag() {
     init_logs();
-    let account = |required: bool| {
-        format!(
-            "accounts {{ APP {{ jetstream {{ max_file: 1G, max_mem: 64M, max_bytes_required: {required} }}, users: [ {{ user: app, password: app }} ] }} }}\nno_auth_user: app\n"
-        )
-    };
-    let (nats, conf) = NatsServer::start_with_config(&account(false)).await;
+    let (nats, conf) = NatsServer::start_with_config(&byte_limits_account(false)).await;
     // nats-server 2.9 shuts JetStream down on this reload: it has no such
     // streams to change (2.10 and later reload the account's limits).
     let client = async_nats::connect(nats.url()).await.unwrap();
@@ -1801,7 +1801,7 @@ async fn init_changing_streams_made_before_the_account_required_byte_limits_name
     let prefix = unique_prefix();
     let first = wakebus(&nats.url(), &prefix, &["init"]).await;
     assert!(first.success(), "{}", first.stderr());
-    std::fs::write(conf.path().join("nats.conf"), account(true)).unwrap();
+    std::fs::write(conf.path().join("nats.conf"), byte_limits_account(true)).unwrap();
     nats.signal(nix::sys::signal::Signal::SIGHUP);
     let server_log = nats.store.path().join("server.stderr");
     wait_until(WAIT, "the configuration reloaded", || async {
@@ -1840,10 +1840,7 @@ async fn init_changing_streams_made_before_the_account_required_byte_limits_name
 #[tokio::test]
 async fn services_on_an_account_that_requires_byte_limits_wait_for_init() {
     init_logs();
-    let (nats, _conf) = NatsServer::start_with_config(
-        "accounts { APP { jetstream { max_file: 1G, max_mem: 64M, max_bytes_required: true }, users: [ { user: app, password: app } ] } }\nno_auth_user: app\n",
-    )
-    .await;
+    let (nats, _conf) = NatsServer::start_with_config(&byte_limits_account(true)).await;
     let prefix = unique_prefix();
     let api = SessionApiServer::start().await;
     let logs = tempfile::tempdir().unwrap();
