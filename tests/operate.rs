@@ -551,8 +551,9 @@ async fn status_names_the_pools_whose_queued_requests_nothing_serves() {
 
 /// A caller waiting for the result of a pool nothing serves waited for
 /// ever without a word: `delegate` warns while it waits, of a pool with no
-/// consumer (a mistyped `--pool`) and of one with no worker using it; of a
-/// served pool it says nothing (but at DEBUG, that it checked).
+/// consumer (a mistyped `--pool`), of one with no worker using it and of
+/// one whose workers are all busy; of a served pool it says nothing (but
+/// at DEBUG, that it checked).
 #[tokio::test]
 async fn a_sync_delegate_warns_when_no_worker_serves_its_pool() {
     init_logs();
@@ -597,6 +598,31 @@ async fn a_sync_delegate_warns_when_no_worker_serves_its_pool() {
     assert!(run.status.success(), "{stderr}");
     assert!(stderr.contains("The pool is served."), "{stderr}");
     assert!(!stderr.contains("this pool"), "{stderr}");
+    services.stop().await;
+    // A worker whose one slot is taken pulls nothing: the request waits
+    // its turn, which the consumer cannot tell from workers that stopped
+    // with tasks in hand.
+    let mut services = Services::new();
+    let mut config = test_worker_config("default");
+    config.concurrency = 1;
+    services.worker(&bus, shell("sleep 8; echo ran"), config);
+    let first = delegate(&bus, Delegation::new("first").session("s.busy")).await;
+    wait_until(WAIT, "the first task running", || async {
+        all_messages(&bus, &bus.subjects.events_stream())
+            .await
+            .iter()
+            .any(|m| m.subject.contains(&first) && m.subject.ends_with(".started"))
+    })
+    .await;
+    let args = ["delegate", "--goal", "g", "--wait-timeout", "4s"];
+    let run = wakebus(&nats.url(), &prefix, &args).await;
+    assert_eq!(run.code(), Some(4), "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains("all are busy, or stopped with tasks in hand"),
+        "{}",
+        run.stderr()
+    );
     services.stop().await;
 }
 

@@ -427,6 +427,9 @@ async fn warn_if_unserved(bus: Bus, pool: String) {
         Ok(PoolService::NoWorker) => {
             tracing::warn!(%pool, "No worker of this pool is pulling tasks or running one: the request waits until one starts (`wakebus status` shows the pools).");
         }
+        Ok(PoolService::Busy { in_hand }) => {
+            tracing::warn!(%pool, in_hand, "No worker of this pool is pulling tasks: all are busy, or stopped with tasks in hand; the request waits its turn (`wakebus status` shows the live workers).");
+        }
         // A delegating user may not read consumers; nothing to say then.
         Err(error) => tracing::debug!(%error, "Could not check that the pool is served."),
     }

@@ -752,14 +752,21 @@ pub enum PoolService {
     /// A consumer, but no worker pulling from it and nothing in hand, at
     /// two looks `apart`: its workers are down.
     NoWorker,
-    /// A worker is pulling, or has tasks in hand.
+    /// No worker pulling, at two looks `apart`, but tasks in hand: every
+    /// worker is busy, or stopped with them (they stay in hand until
+    /// another worker pulls).
+    Busy {
+        /// Tasks delivered and not yet acknowledged.
+        in_hand: u64,
+    },
+    /// A worker is pulling.
     Served,
 }
 
-/// Whether `pool` has a consumer and a worker using it, read from the
-/// consumer alone (which a delegator may read; live-instance discovery
-/// is the operator's): a pull waiting or a task in hand, at one of two
-/// looks `apart` (a worker renews its pull between the two).
+/// Whether `pool` has a consumer and a worker pulling from it, read from
+/// the consumer alone (which a delegator may read; live-instance
+/// discovery is the operator's): a pull waiting at one of two looks
+/// `apart` (an idle worker renews its pull between the two).
 pub async fn pool_service(
     bus: &Bus,
     pool: &str,
@@ -779,8 +786,7 @@ pub async fn pool_service(
         Err(error) if is_consumer_not_found(&error) => return Ok(PoolService::NoConsumer),
         Err(error) => return Err(read_error(name, error)),
     };
-    let used = |info: &jetstream::consumer::Info| info.num_waiting > 0 || info.num_ack_pending > 0;
-    if used(consumer.cached_info()) {
+    if consumer.cached_info().num_waiting > 0 {
         return Ok(PoolService::Served);
     }
     tokio::time::sleep(apart).await;
@@ -788,10 +794,12 @@ pub async fn pool_service(
         .info()
         .await
         .map_err(|error| read_error(name, error))?;
-    Ok(if used(info) {
-        PoolService::Served
-    } else {
-        PoolService::NoWorker
+    Ok(match (info.num_waiting, info.num_ack_pending) {
+        (0, 0) => PoolService::NoWorker,
+        (0, in_hand) => PoolService::Busy {
+            in_hand: u64::try_from(in_hand).unwrap_or(u64::MAX),
+        },
+        _ => PoolService::Served,
     })
 }
 
