@@ -179,6 +179,12 @@ async fn the_server_refuses_what_each_role_must_not_do() {
             "ask the workers for their stats",
             "$SRV.STATS.wakebus-worker".into(),
         ),
+        ("delegator", "ping the services", "$SRV.PING".into()),
+        (
+            "delegator",
+            "ask a service for its status",
+            "wakebus.status.x".into(),
+        ),
         (
             "worker",
             "submit a delegation to another pool",

@@ -477,9 +477,12 @@ mod tests {
 
     #[test]
     fn a_stream_near_its_byte_limit_is_named_with_the_part_to_raise() {
+        // With times, so that no other column shows `-`.
         let limited = |name: &str, bytes: u64, max_bytes: Option<u64>| StreamStatus {
             bytes,
             max_bytes,
+            first_time: Some(time::OffsetDateTime::UNIX_EPOCH),
+            last_time: Some(time::OffsetDateTime::UNIX_EPOCH),
             ..stream(name, Some(true), None)
         };
         let report = StatusReport {
